@@ -1,0 +1,3 @@
+from deeppart.cli import main
+
+raise SystemExit(main())

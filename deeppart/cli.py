@@ -1,0 +1,117 @@
+"""The ``deeppart`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from deeppart import _planner
+
+
+def _fail(message: str) -> int:
+    print(f"deeppart: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _cost_from_args(args: argparse.Namespace) -> _planner.CostModel:
+    return _planner.CostModel(
+        fixed_s=args.fixed_s,
+        piece_s=args.piece_s,
+        bandwidth=args.bandwidth,
+        writer_s=args.writer_s,
+        min_piece_bytes=args.min_piece_bytes,
+    )
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    try:
+        text = Path(args.manifest).read_text()
+    except OSError as e:
+        return _fail(f"cannot read {args.manifest}: {e.strerror}")
+    try:
+        manifest = _planner.Manifest.from_json(text)
+        plan = _planner.plan(
+            manifest,
+            args.world_size,
+            algorithm=args.algorithm,
+            cost=_cost_from_args(args),
+            topology=_planner.Topology(args.ranks_per_node),
+        )
+    except _planner.DeepPartError as e:
+        return _fail(f"{type(e).__name__}: {e}")
+    stats = plan.stats.to_dict()
+    if args.json:
+        out = {
+            "fingerprint": plan.fingerprint,
+            "algorithm": plan.algorithm,
+            "world_size": plan.world_size,
+            "leaves": len(manifest),
+            "total_bytes": manifest.total_bytes,
+            **stats,
+        }
+        print(json.dumps(out))
+    else:
+        rows = [
+            ("manifest", f"{len(manifest)} leaves, {_human_bytes(manifest.total_bytes)}"),
+            ("world size", str(plan.world_size)),
+            ("algorithm", plan.algorithm),
+            ("makespan", f"{plan.stats.makespan * 1e3:.3f} ms (modelled)"),
+            ("lower bound", f"{plan.stats.lower_bound * 1e3:.3f} ms"),
+            ("gap", f"{plan.stats.gap:.4f}"),
+            ("writers", str(plan.stats.writers)),
+            ("pieces", f"{plan.stats.pieces} ({plan.stats.splits} from splits)"),
+            ("slowest rank", _human_bytes(plan.stats.max_rank_bytes)),
+            ("plan time", f"{plan.stats.plan_ms:.3f} ms"),
+            ("fingerprint", plan.fingerprint),
+        ]
+        width = max(len(k) for k, _ in rows)
+        for k, v in rows:
+            print(f"{k:<{width}}  {v}")
+    if args.output:
+        Path(args.output).write_text(plan.to_json())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="deeppart", description="Partitioned parallel checkpointing of replicated state."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="plan a manifest and print the plan's quality")
+    p.add_argument("manifest", help="manifest JSON file")
+    p.add_argument("--world-size", "-p", type=int, required=True, help="number of ranks")
+    p.add_argument("--algorithm", "-a", default="balanced", choices=_planner.ALGORITHMS)
+    p.add_argument("--ranks-per-node", type=int, default=1)
+    p.add_argument("--json", action="store_true", help="print the stats as one JSON object")
+    p.add_argument("--output", "-o", help="also write the whole plan as JSON to this file")
+    g = p.add_argument_group("cost model (defaults: the planner's)")
+    g.add_argument("--fixed-s", type=float)
+    g.add_argument("--piece-s", type=float)
+    g.add_argument("--bandwidth", type=float, help="bytes per second per rank")
+    g.add_argument("--writer-s", type=float)
+    g.add_argument("--min-piece-bytes", type=int)
+    p.set_defaults(func=_cmd_plan)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    result: int = args.func(args)
+    return result
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,260 @@
+"""Walking a state tree: nested dicts, lists and tuples of tensors and plain values.
+
+A state tree is split into *leaves*:
+
+- every ``torch.Tensor`` is a tensor leaf, described by dtype and shape
+  (its data is never copied here);
+- every subtree that holds no tensor (a number, a string, an optimizer's
+  ``param_groups`` list, ...) is one *object* leaf, stored in a safe encoding
+  (tagged JSON, see :func:`encode_plain`), never with pickle.
+
+The *skeleton* records the containers around the leaves, so that
+:func:`unflatten` rebuilds the same tree, with dicts, lists and tuples and
+their key types intact.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+PathKey = str | int
+Path = tuple[PathKey, ...]
+
+# Tags of the plain encoding. A JSON object is only ever a tag, never a dict.
+_DICT, _TUPLE, _BYTES, _FLOAT = "d", "t", "b", "f"
+_MAX_DEPTH = 200
+
+
+class StateError(TypeError):
+    """A state tree holds something DeepPart cannot save safely."""
+
+
+def _describe_path(path: Path) -> str:
+    return "/".join(str(k) for k in path) if path else "<root>"
+
+
+def _path_key(key: Any, path: Path) -> PathKey:
+    if isinstance(key, bool):
+        return repr(key)
+    if isinstance(key, int | str):
+        return key
+    if isinstance(key, float | tuple) or key is None:
+        return repr(key)
+    raise StateError(
+        f"{_describe_path(path)}: dict key {key!r} of type {type(key).__name__} "
+        "is not a plain value"
+    )
+
+
+def _is_tensor(value: Any) -> bool:
+    torch = _torch_if_loaded()
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def _torch_if_loaded() -> Any:
+    import sys
+
+    return sys.modules.get("torch")
+
+
+def _holds_tensor(value: Any, depth: int = 0) -> bool:
+    if depth > _MAX_DEPTH:
+        raise StateError("state tree is nested more than 200 levels deep")
+    if _is_tensor(value):
+        return True
+    if isinstance(value, Mapping):
+        return any(_holds_tensor(v, depth + 1) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(_holds_tensor(v, depth + 1) for v in value)
+    return False
+
+
+# ----------------------------------------------------------------------------
+# Plain values: a safe, self-describing encoding (no pickle).
+
+
+def _encode(value: Any, path: Path, depth: int) -> Any:
+    if depth > _MAX_DEPTH:
+        raise StateError(f"{_describe_path(path)}: value is nested more than 200 levels deep")
+    if value is None or isinstance(value, bool | str):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        f = float(value)
+        return f if math.isfinite(f) else {_FLOAT: repr(f)}
+    if isinstance(value, bytes | bytearray):
+        return {_BYTES: base64.b64encode(bytes(value)).decode("ascii")}
+    if isinstance(value, list):
+        return [_encode(v, (*path, i), depth + 1) for i, v in enumerate(value)]
+    if isinstance(value, tuple):
+        return {_TUPLE: [_encode(v, (*path, i), depth + 1) for i, v in enumerate(value)]}
+    if isinstance(value, Mapping):
+        return {
+            _DICT: [
+                [_encode(k, path, depth + 1), _encode(v, (*path, _path_key(k, path)), depth + 1)]
+                for k, v in value.items()
+            ]
+        }
+    raise StateError(
+        f"{_describe_path(path)}: cannot save a value of type {type(value).__module__}."
+        f"{type(value).__qualname__}; only tensors and plain values (numbers, strings, bools, "
+        "None, bytes, and lists, tuples and dicts of those) are supported"
+    )
+
+
+def _decode(value: Any, depth: int = 0) -> Any:
+    if depth > _MAX_DEPTH:
+        raise ValueError("encoded value is nested more than 200 levels deep")
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, list):
+        return [_decode(v, depth + 1) for v in value]
+    if isinstance(value, dict) and len(value) == 1:
+        ((tag, body),) = value.items()
+        if tag == _TUPLE and isinstance(body, list):
+            return tuple(_decode(v, depth + 1) for v in body)
+        if tag == _DICT and isinstance(body, list):
+            out: dict[Any, Any] = {}
+            for pair in body:
+                if not (isinstance(pair, list) and len(pair) == 2):
+                    raise ValueError("malformed dict entry in encoded value")
+                key = _decode(pair[0], depth + 1)
+                try:
+                    out[key] = _decode(pair[1], depth + 1)
+                except TypeError as e:
+                    raise ValueError(f"unhashable dict key in encoded value: {e}") from e
+            return out
+        if tag == _BYTES and isinstance(body, str):
+            return base64.b64decode(body.encode("ascii"), validate=True)
+        if tag == _FLOAT and body in ("nan", "inf", "-inf"):
+            return float(body)
+    raise ValueError(f"malformed encoded value: {str(value)[:80]}")
+
+
+def encode_plain(value: Any, path: Path = ()) -> bytes:
+    """Encodes a plain value as UTF-8 tagged JSON. Raises StateError, naming
+    the path, for anything that is not plain."""
+    return json.dumps(_encode(value, path, 0), separators=(",", ":"), allow_nan=False).encode()
+
+
+def decode_plain(data: bytes) -> Any:
+    """Inverse of :func:`encode_plain`. Raises ValueError on malformed input."""
+    try:
+        raw = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ValueError(f"malformed encoded value: {e}") from e
+    return _decode(raw)
+
+
+# ----------------------------------------------------------------------------
+# Flattening a state tree.
+
+
+@dataclass(frozen=True)
+class FlatLeaf:
+    """One leaf of a state tree: a tensor, or an encoded plain value."""
+
+    path: Path
+    tensor: Any | None  # torch.Tensor when a tensor leaf
+    encoded: bytes | None  # the plain encoding when an object leaf
+
+
+def _check_tensor(t: Any, path: Path) -> None:
+    if t.layout is not _torch_if_loaded().strided:
+        raise StateError(
+            f"{_describe_path(path)}: only dense (strided) tensors are supported, got {t.layout}"
+        )
+    if t.is_quantized:
+        raise StateError(f"{_describe_path(path)}: quantized tensors are not supported")
+
+
+def _walk(value: Any, path: Path, depth: int, leaves: list[FlatLeaf]) -> Any:
+    """Appends the leaves under ``value`` and returns its skeleton."""
+    if depth > _MAX_DEPTH:
+        raise StateError(f"{_describe_path(path)}: state tree is nested more than 200 levels deep")
+    if _is_tensor(value):
+        _check_tensor(value, path)
+        leaves.append(FlatLeaf(path, value, None))
+        return {"leaf": len(leaves) - 1}
+    if not _holds_tensor(value):
+        leaves.append(FlatLeaf(path, None, encode_plain(value, path)))
+        return {"leaf": len(leaves) - 1}
+    if isinstance(value, Mapping):
+        entries = []
+        for k, v in value.items():
+            key = _path_key(k, path)
+            entries.append([_encode(k, path, 0), _walk(v, (*path, key), depth + 1, leaves)])
+        return {"dict": entries}
+    kind = "list" if isinstance(value, list) else "tuple"
+    return {kind: [_walk(v, (*path, i), depth + 1, leaves) for i, v in enumerate(value)]}
+
+
+def flatten(state: Any) -> tuple[list[FlatLeaf], Any]:
+    """Splits a state tree into its leaves, in a deterministic order, and a
+    JSON-able skeleton for :func:`unflatten`."""
+    leaves: list[FlatLeaf] = []
+    skeleton = _walk(state, (), 0, leaves)
+    if leaves and leaves[0].path == ():
+        # A bare tensor or value at the root: give it a non-empty path.
+        leaves[0] = FlatLeaf(("<root>",), leaves[0].tensor, leaves[0].encoded)
+    return leaves, skeleton
+
+
+def unflatten(skeleton: Any, values: list[Any]) -> Any:
+    """Rebuilds a state tree from a skeleton and its leaf values (tensors, or
+    decoded plain values)."""
+
+    def build(node: Any, depth: int) -> Any:
+        if depth > _MAX_DEPTH or not isinstance(node, dict) or len(node) != 1:
+            raise ValueError("malformed state skeleton")
+        ((kind, body),) = node.items()
+        if kind == "leaf":
+            if not isinstance(body, int) or not 0 <= body < len(values):
+                raise ValueError(f"state skeleton names leaf {body!r} of {len(values)}")
+            return values[body]
+        if kind == "dict" and isinstance(body, list):
+            out: dict[Any, Any] = {}
+            for pair in body:
+                if not (isinstance(pair, list) and len(pair) == 2):
+                    raise ValueError("malformed dict entry in state skeleton")
+                out[_decode(pair[0])] = build(pair[1], depth + 1)
+            return out
+        if kind in ("list", "tuple") and isinstance(body, list):
+            items = [build(v, depth + 1) for v in body]
+            return items if kind == "list" else tuple(items)
+        raise ValueError(f"malformed state skeleton node {kind!r}")
+
+    return build(skeleton, 0)
+
+
+def describe_leaf(leaf: FlatLeaf, owner: int | None = None) -> dict[str, Any]:
+    """The manifest description of a leaf (the keys of the JSON form)."""
+    desc: dict[str, Any] = {"path": list(leaf.path)}
+    if leaf.tensor is not None:
+        desc["dtype"] = str(leaf.tensor.dtype).removeprefix("torch.")
+        desc["shape"] = list(leaf.tensor.shape)
+    else:
+        assert leaf.encoded is not None
+        desc["kind"] = "object"
+        desc["nbytes"] = len(leaf.encoded)
+    if owner is not None:
+        desc["owner"] = owner
+    return desc
+
+
+def describe_leaves(state: Any) -> list[dict[str, Any]]:
+    """Manifest descriptions of every leaf of a state tree."""
+    leaves, _ = flatten(state)
+    return [describe_leaf(leaf) for leaf in leaves]
+
+
+def iter_paths(state: Any) -> Iterator[Path]:
+    """The leaf paths of a state tree, in order."""
+    leaves, _ = flatten(state)
+    return (leaf.path for leaf in leaves)

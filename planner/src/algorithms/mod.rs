@@ -1,0 +1,75 @@
+//! The partitioning algorithms. Each returns, per rank, the pieces it writes;
+//! [`crate::assemble_plan`] validates and scores the result.
+
+mod balanced;
+mod deeppart;
+mod greedy;
+mod lpt;
+
+use std::cmp::Ordering;
+
+use crate::cost::{CostModel, Topology};
+use crate::manifest::Manifest;
+use crate::plan::{Algorithm, Piece};
+
+/// Runs one algorithm. Inputs must already be validated.
+pub fn run(
+    algorithm: Algorithm,
+    manifest: &Manifest,
+    world_size: u32,
+    topology: &Topology,
+    cost: &CostModel,
+) -> Vec<Vec<Piece>> {
+    let mut ranks = vec![Vec::new(); world_size as usize];
+    assign_owned(manifest, &mut ranks);
+    match algorithm {
+        Algorithm::Balanced => balanced::plan(manifest, world_size, topology, cost, &mut ranks),
+        Algorithm::Lpt => lpt::plan(manifest, cost, &mut ranks),
+        Algorithm::Greedy => greedy::plan(manifest, &mut ranks),
+        Algorithm::DeepPart => deeppart::plan(manifest, &mut ranks),
+    }
+    ranks
+}
+
+/// Every owned leaf goes, whole, to its owner.
+fn assign_owned(manifest: &Manifest, ranks: &mut [Vec<Piece>]) {
+    for (i, leaf) in manifest.leaves().iter().enumerate() {
+        if let Some(owner) = leaf.owner {
+            ranks[owner as usize].push(whole(i, leaf.units()));
+        }
+    }
+}
+
+fn whole(leaf: usize, units: u64) -> Piece {
+    Piece { leaf: leaf as u32, start: 0, stop: units }
+}
+
+/// Indices of the replicated leaves, largest first (ties by manifest order).
+fn replicated_by_size(manifest: &Manifest) -> Vec<u32> {
+    let leaves = manifest.leaves();
+    let mut order: Vec<u32> = (0..leaves.len() as u32)
+        .filter(|&i| leaves[i as usize].owner.is_none())
+        .collect();
+    order.sort_unstable_by(|&a, &b| {
+        leaves[b as usize].nbytes.cmp(&leaves[a as usize].nbytes).then(a.cmp(&b))
+    });
+    order
+}
+
+/// An `f64` with a total order, for heaps. Keys are never NaN.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Key(f64);
+
+impl Eq for Key {}
+
+impl PartialOrd for Key {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Key {
+    fn cmp(&self, other: &Self) -> Ordering {
+        self.0.total_cmp(&other.0)
+    }
+}

@@ -1,0 +1,129 @@
+//! DeepPart's planner core: it splits the replicated state of a data-parallel
+//! job so that every rank writes one balanced part of a checkpoint.
+//!
+//! Pure Rust, no Python: [`Manifest`] (what there is), [`CostModel`] and
+//! [`Topology`] (what writing costs), [`plan`] (who writes what), a proven
+//! [`bound::lower_bound`], and content [`fingerprint`]s.
+
+pub mod algorithms;
+pub mod bound;
+pub mod cost;
+pub mod dtype;
+pub mod error;
+pub mod fingerprint;
+pub mod manifest;
+pub mod plan;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+pub use cost::{CostModel, Topology};
+pub use dtype::DType;
+pub use error::{ManifestError, PlanError};
+pub use manifest::{Leaf, LeafKind, Manifest, PathKey};
+pub use plan::{Algorithm, Piece, Plan, PlanSource, PlanStats};
+
+/// Bumped whenever any algorithm's output can change, so that caches keyed
+/// by fingerprint never serve a plan from an older planner.
+pub const ALGORITHM_REVISION: u32 = 1;
+
+/// The version string baked into every fingerprint.
+pub const PLANNER_VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), "+alg1");
+
+/// Largest supported world size.
+pub const MAX_WORLD_SIZE: u64 = 1 << 20;
+
+/// Checks a world size and narrows it.
+pub fn check_world_size(world_size: u64) -> Result<u32, PlanError> {
+    if world_size == 0 {
+        return Err(PlanError::WorldSize(world_size));
+    }
+    if world_size > MAX_WORLD_SIZE {
+        return Err(PlanError::WorldSizeTooLarge { world_size, limit: MAX_WORLD_SIZE });
+    }
+    Ok(world_size as u32)
+}
+
+/// Checks everything a plan needs before any work is done.
+pub fn validate_inputs(
+    manifest: &Manifest,
+    world_size: u64,
+    topology: &Topology,
+    cost: &CostModel,
+) -> Result<u32, PlanError> {
+    let world_size = check_world_size(world_size)?;
+    topology.validate(world_size)?;
+    cost.validate()?;
+    if let Some((index, owner)) = manifest.max_owner() {
+        if owner >= world_size {
+            return Err(PlanError::OwnerOutOfRange {
+                index,
+                path: manifest.leaves()[index].display_path(),
+                owner,
+                world_size,
+            });
+        }
+    }
+    Ok(world_size)
+}
+
+/// Computes a plan. Deterministic: the same inputs give the same plan on
+/// every run and machine.
+pub fn plan(
+    manifest: Arc<Manifest>,
+    world_size: u64,
+    topology: Topology,
+    cost: CostModel,
+    algorithm: Algorithm,
+) -> Result<Plan, PlanError> {
+    let started = Instant::now();
+    let world_size = validate_inputs(&manifest, world_size, &topology, &cost)?;
+    let ranks = algorithms::run(algorithm, &manifest, world_size, &topology, &cost);
+    let plan_ms = started.elapsed().as_secs_f64() * 1e3;
+    assemble_plan(manifest, world_size, topology, cost, algorithm, ranks, plan_ms, PlanSource::Computed)
+}
+
+/// Builds a [`Plan`] from an assignment: validates it, scores it against the
+/// lower bound and fingerprints the inputs. Used by the algorithms and by
+/// every decoder, so a plan from disk or the network is checked like a new one.
+#[allow(clippy::too_many_arguments)]
+pub fn assemble_plan(
+    manifest: Arc<Manifest>,
+    world_size: u32,
+    topology: Topology,
+    cost: CostModel,
+    algorithm: Algorithm,
+    mut ranks: Vec<Vec<Piece>>,
+    plan_ms: f64,
+    source: PlanSource,
+) -> Result<Plan, PlanError> {
+    validate_inputs(&manifest, world_size as u64, &topology, &cost)?;
+    for list in &mut ranks {
+        list.sort_unstable();
+    }
+    plan::validate_assignment(&manifest, world_size, &ranks)?;
+    let eval = plan::evaluate(&manifest, &cost, &ranks);
+    let summary = bound::LoadSummary::new(&manifest, world_size, &cost);
+    let lb = bound::lower_bound(&summary, &cost, world_size);
+    let gap = if lb.makespan_s > 0.0 {
+        eval.makespan_s / lb.makespan_s
+    } else if eval.makespan_s == 0.0 {
+        1.0
+    } else {
+        f64::INFINITY
+    };
+    let stats = PlanStats {
+        makespan_s: eval.makespan_s,
+        lower_bound_s: lb.makespan_s,
+        gap,
+        pieces: eval.pieces,
+        splits: eval.pieces - manifest.len() as u64,
+        writers: eval.writers,
+        max_rank_bytes: eval.rank_bytes.iter().copied().max().unwrap_or(0),
+        plan_ms,
+        source,
+    };
+    let fingerprint =
+        fingerprint::plan_fingerprint(&manifest, world_size, &topology, &cost, algorithm);
+    Ok(Plan { manifest, world_size, topology, cost, algorithm, fingerprint, ranks, stats })
+}

@@ -1,0 +1,545 @@
+//! The manifest: an ordered list of the leaves of a state tree, with their
+//! sizes and owners. It is what the planner partitions.
+
+use std::collections::HashMap;
+use std::fmt;
+
+use serde_json::{json, Map, Value};
+
+use crate::dtype::DType;
+use crate::error::ManifestError;
+
+/// Version of the JSON interchange form that this crate reads and writes.
+pub const MANIFEST_VERSION: u64 = 1;
+/// Largest accepted size of one leaf, and of a whole manifest (1 EiB).
+pub const MAX_BYTES: u64 = 1 << 60;
+/// Most leaves a manifest may have.
+pub const MAX_LEAVES: usize = 50_000_000;
+/// Most dimensions a tensor leaf may have.
+pub const MAX_DIMS: usize = 64;
+/// Most keys a leaf path may have.
+pub const MAX_PATH_DEPTH: usize = 256;
+
+/// One key of a leaf path: a dict key or a list/tuple index.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum PathKey {
+    Str(String),
+    Int(i64),
+}
+
+impl fmt::Display for PathKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PathKey::Str(s) => f.write_str(s),
+            PathKey::Int(i) => write!(f, "{i}"),
+        }
+    }
+}
+
+/// Formats a path as `a/b/0`, for messages.
+pub fn display_path(path: &[PathKey]) -> String {
+    if path.is_empty() {
+        return "<empty path>".to_string();
+    }
+    path.iter().map(|k| k.to_string()).collect::<Vec<_>>().join("/")
+}
+
+/// What a leaf holds.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum LeafKind {
+    /// A dense tensor; it can be split into contiguous element ranges.
+    Tensor { dtype: DType, shape: Vec<u64> },
+    /// An opaque object of a known encoded size; it is written whole.
+    Object,
+}
+
+/// One leaf of the state tree.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Leaf {
+    pub path: Vec<PathKey>,
+    pub kind: LeafKind,
+    /// Size in bytes (derived from dtype and shape for tensors).
+    pub nbytes: u64,
+    /// The only rank that has this leaf; `None` means replicated on all ranks.
+    pub owner: Option<u32>,
+}
+
+impl Leaf {
+    /// A tensor leaf; checks the shape for overflow and absurd sizes.
+    pub fn tensor(
+        path: Vec<PathKey>,
+        dtype: DType,
+        shape: Vec<u64>,
+        owner: Option<u32>,
+    ) -> Result<Leaf, String> {
+        if shape.len() > MAX_DIMS {
+            return Err(format!("tensor has {} dimensions, more than {MAX_DIMS}", shape.len()));
+        }
+        let mut numel: u64 = 1;
+        for &d in &shape {
+            numel = numel
+                .checked_mul(d)
+                .ok_or_else(|| format!("shape {shape:?} overflows: its element count exceeds 2^64"))?;
+        }
+        let nbytes = numel.checked_mul(dtype.itemsize()).ok_or_else(|| {
+            format!("shape {shape:?} of {dtype} overflows: its byte size exceeds 2^64")
+        })?;
+        if nbytes > MAX_BYTES {
+            return Err(format!(
+                "shape {shape:?} of {dtype} is {nbytes} bytes, more than the limit of {MAX_BYTES}"
+            ));
+        }
+        Ok(Leaf { path, kind: LeafKind::Tensor { dtype, shape }, nbytes, owner })
+    }
+
+    /// An opaque object leaf of `nbytes` bytes.
+    pub fn object(path: Vec<PathKey>, nbytes: u64, owner: Option<u32>) -> Result<Leaf, String> {
+        if nbytes > MAX_BYTES {
+            return Err(format!("object of {nbytes} bytes is larger than the limit of {MAX_BYTES}"));
+        }
+        Ok(Leaf { path, kind: LeafKind::Object, nbytes, owner })
+    }
+
+    /// Number of plan units: elements for a tensor, 1 for an object.
+    pub fn units(&self) -> u64 {
+        match &self.kind {
+            LeafKind::Tensor { dtype, .. } => self.nbytes / dtype.itemsize(),
+            LeafKind::Object => 1,
+        }
+    }
+
+    /// Bytes per plan unit.
+    pub fn unit_bytes(&self) -> u64 {
+        match &self.kind {
+            LeafKind::Tensor { dtype, .. } => dtype.itemsize(),
+            LeafKind::Object => self.nbytes,
+        }
+    }
+
+    /// Units per row: a split of a tensor with 2 or more dimensions falls on
+    /// a multiple of this. 1 for 0-D and 1-D tensors; the whole leaf for objects.
+    pub fn row_units(&self) -> u64 {
+        match &self.kind {
+            LeafKind::Tensor { shape, .. } if shape.len() >= 2 => {
+                shape[1..].iter().product::<u64>().max(1)
+            }
+            LeafKind::Tensor { .. } => 1,
+            LeafKind::Object => 1,
+        }
+    }
+
+    /// Bytes of the unit range `[start, stop)`.
+    pub fn range_bytes(&self, start: u64, stop: u64) -> u64 {
+        match &self.kind {
+            LeafKind::Object => {
+                if stop > start {
+                    self.nbytes
+                } else {
+                    0
+                }
+            }
+            LeafKind::Tensor { dtype, .. } => (stop - start) * dtype.itemsize(),
+        }
+    }
+
+    pub fn is_tensor(&self) -> bool {
+        matches!(self.kind, LeafKind::Tensor { .. })
+    }
+
+    pub fn display_path(&self) -> String {
+        display_path(&self.path)
+    }
+}
+
+/// An ordered, validated list of leaves.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Manifest {
+    leaves: Vec<Leaf>,
+    total_bytes: u64,
+}
+
+impl Manifest {
+    /// Validates and builds a manifest: no duplicate or empty paths, sizes in
+    /// range, total size without overflow.
+    pub fn new(leaves: Vec<Leaf>) -> Result<Manifest, ManifestError> {
+        if leaves.len() > MAX_LEAVES {
+            return Err(ManifestError::TooManyLeaves { count: leaves.len(), limit: MAX_LEAVES });
+        }
+        let mut seen: HashMap<&[PathKey], usize> = HashMap::with_capacity(leaves.len());
+        let mut total: u64 = 0;
+        for (index, leaf) in leaves.iter().enumerate() {
+            let bad = |reason: String| ManifestError::Leaf {
+                index,
+                path: leaf.display_path(),
+                reason,
+            };
+            if leaf.path.is_empty() {
+                return Err(bad("path is empty".into()));
+            }
+            if leaf.path.len() > MAX_PATH_DEPTH {
+                return Err(bad(format!("path has more than {MAX_PATH_DEPTH} keys")));
+            }
+            if leaf.nbytes > MAX_BYTES {
+                return Err(bad(format!("{} bytes is more than the limit of {MAX_BYTES}", leaf.nbytes)));
+            }
+            if let LeafKind::Tensor { dtype, shape } = &leaf.kind {
+                let rebuilt = Leaf::tensor(leaf.path.clone(), *dtype, shape.clone(), leaf.owner)
+                    .map_err(&bad)?;
+                if rebuilt.nbytes != leaf.nbytes {
+                    return Err(bad(format!(
+                        "nbytes {} does not match shape {shape:?} of {dtype} ({} bytes)",
+                        leaf.nbytes, rebuilt.nbytes
+                    )));
+                }
+            }
+            if let Some(first) = seen.insert(&leaf.path, index) {
+                return Err(ManifestError::DuplicatePath {
+                    index,
+                    path: leaf.display_path(),
+                    first,
+                });
+            }
+            total = total
+                .checked_add(leaf.nbytes)
+                .filter(|t| *t <= MAX_BYTES)
+                .ok_or(ManifestError::TotalTooLarge { limit: MAX_BYTES })?;
+        }
+        Ok(Manifest { leaves, total_bytes: total })
+    }
+
+    pub fn leaves(&self) -> &[Leaf] {
+        &self.leaves
+    }
+
+    pub fn len(&self) -> usize {
+        self.leaves.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.leaves.is_empty()
+    }
+
+    pub fn total_bytes(&self) -> u64 {
+        self.total_bytes
+    }
+
+    /// Bytes held by all ranks (leaves without an owner).
+    pub fn replicated_bytes(&self) -> u64 {
+        self.leaves.iter().filter(|l| l.owner.is_none()).map(|l| l.nbytes).sum()
+    }
+
+    /// Highest owner rank, if any leaf has an owner.
+    pub fn max_owner(&self) -> Option<(usize, u32)> {
+        self.leaves
+            .iter()
+            .enumerate()
+            .filter_map(|(i, l)| l.owner.map(|o| (i, o)))
+            .max_by_key(|&(i, o)| (o, std::cmp::Reverse(i)))
+    }
+
+    /// Parses the JSON interchange form.
+    pub fn from_json(text: &str) -> Result<Manifest, ManifestError> {
+        let value: Value =
+            serde_json::from_str(text).map_err(|e| ManifestError::Json(e.to_string()))?;
+        Manifest::from_json_value(&value)
+    }
+
+    /// Builds a manifest from an already-parsed JSON value.
+    pub fn from_json_value(value: &Value) -> Result<Manifest, ManifestError> {
+        let obj = value
+            .as_object()
+            .ok_or_else(|| ManifestError::Json("the top level must be an object".into()))?;
+        for key in obj.keys() {
+            if key != "version" && key != "leaves" {
+                return Err(ManifestError::Json(format!("unknown top-level key {key:?}")));
+            }
+        }
+        let version = obj
+            .get("version")
+            .ok_or_else(|| ManifestError::Json("missing \"version\"".into()))?
+            .as_u64()
+            .ok_or_else(|| ManifestError::Json("\"version\" must be a non-negative integer".into()))?;
+        if version != MANIFEST_VERSION {
+            return Err(ManifestError::Version { found: version, supported: MANIFEST_VERSION });
+        }
+        let raw_leaves = obj
+            .get("leaves")
+            .ok_or_else(|| ManifestError::Json("missing \"leaves\"".into()))?
+            .as_array()
+            .ok_or_else(|| ManifestError::Json("\"leaves\" must be an array".into()))?;
+        if raw_leaves.len() > MAX_LEAVES {
+            return Err(ManifestError::TooManyLeaves { count: raw_leaves.len(), limit: MAX_LEAVES });
+        }
+        let mut leaves = Vec::with_capacity(raw_leaves.len());
+        for (index, raw) in raw_leaves.iter().enumerate() {
+            leaves.push(leaf_from_json(index, raw)?);
+        }
+        Manifest::new(leaves)
+    }
+
+    /// The JSON interchange form, as a value.
+    pub fn to_json_value(&self) -> Value {
+        let leaves: Vec<Value> = self
+            .leaves
+            .iter()
+            .map(|leaf| {
+                let mut m = Map::new();
+                m.insert("path".into(), path_to_json(&leaf.path));
+                match &leaf.kind {
+                    LeafKind::Tensor { dtype, shape } => {
+                        m.insert("dtype".into(), json!(dtype.name()));
+                        m.insert("shape".into(), json!(shape));
+                    }
+                    LeafKind::Object => {
+                        m.insert("kind".into(), json!("object"));
+                        m.insert("nbytes".into(), json!(leaf.nbytes));
+                    }
+                }
+                if let Some(owner) = leaf.owner {
+                    m.insert("owner".into(), json!(owner));
+                }
+                Value::Object(m)
+            })
+            .collect();
+        json!({"version": MANIFEST_VERSION, "leaves": leaves})
+    }
+
+    /// The JSON interchange form, as text.
+    pub fn to_json(&self) -> String {
+        self.to_json_value().to_string()
+    }
+
+    /// Appends a canonical binary encoding of the structure, used by fingerprints.
+    pub fn encode_canonical(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&(self.leaves.len() as u64).to_le_bytes());
+        for leaf in &self.leaves {
+            encode_path(&leaf.path, out);
+            match &leaf.kind {
+                LeafKind::Tensor { dtype, shape } => {
+                    out.push(b'T');
+                    out.push(dtype.code());
+                    out.extend_from_slice(&(shape.len() as u32).to_le_bytes());
+                    for d in shape {
+                        out.extend_from_slice(&d.to_le_bytes());
+                    }
+                }
+                LeafKind::Object => out.push(b'O'),
+            }
+            out.extend_from_slice(&leaf.nbytes.to_le_bytes());
+            match leaf.owner {
+                Some(o) => {
+                    out.push(1);
+                    out.extend_from_slice(&o.to_le_bytes());
+                }
+                None => out.push(0),
+            }
+        }
+    }
+
+    /// A content hash of the manifest structure (hex blake3).
+    pub fn fingerprint(&self) -> String {
+        let mut buf = Vec::with_capacity(64 * self.leaves.len() + 16);
+        buf.extend_from_slice(b"deeppart-manifest-v1\0");
+        self.encode_canonical(&mut buf);
+        blake3::hash(&buf).to_hex().to_string()
+    }
+}
+
+fn encode_path(path: &[PathKey], out: &mut Vec<u8>) {
+    out.extend_from_slice(&(path.len() as u32).to_le_bytes());
+    for key in path {
+        match key {
+            PathKey::Str(s) => {
+                out.push(b's');
+                out.extend_from_slice(&(s.len() as u64).to_le_bytes());
+                out.extend_from_slice(s.as_bytes());
+            }
+            PathKey::Int(i) => {
+                out.push(b'i');
+                out.extend_from_slice(&i.to_le_bytes());
+            }
+        }
+    }
+}
+
+/// A path as a JSON array of strings and integers.
+pub fn path_to_json(path: &[PathKey]) -> Value {
+    Value::Array(
+        path.iter()
+            .map(|k| match k {
+                PathKey::Str(s) => Value::String(s.clone()),
+                PathKey::Int(i) => json!(i),
+            })
+            .collect(),
+    )
+}
+
+/// Parses a JSON path array; `what` names the path in errors.
+pub fn path_from_json(value: &Value) -> Result<Vec<PathKey>, String> {
+    let arr = value.as_array().ok_or("\"path\" must be an array of strings and integers")?;
+    if arr.is_empty() {
+        return Err("path is empty".into());
+    }
+    if arr.len() > MAX_PATH_DEPTH {
+        return Err(format!("path has more than {MAX_PATH_DEPTH} keys"));
+    }
+    arr.iter()
+        .map(|k| match k {
+            Value::String(s) => Ok(PathKey::Str(s.clone())),
+            Value::Number(n) => n
+                .as_i64()
+                .map(PathKey::Int)
+                .ok_or_else(|| format!("path key {n} is not a 64-bit integer")),
+            other => Err(format!("path key {other} is neither a string nor an integer")),
+        })
+        .collect()
+}
+
+/// Parses one leaf of the JSON form; `index` is its position, for messages.
+pub fn leaf_from_json(index: usize, raw: &Value) -> Result<Leaf, ManifestError> {
+    let partial_path = raw
+        .get("path")
+        .and_then(|p| path_from_json(p).ok())
+        .map(|p| display_path(&p))
+        .unwrap_or_else(|| "<no valid path>".to_string());
+    let bad = |reason: String| ManifestError::Leaf { index, path: partial_path.clone(), reason };
+    let obj = raw.as_object().ok_or_else(|| bad("a leaf must be an object".into()))?;
+    for key in obj.keys() {
+        if !matches!(key.as_str(), "path" | "kind" | "dtype" | "shape" | "nbytes" | "owner") {
+            return Err(bad(format!("unknown key {key:?}")));
+        }
+    }
+    let path = path_from_json(obj.get("path").ok_or_else(|| bad("missing \"path\"".into()))?)
+        .map_err(&bad)?;
+    let owner = match obj.get("owner") {
+        None | Some(Value::Null) => None,
+        Some(v) => {
+            let o = v.as_u64().ok_or_else(|| bad(format!("owner {v} is not a non-negative integer")))?;
+            Some(u32::try_from(o).map_err(|_| bad(format!("owner {o} is out of range")))?)
+        }
+    };
+    let nonneg = |field: &str, v: &Value| -> Result<u64, ManifestError> {
+        v.as_u64().ok_or_else(|| bad(format!("{field} {v} is not a non-negative integer")))
+    };
+    let kind = match obj.get("kind") {
+        None => "tensor",
+        Some(Value::String(s)) => s.as_str(),
+        Some(other) => return Err(bad(format!("kind {other} is not a string"))),
+    };
+    match kind {
+        "tensor" => {
+            if obj.contains_key("nbytes") {
+                return Err(bad("a tensor leaf takes dtype and shape, not nbytes".into()));
+            }
+            let dtype_name = obj
+                .get("dtype")
+                .ok_or_else(|| bad("missing \"dtype\"".into()))?
+                .as_str()
+                .ok_or_else(|| bad("dtype must be a string".into()))?;
+            let dtype = DType::parse(dtype_name)
+                .ok_or_else(|| bad(format!("unknown dtype {dtype_name:?}")))?;
+            let shape_raw = obj
+                .get("shape")
+                .ok_or_else(|| bad("missing \"shape\"".into()))?
+                .as_array()
+                .ok_or_else(|| bad("shape must be an array of non-negative integers".into()))?;
+            if shape_raw.len() > MAX_DIMS {
+                return Err(bad(format!("tensor has {} dimensions, more than {MAX_DIMS}", shape_raw.len())));
+            }
+            let shape = shape_raw
+                .iter()
+                .map(|d| nonneg("shape dimension", d))
+                .collect::<Result<Vec<u64>, _>>()?;
+            Leaf::tensor(path, dtype, shape, owner).map_err(&bad)
+        }
+        "object" => {
+            if obj.contains_key("dtype") || obj.contains_key("shape") {
+                return Err(bad("an object leaf takes nbytes, not dtype or shape".into()));
+            }
+            let nbytes =
+                nonneg("nbytes", obj.get("nbytes").ok_or_else(|| bad("missing \"nbytes\"".into()))?)?;
+            Leaf::object(path, nbytes, owner).map_err(&bad)
+        }
+        other => Err(bad(format!("unknown kind {other:?}; expected \"tensor\" or \"object\""))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const EXAMPLE: &str = r#"{"version": 1, "leaves": [
+        {"path": ["model", "w"], "dtype": "float32", "shape": [1024, 1024]},
+        {"path": ["optim", "param_groups", 0], "kind": "object", "nbytes": 200},
+        {"path": ["rng"], "dtype": "uint8", "shape": [5056], "owner": 3}]}"#;
+
+    fn err(text: &str) -> String {
+        Manifest::from_json(text).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn parses_the_documented_example() {
+        let m = Manifest::from_json(EXAMPLE).unwrap();
+        assert_eq!(m.len(), 3);
+        assert_eq!(m.leaves()[0].nbytes, 4 << 20);
+        assert_eq!(m.leaves()[0].row_units(), 1024);
+        assert_eq!(m.leaves()[1].kind, LeafKind::Object);
+        assert_eq!(m.leaves()[1].path[2], PathKey::Int(0));
+        assert_eq!(m.leaves()[2].owner, Some(3));
+        assert_eq!(m.total_bytes(), (4 << 20) + 200 + 5056);
+        let again = Manifest::from_json(&m.to_json()).unwrap();
+        assert_eq!(again, m);
+        assert_eq!(again.fingerprint(), m.fingerprint());
+    }
+
+    #[test]
+    fn rejects_bad_input_with_the_leaf_named() {
+        assert!(err("{").starts_with("malformed manifest JSON"));
+        assert!(err(r#"{"version": 2, "leaves": []}"#).contains("unsupported manifest version 2"));
+        let e = err(r#"{"version":1,"leaves":[{"path":["a"],"dtype":"float33","shape":[1]}]}"#);
+        assert!(e.contains("leaf 0 (a)") && e.contains("unknown dtype \"float33\""), "{e}");
+        let e = err(r#"{"version":1,"leaves":[{"path":["a"],"dtype":"float32","shape":[4294967296,4294967296]}]}"#);
+        assert!(e.contains("overflows"), "{e}");
+        let e = err(r#"{"version":1,"leaves":[{"path":["a"],"dtype":"float64","shape":[4294967296,536870912]}]}"#);
+        assert!(e.contains("overflows"), "{e}");
+        let e = err(r#"{"version":1,"leaves":[{"path":["a"],"dtype":"float32","shape":[-1]}]}"#);
+        assert!(e.contains("shape dimension -1 is not a non-negative integer"), "{e}");
+        let e = err(r#"{"version":1,"leaves":[{"path":["a"],"kind":"object","nbytes":-5}]}"#);
+        assert!(e.contains("nbytes -5"), "{e}");
+        let e = err(r#"{"version":1,"leaves":[{"path":["a"],"kind":"object","nbytes":2305843009213693952}]}"#);
+        assert!(e.contains("larger than the limit"), "{e}");
+        let e = err(r#"{"version":1,"leaves":[{"path":["a","b"],"kind":"object","nbytes":1},{"path":["a","b"],"kind":"object","nbytes":2}]}"#);
+        assert!(e.contains("leaf 1 (a/b): duplicate path, first seen at leaf 0"), "{e}");
+        let e = err(r#"{"version":1,"leaves":[{"path":[],"kind":"object","nbytes":1}]}"#);
+        assert!(e.contains("path is empty"), "{e}");
+        let e = err(r#"{"version":1,"leaves":[{"path":["a"],"kind":"object","nbytes":1,"owner":-1}]}"#);
+        assert!(e.contains("owner -1"), "{e}");
+        let e = err(r#"{"version":1,"leaves":[{"path":["a", 1.5],"kind":"object","nbytes":1}]}"#);
+        assert!(e.contains("path key 1.5"), "{e}");
+        let e = err(r#"{"version":1,"leaves":[{"path":["a"],"kind":"blob","nbytes":1}]}"#);
+        assert!(e.contains("unknown kind \"blob\""), "{e}");
+        let e = err(r#"{"version":1,"leaves":[{"path":["a"],"dtype":"float32","shape":[1],"sahpe":[2]}]}"#);
+        assert!(e.contains("unknown key \"sahpe\""), "{e}");
+    }
+
+    #[test]
+    fn total_size_overflow_is_reported() {
+        let big = MAX_BYTES;
+        let text = format!(
+            r#"{{"version":1,"leaves":[{{"path":["a"],"kind":"object","nbytes":{big}}},{{"path":["b"],"kind":"object","nbytes":{big}}}]}}"#
+        );
+        assert!(err(&text).contains("total size overflows"));
+    }
+
+    #[test]
+    fn zero_dim_and_empty_tensors() {
+        let m = Manifest::from_json(
+            r#"{"version":1,"leaves":[{"path":["s"],"dtype":"int64","shape":[]},{"path":["e"],"dtype":"float32","shape":[0,3]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(m.leaves()[0].units(), 1);
+        assert_eq!(m.leaves()[0].nbytes, 8);
+        assert_eq!(m.leaves()[1].units(), 0);
+        assert_eq!(m.leaves()[1].row_units(), 3);
+    }
+}

@@ -1,0 +1,376 @@
+//! A plan: which rank writes which pieces of which leaves, and its quality.
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::Arc;
+
+use serde_json::{json, Value};
+
+use crate::cost::{CostModel, Topology};
+use crate::error::PlanError;
+use crate::manifest::{path_from_json, Manifest};
+
+/// Version of the plan JSON form.
+pub const PLAN_JSON_VERSION: u64 = 1;
+
+/// The partitioning algorithms.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Algorithm {
+    /// Near-optimal: chooses the writer count, splits large leaves.
+    Balanced,
+    /// Whole leaves, largest first, to the least-loaded rank.
+    Lpt,
+    /// torch.distributed.checkpoint's dedup rule, as a baseline.
+    Greedy,
+    /// The 2023 thesis heuristic: recursive proportional partitioning.
+    DeepPart,
+}
+
+impl Algorithm {
+    pub const ALL: [Algorithm; 4] =
+        [Algorithm::Balanced, Algorithm::Lpt, Algorithm::Greedy, Algorithm::DeepPart];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Algorithm::Balanced => "balanced",
+            Algorithm::Lpt => "lpt",
+            Algorithm::Greedy => "greedy",
+            Algorithm::DeepPart => "deeppart",
+        }
+    }
+}
+
+impl fmt::Display for Algorithm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Algorithm {
+    type Err = PlanError;
+    fn from_str(s: &str) -> Result<Self, PlanError> {
+        Algorithm::ALL
+            .iter()
+            .copied()
+            .find(|a| a.name() == s)
+            .ok_or_else(|| PlanError::UnknownAlgorithm(s.to_string()))
+    }
+}
+
+/// A contiguous range of one leaf, in plan units (elements of a tensor; a
+/// whole object is the range `[0, 1)`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Piece {
+    /// Index of the leaf in the manifest.
+    pub leaf: u32,
+    pub start: u64,
+    pub stop: u64,
+}
+
+/// Where a plan came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PlanSource {
+    Computed,
+    Memory,
+    Disk,
+}
+
+impl PlanSource {
+    pub fn name(self) -> &'static str {
+        match self {
+            PlanSource::Computed => "computed",
+            PlanSource::Memory => "memory",
+            PlanSource::Disk => "disk",
+        }
+    }
+}
+
+/// Quality figures of a plan.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PlanStats {
+    /// Modelled time of the save: the slowest rank plus the serialised per-writer cost.
+    pub makespan_s: f64,
+    /// Proven lower bound on the makespan of any plan for these inputs.
+    pub lower_bound_s: f64,
+    /// `makespan_s / lower_bound_s` (1.0 when both are 0).
+    pub gap: f64,
+    pub pieces: u64,
+    /// Extra pieces from cutting leaves: `pieces - leaves`.
+    pub splits: u64,
+    /// Ranks that write anything.
+    pub writers: u32,
+    /// Bytes written by the most-loaded rank.
+    pub max_rank_bytes: u64,
+    /// Wall time spent planning, in milliseconds.
+    pub plan_ms: f64,
+    pub source: PlanSource,
+}
+
+/// A complete plan for one manifest, world size, topology, cost model and algorithm.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub manifest: Arc<Manifest>,
+    pub world_size: u32,
+    pub topology: Topology,
+    pub cost: CostModel,
+    pub algorithm: Algorithm,
+    /// Hex blake3 fingerprint of the inputs (see [`crate::fingerprint`]).
+    pub fingerprint: String,
+    /// Per rank, its pieces ordered by leaf index then start.
+    pub ranks: Vec<Vec<Piece>>,
+    pub stats: PlanStats,
+}
+
+/// Per-rank modelled costs and bytes of an assignment.
+#[derive(Debug, Clone)]
+pub struct Evaluation {
+    pub rank_cost: Vec<f64>,
+    pub rank_bytes: Vec<u64>,
+    pub writers: u32,
+    pub makespan_s: f64,
+    pub pieces: u64,
+}
+
+/// Scores an assignment under the cost model.
+pub fn evaluate(manifest: &Manifest, cost: &CostModel, ranks: &[Vec<Piece>]) -> Evaluation {
+    let leaves = manifest.leaves();
+    let mut rank_cost = vec![0.0; ranks.len()];
+    let mut rank_bytes = vec![0u64; ranks.len()];
+    let mut writers = 0;
+    let mut pieces = 0u64;
+    for (r, list) in ranks.iter().enumerate() {
+        if list.is_empty() {
+            continue;
+        }
+        writers += 1;
+        let mut c = cost.fixed_s;
+        let mut b = 0u64;
+        for p in list {
+            let bytes = leaves[p.leaf as usize].range_bytes(p.start, p.stop);
+            c += cost.piece_cost(bytes);
+            b += bytes;
+        }
+        pieces += list.len() as u64;
+        rank_cost[r] = c;
+        rank_bytes[r] = b;
+    }
+    let slowest = rank_cost.iter().copied().fold(0.0, f64::max);
+    let makespan_s = slowest + writers as f64 * cost.writer_s;
+    Evaluation { rank_cost, rank_bytes, writers, makespan_s, pieces }
+}
+
+/// Checks that an assignment is a valid plan for the manifest: every unit of
+/// every leaf is written exactly once, owned leaves by their owner, pieces lie
+/// within bounds, and each rank's pieces are sorted.
+pub fn validate_assignment(
+    manifest: &Manifest,
+    world_size: u32,
+    ranks: &[Vec<Piece>],
+) -> Result<(), PlanError> {
+    let bad = |m: String| Err(PlanError::Malformed(m));
+    if ranks.len() != world_size as usize {
+        return bad(format!("plan has {} ranks, expected {world_size}", ranks.len()));
+    }
+    let leaves = manifest.leaves();
+    let mut covering: Vec<(u32, u64, u64, u32)> = Vec::new();
+    for (r, list) in ranks.iter().enumerate() {
+        for (i, p) in list.iter().enumerate() {
+            let Some(leaf) = leaves.get(p.leaf as usize) else {
+                return bad(format!("rank {r} piece {i} names leaf {} of {}", p.leaf, leaves.len()));
+            };
+            if p.start > p.stop || p.stop > leaf.units() {
+                return bad(format!(
+                    "rank {r} piece {i} [{}, {}) is out of bounds for leaf {} ({}) of {} units",
+                    p.start, p.stop, p.leaf, leaf.display_path(), leaf.units()
+                ));
+            }
+            if p.start == p.stop && leaf.units() != 0 {
+                return bad(format!("rank {r} piece {i} of leaf {} is empty", p.leaf));
+            }
+            if let Some(owner) = leaf.owner {
+                if owner as usize != r {
+                    return bad(format!(
+                        "leaf {} ({}) is owned by rank {owner} but planned on rank {r}",
+                        p.leaf, leaf.display_path()
+                    ));
+                }
+            }
+            if i > 0 && list[i - 1] >= *p {
+                return bad(format!("rank {r} pieces are not strictly ordered at piece {i}"));
+            }
+            covering.push((p.leaf, p.start, p.stop, r as u32));
+        }
+    }
+    covering.sort_unstable();
+    let mut next_leaf = 0u32;
+    let mut k = 0;
+    while k < covering.len() || (next_leaf as usize) < leaves.len() {
+        let leaf_index = next_leaf;
+        let Some(leaf) = leaves.get(leaf_index as usize) else {
+            return bad("pieces name leaves beyond the manifest".into());
+        };
+        let mut pos = 0u64;
+        let mut count = 0;
+        while k < covering.len() && covering[k].0 == leaf_index {
+            let (_, start, stop, r) = covering[k];
+            if start != pos || (count > 0 && start == stop) {
+                return bad(format!(
+                    "leaf {leaf_index} ({}) is not covered exactly once near unit {pos} (rank {r})",
+                    leaf.display_path()
+                ));
+            }
+            pos = stop;
+            count += 1;
+            k += 1;
+        }
+        if count == 0 || pos != leaf.units() {
+            return bad(format!(
+                "leaf {leaf_index} ({}) is covered up to unit {pos} of {}",
+                leaf.display_path(),
+                leaf.units()
+            ));
+        }
+        next_leaf += 1;
+    }
+    Ok(())
+}
+
+impl Plan {
+    /// Pieces of one rank.
+    pub fn rank_pieces(&self, rank: u32) -> &[Piece] {
+        &self.ranks[rank as usize]
+    }
+
+    /// The plan as JSON: its inputs (manifest, world size, topology, cost
+    /// model, algorithm), fingerprint, pieces per rank and stats.
+    pub fn to_json_value(&self) -> Value {
+        let leaves = self.manifest.leaves();
+        let ranks: Vec<Value> = self
+            .ranks
+            .iter()
+            .map(|list| {
+                Value::Array(
+                    list.iter()
+                        .map(|p| {
+                            json!({
+                                "leaf": p.leaf,
+                                "path": crate::manifest::path_to_json(&leaves[p.leaf as usize].path),
+                                "start": p.start,
+                                "stop": p.stop,
+                            })
+                        })
+                        .collect(),
+                )
+            })
+            .collect();
+        let s = &self.stats;
+        json!({
+            "version": PLAN_JSON_VERSION,
+            "planner_version": crate::PLANNER_VERSION,
+            "fingerprint": self.fingerprint,
+            "world_size": self.world_size,
+            "algorithm": self.algorithm.name(),
+            "topology": self.topology,
+            "cost": self.cost,
+            "manifest": self.manifest.to_json_value(),
+            "ranks": ranks,
+            "stats": {
+                "makespan": s.makespan_s,
+                "lower_bound": s.lower_bound_s,
+                "gap": s.gap,
+                "pieces": s.pieces,
+                "splits": s.splits,
+                "writers": s.writers,
+                "max_rank_bytes": s.max_rank_bytes,
+                "plan_ms": s.plan_ms,
+            },
+        })
+    }
+
+    pub fn to_json(&self) -> String {
+        self.to_json_value().to_string()
+    }
+
+    /// Reads a plan written by [`Plan::to_json`]. The pieces are validated
+    /// against the embedded manifest, the fingerprint is recomputed and
+    /// must match, and the stats are recomputed rather than trusted.
+    pub fn from_json(text: &str) -> Result<Plan, PlanError> {
+        let bad = |m: String| PlanError::Malformed(m);
+        let v: Value = serde_json::from_str(text).map_err(|e| bad(format!("invalid JSON: {e}")))?;
+        let version = v.get("version").and_then(Value::as_u64).ok_or_else(|| bad("missing version".into()))?;
+        if version != PLAN_JSON_VERSION {
+            return Err(bad(format!("unsupported plan version {version}")));
+        }
+        let world_size = v
+            .get("world_size")
+            .and_then(Value::as_u64)
+            .ok_or_else(|| bad("missing or invalid world_size".into()))?;
+        let world_size = crate::check_world_size(world_size)?;
+        let algorithm: Algorithm = v
+            .get("algorithm")
+            .and_then(Value::as_str)
+            .ok_or_else(|| bad("missing algorithm".into()))?
+            .parse()?;
+        let topology: Topology = serde_json::from_value(v.get("topology").cloned().unwrap_or(Value::Null))
+            .map_err(|e| bad(format!("invalid topology: {e}")))?;
+        let cost: CostModel = serde_json::from_value(v.get("cost").cloned().unwrap_or(Value::Null))
+            .map_err(|e| bad(format!("invalid cost: {e}")))?;
+        let manifest = Manifest::from_json_value(v.get("manifest").ok_or_else(|| bad("missing manifest".into()))?)
+            .map_err(|e| bad(format!("embedded manifest: {e}")))?;
+        let raw_ranks = v
+            .get("ranks")
+            .and_then(Value::as_array)
+            .ok_or_else(|| bad("missing ranks".into()))?;
+        if raw_ranks.len() != world_size as usize {
+            return Err(bad(format!("{} rank lists for world size {world_size}", raw_ranks.len())));
+        }
+        let mut ranks = Vec::with_capacity(raw_ranks.len());
+        for (r, list) in raw_ranks.iter().enumerate() {
+            let list = list.as_array().ok_or_else(|| bad(format!("rank {r} is not a list")))?;
+            let mut pieces = Vec::with_capacity(list.len());
+            for (i, p) in list.iter().enumerate() {
+                let field = |name: &str| {
+                    p.get(name)
+                        .and_then(Value::as_u64)
+                        .ok_or_else(|| bad(format!("rank {r} piece {i}: missing or invalid {name}")))
+                };
+                let leaf = u32::try_from(field("leaf")?)
+                    .map_err(|_| bad(format!("rank {r} piece {i}: leaf out of range")))?;
+                let piece = Piece { leaf, start: field("start")?, stop: field("stop")? };
+                if let Some(path) = p.get("path") {
+                    let path = path_from_json(path).map_err(|e| bad(format!("rank {r} piece {i}: {e}")))?;
+                    match manifest.leaves().get(leaf as usize) {
+                        Some(l) if l.path == path => {}
+                        _ => return Err(bad(format!("rank {r} piece {i}: path does not match leaf {leaf}"))),
+                    }
+                }
+                pieces.push(piece);
+            }
+            ranks.push(pieces);
+        }
+        let stored_fp = v
+            .get("fingerprint")
+            .and_then(Value::as_str)
+            .ok_or_else(|| bad("missing fingerprint".into()))?
+            .to_string();
+        let plan_ms = v
+            .get("stats")
+            .and_then(|s| s.get("plan_ms"))
+            .and_then(Value::as_f64)
+            .unwrap_or(0.0);
+        let plan = crate::assemble_plan(
+            Arc::new(manifest),
+            world_size,
+            topology,
+            cost,
+            algorithm,
+            ranks,
+            plan_ms,
+            PlanSource::Computed,
+        )?;
+        if plan.fingerprint != stored_fp {
+            return Err(PlanError::FingerprintMismatch { expected: plan.fingerprint, actual: stored_fp });
+        }
+        Ok(plan)
+    }
+}
