@@ -17,6 +17,7 @@ from deeppart._planner import (
     PlanStats,
     Topology,
     plan,
+    plan_fingerprint,
 )
 from deeppart.state import StateError
 
@@ -36,4 +37,5 @@ __all__ = [
     "Topology",
     "__version__",
     "plan",
+    "plan_fingerprint",
 ]

@@ -100,6 +100,17 @@ class Plan:
     def rank_costs(self) -> list[float]: ...
     def to_json(self) -> str: ...
     @staticmethod
+    def from_pieces(
+        manifest: Manifest,
+        world_size: int,
+        ranks: list[list[tuple[int, int, int]]],
+        *,
+        algorithm: str = "balanced",
+        cost: CostModel | None = None,
+        topology: Topology | None = None,
+        plan_ms: float = 0.0,
+    ) -> Plan: ...
+    @staticmethod
     def from_json(text: str) -> Plan: ...
 
 def plan(
@@ -110,3 +121,12 @@ def plan(
     cost: CostModel | None = None,
     topology: Topology | None = None,
 ) -> Plan: ...
+
+def plan_fingerprint(
+    manifest: Manifest,
+    world_size: int,
+    *,
+    algorithm: str = "balanced",
+    cost: CostModel | None = None,
+    topology: Topology | None = None,
+) -> str: ...

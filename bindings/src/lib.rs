@@ -445,6 +445,48 @@ impl Plan {
         py.detach(move || inner.to_json())
     }
 
+    /// Rebuilds a plan from per-rank `(leaf_index, start, stop)` lists, e.g.
+    /// as received from a planner service. The pieces are validated against
+    /// the manifest and the stats recomputed, as for a new plan.
+    #[staticmethod]
+    #[pyo3(signature = (manifest, world_size, ranks, *, algorithm="balanced", cost=None, topology=None, plan_ms=0.0))]
+    #[allow(clippy::too_many_arguments)]
+    fn from_pieces(
+        py: Python<'_>,
+        manifest: &Manifest,
+        world_size: i64,
+        ranks: Vec<Vec<(u32, u64, u64)>>,
+        algorithm: &str,
+        cost: Option<&CostModel>,
+        topology: Option<&Topology>,
+        plan_ms: f64,
+    ) -> PyResult<Plan> {
+        let world_size = check_world_size(world_size)?;
+        let algorithm: core::Algorithm = algorithm.parse().map_err(plan_err)?;
+        let cost = cost.map(|c| c.inner).unwrap_or_default();
+        let topology = topology.map(|t| t.inner).unwrap_or_default();
+        let manifest = manifest.inner.clone();
+        let ranks: Vec<Vec<core::Piece>> = ranks
+            .into_iter()
+            .map(|list| list.into_iter().map(|(leaf, start, stop)| core::Piece { leaf, start, stop }).collect())
+            .collect();
+        let p = py
+            .detach(move || {
+                core::assemble_plan(
+                    manifest,
+                    world_size,
+                    topology,
+                    cost,
+                    algorithm,
+                    ranks,
+                    plan_ms,
+                    core::PlanSource::Computed,
+                )
+            })
+            .map_err(plan_err)?;
+        Ok(Plan { inner: Arc::new(p) })
+    }
+
     /// Reads a plan written by `to_json`; validates it and checks its fingerprint.
     #[staticmethod]
     fn from_json(py: Python<'_>, text: &str) -> PyResult<Plan> {
@@ -465,6 +507,34 @@ impl Plan {
     }
 }
 
+fn check_world_size(world_size: i64) -> PyResult<u32> {
+    if world_size < 1 {
+        return Err(PlanError::new_err(format!("world size must be at least 1, got {world_size}")));
+    }
+    core::check_world_size(world_size as u64).map_err(plan_err)
+}
+
+/// The fingerprint a plan for these inputs would have, without planning.
+#[pyfunction]
+#[pyo3(signature = (manifest, world_size, *, algorithm="balanced", cost=None, topology=None))]
+fn plan_fingerprint(
+    py: Python<'_>,
+    manifest: &Manifest,
+    world_size: i64,
+    algorithm: &str,
+    cost: Option<&CostModel>,
+    topology: Option<&Topology>,
+) -> PyResult<String> {
+    let world_size = check_world_size(world_size)?;
+    let algorithm: core::Algorithm = algorithm.parse().map_err(plan_err)?;
+    let cost = cost.map(|c| c.inner).unwrap_or_default();
+    let topology = topology.map(|t| t.inner).unwrap_or_default();
+    let manifest = manifest.inner.clone();
+    Ok(py.detach(move || {
+        core::fingerprint::plan_fingerprint(&manifest, world_size, &topology, &cost, algorithm)
+    }))
+}
+
 /// Computes a plan with the GIL released.
 #[pyfunction]
 #[pyo3(signature = (manifest, world_size, *, algorithm="balanced", cost=None, topology=None))]
@@ -476,9 +546,7 @@ fn plan(
     cost: Option<&CostModel>,
     topology: Option<&Topology>,
 ) -> PyResult<Plan> {
-    if world_size < 1 {
-        return Err(PlanError::new_err(format!("world size must be at least 1, got {world_size}")));
-    }
+    let world_size = check_world_size(world_size)?;
     let algorithm: core::Algorithm = algorithm.parse().map_err(plan_err)?;
     let cost = cost.map(|c| c.inner).unwrap_or_default();
     let topology = topology.map(|t| t.inner).unwrap_or_default();
@@ -502,6 +570,7 @@ fn _planner(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Plan>()?;
     m.add_class::<PlanStats>()?;
     m.add_function(wrap_pyfunction!(plan, m)?)?;
+    m.add_function(wrap_pyfunction!(plan_fingerprint, m)?)?;
     m.add("PLANNER_VERSION", core::PLANNER_VERSION)?;
     m.add("ALGORITHMS", core::Algorithm::ALL.iter().map(|a| a.name()).collect::<Vec<_>>())?;
     Ok(())
