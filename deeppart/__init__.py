@@ -5,37 +5,84 @@ plans which rank writes which bytes, so that all ranks write one balanced
 part in parallel instead of rank 0 writing everything.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from deeppart._planner import (
     ALGORITHMS,
     PLANNER_VERSION,
+    CacheError,
+    CacheWarning,
     CostModel,
     DeepPartError,
     Manifest,
     ManifestError,
     Plan,
+    PlanCache,
     PlanError,
     PlanStats,
     Topology,
-    plan,
+    default_cache_dir,
     plan_fingerprint,
 )
+from deeppart.checkpoint import Checkpointer, load, save
+from deeppart.format import CheckpointError, CorruptCheckpointError, StateMismatchError
+from deeppart.planning import plan
+from deeppart.progress import Stats as CheckpointStats
 from deeppart.state import StateError
+
+if TYPE_CHECKING:
+    from deeppart.service import plan_with, resolve_planner
+    from deeppart.service.client import PlannerClient
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ALGORITHMS",
     "PLANNER_VERSION",
+    "CacheError",
+    "CacheWarning",
+    "CheckpointError",
+    "CheckpointStats",
+    "Checkpointer",
+    "CorruptCheckpointError",
     "CostModel",
     "DeepPartError",
     "Manifest",
     "ManifestError",
     "Plan",
+    "PlanCache",
     "PlanError",
     "PlanStats",
+    "PlannerClient",
     "StateError",
+    "StateMismatchError",
     "Topology",
     "__version__",
+    "default_cache_dir",
+    "load",
     "plan",
     "plan_fingerprint",
+    "plan_with",
+    "resolve_planner",
+    "save",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The planner service's client needs grpcio, an optional dependency: import
+    # it only when asked for (deeppart.PlannerClient, deeppart.plan_with, ...).
+    if name == "PlannerClient":
+        try:
+            from deeppart.service.client import PlannerClient
+        except ImportError as e:
+            # Without grpcio, the name exists (``from deeppart import *`` works)
+            # and using it explains what is missing.
+            from deeppart.service import missing_client
+
+            return missing_client(e)
+        return PlannerClient
+    if name in ("plan_with", "resolve_planner"):
+        import deeppart.service
+
+        return getattr(deeppart.service, name)
+    raise AttributeError(f"module 'deeppart' has no attribute {name!r}")

@@ -1,7 +1,27 @@
 """Type stubs of the Rust extension module ``deeppart._planner``."""
 
 from collections.abc import Iterable, Mapping
-from typing import Any, Final, Literal
+from os import PathLike
+from typing import Any, Final, Literal, TypedDict, final
+
+__all__ = [
+    "ALGORITHMS",
+    "PLANNER_VERSION",
+    "CacheError",
+    "CacheWarning",
+    "CostModel",
+    "DeepPartError",
+    "Manifest",
+    "ManifestError",
+    "Plan",
+    "PlanCache",
+    "PlanError",
+    "PlanStats",
+    "Topology",
+    "default_cache_dir",
+    "plan",
+    "plan_fingerprint",
+]
 
 PLANNER_VERSION: Final[str]
 ALGORITHMS: Final[list[str]]
@@ -12,7 +32,10 @@ Algorithm = Literal["balanced", "lpt", "greedy", "deeppart"]
 class DeepPartError(Exception): ...
 class ManifestError(DeepPartError): ...
 class PlanError(DeepPartError): ...
+class CacheError(DeepPartError): ...
+class CacheWarning(UserWarning): ...
 
+@final
 class Manifest:
     @staticmethod
     def from_json(text: str) -> Manifest: ...
@@ -28,19 +51,20 @@ class Manifest:
     @property
     def fingerprint(self) -> str: ...
     def __len__(self) -> int: ...
-    def __eq__(self, other: object) -> bool: ...
+    def __eq__(self, other: object, /) -> bool: ...
     def __hash__(self) -> int: ...
 
+@final
 class CostModel:
-    def __init__(
-        self,
+    def __new__(
+        cls,
         *,
         fixed_s: float | None = None,
         piece_s: float | None = None,
         bandwidth: float | None = None,
         writer_s: float | None = None,
         min_piece_bytes: int | None = None,
-    ) -> None: ...
+    ) -> CostModel: ...
     @property
     def fixed_s(self) -> float: ...
     @property
@@ -53,11 +77,13 @@ class CostModel:
     def min_piece_bytes(self) -> int: ...
     def to_dict(self) -> dict[str, float | int]: ...
 
+@final
 class Topology:
-    def __init__(self, ranks_per_node: int = 1) -> None: ...
+    def __new__(cls, ranks_per_node: int = 1) -> Topology: ...
     @property
     def ranks_per_node(self) -> int: ...
 
+@final
 class PlanStats:
     @property
     def makespan(self) -> float: ...
@@ -79,6 +105,7 @@ class PlanStats:
     def source(self) -> Literal["computed", "memory", "disk"]: ...
     def to_dict(self) -> dict[str, float | int | str]: ...
 
+@final
 class Plan:
     @property
     def world_size(self) -> int: ...
@@ -120,6 +147,7 @@ def plan(
     algorithm: str = "balanced",
     cost: CostModel | None = None,
     topology: Topology | None = None,
+    cache: PlanCache | None = None,
 ) -> Plan: ...
 
 def plan_fingerprint(
@@ -130,3 +158,58 @@ def plan_fingerprint(
     cost: CostModel | None = None,
     topology: Topology | None = None,
 ) -> str: ...
+
+class _CacheStats(TypedDict):
+    hits_memory: int
+    hits_disk: int
+    misses: int
+    evictions: int
+    memory_evictions: int
+    discarded: int
+    stale: int
+    memory_entries: int
+    entries: int
+    bytes: int
+    disk: str
+    directory: str | None
+
+class _VerifyReport(TypedDict):
+    entries: int
+    valid: int
+    discarded: int
+    other_version: int
+
+@final
+class PlanCache:
+    def __new__(
+        cls,
+        directory: str | PathLike[str] | None = None,
+        *,
+        memory_entries: int = 64,
+        max_bytes: int = 536870912,
+        disk: bool = True,
+        planner_version: str | None = None,
+    ) -> PlanCache: ...
+    @property
+    def directory(self) -> str | None: ...
+    @property
+    def path(self) -> str | None: ...
+    @property
+    def memory_entries(self) -> int: ...
+    @property
+    def max_bytes(self) -> int: ...
+    def get(
+        self,
+        manifest: Manifest,
+        world_size: int,
+        *,
+        algorithm: str = "balanced",
+        cost: CostModel | None = None,
+        topology: Topology | None = None,
+    ) -> Plan | None: ...
+    def put(self, plan: Plan) -> bool: ...
+    def stats(self) -> _CacheStats: ...
+    def clear(self) -> int: ...
+    def verify(self) -> _VerifyReport: ...
+
+def default_cache_dir() -> str | None: ...

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from deeppart import _planner
+from deeppart.service.options import add_serve_arguments
 
 
 def _fail(message: str) -> int:
@@ -17,6 +18,17 @@ def _fail(message: str) -> int:
 
 
 def _cost_from_args(args: argparse.Namespace) -> _planner.CostModel:
+    if getattr(args, "profile", None):
+        from deeppart.calibrate import cost_model_from_profile, load_profile
+
+        return cost_model_from_profile(
+            load_profile(args.profile),
+            fixed_s=args.fixed_s,
+            piece_s=args.piece_s,
+            bandwidth=args.bandwidth,
+            writer_s=args.writer_s,
+            min_piece_bytes=args.min_piece_bytes,
+        )
     return _planner.CostModel(
         fixed_s=args.fixed_s,
         piece_s=args.piece_s,
@@ -48,7 +60,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             cost=_cost_from_args(args),
             topology=_planner.Topology(args.ranks_per_node),
         )
-    except _planner.DeepPartError as e:
+    except (_planner.DeepPartError, ValueError) as e:
         return _fail(f"{type(e).__name__}: {e}")
     stats = plan.stats.to_dict()
     if args.json:
@@ -80,6 +92,18 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             print(f"{k:<{width}}  {v}")
     if args.output:
         Path(args.output).write_text(plan.to_json())
+    if args.plot:
+        from deeppart.plotting import plot_plan_load
+
+        baseline = _planner.plan(
+            manifest,
+            args.world_size,
+            algorithm="greedy",
+            cost=plan.cost,
+            topology=plan.topology,
+        )
+        plot_plan_load(plan, baseline if plan.algorithm != "greedy" else None, args.plot)
+        print(f"plot written to {args.plot}", file=sys.stderr)
     return 0
 
 
@@ -96,14 +120,53 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks-per-node", type=int, default=1)
     p.add_argument("--json", action="store_true", help="print the stats as one JSON object")
     p.add_argument("--output", "-o", help="also write the whole plan as JSON to this file")
+    p.add_argument(
+        "--plot", help="write a PNG of the per-rank load beside DCP-style dedup (greedy)"
+    )
     g = p.add_argument_group("cost model (defaults: the planner's)")
     g.add_argument("--fixed-s", type=float)
     g.add_argument("--piece-s", type=float)
     g.add_argument("--bandwidth", type=float, help="bytes per second per rank")
     g.add_argument("--writer-s", type=float)
     g.add_argument("--min-piece-bytes", type=int)
+    g.add_argument("--profile", help="a calibration profile (deeppart calibrate); flags override")
     p.set_defaults(func=_cmd_plan)
+
+    # The plan cache's upkeep (issue 3).
+    from deeppart.cache_cli import add_parser as add_cache_parser
+
+    add_cache_parser(sub)
+
+    # Checkpoint inspection (issue 8).
+    from deeppart.checkpoint_inspect import add_parser as add_inspect_parser
+
+    add_inspect_parser(sub)
+
+    # The scaling simulator and calibration (issue 8); matplotlib only with --plot.
+    from deeppart.calibrate import add_parser as add_calibrate_parser
+    from deeppart.simulate import add_parser as add_simulate_parser
+
+    add_simulate_parser(sub)
+    add_calibrate_parser(sub)
+
+    # The planner service (issue 4); grpcio is imported only when it runs.
+    p = sub.add_parser("serve", help="run the gRPC planner service shared by many jobs")
+    add_serve_arguments(p)
+    p.set_defaults(func=_cmd_serve)
+
+    # The checkpoint demo (issue 5); torch and mpi4py are imported only when it runs.
+    from deeppart.demo import add_parser as add_demo_parser
+
+    add_demo_parser(sub)
     return parser
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        from deeppart.service.server import serve
+    except ImportError as e:
+        return _fail(f"deeppart serve needs grpcio (pip install 'deeppart[service]'): {e}")
+    return serve(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The main job. Sets up .venv and the extension first; skips what is already done.
+# The main job: data-parallel training on 4 MPI ranks with DeepPart
+# checkpoints, a simulated crash mid-save, a restart from the latest committed
+# checkpoint, and a bitwise check against an uninterrupted run (deeppart/demo.py).
+# Sets up .venv and the extension first; skips what is already done.
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 setup
-for algorithm in balanced lpt greedy deeppart; do
-  log "planning examples/manifest.json for 4 ranks with $algorithm"
-  deeppart plan examples/manifest.json --world-size 4 --algorithm "$algorithm"
-done
+log "deeppart demo: 4 ranks (mpiexec), checkpoint, crash, restore, verify"
+deeppart demo --ranks 4 "$@"

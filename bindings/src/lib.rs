@@ -14,6 +14,13 @@ use serde_json::{Map, Number, Value};
 create_exception!(_planner, DeepPartError, PyException, "Base class of DeepPart's errors.");
 create_exception!(_planner, ManifestError, DeepPartError, "A manifest is malformed or invalid.");
 create_exception!(_planner, PlanError, DeepPartError, "A plan cannot be computed or accepted.");
+create_exception!(_planner, CacheError, DeepPartError, "The plan cache cannot be read or written.");
+create_exception!(
+    _planner,
+    CacheWarning,
+    pyo3::exceptions::PyUserWarning,
+    "The plan cache was bypassed, rebuilt or had an entry discarded; planning went on."
+);
 
 fn manifest_err(e: core::ManifestError) -> PyErr {
     ManifestError::new_err(e.to_string())
@@ -91,6 +98,14 @@ fn path_to_py<'py>(py: Python<'py>, path: &[core::PathKey]) -> PyResult<Bound<'p
 #[pyclass(frozen, module = "deeppart._planner")]
 struct Manifest {
     inner: Arc<core::Manifest>,
+    /// The structure hash, computed on first use: it is asked for often.
+    fingerprint: std::sync::OnceLock<String>,
+}
+
+impl Manifest {
+    fn wrap(inner: Arc<core::Manifest>) -> Manifest {
+        Manifest { inner, fingerprint: std::sync::OnceLock::new() }
+    }
 }
 
 #[pymethods]
@@ -100,7 +115,7 @@ impl Manifest {
     fn from_json(py: Python<'_>, text: &str) -> PyResult<Manifest> {
         let text = text.to_owned();
         let m = py.detach(move || core::Manifest::from_json(&text)).map_err(manifest_err)?;
-        Ok(Manifest { inner: Arc::new(m) })
+        Ok(Manifest::wrap(Arc::new(m)))
     }
 
     /// Builds a manifest from leaf descriptions: dicts with the keys of the
@@ -113,7 +128,7 @@ impl Manifest {
             parsed.push(core::manifest::leaf_from_json(index, &value).map_err(manifest_err)?);
         }
         let m = core::Manifest::new(parsed).map_err(manifest_err)?;
-        Ok(Manifest { inner: Arc::new(m) })
+        Ok(Manifest::wrap(Arc::new(m)))
     }
 
     /// Walks nested dicts, lists and tuples of torch tensors and plain values
@@ -163,7 +178,7 @@ impl Manifest {
     /// Hex blake3 hash of the structure (paths, kinds, dtypes, shapes, sizes, owners).
     #[getter]
     fn fingerprint(&self) -> String {
-        self.inner.fingerprint()
+        self.fingerprint.get_or_init(|| self.inner.fingerprint()).clone()
     }
 
     fn __len__(&self) -> usize {
@@ -175,7 +190,7 @@ impl Manifest {
     }
 
     fn __hash__(&self) -> u64 {
-        let fp = self.inner.fingerprint();
+        let fp = self.fingerprint();
         u64::from_str_radix(&fp[..16], 16).unwrap_or(0)
     }
 
@@ -200,9 +215,17 @@ impl CostModel {
         piece_s: Option<f64>,
         bandwidth: Option<f64>,
         writer_s: Option<f64>,
-        min_piece_bytes: Option<u64>,
+        min_piece_bytes: Option<i64>,
     ) -> PyResult<CostModel> {
         let d = core::CostModel::default();
+        let min_piece_bytes = match min_piece_bytes {
+            None => None,
+            Some(v) => Some(u64::try_from(v).map_err(|_| {
+                PlanError::new_err(format!(
+                    "invalid cost model: min_piece_bytes must be at least 1, got {v}"
+                ))
+            })?),
+        };
         let inner = core::CostModel {
             fixed_s: fixed_s.unwrap_or(d.fixed_s),
             piece_s: piece_s.unwrap_or(d.piece_s),
@@ -265,10 +288,16 @@ struct Topology {
 impl Topology {
     #[new]
     #[pyo3(signature = (ranks_per_node=1))]
-    fn new(ranks_per_node: u32) -> PyResult<Topology> {
-        if ranks_per_node == 0 {
-            return Err(PlanError::new_err("invalid topology: ranks_per_node must be at least 1"));
-        }
+    fn new(ranks_per_node: i64) -> PyResult<Topology> {
+        let ranks_per_node = u32::try_from(ranks_per_node)
+            .ok()
+            .filter(|&n| n >= 1)
+            .ok_or_else(|| {
+                PlanError::new_err(format!(
+                    "invalid topology: ranks_per_node must be between 1 and {}, got {ranks_per_node}",
+                    u32::MAX
+                ))
+            })?;
         Ok(Topology { inner: core::Topology { ranks_per_node } })
     }
 
@@ -389,7 +418,7 @@ impl Plan {
     }
     #[getter]
     fn manifest(&self) -> Manifest {
-        Manifest { inner: self.inner.manifest.clone() }
+        Manifest::wrap(self.inner.manifest.clone())
     }
     #[getter]
     fn cost(&self) -> CostModel {
@@ -537,7 +566,7 @@ fn plan_fingerprint(
 
 /// Computes a plan with the GIL released.
 #[pyfunction]
-#[pyo3(signature = (manifest, world_size, *, algorithm="balanced", cost=None, topology=None))]
+#[pyo3(signature = (manifest, world_size, *, algorithm="balanced", cost=None, topology=None, cache=None))]
 fn plan(
     py: Python<'_>,
     manifest: &Manifest,
@@ -545,16 +574,189 @@ fn plan(
     algorithm: &str,
     cost: Option<&CostModel>,
     topology: Option<&Topology>,
+    cache: Option<&PlanCache>,
 ) -> PyResult<Plan> {
     let world_size = check_world_size(world_size)?;
     let algorithm: core::Algorithm = algorithm.parse().map_err(plan_err)?;
     let cost = cost.map(|c| c.inner).unwrap_or_default();
     let topology = topology.map(|t| t.inner).unwrap_or_default();
     let manifest = manifest.inner.clone();
+    if let Some(cache) = cache {
+        let inner = cache.inner.clone();
+        let p = py.detach(move || inner.plan(manifest, world_size as u64, topology, cost, algorithm));
+        cache.emit_warnings(py);
+        return Ok(Plan { inner: p.map_err(plan_err)? });
+    }
     let p = py
         .detach(move || core::plan(manifest, world_size as u64, topology, cost, algorithm))
         .map_err(plan_err)?;
     Ok(Plan { inner: Arc::new(p) })
+}
+
+fn cache_err(e: core::cache::CacheError) -> PyErr {
+    CacheError::new_err(e.to_string())
+}
+
+/// A two-tier plan cache: a bounded in-process LRU in front of a SQLite
+/// store shared by all processes on the host. `directory=None` uses the
+/// default location (`$DEEPPART_CACHE_DIR`, `$XDG_CACHE_HOME/deeppart` or
+/// `~/.cache/deeppart`); `disk=False` keeps plans in memory only.
+/// `planner_version` overrides the version stored with entries (for tests).
+#[pyclass(frozen, module = "deeppart._planner")]
+struct PlanCache {
+    inner: Arc<core::cache::PlanCache>,
+}
+
+impl PlanCache {
+    /// Turns the core's pending fault reports into `CacheWarning`s. A
+    /// warning filter that raises is ignored: the cache never fails a call.
+    fn emit_warnings(&self, py: Python<'_>) {
+        for message in self.inner.take_warnings() {
+            let category = py.get_type::<CacheWarning>();
+            let text = std::ffi::CString::new(message.replace('\0', " ")).unwrap_or_default();
+            if let Err(e) = PyErr::warn(py, category.as_any(), &text, 2) {
+                e.write_unraisable(py, None);
+            }
+        }
+    }
+}
+
+#[pymethods]
+impl PlanCache {
+    #[new]
+    #[pyo3(signature = (directory=None, *, memory_entries=64, max_bytes=536870912, disk=true, planner_version=None))]
+    fn new(
+        directory: Option<std::path::PathBuf>,
+        memory_entries: usize,
+        max_bytes: u64,
+        disk: bool,
+        planner_version: Option<String>,
+    ) -> PlanCache {
+        let defaults = core::cache::CacheOptions::default();
+        let directory = if disk { directory.or(defaults.directory) } else { None };
+        let opts = core::cache::CacheOptions {
+            directory,
+            memory_entries,
+            max_bytes,
+            planner_version: planner_version.unwrap_or(defaults.planner_version),
+        };
+        PlanCache { inner: Arc::new(core::cache::PlanCache::new(opts)) }
+    }
+
+    /// The cache directory, or None for a memory-only cache.
+    #[getter]
+    fn directory(&self) -> Option<String> {
+        self.inner.directory().map(|d| d.display().to_string())
+    }
+
+    /// The SQLite database file, or None for a memory-only cache.
+    #[getter]
+    fn path(&self) -> Option<String> {
+        self.inner.directory().map(|d| core::store::db_path(d).display().to_string())
+    }
+
+    #[getter]
+    fn memory_entries(&self) -> usize {
+        self.inner.options().memory_entries
+    }
+
+    #[getter]
+    fn max_bytes(&self) -> u64 {
+        self.inner.options().max_bytes
+    }
+
+    /// Low-level: the cached plan for these inputs, or None. Counts a hit or miss.
+    #[pyo3(signature = (manifest, world_size, *, algorithm="balanced", cost=None, topology=None))]
+    fn get(
+        &self,
+        py: Python<'_>,
+        manifest: &Manifest,
+        world_size: i64,
+        algorithm: &str,
+        cost: Option<&CostModel>,
+        topology: Option<&Topology>,
+    ) -> PyResult<Option<Plan>> {
+        if world_size < 1 {
+            return Err(PlanError::new_err(format!("world size must be at least 1, got {world_size}")));
+        }
+        let algorithm: core::Algorithm = algorithm.parse().map_err(plan_err)?;
+        let cost = cost.map(|c| c.inner).unwrap_or_default();
+        let topology = topology.map(|t| t.inner).unwrap_or_default();
+        let manifest = manifest.inner.clone();
+        let inner = self.inner.clone();
+        let p = py.detach(move || inner.get(manifest, world_size as u64, topology, cost, algorithm));
+        self.emit_warnings(py);
+        Ok(p.map_err(plan_err)?.map(|inner| Plan { inner }))
+    }
+
+    /// Low-level: stores a plan in both tiers; returns whether the disk took it.
+    fn put(&self, py: Python<'_>, plan: &Plan) -> bool {
+        let inner = self.inner.clone();
+        let p = plan.inner.clone();
+        let stored = py.detach(move || inner.put(p));
+        self.emit_warnings(py);
+        stored
+    }
+
+    /// Counters of this cache object (hits_memory, hits_disk, misses,
+    /// evictions, memory_evictions, discarded, stale), the sizes of the
+    /// memory tier and of the shared disk store (entries, bytes), and the
+    /// disk store's state.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let inner = self.inner.clone();
+        let s = py.detach(move || inner.stats());
+        self.emit_warnings(py);
+        let d = PyDict::new(py);
+        d.set_item("hits_memory", s.hits_memory)?;
+        d.set_item("hits_disk", s.hits_disk)?;
+        d.set_item("misses", s.misses)?;
+        d.set_item("evictions", s.evictions)?;
+        d.set_item("memory_evictions", s.memory_evictions)?;
+        d.set_item("discarded", s.discarded)?;
+        d.set_item("stale", s.stale)?;
+        d.set_item("memory_entries", s.memory_entries)?;
+        d.set_item("entries", s.entries)?;
+        d.set_item("bytes", s.bytes)?;
+        d.set_item("disk", s.disk)?;
+        d.set_item("directory", self.directory())?;
+        Ok(d)
+    }
+
+    /// Empties both tiers (a damaged database is recreated); returns the
+    /// number of disk entries removed. Raises CacheError if the store
+    /// cannot be opened or written.
+    fn clear(&self, py: Python<'_>) -> PyResult<u64> {
+        let inner = self.inner.clone();
+        py.detach(move || inner.clear()).map_err(cache_err)
+    }
+
+    /// Checks the database and every entry; deletes entries that fail.
+    /// Returns {entries, valid, discarded, other_version}. Raises CacheError
+    /// if the database cannot be read or fails SQLite's integrity check.
+    fn verify<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let inner = self.inner.clone();
+        let r = py.detach(move || inner.verify()).map_err(cache_err)?;
+        let d = PyDict::new(py);
+        d.set_item("entries", r.entries)?;
+        d.set_item("valid", r.valid)?;
+        d.set_item("discarded", r.discarded)?;
+        d.set_item("other_version", r.other_version)?;
+        Ok(d)
+    }
+
+    fn __repr__(&self) -> String {
+        match self.inner.directory() {
+            Some(d) => format!("PlanCache(directory={:?})", d.display().to_string()),
+            None => "PlanCache(disk=False)".to_string(),
+        }
+    }
+}
+
+/// The default plan cache directory: $DEEPPART_CACHE_DIR, else
+/// $XDG_CACHE_HOME/deeppart, else ~/.cache/deeppart (None without a home).
+#[pyfunction]
+fn default_cache_dir() -> Option<String> {
+    core::cache::default_cache_dir().map(|d| d.display().to_string())
 }
 
 /// Version of the planner, part of every plan fingerprint.
@@ -564,6 +766,10 @@ fn _planner(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("DeepPartError", py.get_type::<DeepPartError>())?;
     m.add("ManifestError", py.get_type::<ManifestError>())?;
     m.add("PlanError", py.get_type::<PlanError>())?;
+    m.add("CacheError", py.get_type::<CacheError>())?;
+    m.add("CacheWarning", py.get_type::<CacheWarning>())?;
+    m.add_class::<PlanCache>()?;
+    m.add_function(wrap_pyfunction!(default_cache_dir, m)?)?;
     m.add_class::<Manifest>()?;
     m.add_class::<CostModel>()?;
     m.add_class::<Topology>()?;

@@ -91,16 +91,34 @@ pub struct LowerBound {
 
 /// `M(k)`: the bound on the largest rank cost when `k` ranks write.
 pub fn level(summary: &LoadSummary, cost: &CostModel, k: u32) -> f64 {
-    if k == 0 {
-        return 0.0;
+    Levels::new(summary, cost).at(k)
+}
+
+/// `M(k)` with the sums over ranks done once, for evaluating many `k`.
+struct Levels {
+    /// `F` and `W + O`: the mean bound is `F + (W + O) / k`.
+    fixed_s: f64,
+    work: f64,
+    /// The part that does not depend on `k`: `F + max_a o_a`, and
+    /// `F + max c(u)` when anything replicated is written.
+    floor: f64,
+}
+
+impl Levels {
+    fn new(summary: &LoadSummary, cost: &CostModel) -> Levels {
+        let mut floor = cost.fixed_s + summary.max_owned();
+        if summary.replicated_leaves > 0 {
+            floor = floor.max(cost.fixed_s + summary.max_unsplittable);
+        }
+        Levels { fixed_s: cost.fixed_s, work: summary.replicated_work + summary.total_owned(), floor }
     }
-    let mean = cost.fixed_s + (summary.replicated_work + summary.total_owned()) / k as f64;
-    let owned = cost.fixed_s + summary.max_owned();
-    let mut m = mean.max(owned);
-    if summary.replicated_leaves > 0 {
-        m = m.max(cost.fixed_s + summary.max_unsplittable);
+
+    fn at(&self, k: u32) -> f64 {
+        if k == 0 {
+            return 0.0;
+        }
+        (self.fixed_s + self.work / k as f64).max(self.floor)
     }
-    m
 }
 
 /// The feasible writer counts: from the owners (at least one when anything
@@ -115,9 +133,10 @@ pub fn writer_range(summary: &LoadSummary, world_size: u32) -> (u32, u32) {
 /// Computes the lower bound; see the module documentation for the proof.
 pub fn lower_bound(summary: &LoadSummary, cost: &CostModel, world_size: u32) -> LowerBound {
     let (lo, hi) = writer_range(summary, world_size);
+    let levels = Levels::new(summary, cost);
     let mut best = LowerBound { makespan_s: f64::INFINITY, writers: lo, level_s: 0.0 };
     for k in lo..=hi {
-        let m = level(summary, cost, k);
+        let m = levels.at(k);
         let total = m + k as f64 * cost.writer_s;
         if total < best.makespan_s {
             best = LowerBound { makespan_s: total, writers: k, level_s: m };

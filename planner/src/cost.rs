@@ -110,7 +110,8 @@ impl Topology {
         if self.ranks_per_node == 0 {
             return Err(PlanError::Topology("ranks_per_node must be at least 1".into()));
         }
-        if world_size % self.ranks_per_node != 0 {
+        // (Not `is_multiple_of`: that needs Rust 1.87, the workspace supports 1.80.)
+        if world_size.checked_rem(self.ranks_per_node) != Some(0) {
             return Err(PlanError::Topology(format!(
                 "world size {world_size} is not a multiple of ranks_per_node {}",
                 self.ranks_per_node

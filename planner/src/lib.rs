@@ -7,12 +7,15 @@
 
 pub mod algorithms;
 pub mod bound;
+pub mod cache;
+pub mod codec;
 pub mod cost;
 pub mod dtype;
 pub mod error;
 pub mod fingerprint;
 pub mod manifest;
 pub mod plan;
+pub mod store;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -23,12 +26,11 @@ pub use error::{ManifestError, PlanError};
 pub use manifest::{Leaf, LeafKind, Manifest, PathKey};
 pub use plan::{Algorithm, Piece, Plan, PlanSource, PlanStats};
 
-/// Bumped whenever any algorithm's output can change, so that caches keyed
-/// by fingerprint never serve a plan from an older planner.
-pub const ALGORITHM_REVISION: u32 = 1;
-
-/// The version string baked into every fingerprint.
-pub const PLANNER_VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), "+alg1");
+/// The version string baked into every fingerprint and cache entry: the crate
+/// version plus an algorithm revision. Bump the `+algN` suffix whenever any
+/// algorithm's output can change, so that no cache ever serves a plan from an
+/// older planner.
+pub const PLANNER_VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), "+alg2");
 
 /// Largest supported world size.
 pub const MAX_WORLD_SIZE: u64 = 1 << 20;
@@ -93,15 +95,55 @@ pub fn assemble_plan(
     topology: Topology,
     cost: CostModel,
     algorithm: Algorithm,
+    ranks: Vec<Vec<Piece>>,
+    plan_ms: f64,
+    source: PlanSource,
+) -> Result<Plan, PlanError> {
+    assemble_plan_with_fingerprint(
+        manifest, world_size, topology, cost, algorithm, ranks, plan_ms, source, None,
+    )
+}
+
+/// [`assemble_plan`] with the inputs' fingerprint already known (the plan
+/// cache computes it for its key): skips hashing the manifest again. The
+/// caller guarantees that `fingerprint` is [`fingerprint::plan_fingerprint`]
+/// of exactly these inputs; `None` computes it.
+#[allow(clippy::too_many_arguments)]
+pub fn assemble_plan_with_fingerprint(
+    manifest: Arc<Manifest>,
+    world_size: u32,
+    topology: Topology,
+    cost: CostModel,
+    algorithm: Algorithm,
     mut ranks: Vec<Vec<Piece>>,
     plan_ms: f64,
     source: PlanSource,
+    fingerprint: Option<String>,
 ) -> Result<Plan, PlanError> {
     validate_inputs(&manifest, world_size as u64, &topology, &cost)?;
     for list in &mut ranks {
         list.sort_unstable();
     }
     plan::validate_assignment(&manifest, world_size, &ranks)?;
+    Ok(score_plan(manifest, world_size, topology, cost, algorithm, ranks, plan_ms, source, fingerprint))
+}
+
+/// The second half of [`assemble_plan_with_fingerprint`]: scores and
+/// fingerprints an assignment that is already known to be valid (inputs
+/// checked by [`validate_inputs`], pieces by [`plan::validate_assignment`]
+/// or a check at least as strict, like the plan codec's).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn score_plan(
+    manifest: Arc<Manifest>,
+    world_size: u32,
+    topology: Topology,
+    cost: CostModel,
+    algorithm: Algorithm,
+    ranks: Vec<Vec<Piece>>,
+    plan_ms: f64,
+    source: PlanSource,
+    fingerprint: Option<String>,
+) -> Plan {
     let eval = plan::evaluate(&manifest, &cost, &ranks);
     let summary = bound::LoadSummary::new(&manifest, world_size, &cost);
     let lb = bound::lower_bound(&summary, &cost, world_size);
@@ -123,7 +165,8 @@ pub fn assemble_plan(
         plan_ms,
         source,
     };
-    let fingerprint =
-        fingerprint::plan_fingerprint(&manifest, world_size, &topology, &cost, algorithm);
-    Ok(Plan { manifest, world_size, topology, cost, algorithm, fingerprint, ranks, stats })
+    let fingerprint = fingerprint.unwrap_or_else(|| {
+        fingerprint::plan_fingerprint(&manifest, world_size, &topology, &cost, algorithm)
+    });
+    Plan { manifest, world_size, topology, cost, algorithm, fingerprint, ranks, stats }
 }

@@ -118,11 +118,15 @@ impl Leaf {
 
     /// Units per row: a split of a tensor with 2 or more dimensions falls on
     /// a multiple of this. 1 for 0-D and 1-D tensors; the whole leaf for objects.
+    /// A tensor with no elements can have a row size that overflows `u64`
+    /// (shape `[0, 2^40, 2^40]`); it has no rows to split, and gets 1.
     pub fn row_units(&self) -> u64 {
         match &self.kind {
-            LeafKind::Tensor { shape, .. } if shape.len() >= 2 => {
-                shape[1..].iter().product::<u64>().max(1)
-            }
+            LeafKind::Tensor { shape, .. } if shape.len() >= 2 => shape[1..]
+                .iter()
+                .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+                .unwrap_or(1)
+                .max(1),
             LeafKind::Tensor { .. } => 1,
             LeafKind::Object => 1,
         }
@@ -428,9 +432,7 @@ pub fn leaf_from_json(index: usize, raw: &Value) -> Result<Leaf, ManifestError> 
     };
     match kind {
         "tensor" => {
-            if obj.contains_key("nbytes") {
-                return Err(bad("a tensor leaf takes dtype and shape, not nbytes".into()));
-            }
+
             let dtype_name = obj
                 .get("dtype")
                 .ok_or_else(|| bad("missing \"dtype\"".into()))?
@@ -450,7 +452,18 @@ pub fn leaf_from_json(index: usize, raw: &Value) -> Result<Leaf, ManifestError> 
                 .iter()
                 .map(|d| nonneg("shape dimension", d))
                 .collect::<Result<Vec<u64>, _>>()?;
-            Leaf::tensor(path, dtype, shape, owner).map_err(&bad)
+            let leaf = Leaf::tensor(path, dtype, shape, owner).map_err(&bad)?;
+            // nbytes is derived for tensors; it may be given only if it agrees.
+            if let Some(v) = obj.get("nbytes") {
+                let given = nonneg("nbytes", v)?;
+                if given != leaf.nbytes {
+                    return Err(bad(format!(
+                        "nbytes {given} does not match the dtype and shape ({} bytes)",
+                        leaf.nbytes
+                    )));
+                }
+            }
+            Ok(leaf)
         }
         "object" => {
             if obj.contains_key("dtype") || obj.contains_key("shape") {

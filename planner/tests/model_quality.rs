@@ -18,7 +18,10 @@ fn s(x: &str) -> PathKey {
     PathKey::Str(x.to_string())
 }
 
-/// Parameters (name, shape) to a model + AdamW manifest.
+/// A model's parameters: (name, shape).
+type Params = Vec<(String, Vec<u64>)>;
+
+/// Parameters to a model + AdamW manifest.
 fn adamw_manifest(params: &[(String, Vec<u64>)]) -> Manifest {
     let f32 = DType::Float32;
     let mut leaves = Vec::with_capacity(4 * params.len() + 1);
@@ -50,26 +53,46 @@ struct Encoder {
 }
 
 /// A BERT/RoBERTa encoder (Hugging Face `BertModel` parameter names and shapes).
-fn encoder_params(e: &Encoder) -> Vec<(String, Vec<u64>)> {
+fn encoder_params(e: &Encoder) -> Params {
     let h = e.hidden;
-    let mut p: Vec<(String, Vec<u64>)> = vec![
+    let mut p: Params = vec![
         ("embeddings.word_embeddings.weight".into(), vec![e.vocab, h]),
-        ("embeddings.position_embeddings.weight".into(), vec![e.positions, h]),
-        ("embeddings.token_type_embeddings.weight".into(), vec![e.type_vocab, h]),
+        (
+            "embeddings.position_embeddings.weight".into(),
+            vec![e.positions, h],
+        ),
+        (
+            "embeddings.token_type_embeddings.weight".into(),
+            vec![e.type_vocab, h],
+        ),
         ("embeddings.LayerNorm.weight".into(), vec![h]),
         ("embeddings.LayerNorm.bias".into(), vec![h]),
     ];
     for l in 0..e.layers {
         let pre = format!("encoder.layer.{l}");
-        for lin in ["attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense"] {
+        for lin in [
+            "attention.self.query",
+            "attention.self.key",
+            "attention.self.value",
+            "attention.output.dense",
+        ] {
             p.push((format!("{pre}.{lin}.weight"), vec![h, h]));
             p.push((format!("{pre}.{lin}.bias"), vec![h]));
         }
         p.push((format!("{pre}.attention.output.LayerNorm.weight"), vec![h]));
         p.push((format!("{pre}.attention.output.LayerNorm.bias"), vec![h]));
-        p.push((format!("{pre}.intermediate.dense.weight"), vec![e.intermediate, h]));
-        p.push((format!("{pre}.intermediate.dense.bias"), vec![e.intermediate]));
-        p.push((format!("{pre}.output.dense.weight"), vec![h, e.intermediate]));
+        p.push((
+            format!("{pre}.intermediate.dense.weight"),
+            vec![e.intermediate, h],
+        ));
+        p.push((
+            format!("{pre}.intermediate.dense.bias"),
+            vec![e.intermediate],
+        ));
+        p.push((
+            format!("{pre}.output.dense.weight"),
+            vec![h, e.intermediate],
+        ));
         p.push((format!("{pre}.output.dense.bias"), vec![h]));
         p.push((format!("{pre}.output.LayerNorm.weight"), vec![h]));
         p.push((format!("{pre}.output.LayerNorm.bias"), vec![h]));
@@ -81,10 +104,12 @@ fn encoder_params(e: &Encoder) -> Vec<(String, Vec<u64>)> {
 
 /// GPT-2 (Hugging Face `GPT2LMHeadModel`; `lm_head` is tied to `wte`, so it
 /// is not a separate leaf).
-fn gpt2_params(hidden: u64, layers: u64) -> Vec<(String, Vec<u64>)> {
+fn gpt2_params(hidden: u64, layers: u64) -> Params {
     let h = hidden;
-    let mut p: Vec<(String, Vec<u64>)> =
-        vec![("transformer.wte.weight".into(), vec![50257, h]), ("transformer.wpe.weight".into(), vec![1024, h])];
+    let mut p: Params = vec![
+        ("transformer.wte.weight".into(), vec![50257, h]),
+        ("transformer.wpe.weight".into(), vec![1024, h]),
+    ];
     for l in 0..layers {
         let pre = format!("transformer.h.{l}");
         p.push((format!("{pre}.ln_1.weight"), vec![h]));
@@ -105,7 +130,7 @@ fn gpt2_params(hidden: u64, layers: u64) -> Vec<(String, Vec<u64>)> {
     p
 }
 
-fn models() -> Vec<(&'static str, Vec<(String, Vec<u64>)>, u64)> {
+fn models() -> Vec<(&'static str, Params, u64)> {
     let bert = |hidden, intermediate, layers| Encoder {
         vocab: 30522,
         positions: 512,
@@ -114,7 +139,14 @@ fn models() -> Vec<(&'static str, Vec<(String, Vec<u64>)>, u64)> {
         intermediate,
         layers,
     };
-    let xlmr = Encoder { vocab: 250002, positions: 514, type_vocab: 1, hidden: 1024, intermediate: 4096, layers: 24 };
+    let xlmr = Encoder {
+        vocab: 250002,
+        positions: 514,
+        type_vocab: 1,
+        hidden: 1024,
+        intermediate: 4096,
+        layers: 24,
+    };
     // (name, parameters, expected parameter count in millions)
     vec![
         ("bert-base", encoder_params(&bert(768, 3072, 12)), 109),
@@ -128,7 +160,10 @@ fn models() -> Vec<(&'static str, Vec<(String, Vec<u64>)>, u64)> {
 #[test]
 fn model_shapes_have_the_published_parameter_counts() {
     for (name, params, millions) in models() {
-        let count: u64 = params.iter().map(|(_, shape)| shape.iter().product::<u64>()).sum();
+        let count: u64 = params
+            .iter()
+            .map(|(_, shape)| shape.iter().product::<u64>())
+            .sum();
         assert_eq!(count / 1_000_000, millions, "{name}: {count} parameters");
         let m = adamw_manifest(&params);
         assert_eq!(m.len(), 4 * params.len() + 1);
@@ -142,10 +177,22 @@ fn balanced_is_within_one_percent_of_the_bound_on_model_states() {
     for (name, params, _) in models() {
         let manifest = Arc::new(adamw_manifest(&params));
         for ws in WORLD_SIZES {
-            let p = plan(manifest.clone(), ws, Topology::default(), CostModel::default(), Algorithm::Balanced)
-                .unwrap();
-            let g = plan(manifest.clone(), ws, Topology::default(), CostModel::default(), Algorithm::Greedy)
-                .unwrap();
+            let p = plan(
+                manifest.clone(),
+                ws,
+                Topology::default(),
+                CostModel::default(),
+                Algorithm::Balanced,
+            )
+            .unwrap();
+            let g = plan(
+                manifest.clone(),
+                ws,
+                Topology::default(),
+                CostModel::default(),
+                Algorithm::Greedy,
+            )
+            .unwrap();
             let st = &p.stats;
             println!(
                 "{name:>18} ws={ws:>5}: balanced gap {:.5} (writers {:>4}, splits {:>4}, makespan {:.2} ms, bound {:.2} ms) | greedy gap {:.3}",
@@ -156,7 +203,10 @@ fn balanced_is_within_one_percent_of_the_bound_on_model_states() {
                 st.lower_bound_s * 1e3,
                 g.stats.gap
             );
-            assert!(st.gap >= 1.0 - 1e-9, "{name} ws={ws}: makespan below the lower bound: {st:?}");
+            assert!(
+                st.gap >= 1.0 - 1e-9,
+                "{name} ws={ws}: makespan below the lower bound: {st:?}"
+            );
             if st.gap > MAX_GAP {
                 failures.push(format!("{name} ws={ws}: gap {:.5}", st.gap));
             }
@@ -164,7 +214,10 @@ fn balanced_is_within_one_percent_of_the_bound_on_model_states() {
             assert!(st.splits <= st.writers as u64 + 1, "{name} ws={ws}: {st:?}");
         }
     }
-    assert!(failures.is_empty(), "balanced gap above {MAX_GAP}: {failures:#?}");
+    assert!(
+        failures.is_empty(),
+        "balanced gap above {MAX_GAP}: {failures:#?}"
+    );
 }
 
 #[test]
@@ -175,7 +228,14 @@ fn balanced_is_within_one_percent_on_multi_gpu_nodes() {
         let manifest = Arc::new(adamw_manifest(&params));
         for ws in [8u64, 64, 512] {
             let topo = Topology { ranks_per_node: 8 };
-            let p = plan(manifest.clone(), ws, topo, CostModel::default(), Algorithm::Balanced).unwrap();
+            let p = plan(
+                manifest.clone(),
+                ws,
+                topo,
+                CostModel::default(),
+                Algorithm::Balanced,
+            )
+            .unwrap();
             assert!(p.stats.gap <= MAX_GAP, "{name} ws={ws}: {:?}", p.stats);
         }
     }

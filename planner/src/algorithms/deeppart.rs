@@ -127,6 +127,14 @@ fn assign(
     // Group items, largest first, until each group holds one rank's share.
     let sizes: Vec<u64> = items.iter().map(|it| tree.item_bytes(manifest, it)).collect();
     let total: u64 = sizes.iter().sum();
+    if total == 0 {
+        // Nothing to balance; grouping would make one group of everything
+        // with all `n` ranks again, and recurse forever.
+        for item in &items {
+            collect_whole(manifest, tree, *item, &mut ranks[lo as usize]);
+        }
+        return;
+    }
     let mut order: Vec<usize> = (0..items.len()).collect();
     order.sort_by(|&a, &b| sizes[b].cmp(&sizes[a]).then(a.cmp(&b)));
     let share = (total as f64 / n as f64).max(1.0);
@@ -201,7 +209,8 @@ fn split_leaf(manifest: &Manifest, l: u32, lo: u32, n: u32, ranks: &mut [Vec<Pie
     let parts = (n as u64).min(rows).max(1);
     let mut start = 0;
     for p in 0..parts {
-        let stop = (rows * (p + 1) / parts) * row;
+        // In u128: rows * parts can exceed 2^64 (rows <= 2^60, parts <= 2^20).
+        let stop = (rows as u128 * (p + 1) as u128 / parts as u128) as u64 * row;
         ranks[(lo as u64 + p) as usize].push(Piece { leaf: l, start, stop });
         start = stop;
     }

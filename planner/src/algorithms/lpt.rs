@@ -23,10 +23,9 @@ pub(super) fn plan(manifest: &Manifest, cost: &CostModel, ranks: &mut [Vec<Piece
             Reverse((Key(cost.fixed_s + owned), r as u32))
         })
         .collect();
-    for i in replicated_by_size(manifest) {
-        let leaf = &leaves[i as usize];
+    for s in replicated_by_size(manifest) {
         let Reverse((Key(load), r)) = heap.pop().expect("at least one rank");
-        ranks[r as usize].push(whole(i as usize, leaf.units()));
-        heap.push(Reverse((Key(load + cost.piece_cost(leaf.nbytes)), r)));
+        ranks[r as usize].push(whole(s.leaf as usize, s.units));
+        heap.push(Reverse((Key(load + cost.piece_cost(s.nbytes)), r)));
     }
 }

@@ -1,0 +1,1 @@
+"""Benchmarks of the DeepPart planner (``python bench/planner.py``)."""

@@ -1,0 +1,320 @@
+"""Checkpoint save/load benchmark: DeepPart against torch.save, torch.distributed
+.checkpoint (DCP, gloo) and a raw write of the same bytes, on 1, 2 and 4 ranks.
+
+    .venv/bin/python bench/checkpoint.py                 # default --scale 0.25
+    .venv/bin/python bench/checkpoint.py --scale 1       # full BERT-large + AdamW, 4.0 GB
+
+The state is BERT-large's parameters (layer shapes from bench/models.py) and
+AdamW's two moments and step per parameter, with random values; ``--scale s``
+keeps BERT-large's hidden sizes and scales the vocabulary and the number of
+layers, so the state is about ``s * 4.0 GB``. Every rank holds the whole
+state (data parallel), so 4 ranks need 4x the state in memory, plus a
+loaded copy for torch.load: the full 4 GB state does not fit 4 ranks in
+24 GiB, hence the default 0.25 (about 1 GB).
+
+Method, the same for every contender: all ranks ``Barrier``, time the
+operation, ``Barrier`` again; the time is the slowest rank's. With
+``--repeat R`` the contenders run in R rounds (each once per round, so the
+slow phases of a shared machine spread over all of them) and each one's
+best round counts. An untimed warm-up first sets up MPI's and gloo's
+shared-memory paths. Saves fsync
+every file they write (torch.save: ``os.fsync`` of the file; DCP:
+``FileSystemWriter(sync_files=True)``, its default; DeepPart: always; raw:
+``os.fsync``). Loads read what was just written, so they come from the
+page cache (dropping it needs privileges this benchmark does not assume):
+load times measure the software path, not the disk. ``torch.save`` writes
+on rank 0 only and ``torch.load`` reads the whole file on every rank (what
+a data-parallel restart does); DCP and DeepPart load in place into the
+existing state (DeepPart: ``into=``). DeepPart loads with its default
+exchange (``"auto"``: on one host, every rank reads everything itself from
+the shared page cache, as DCP does here) and, for comparison, with
+``exchange="bcast"`` (each rank reads 1/K of the files, then MPI
+broadcasts: what ``"auto"`` picks across nodes). "raw" writes (reads) ``1/K`` of the
+state's bytes per rank as one sequential write (read) of one file: the
+ceiling of this machine for K parallel writers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.models import adamw_param_groups, bert_params  # noqa: E402
+
+CONTENDERS = ("torch", "dcp", "deeppart", "deeppart+{codec}", "raw")
+
+
+def build_state(scale: float, seed: int = 0) -> dict[str, Any]:
+    import torch
+
+    layers = max(1, round(24 * scale))
+    vocab = max(64, round(30522 * scale))
+    named = bert_params(vocab=vocab, hidden=1024, layers=layers, intermediate=4096)
+    gen = torch.Generator().manual_seed(seed)
+    model = {name: torch.randn(shape, generator=gen) * 0.02 for name, shape in named}
+    state: dict[int, dict[str, Any]] = {}
+    for i, (_, shape) in enumerate(named):
+        state[i] = {
+            "step": torch.tensor(1000.0),
+            "exp_avg": torch.randn(shape, generator=gen) * 1e-3,
+            "exp_avg_sq": torch.rand(shape, generator=gen) * 1e-6,
+        }
+    return {
+        "model": model,
+        "optim": {"state": state, "param_groups": adamw_param_groups(len(named))},
+    }
+
+
+def _fsynced_torch_save(state: Any, path: Path) -> None:
+    import torch
+
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _raw_write(buf: np.ndarray[Any, Any], path: Path) -> None:
+    with open(path, "wb") as f:
+        f.write(buf.data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _raw_read(buf: np.ndarray[Any, Any], path: Path) -> None:
+    with open(path, "rb", buffering=0) as f:
+        n = f.readinto(buf.data)
+    assert n == buf.nbytes
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from mpi4py import MPI
+    from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    import deeppart
+
+    torch.set_num_threads(1)
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    state = build_state(args.scale)
+    total = deeppart.Manifest.from_state_dict(state).total_bytes
+    base = Path(args.dir) / f"n{size}"
+    base.mkdir(parents=True, exist_ok=True)
+    codec = args.codec
+    times: dict[str, float] = {}
+
+    share = np.ones(total // size, dtype=np.uint8)
+
+    # Warm-up, untimed: MPI's and gloo's first large messages set up shared
+    # memory (over a second here), which would otherwise land on whichever
+    # contender runs first.
+    comm.Bcast(share[: 64 << 20], root=0)
+    dist.all_reduce(torch.zeros(16 << 20))
+    deeppart.save({"w": torch.zeros(4 << 20)}, base / "warm", comm=comm, overwrite=True)
+    deeppart.load(base / "warm", comm=comm)
+
+    def torch_save() -> None:
+        if rank == 0:
+            _fsynced_torch_save(state, base / "torch.pt")
+
+    def torch_load() -> None:
+        loaded = torch.load(base / "torch.pt", weights_only=True)
+        del loaded
+
+    saves: list[tuple[str, Callable[[], Any]]] = [
+        ("save torch", torch_save),
+        (
+            "save dcp",
+            lambda: dcp_save(
+                state, storage_writer=FileSystemWriter(str(base / "dcp"), sync_files=True)
+            ),
+        ),
+        ("save deeppart", lambda: deeppart.save(state, base / "dp", comm=comm, overwrite=True)),
+        (
+            f"save deeppart+{codec}",
+            lambda: deeppart.save(
+                state, base / "dpz", comm=comm, compression=codec, overwrite=True
+            ),
+        ),
+        ("save raw", lambda: _raw_write(share, base / f"raw-{rank}.bin")),
+    ]
+    loads: list[tuple[str, Callable[[], Any]]] = [
+        ("load torch", torch_load),
+        (
+            "load dcp",
+            lambda: dcp_load(state, storage_reader=FileSystemReader(str(base / "dcp"))),
+        ),
+        ("load deeppart", lambda: deeppart.load(base / "dp", comm=comm, into=state)),
+        (f"load deeppart+{codec}", lambda: deeppart.load(base / "dpz", comm=comm, into=state)),
+        (
+            "load deeppart/bcast",
+            lambda: deeppart.load(base / "dp", comm=comm, into=state, exchange="bcast"),
+        ),
+        ("load raw", lambda: _raw_read(share, base / f"raw-{rank}.bin")),
+    ]
+    # Rounds: every contender once per round, so slow phases of this shared
+    # machine spread over all of them; each contender's best round counts.
+    ratio = 1.0
+    for batch in (saves, loads):
+        for _ in range(args.repeat):
+            for name, fn in batch:
+                comm.Barrier()
+                t0 = time.perf_counter()
+                fn()
+                comm.Barrier()
+                dt = time.perf_counter() - t0
+                times[name] = min(times.get(name, float("inf")), dt)
+                if name == f"save deeppart+{codec}":
+                    stats = deeppart.checkpoint.last_stats("save")
+                    ratio = stats.ratio if stats else 1.0
+                if rank == 0:
+                    print(f"[bench] n={size} {name:<22} {dt:8.3f} s", file=sys.stderr, flush=True)
+
+    # The in-place loads must have restored the same values.
+    ref = build_state(args.scale)
+    same = all(torch.equal(ref["model"][k], v) for k, v in state["model"].items()) and torch.equal(
+        ref["optim"]["state"][0]["exp_avg"], state["optim"]["state"][0]["exp_avg"]
+    )
+    ok = comm.allreduce(int(same), op=MPI.MIN)
+    if rank == 0:
+        print(
+            "RESULT "
+            + json.dumps(
+                {
+                    "ranks": size,
+                    "bytes": total,
+                    "times": times,
+                    "ratio": ratio,
+                    "verified": bool(ok),
+                }
+            ),
+            flush=True,
+        )
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _run(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    cmd = [
+        str(mpiexec), "-n", str(n), sys.executable, str(Path(__file__).resolve()), "--worker",
+        "--scale", str(args.scale), "--codec", args.codec, "--dir", str(work),
+        "--repeat", str(args.repeat),
+    ]  # fmt: skip
+    env = dict(
+        os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1"
+    )
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed with status {proc.returncode}")
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            result: dict[str, Any] = json.loads(line[len("RESULT ") :])
+            return result
+    raise SystemExit(f"no result from {n} ranks:\n{proc.stdout}")
+
+
+def report(results: list[dict[str, Any]], codec: str) -> None:
+    gb = results[0]["bytes"] / 1e9
+    print(
+        f"\nstate: BERT-large-shaped model + AdamW, {gb:.2f} GB, float32; "
+        f"{os.cpu_count()} CPUs; saves fsynced, loads from the page cache"
+    )
+    for op in ("save", "load"):
+        names = [
+            f"{op} torch",
+            f"{op} dcp",
+            f"{op} deeppart",
+            f"{op} deeppart+{codec}",
+            *([f"{op} deeppart/bcast"] if op == "load" else []),
+            f"{op} raw",
+        ]
+        print(f"\n{op}: seconds (GB/s)")
+        print(f"{'ranks':>5}  " + "  ".join(f"{n[len(op) + 1 :]:>20}" for n in names))
+        for r in results:
+            cells = [f"{r['times'][n]:8.3f} ({gb / r['times'][n]:6.2f})" for n in names]
+            print(f"{r['ranks']:>5}  " + "  ".join(f"{c:>20}" for c in cells))
+        print(f"{op} ratios (>1: DeepPart faster; raw/deeppart: fraction of the ceiling)")
+        for r in results:
+            t = r["times"]
+            dp, dpz = t[f"{op} deeppart"], t[f"{op} deeppart+{codec}"]
+            print(
+                f"  {r['ranks']} rank(s): torch/deeppart {t[f'{op} torch'] / dp:5.2f}x  "
+                f"dcp/deeppart {t[f'{op} dcp'] / dp:5.2f}x  "
+                f"raw/deeppart {t[f'{op} raw'] / dp:5.2f}  "
+                f"deeppart/deeppart+{codec} {dp / dpz:5.2f}x"
+                + (
+                    f"  dcp/deeppart-bcast {t[f'{op} dcp'] / t[f'{op} deeppart/bcast']:5.2f}x"
+                    if op == "load"
+                    else ""
+                )
+            )
+    print(
+        f"\n{codec} compression ratio (raw/stored): "
+        + ", ".join(f"{r['ratio']:.3f}" for r in results[:1])
+    )
+    print(
+        "in-place loads verified equal to the saved state: "
+        + ", ".join(f"{r['ranks']} ranks {r['verified']}" for r in results)
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--scale", type=float, default=0.25, help="fraction of BERT-large (default 0.25)"
+    )
+    p.add_argument("--ranks", default="1,2,4", help="comma-separated rank counts (default 1,2,4)")
+    p.add_argument("--codec", default="zstd", help="DeepPart codec to compare (default zstd)")
+    p.add_argument("--dir", default=None, help="work directory (default: a temp dir, removed)")
+    p.add_argument("--repeat", type=int, default=1, help="runs per measurement; the best counts")
+    p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    work = Path(args.dir or tempfile.mkdtemp(prefix="deeppart-bench-"))
+    results = []
+    try:
+        for n in (int(x) for x in args.ranks.split(",")):
+            results.append(_run(n, args, work))
+            subprocess.run(["rm", "-rf", str(work / f"n{n}")], check=False)
+    finally:
+        if args.dir is None:
+            subprocess.run(["rm", "-rf", str(work)], check=False)
+    report(results, args.codec)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""Predicted versus measured save time at 1, 2 and 4 ranks on this machine
+(docs/SIMULATOR.md, "Validation").
+
+    .venv/bin/python bench/validate_simulator.py [--dir DIR] [--repeats 3]
+
+Calibrates this machine into a throw-away profile, then for K in 1, 2, 4 runs
+``mpiexec -n K`` saves of a Llama-shaped model with AdamW (about 350 MB) with
+``deeppart.save`` and compares the median measured time with the
+simulator's prediction for the plan ``deeppart.save`` used (one node, K ranks
+per node, node-local storage). Prints a table and one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def manifest() -> Any:
+    from deeppart.models import adamw_manifest, llama_params
+
+    return adamw_manifest(
+        llama_params(vocab=16000, hidden=512, layers=4, intermediate=1408, kv_hidden=512)
+    )
+
+
+def worker(directory: str, repeats: int) -> None:
+    import torch
+    from mpi4py import MPI
+
+    import deeppart
+    from deeppart.state import unflatten  # noqa: F401  (the state is built directly)
+
+    comm = MPI.COMM_WORLD
+    state: dict[str, Any] = {}
+    for lf in manifest().leaves():
+        node = state
+        path = lf["path"]
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        if lf["kind"] == "object":
+            node[path[-1]] = {"lr": 0.001}
+        else:
+            node[path[-1]] = torch.full(tuple(lf["shape"]), 0.5)
+    times: list[float] = []
+    writes: list[float] = []
+    for i in range(repeats + 1):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        st = deeppart.save(state, Path(directory) / f"ck{i % 2}", overwrite=True)
+        comm.Barrier()
+        if i:  # the first save warms up
+            times.append(time.perf_counter() - t0)
+            writes.append(max(st.rank_seconds))
+    if comm.rank == 0:
+        print("RESULT " + json.dumps({"world": comm.size, "seconds": times, "writes": writes}))
+
+
+def predict(world: int, profile: dict[str, Any]) -> float:
+    import deeppart
+    from deeppart.simulate import StorageModel, evaluate
+
+    m = manifest()
+    # The plan deeppart.save makes (its default cost model, one rank per node).
+    plan = deeppart.plan(m, world, cache=False)
+    rb = plan.rank_bytes()
+    rp = [len(plan.rank_pieces(r)) for r in range(world)]
+    # One node: the ranks share the disk (its calibrated parallel bandwidth).
+    model = StorageModel.from_profile(profile, ranks_per_node=world)
+    seconds, _, _ = evaluate(model, rb, rp, "L1")
+    return seconds
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dir", default=None, help="target directory [a temporary one under .]")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--ranks", default="1,2,4")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args.worker, args.repeats)
+        return 0
+    from deeppart.calibrate import calibrate
+
+    base = Path(args.dir) if args.dir else ROOT
+    with tempfile.TemporaryDirectory(prefix=".validate-", dir=base) as tmp:
+        sizes = [x << 20 for x in (1, 4, 16, 64, 128)]
+        profile = calibrate(Path(tmp), sizes=sizes, repeats=3, serialization=False)
+        mpiexec = Path(sys.executable).parent / "mpiexec"
+        rows = []
+        for k in (int(x) for x in args.ranks.split(",")):
+            cmd = [str(mpiexec), "-n", str(k), sys.executable, __file__, "--worker", tmp,
+                   "--repeats", str(args.repeats)]  # fmt: skip
+            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+            if proc.returncode != 0:
+                print(proc.stdout, proc.stderr, file=sys.stderr)
+                return 1
+            line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+            result = json.loads(line[7:])
+            measured = statistics.median(result["seconds"])
+            write = statistics.median(result["writes"])
+            predicted = predict(k, profile)
+            rows.append({"ranks": k, "measured_s": measured, "write_phase_s": write,
+                         "predicted_s": predicted, "error": predicted / measured - 1})  # fmt: skip
+    p = profile["params"]
+    print(f"calibrated: write {p['write_bw'] / 1e9:.3f} GB/s, "
+          f"node {p['node_bw'] / 1e9:.3f} GB/s, fixed {p['fixed_s'] * 1e3:.2f} ms, "
+          f"piece {p['piece_s'] * 1e6:.1f} us, R2 {profile['fit']['write']['r2']:.3f}")  # fmt: skip
+    print(f"model: {manifest().total_bytes / 1e6:.0f} MB")
+    print("ranks  measured_s  write_phase_s  predicted_s   error")
+    for r in rows:
+        print(f"{r['ranks']:5d}  {r['measured_s']:10.3f}  {r['write_phase_s']:13.3f}  "
+              f"{r['predicted_s']:11.3f}  {r['error']:+6.1%}")  # fmt: skip
+    print(json.dumps({"profile": p, "rows": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

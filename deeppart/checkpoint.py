@@ -1,0 +1,888 @@
+"""Parallel checkpoint save and restore of replicated state across MPI ranks.
+
+Every rank holds the same state. :func:`save` plans (deterministically, on
+every rank) which rank writes which slice of which leaf; each rank writes
+its pieces straight from tensor memory into its own data file, and rank 0
+commits the checkpoint atomically. :func:`load` lets each rank read a
+balanced share of the data files (any number of ranks, whatever number
+wrote them), verifies every piece's checksum, and broadcasts the raw bytes
+with buffer collectives.
+
+Every step that can fail on some ranks only is followed by one small
+agreement collective, so a failure anywhere raises on every rank instead of
+leaving the others blocked in a collective.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from deeppart._planner import DeepPartError, Manifest, ManifestError, Plan
+from deeppart.comm import Comm, resolve
+from deeppart.compression import CODECS, CodecError, check_codec, compress, decompress
+from deeppart.format import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    HEADER_SIZE,
+    MARKER,
+    METADATA,
+    PIECE_FIELDS,
+    CheckpointError,
+    CorruptCheckpointError,
+    Metadata,
+    Piece,
+    StateMismatchError,
+    align_up,
+    check_file_sizes,
+    check_header,
+    checksum,
+    data_file_name,
+    decode_metadata,
+    fsync_dir,
+    header_bytes,
+    is_committed,
+    marker_text,
+    parse_metadata,
+    read_checked_metadata,
+    remove_tree,
+    write_durable,
+)
+from deeppart.progress import Progress, Stats
+from deeppart.state import FlatLeaf, StateError, decode_plain, describe_leaf, flatten, unflatten
+
+U8 = npt.NDArray[np.uint8]
+
+_last_stats: dict[str, Stats] = {}
+
+
+def last_stats(op: str = "save") -> Stats | None:
+    """The :class:`Stats` of this process's latest ``"save"`` or ``"load"``."""
+    return _last_stats.get(op)
+
+
+# ----------------------------------------------------------------------------
+# torch dtypes.
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+_DTYPE_CACHE: dict[str, Any] = {}
+
+
+def _dtypes() -> dict[str, Any]:
+    """torch dtypes by their manifest name ("float32", "bfloat16", ...)."""
+    if not _DTYPE_CACHE:
+        torch = _torch()
+        for name in dir(torch):
+            value = getattr(torch, name, None)
+            if isinstance(value, torch.dtype):
+                key = str(value).removeprefix("torch.")
+                _DTYPE_CACHE.setdefault(key, value)
+    return _DTYPE_CACHE
+
+
+def _dtype_sizes() -> dict[str, int]:
+    return {name: int(dt.itemsize) for name, dt in _dtypes().items()}
+
+
+def _u8_view(t: Any) -> U8:
+    """A flat uint8 numpy view of a CPU, contiguous tensor's memory (no copy)."""
+    torch = _torch()
+    flat = t.detach().reshape(-1)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    arr: U8 = flat.numpy()
+    return arr
+
+
+def _readable(t: Any) -> Any:
+    """``t`` on the CPU, contiguous, conjugation resolved (copies only when needed)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t
+
+
+# ----------------------------------------------------------------------------
+# Agreement: every rank learns whether any rank failed, and raises.
+
+_ERROR_CODES: list[type[BaseException]] = [
+    CorruptCheckpointError,
+    StateMismatchError,
+    CheckpointError,
+    StateError,
+    DeepPartError,
+]
+
+
+def _code_of(err: BaseException) -> int:
+    for i, cls in enumerate(_ERROR_CODES):
+        if isinstance(err, cls):
+            return i + 1
+    return len(_ERROR_CODES) + 1
+
+
+def _agree(
+    comm: Comm, err: BaseException | None, payload: bytes = b"", width: int = 32
+) -> list[bytes]:
+    """One collective: returns every rank's ``payload`` when no rank failed;
+    otherwise every rank raises (its own error, or one naming the failed
+    rank and its message, of the same type)."""
+    code = 0 if err is None else _code_of(err)
+    if len(payload) > width:
+        raise ValueError("payload too long")
+    rows = comm.allgather_bytes(bytes([code]) + payload, width + 1)
+    failed = [r for r, row in enumerate(rows) if row[0] != 0]
+    if not failed:
+        return [row[1:] for row in rows]
+    msg = b"" if err is None else f"{err}".encode()[:8000]
+    messages = comm.allgather_varbytes(msg)
+    if err is not None:
+        raise err
+    first = failed[0]
+    idx = rows[first][0] - 1
+    cls = _ERROR_CODES[idx] if idx < len(_ERROR_CODES) else CheckpointError
+    text = messages[first].decode("utf-8", "replace")
+    others = f" (and {len(failed) - 1} other rank(s))" if len(failed) > 1 else ""
+    raise cls(f"rank {first}{others}: {text}")
+
+
+# ----------------------------------------------------------------------------
+# Planning.
+
+def _make_plan(
+    manifest: Manifest,
+    world_size: int,
+    *,
+    plan: Plan | None = None,
+    planner: Any = None,
+    algorithm: str | None = None,
+    cost: Any = None,
+    topology: Any = None,
+) -> Plan:
+    """The plan to save with: ``plan`` when given (checked against the
+    state), else one from ``planner`` (the planner service, see
+    :func:`deeppart.resolve_planner`) or in process. Planning is
+    deterministic, so every rank computes the same plan itself; the
+    fingerprint agreement in :func:`save` catches any rank that did not."""
+    import deeppart
+
+    if plan is not None:
+        if plan.world_size != world_size or plan.manifest != manifest:
+            raise StateMismatchError(
+                "the given plan was made for another state or world size "
+                f"({plan.world_size} ranks); re-plan"
+            )
+        return plan
+    kwargs: dict[str, Any] = {}
+    if algorithm is not None:
+        kwargs["algorithm"] = algorithm
+    if cost is not None:
+        kwargs["cost"] = cost
+    if topology is not None:
+        kwargs["topology"] = topology
+    if planner is not None:
+        made: Plan = deeppart.plan_with(planner, manifest, world_size, **kwargs)
+        return made
+    made = deeppart.plan(manifest, world_size, **kwargs)
+    return made
+
+
+@dataclass
+class _Prepared:
+    leaves: list[FlatLeaf]
+    skeleton: Any
+    manifest: Manifest
+    plan: Plan
+    codec: str
+    digest: bytes
+
+
+def _prepare(
+    state: Any,
+    compression: str | None,
+    plan_for: Callable[[Manifest], Plan],
+    directory: Path,
+) -> _Prepared:
+    codec = check_codec(compression)
+    leaves, skeleton = flatten(state)
+    manifest = Manifest.from_leaves([describe_leaf(leaf) for leaf in leaves])
+    plan = plan_for(manifest)
+    h = hashlib.sha256()
+    h.update(plan.fingerprint.encode())
+    h.update(manifest.fingerprint.encode())
+    h.update(json.dumps(skeleton, separators=(",", ":")).encode())
+    h.update(codec.encode())
+    h.update(os.path.abspath(directory).encode())
+    return _Prepared(leaves, skeleton, manifest, plan, codec, h.digest())
+
+
+# ----------------------------------------------------------------------------
+# Save.
+
+#: Columns of a rank's piece records: offset, raw length, stored length,
+#: xxh3_64, codec index.
+_REC = 5
+
+
+def _write_pieces(
+    path: Path,
+    rank: int,
+    prep: _Prepared,
+    level: int,
+    progress: Progress,
+) -> tuple[npt.NDArray[np.uint64], int]:
+    """Writes this rank's data file; returns its piece records and size."""
+    pieces = prep.plan.rank_pieces(rank)
+    records = np.zeros((len(pieces), _REC), dtype=np.uint64)
+    views: dict[int, tuple[U8, int]] = {}
+    codec_index = CODECS.index(prep.codec)
+    with open(path, "wb") as f:
+        f.write(header_bytes(rank, prep.plan.world_size, prep.plan.fingerprint))
+        pos = end = HEADER_SIZE
+        for k, (li, start, stop) in enumerate(pieces):
+            leaf = prep.leaves[li]
+            if leaf.tensor is not None:
+                if li not in views:
+                    t = _readable(leaf.tensor)
+                    views[li] = (_u8_view(t), t.element_size())
+                arr, itemsize = views[li]
+                raw = arr[start * itemsize : stop * itemsize].data
+            else:
+                assert leaf.encoded is not None
+                itemsize = 1
+                raw = memoryview(leaf.encoded)
+            data: bytes | memoryview = raw
+            used = 0
+            if codec_index and len(raw):
+                packed = compress(prep.codec, raw, itemsize, level)
+                if len(packed) < len(raw):
+                    data, used = packed, codec_index
+            if len(data):
+                if f.tell() != pos:
+                    f.seek(pos)
+                f.write(data)
+                end = pos + len(data)
+            records[k] = (pos, len(raw), len(data), checksum(data), used)
+            pos = align_up(pos + len(data))
+            progress.advance(len(raw))
+        f.truncate(end)
+        size = end
+        f.flush()
+        os.fsync(f.fileno())
+    return records, size
+
+
+def _metadata_json(prep: _Prepared, records: npt.NDArray[np.uint64], user: Any) -> bytes:
+    world = prep.plan.world_size
+    counts = [len(prep.plan.rank_pieces(r)) for r in range(world)]
+    rows: list[list[Any]] = []
+    file_sizes: list[int] = []
+    pos = 0
+    raw_total = stored_total = 0
+    for r in range(world):
+        block = records[pos : pos + counts[r] * _REC + 1]
+        pos += counts[r] * _REC + 1
+        recs = block[:-1].reshape(-1, _REC)
+        file_sizes.append(int(block[-1]))
+        for (li, start, stop), rec in zip(prep.plan.rank_pieces(r), recs, strict=True):
+            off, length, stored, xxh, ci = (int(x) for x in rec)
+            rows.append([li, start, stop, r, off, length, stored, CODECS[ci], xxh])
+            raw_total += length
+            stored_total += stored
+    meta = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "created_unix": time.time(),
+        "world_size": world,
+        "algorithm": prep.plan.algorithm,
+        "plan_fingerprint": prep.plan.fingerprint,
+        "manifest_fingerprint": prep.manifest.fingerprint,
+        "manifest": json.loads(prep.manifest.to_json()),
+        "skeleton": prep.skeleton,
+        "compression": prep.codec,
+        "checksum": "xxh3_64",
+        "alignment": HEADER_SIZE,
+        "raw_bytes": raw_total,
+        "stored_bytes": stored_total,
+        "file_sizes": file_sizes,
+        "piece_fields": list(PIECE_FIELDS),
+        "pieces": rows,
+        "user": user,
+    }
+    return json.dumps(meta, separators=(",", ":"), allow_nan=False).encode()
+
+
+def save(
+    state: Any,
+    directory: str | os.PathLike[str],
+    *,
+    comm: Any = None,
+    planner: Any = None,
+    compression: str | None = None,
+    algorithm: str | None = None,
+    plan: Plan | None = None,
+    level: int = 1,
+    cost: Any = None,
+    topology: Any = None,
+    overwrite: bool = False,
+    user: Any = None,
+    progress: bool | None = None,
+    verbose: bool = False,
+    _plan_for: Callable[[Manifest], Plan] | None = None,
+) -> Stats:
+    """Saves ``state`` (the same on every rank) to ``directory``, every rank
+    writing its planned share. Collective: call it on every rank of ``comm``.
+
+    ``planner``: None (plan in process) or the planner service to ask (see
+    :func:`deeppart.resolve_planner`); ``algorithm``, ``cost``, ``topology``:
+    the planning options; ``plan``: a ready :class:`deeppart.Plan` of this
+    state for this world size instead. ``compression``: None,
+    ``"zstd"``, ``"lz4"`` or ``"shuffle-zstd"``; ``level``: the Zstandard
+    level (1: fast; ratios on float data barely improve above). ``user``: a plain value
+    stored in the metadata. Returns the save's :class:`Stats` (the same on
+    every rank); rank 0 prints its summary when ``verbose``.
+    """
+    c = resolve(comm)
+    t0 = time.perf_counter()
+    final = Path(directory)
+    err: BaseException | None = None
+    prep: _Prepared | None = None
+    try:
+        from deeppart.state import encode_plain
+
+        if user is not None:
+            encode_plain(user, ("<user>",))
+        if _plan_for is None:
+
+            def _plan_for(m: Manifest) -> Plan:
+                return _make_plan(
+                    m,
+                    c.size,
+                    plan=plan,
+                    planner=planner,
+                    algorithm=algorithm,
+                    cost=cost,
+                    topology=topology,
+                )
+
+        prep = _prepare(state, compression, _plan_for, final)
+    except Exception as e:
+        err = e
+    digests = _agree(c, err, prep.digest if prep else b"")
+    assert prep is not None
+    if len(set(digests)) != 1:
+        groups: dict[bytes, list[int]] = {}
+        for r, d in enumerate(digests):
+            groups.setdefault(d, []).append(r)
+        desc = "; ".join(f"ranks {v}" for v in groups.values())
+        raise StateMismatchError(
+            "ranks disagree on the state's structure, its plan, the codec or the directory "
+            f"(groups of agreeing ranks: {desc}); nothing was written"
+        )
+
+    # Rank 0 makes the temporary directory.
+    tmp_name = b""
+    if c.rank == 0:
+        try:
+            if final.exists() and not overwrite and is_committed(final):
+                raise CheckpointError(f"{final}: a committed checkpoint exists (overwrite=False)")
+            final.parent.mkdir(parents=True, exist_ok=True)
+            nonce = os.urandom(6).hex()
+            tmp_name = f".tmp-{final.name}-{nonce}".encode()
+            (final.parent / tmp_name.decode()).mkdir()
+        except Exception as e:
+            err = e
+    names = _agree(c, err, tmp_name, width=len(".tmp--") + 12 + 255)
+    tmp = final.parent / names[0].rstrip(b"\0").decode()
+
+    # Every rank writes its pieces.
+    mine = prep.plan.rank_bytes()[c.rank]
+    prog = Progress("save", mine, enabled=progress if c.rank == 0 else False)
+    local = np.zeros(1, dtype=np.uint64)
+    try:
+        records, size = _write_pieces(tmp / data_file_name(c.rank), c.rank, prep, level, prog)
+        local = np.concatenate([records.reshape(-1), np.array([size], dtype=np.uint64)])
+    except Exception as e:
+        err = e
+    finally:
+        prog.close()
+    t_write = time.perf_counter() - t0
+    try:
+        _agree(c, err)
+    except BaseException:
+        if c.rank == 0:
+            remove_tree(tmp)
+        raise
+    counts = [len(prep.plan.rank_pieces(r)) * _REC + 1 for r in range(c.size)]
+    gathered = c.gatherv_u64(local, counts, root=0)
+
+    # Rank 0 commits: metadata, fsyncs, rename, marker.
+    stored_total = 0
+    if c.rank == 0:
+        assert gathered is not None
+        try:
+            meta = _metadata_json(prep, gathered, user)
+            stored_total = int(json.loads(meta)["stored_bytes"])
+            write_durable(tmp / METADATA, meta)
+            fsync_dir(tmp)
+            old: Path | None = None
+            if final.exists():
+                old = final.parent / f".old-{final.name}-{os.urandom(6).hex()}"
+                (final / MARKER).unlink(missing_ok=True)
+                final.rename(old)
+            tmp.rename(final)
+            fsync_dir(final.parent)
+            write_durable(final / MARKER, marker_text(meta))
+            fsync_dir(final)
+            if old is not None:
+                remove_tree(old)
+        except Exception as e:
+            err = e
+            remove_tree(tmp)
+    rows = _agree(c, err, struct.pack("<dQ", t_write, stored_total), width=16)
+    seconds = time.perf_counter() - t0
+    rank_seconds = [struct.unpack("<dQ", row[:16])[0] for row in rows]
+    raw_total = prep.manifest.total_bytes
+    stats = Stats(
+        op="save",
+        directory=str(final),
+        world_size=c.size,
+        raw_bytes=raw_total,
+        stored_bytes=struct.unpack("<dQ", rows[0][:16])[1],
+        seconds=seconds,
+        rank_seconds=rank_seconds,
+        codec=prep.codec,
+    )
+    _last_stats["save"] = stats
+    if verbose and c.rank == 0:
+        print(stats.summary(), flush=True)
+    return stats
+
+
+# ----------------------------------------------------------------------------
+# Load.
+
+
+def _assign_readers(file_bytes: list[int], readers: int) -> list[int]:
+    """Reader rank of every data file: largest files first, each to the
+    least-loaded reader (ties: the lowest rank). Deterministic."""
+    load = [0] * readers
+    owner = [0] * len(file_bytes)
+    for f in sorted(range(len(file_bytes)), key=lambda i: (-file_bytes[i], i)):
+        r = min(range(readers), key=lambda k: (load[k], k))
+        owner[f] = r
+        load[r] += file_bytes[f]
+    return owner
+
+
+@dataclass
+class _Target:
+    """Where a leaf's bytes go: a flat uint8 view of the tensor to return
+    (``tensor``), possibly a staging tensor copied into ``into`` at the end."""
+
+    buf: U8
+    tensor: Any | None
+    copy_into: Any | None
+
+
+def _leaf_infos(meta_raw: dict[str, Any]) -> list[dict[str, Any]]:
+    try:
+        manifest = Manifest.from_json(json.dumps(meta_raw.get("manifest")))
+    except (ManifestError, TypeError, ValueError) as e:
+        raise CorruptCheckpointError(f"metadata: bad manifest: {e}") from e
+    return manifest.leaves()
+
+
+def _read_metadata(directory: Path) -> tuple[Metadata, bytes]:
+    text = read_checked_metadata(directory)
+    raw = decode_metadata(text)
+    # The leaves come from the manifest, checked by the planner's parser.
+    raw["leaves"] = [
+        {k: (list(v) if isinstance(v, tuple) else v) for k, v in lf.items() if v is not None}
+        for lf in _leaf_infos(raw)
+    ]
+    return parse_metadata(raw, _dtype_sizes()), hashlib.sha256(text).digest()
+
+
+def _targets(meta: Metadata, into: Any) -> tuple[list[_Target], Any]:
+    torch = _torch()
+    dtypes = _dtypes()
+    targets: list[_Target] = []
+    into_leaves: list[FlatLeaf] | None = None
+    if into is not None:
+        into_leaves, _ = flatten(into)
+        if len(into_leaves) != len(meta.leaves):
+            raise StateMismatchError(
+                f"into= has {len(into_leaves)} leaves, the checkpoint {len(meta.leaves)}"
+            )
+    for i, info in enumerate(meta.leaves):
+        if info.kind == "object":
+            if into_leaves is not None and into_leaves[i].tensor is not None:
+                raise StateMismatchError(
+                    f"into= has a tensor at {'/'.join(map(str, info.path))}, the checkpoint a value"
+                )
+            targets.append(_Target(np.empty(info.nbytes, dtype=np.uint8), None, None))
+            continue
+        dtype = dtypes[str(info.dtype)]
+        if into_leaves is None:
+            t = torch.empty(info.shape, dtype=dtype)
+            targets.append(_Target(_u8_view(t), t, None))
+            continue
+        leaf = into_leaves[i]
+        where = "/".join(map(str, info.path))
+        if list(leaf.path) != list(info.path) or leaf.tensor is None:
+            raise StateMismatchError(
+                f"into= leaf {i} is {'/'.join(map(str, leaf.path))}, the checkpoint's {where}"
+            )
+        t = leaf.tensor
+        if t.dtype != dtype or list(t.shape) != list(info.shape):
+            raise StateMismatchError(
+                f"{where}: into= has {t.dtype} {list(t.shape)}, the checkpoint "
+                f"{info.dtype} {info.shape}"
+            )
+        if t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg():
+            targets.append(_Target(_u8_view(t), t, None))
+        else:
+            stage = torch.empty(info.shape, dtype=dtype)
+            targets.append(_Target(_u8_view(stage), t, stage))
+    return targets, into_leaves
+
+
+def _read_file(
+    directory: Path,
+    meta: Metadata,
+    rank: int,
+    pieces: list[Piece],
+    dest: Callable[[Piece], U8],
+    progress: Progress,
+) -> int:
+    """Reads, verifies and decodes the pieces of one data file into
+    ``dest(piece)``; returns the bytes read."""
+    path = directory / data_file_name(rank)
+    n = 0
+    sizes = {i: lf.itemsize for i, lf in enumerate(meta.leaves)}
+    with open(path, "rb", buffering=0) as f:
+        check_header(path, f.read(HEADER_SIZE), rank, meta.world_size, meta.plan_fingerprint)
+        for p in pieces:
+            out = dest(p)
+            f.seek(p.offset)
+            if p.codec == "none":
+                got = f.readinto(out.data)
+                if got != p.length:
+                    raise CorruptCheckpointError(f"{p.describe(directory)}: short read")
+                stored: bytes | memoryview = out.data
+            else:
+                stored = f.read(p.stored)
+                if len(stored) != p.stored:
+                    raise CorruptCheckpointError(f"{p.describe(directory)}: short read")
+            if checksum(stored) != p.xxh3:
+                raise CorruptCheckpointError(
+                    f"{p.describe(directory)}: checksum mismatch (xxh3_64)"
+                )
+            if p.codec != "none":
+                try:
+                    out[:] = np.frombuffer(
+                        decompress(p.codec, stored, p.length, sizes[p.leaf]), dtype=np.uint8
+                    )
+                except CodecError as e:
+                    raise CorruptCheckpointError(f"{p.describe(directory)}: {e}") from e
+            n += p.stored
+            progress.advance(p.length)
+    return n
+
+
+def load(
+    directory: str | os.PathLike[str],
+    *,
+    comm: Any = None,
+    into: Any = None,
+    exchange: str = "auto",
+    progress: bool | None = None,
+    verbose: bool = False,
+) -> Any:
+    """Loads a committed checkpoint on every rank of ``comm`` (any number of
+    ranks, also one process without MPI). Collective.
+
+    ``exchange="bcast"``: each rank reads a balanced share of the data files
+    and broadcasts it (the file system serves each byte once: right for a
+    parallel file system under many nodes).
+    ``exchange="read"``: every rank reads every piece itself, with no bulk
+    MPI traffic (right when all ranks share one node's page cache, or the
+    interconnect or the CPUs are the bottleneck, e.g. oversubscribed ranks).
+    ``exchange="auto"`` (default): ``"read"`` when every rank runs on the same
+    host, else ``"bcast"``; all ranks take the same decision.
+
+    With ``into`` (a state of the same structure, e.g. ``model.state_dict()``),
+    tensors are filled in place (``copy_`` semantics, no second full copy)
+    and the returned tree holds those same tensor objects; plain values come
+    from the checkpoint. Raises :class:`CheckpointError` (no commit marker,
+    missing directory), :class:`CorruptCheckpointError` (bad checksum,
+    truncated file, naming the file and piece) or
+    :class:`StateMismatchError` (``into`` differs), on every rank.
+    """
+    c = resolve(comm)
+    t0 = time.perf_counter()
+    path = Path(directory)
+    err: BaseException | None = None
+    meta: Metadata | None = None
+    digest = b""
+    owner: list[int] = []
+    targets: list[_Target] = []
+    if exchange == "auto":
+        hosts = c.allgather_varbytes(socket.gethostname().encode())
+        exchange = "read" if len(set(hosts)) == 1 else "bcast"
+    read_all = exchange == "read" or c.size == 1
+    try:
+        meta, digest = _read_metadata(path)
+        raw_per_file = [0] * meta.world_size
+        for p in meta.pieces:
+            raw_per_file[p.rank] += p.length
+        if exchange not in ("bcast", "read"):
+            raise ValueError(f"exchange must be 'auto', 'bcast' or 'read', not {exchange!r}")
+        owner = [c.rank] * meta.world_size if read_all else _assign_readers(raw_per_file, c.size)
+        check_file_sizes(path, meta, [f for f in range(meta.world_size) if owner[f] == c.rank])
+        targets, _ = _targets(meta, into)
+    except Exception as e:
+        err = e
+    digests = _agree(c, err, digest)
+    assert meta is not None
+    if len(set(digests)) != 1:
+        raise StateMismatchError(f"{path}: ranks read different metadata.json files")
+
+    by_file: list[list[Piece]] = [[] for _ in range(meta.world_size)]
+    for p in meta.pieces:
+        by_file[p.rank].append(p)
+    file_raw = [sum(p.length for p in ps) for ps in by_file]
+    mine = [f for f in range(meta.world_size) if owner[f] == c.rank]
+    prog = Progress(
+        "load", sum(file_raw[f] for f in mine), enabled=progress if c.rank == 0 else False
+    )
+    buffers: dict[int, U8] = {}
+    nread = 0
+
+    def place(buf: U8, pieces: list[Piece]) -> Callable[[Piece], U8]:
+        offsets: dict[int, int] = {}
+        pos = 0
+        for p in pieces:
+            offsets[id(p)] = pos
+            pos += p.length
+        return lambda p: buf[offsets[id(p)] : offsets[id(p)] + p.length]
+
+    def direct(p: Piece) -> U8:
+        isz = meta.leaves[p.leaf].itemsize if meta.leaves[p.leaf].kind == "tensor" else 0
+        if isz == 0:
+            return targets[p.leaf].buf
+        return targets[p.leaf].buf[p.start * isz : p.stop * isz]
+
+    try:
+        for f in mine:
+            if read_all:
+                nread += _read_file(path, meta, f, by_file[f], direct, prog)
+            else:
+                buf = np.empty(file_raw[f], dtype=np.uint8)
+                buffers[f] = buf
+                nread += _read_file(path, meta, f, by_file[f], place(buf, by_file[f]), prog)
+    except Exception as e:
+        err = e
+    finally:
+        prog.close()
+    _agree(c, err)
+
+    if not read_all:
+        for f in range(meta.world_size):
+            if file_raw[f] == 0:
+                continue
+            buf = buffers.pop(f) if f in buffers else np.empty(file_raw[f], dtype=np.uint8)
+            c.bcast_u8(buf, root=owner[f])
+            src = place(buf, by_file[f])
+            for p in by_file[f]:
+                direct(p)[:] = src(p)
+            del buf
+
+    values: list[Any] = []
+    try:
+        for i, info in enumerate(meta.leaves):
+            tgt = targets[i]
+            if info.kind == "object":
+                try:
+                    values.append(decode_plain(tgt.buf.tobytes()))
+                except ValueError as e:
+                    raise CorruptCheckpointError(
+                        f"{path}: object leaf {'/'.join(map(str, info.path))}: {e}"
+                    ) from e
+            else:
+                if tgt.copy_into is not None:
+                    assert tgt.tensor is not None
+                    with _torch().no_grad():
+                        tgt.tensor.copy_(tgt.copy_into)
+                values.append(tgt.tensor)
+        state = unflatten(meta.skeleton, values)
+    except ValueError as e:
+        raise CorruptCheckpointError(f"{path}: {e}") from e
+    t_local = time.perf_counter() - t0
+    rows = c.allgather_f64(np.array([t_local, float(nread)], dtype=np.float64))
+    raw_total = sum(file_raw)
+    stats = Stats(
+        op="load",
+        directory=str(path),
+        world_size=c.size,
+        raw_bytes=raw_total,
+        stored_bytes=int(rows[:, 1].sum()),
+        seconds=float(rows[:, 0].max()),
+        rank_seconds=[float(x) for x in rows[:, 0]],
+        codec=str(meta.raw.get("compression", "none")),
+    )
+    _last_stats["load"] = stats
+    if verbose and c.rank == 0:
+        print(stats.summary(), flush=True)
+    return state
+
+
+# ----------------------------------------------------------------------------
+# Repeated saves in a training loop.
+
+
+class Checkpointer:
+    """Numbered checkpoints ``ROOT/step-00000100`` in one root directory.
+
+    ``save(step, state)`` reuses the plan while the state's structure stays
+    the same; ``keep_last`` old committed checkpoints are kept (older ones
+    and leftovers of interrupted saves are removed only after the new one is
+    committed); ``latest()`` is the newest committed step; ``load(step)``.
+    """
+
+    PREFIX = "step-"
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        comm: Any = None,
+        keep_last: int | None = None,
+        compression: str | None = None,
+        level: int = 1,
+        planner: Any = None,
+        algorithm: str | None = None,
+        cost: Any = None,
+        topology: Any = None,
+        exchange: str = "auto",
+        progress: bool | None = None,
+        verbose: bool = False,
+    ) -> None:
+        if keep_last is not None and keep_last < 1:
+            raise ValueError("keep_last must be at least 1")
+        self.root = Path(root)
+        self.comm = resolve(comm)
+        self.keep_last = keep_last
+        self.compression = check_codec(compression)
+        self.level = level
+        self.planner = planner
+        self.algorithm = algorithm
+        self.cost = cost
+        self.topology = topology
+        self.exchange = exchange
+        self.progress = progress
+        self.verbose = verbose
+        self._plan: Plan | None = None
+
+    def path(self, step: int) -> Path:
+        return self.root / f"{self.PREFIX}{step:08d}"
+
+    def steps(self) -> list[int]:
+        """Committed steps, oldest first."""
+        out: list[int] = []
+        if not self.root.is_dir():
+            return out
+        for child in self.root.iterdir():
+            name = child.name
+            digits = name[len(self.PREFIX) :]
+            if name.startswith(self.PREFIX) and digits.isdigit() and is_committed(child):
+                out.append(int(digits))
+        return sorted(out)
+
+    def latest(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def _plan_for(self, manifest: Manifest) -> Plan:
+        if self._plan is None or self._plan.manifest != manifest:
+            self._plan = _make_plan(
+                manifest,
+                self.comm.size,
+                planner=self.planner,
+                algorithm=self.algorithm,
+                cost=self.cost,
+                topology=self.topology,
+            )
+        return self._plan
+
+    def save(self, step: int, state: Any, *, user: Any = None) -> Stats:
+        stats = save(
+            state,
+            self.path(step),
+            comm=self.comm,
+            compression=self.compression,
+            level=self.level,
+            overwrite=True,
+            user={"step": step, "user": user},
+            progress=self.progress,
+            verbose=self.verbose,
+            _plan_for=self._plan_for,
+        )
+        if self.comm.rank == 0:
+            self._cleanup(step)
+        return stats
+
+    def _cleanup(self, newest: int) -> None:
+        committed = self.steps()
+        doomed: list[Path] = []
+        if self.keep_last is not None:
+            doomed += [self.path(s) for s in committed[: -self.keep_last]]
+        for child in self.root.iterdir():
+            # Leftovers of interrupted saves older than the committed one.
+            if child.name.startswith((".tmp-", ".old-")) or (
+                child.name.startswith(self.PREFIX)
+                and child.name[len(self.PREFIX) :].isdigit()
+                and int(child.name[len(self.PREFIX) :]) < newest
+                and not is_committed(child)
+            ):
+                doomed.append(child)
+        for d in doomed:
+            remove_tree(d)
+
+    def load(self, step: int | None = None, *, into: Any = None) -> Any:
+        if step is None:
+            step = self.latest()
+            if step is None:
+                raise CheckpointError(f"{self.root}: no committed checkpoint")
+        return load(
+            self.path(step),
+            comm=self.comm,
+            into=into,
+            exchange=self.exchange,
+            progress=self.progress,
+            verbose=self.verbose,
+        )

@@ -1,0 +1,384 @@
+"""``deeppart inspect CHECKPOINT [--verify] [--json]``: what a checkpoint
+holds, who wrote what, and (with ``--verify``) whether every piece is intact.
+
+Named ``checkpoint_inspect`` so as not to shadow the standard ``inspect``.
+Reads the format of docs/FORMAT.md through :mod:`deeppart.format`'s parser;
+needs neither torch nor MPI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from deeppart import _planner
+from deeppart.format import (
+    HEADER_SIZE,
+    METADATA,
+    CheckpointError,
+    CorruptCheckpointError,
+    Metadata,
+    Piece,
+    check_header,
+    checksum,
+    data_file_name,
+    decode_metadata,
+    is_committed,
+    parse_metadata,
+    read_checked_metadata,
+)
+from deeppart.progress import Progress, human_bytes
+
+
+def _load_metadata(directory: Path, *, allow_uncommitted: bool) -> tuple[Metadata, bool]:
+    """The parsed metadata and whether the commit marker matches it."""
+    committed = is_committed(directory)
+    if committed or not allow_uncommitted:
+        text = read_checked_metadata(directory)
+    else:
+        try:
+            text = (directory / METADATA).read_bytes()
+        except OSError as e:
+            raise CheckpointError(f"{directory / METADATA}: cannot read ({e.strerror})") from e
+    raw = decode_metadata(text)
+    try:
+        manifest = _planner.Manifest.from_json(json.dumps(raw.get("manifest")))
+    except (_planner.ManifestError, TypeError, ValueError) as e:
+        raise CorruptCheckpointError(f"metadata: bad manifest: {e}") from e
+    leaves = manifest.leaves()
+    # Element sizes from the manifest itself (nbytes / numel), so that no
+    # torch import is needed; a zero-element tensor falls back to a table.
+    sizes: dict[str, int] = dict(_FALLBACK_SIZES)
+    for lf in leaves:
+        if lf["kind"] == "tensor":
+            numel = 1
+            for d in lf["shape"]:
+                numel *= int(d)
+            if numel:
+                sizes[str(lf["dtype"])] = int(lf["nbytes"]) // numel
+    raw["leaves"] = [
+        {k: (list(v) if isinstance(v, tuple) else v) for k, v in lf.items() if v is not None}
+        for lf in leaves
+    ]
+    return parse_metadata(raw, sizes), committed
+
+
+_FALLBACK_SIZES = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
+    "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16,
+    "uint16": 2, "uint32": 4, "uint64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1,
+}  # fmt: skip
+
+
+@dataclass
+class VerifyReport:
+    pieces_checked: int = 0
+    bytes_read: int = 0
+    failures: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+
+def _path_str(path: list[Any]) -> str:
+    return ".".join(str(k) for k in path)
+
+
+def verify(directory: Path, meta: Metadata, *, progress: bool | None = None) -> VerifyReport:
+    """Reads every piece of every data file and checks its xxh3_64; collects
+    every failure (file, piece, leaf path, reason) rather than stopping."""
+    report = VerifyReport()
+    by_rank: dict[int, list[tuple[int, Piece]]] = {}
+    for i, p in enumerate(meta.pieces):
+        by_rank.setdefault(p.rank, []).append((i, p))
+    total = sum(p.stored for p in meta.pieces)
+    bar = Progress("verify", total, enabled=progress)
+    try:
+        for rank in range(meta.world_size):
+            path = directory / data_file_name(rank)
+            pieces = sorted(by_rank.get(rank, []), key=lambda ip: ip[1].offset)
+
+            def fail(
+                reason: str,
+                piece: Piece | None = None,
+                index: int | None = None,
+                path: Path = path,
+                rank: int = rank,
+            ) -> None:
+                entry: dict[str, Any] = {"file": str(path), "rank": rank, "reason": reason}
+                if piece is not None:
+                    entry.update(
+                        piece=index,
+                        leaf=piece.leaf,
+                        path=_path_str(meta.leaves[piece.leaf].path),
+                        start=piece.start,
+                        stop=piece.stop,
+                        offset=piece.offset,
+                        stored=piece.stored,
+                    )
+                report.failures.append(entry)
+
+            try:
+                size = path.stat().st_size
+            except OSError as e:
+                fail(f"missing ({e.strerror})")
+                continue
+            if size != meta.file_sizes[rank]:
+                fail(f"{size} bytes, metadata says {meta.file_sizes[rank]}")
+            with open(path, "rb", buffering=0) as f:
+                try:
+                    check_header(
+                        path, f.read(HEADER_SIZE), rank, meta.world_size, meta.plan_fingerprint
+                    )
+                except CorruptCheckpointError as e:
+                    fail(f"bad header: {e}")
+                for index, p in pieces:
+                    f.seek(p.offset)
+                    data = f.read(p.stored)
+                    report.pieces_checked += 1
+                    report.bytes_read += len(data)
+                    bar.advance(len(data))
+                    if len(data) != p.stored:
+                        fail(f"short read ({len(data)} of {p.stored} bytes)", p, index)
+                    elif checksum(data) != p.xxh3:
+                        fail("checksum mismatch (xxh3_64)", p, index)
+    finally:
+        bar.close()
+    return report
+
+
+def describe(directory: Path, meta: Metadata, committed: bool) -> dict[str, Any]:
+    """Everything ``inspect`` shows, as one JSON-able dict."""
+    raw = meta.raw
+    world = meta.world_size
+    rank_raw = [0] * world
+    rank_stored = [0] * world
+    rank_pieces = [0] * world
+    leaf_stored = [0] * len(meta.leaves)
+    leaf_pieces = [0] * len(meta.leaves)
+    leaf_ranks: list[set[int]] = [set() for _ in meta.leaves]
+    codecs: dict[str, int] = {}
+    for p in meta.pieces:
+        rank_raw[p.rank] += p.length
+        rank_stored[p.rank] += p.stored
+        rank_pieces[p.rank] += 1
+        leaf_stored[p.leaf] += p.stored
+        leaf_pieces[p.leaf] += 1
+        leaf_ranks[p.leaf].add(p.rank)
+        codecs[p.codec] = codecs.get(p.codec, 0) + 1
+    raw_bytes = sum(lf.nbytes for lf in meta.leaves)
+    stored_bytes = sum(p.stored for p in meta.pieces)
+    leaves = [
+        {
+            "index": i,
+            "path": _path_str(lf.path),
+            "kind": lf.kind,
+            "dtype": lf.dtype,
+            "shape": lf.shape,
+            "bytes": lf.nbytes,
+            "stored": leaf_stored[i],
+            "pieces": leaf_pieces[i],
+            "ranks": sorted(leaf_ranks[i]),
+        }
+        for i, lf in enumerate(meta.leaves)
+    ]
+    # The tree, summed at the first two levels of the paths.
+    tree: dict[str, dict[str, int]] = {}
+    for i, lf in enumerate(meta.leaves):
+        for depth in (1, 2):
+            if len(lf.path) < depth:
+                continue
+            key = _path_str(lf.path[:depth])
+            node = tree.setdefault(key, {"depth": depth, "leaves": 0, "bytes": 0, "stored": 0})
+            node["leaves"] += 1
+            node["bytes"] += lf.nbytes
+            node["stored"] += leaf_stored[i]
+    level = raw.get("level")
+    return {
+        "directory": str(directory),
+        "committed": committed,
+        "format": raw.get("format"),
+        "version": raw.get("version"),
+        "level": level if level is not None else "L4/global (no level recorded)",
+        "world_size": world,
+        "algorithm": raw.get("algorithm"),
+        "plan_fingerprint": meta.plan_fingerprint,
+        "compression": raw.get("compression"),
+        "checksum": raw.get("checksum"),
+        "leaves": len(meta.leaves),
+        "pieces": len(meta.pieces),
+        "raw_bytes": raw_bytes,
+        "stored_bytes": stored_bytes,
+        "compression_ratio": raw_bytes / stored_bytes if stored_bytes else 1.0,
+        "piece_codecs": codecs,
+        "file_bytes": sum(meta.file_sizes),
+        "created_unix": raw.get("created_unix"),
+        "user": raw.get("user"),
+        "ranks": [
+            {
+                "rank": r,
+                "file": data_file_name(r),
+                "file_bytes": meta.file_sizes[r],
+                "raw_bytes": rank_raw[r],
+                "stored_bytes": rank_stored[r],
+                "pieces": rank_pieces[r],
+            }
+            for r in range(world)
+        ],
+        "tree": [{"path": k, **v} for k, v in tree.items()],
+        "leaf_table": leaves,
+    }
+
+
+def _table(headers: list[str], rows: list[list[str]], right: set[int] | None = None) -> str:
+    right = right if right is not None else set(range(1, len(headers)))
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in
+              enumerate(headers)]  # fmt: skip
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(
+            c.rjust(w) if i in right else c.ljust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ).rstrip()
+
+    out = [line(headers), line(["-" * w for w in widths])]
+    out += [line(r) for r in rows]
+    return "\n".join(out)
+
+
+def format_text(info: dict[str, Any], *, max_leaves: int, max_ranks: int) -> str:
+    hb = human_bytes
+    parts: list[str] = []
+    codecs = ", ".join(f"{k} {v}" for k, v in info["piece_codecs"].items())
+    summary = [
+        ("checkpoint", info["directory"]),
+        ("committed", "yes" if info["committed"] else "NO (no matching COMMITTED marker)"),
+        ("format", f"{info['format']} v{info['version']}"),
+        ("level", str(info["level"])),
+        ("world size", str(info["world_size"])),
+        ("algorithm", str(info["algorithm"])),
+        ("leaves", str(info["leaves"])),
+        ("pieces", str(info["pieces"])),
+        ("state bytes", hb(info["raw_bytes"])),
+        ("stored bytes", hb(info["stored_bytes"])),
+        ("compression", f"{info['compression']}, ratio {info['compression_ratio']:.3f}x "
+                        f"(pieces: {codecs})"),
+        ("checksum", str(info["checksum"])),
+        ("plan", str(info["plan_fingerprint"])[:16]),
+    ]  # fmt: skip
+    w = max(len(k) for k, _ in summary)
+    parts.append("\n".join(f"{k:<{w}}  {v}" for k, v in summary))
+
+    tree_rows = [
+        [("  " * (n["depth"] - 1)) + n["path"], str(n["leaves"]), hb(n["bytes"]), hb(n["stored"])]
+        for n in info["tree"]
+    ]
+    parts.append("structure\n" + _table(["path", "leaves", "bytes", "stored"], tree_rows))
+
+    leaves = sorted(info["leaf_table"], key=lambda lf: -lf["bytes"])
+    shown = leaves[:max_leaves] if max_leaves >= 0 else leaves
+    leaf_rows = [
+        [
+            lf["path"],
+            lf["dtype"] or "object",
+            "x".join(map(str, lf["shape"])) if lf["kind"] == "tensor" else "-",
+            hb(lf["bytes"]),
+            str(lf["pieces"]),
+            _ranks_str(lf["ranks"]),
+        ]
+        for lf in shown
+    ]
+    title = f"leaves (largest {len(shown)} of {len(leaves)}; --leaves N shows more)"
+    parts.append(
+        title + "\n" + _table(["path", "dtype", "shape", "bytes", "pieces", "ranks"], leaf_rows)
+    )
+
+    ranks = info["ranks"]
+    rshown = ranks[:max_ranks] if max_ranks >= 0 else ranks
+    rank_rows = [
+        [str(r["rank"]), r["file"], hb(r["raw_bytes"]), hb(r["stored_bytes"]), str(r["pieces"])]
+        for r in rshown
+    ]
+    loads = [r["raw_bytes"] for r in ranks]
+    mean = sum(loads) / len(loads) if loads else 0.0
+    imbalance = max(loads) / mean if mean else 1.0
+    title = f"who wrote what ({len(rshown)} of {len(ranks)} ranks; max/mean {imbalance:.3f})"
+    parts.append(title + "\n" + _table(["rank", "file", "bytes", "stored", "pieces"], rank_rows))
+    return "\n\n".join(parts)
+
+
+def _ranks_str(ranks: list[int]) -> str:
+    if len(ranks) <= 4:
+        return ",".join(map(str, ranks))
+    return f"{ranks[0]}..{ranks[-1]} ({len(ranks)})"
+
+
+def run(args: argparse.Namespace) -> int:
+    directory = Path(args.checkpoint)
+    try:
+        meta, committed = _load_metadata(directory, allow_uncommitted=True)
+    except CheckpointError as e:
+        print(f"deeppart: error: {e}", file=sys.stderr)
+        return 2
+    info = describe(directory, meta, committed)
+    report: VerifyReport | None = None
+    if args.verify:
+        report = verify(directory, meta)
+        info["verify"] = {
+            "ok": report.ok,
+            "pieces_checked": report.pieces_checked,
+            "bytes_read": report.bytes_read,
+            "failures": report.failures,
+        }
+    if args.json:
+        if not args.leaves_in_json:
+            info.pop("leaf_table")
+        print(json.dumps(info))
+    else:
+        print(format_text(info, max_leaves=args.leaves, max_ranks=args.ranks))
+        if report is not None:
+            print()
+            if report.ok:
+                print(
+                    f"verify: OK, {report.pieces_checked} pieces, "
+                    f"{human_bytes(report.bytes_read)} read, every xxh3_64 matches"
+                )
+            else:
+                print(f"verify: {len(report.failures)} FAILURE(S)")
+                for fl in report.failures:
+                    where = fl["file"]
+                    if "piece" in fl:
+                        where += (
+                            f": piece {fl['piece']} (leaf {fl['leaf']} {fl['path']} "
+                            f"[{fl['start']}:{fl['stop']}], offset {fl['offset']}, "
+                            f"{fl['stored']} bytes)"
+                        )
+                    print(f"  {where}: {fl['reason']}")
+    if report is not None and not report.ok:
+        return 1
+    return 0 if committed else 1
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "inspect", help="show a checkpoint's structure, sizes and writers; --verify checksums"
+    )
+    p.add_argument("checkpoint", help="checkpoint directory")
+    p.add_argument(
+        "--verify", action="store_true", help="read every piece and check its checksum (exit 1 "
+        "on corruption)"
+    )  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--leaves", type=int, default=20, help="leaf rows to show, largest first (-1: all)"
+    )
+    p.add_argument("--ranks", type=int, default=64, help="rank rows to show (-1: all)")
+    p.add_argument(
+        "--leaves-in-json", action="store_true", help="include the per-leaf table in --json"
+    )
+    p.set_defaults(func=run)

@@ -1,0 +1,354 @@
+"""The on-disk checkpoint format (see docs/FORMAT.md), its checks and errors.
+
+A committed checkpoint is a directory::
+
+    metadata.json        manifest, skeleton, plan fingerprint, piece index
+    rank-00000.bin       one data file per writing rank: a 4 KiB header,
+    rank-00001.bin       then pieces, each at a 4 KiB-aligned offset
+    ...
+    COMMITTED            written last: format tag and sha256 of metadata.json
+
+Nothing here unpickles; every size and offset read from disk is checked
+against the metadata's own invariants and the real file sizes before use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from deeppart._planner import DeepPartError
+from deeppart.compression import CODECS
+
+FORMAT_NAME = "deeppart-checkpoint"
+FORMAT_VERSION = 1
+METADATA = "metadata.json"
+MARKER = "COMMITTED"
+ALIGN = 4096
+HEADER_SIZE = ALIGN
+MAGIC = b"DPCKPT01"
+#: Header: magic, format version, rank, world size, plan fingerprint (hex).
+_HEADER = struct.Struct("<8sIII64s")
+#: Largest object (plain value) leaf accepted on load.
+MAX_OBJECT_BYTES = 1 << 30
+MAX_METADATA_BYTES = 1 << 31
+
+#: Fields of one piece record, in metadata.json's "pieces" rows.
+PIECE_FIELDS = ("leaf", "start", "stop", "rank", "offset", "length", "stored", "codec", "xxh3")
+
+
+class CheckpointError(DeepPartError):
+    """A checkpoint cannot be saved or loaded."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint's files do not match its metadata (bad checksum,
+    truncated file, malformed metadata)."""
+
+
+class StateMismatchError(CheckpointError):
+    """Ranks disagree on the state's structure or the plan, or the state to
+    load into does not match the checkpoint."""
+
+
+def data_file_name(rank: int) -> str:
+    return f"rank-{rank:05d}.bin"
+
+
+def align_up(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
+
+
+def checksum(data: bytes | memoryview) -> int:
+    """xxh3_64 of ``data``."""
+    import xxhash
+
+    return int(xxhash.xxh3_64_intdigest(data))
+
+
+def header_bytes(rank: int, world_size: int, plan_fingerprint: str) -> bytes:
+    fp = plan_fingerprint.encode("ascii")[:64].ljust(64, b"\0")
+    head = _HEADER.pack(MAGIC, FORMAT_VERSION, rank, world_size, fp)
+    return head.ljust(HEADER_SIZE, b"\0")
+
+
+def check_header(path: Path, data: bytes, rank: int, world_size: int, fingerprint: str) -> None:
+    if len(data) < _HEADER.size:
+        raise CorruptCheckpointError(f"{path}: truncated header")
+    magic, version, hrank, hworld, fp = _HEADER.unpack_from(data)
+    if magic != MAGIC or version != FORMAT_VERSION:
+        raise CorruptCheckpointError(f"{path}: not a DeepPart v{FORMAT_VERSION} data file")
+    if (hrank, hworld) != (rank, world_size):
+        raise CorruptCheckpointError(
+            f"{path}: header says rank {hrank} of {hworld}, expected {rank} of {world_size}"
+        )
+    if fp.rstrip(b"\0").decode("ascii", "replace") != fingerprint:
+        raise CorruptCheckpointError(f"{path}: written for another plan")
+
+
+# ----------------------------------------------------------------------------
+# Durability.
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durable(path: Path, data: bytes) -> None:
+    """Writes ``data`` to ``path`` and fsyncs it."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def marker_text(metadata: bytes) -> bytes:
+    digest = hashlib.sha256(metadata).hexdigest()
+    return f"{FORMAT_NAME} v{FORMAT_VERSION}\nsha256 {digest}\n".encode()
+
+
+def is_committed(directory: Path) -> bool:
+    """Whether ``directory`` holds a marker matching its metadata (cheap:
+    reads two small files, not the data)."""
+    try:
+        marker = (directory / MARKER).read_bytes()
+        meta = (directory / METADATA).read_bytes()
+    except OSError:
+        return False
+    return marker == marker_text(meta)
+
+
+# ----------------------------------------------------------------------------
+# Metadata.
+
+
+@dataclass(frozen=True)
+class LeafInfo:
+    path: list[Any]
+    kind: str  # "tensor" | "object"
+    dtype: str | None
+    shape: list[int]
+    itemsize: int
+    numel: int  # elements (1 for an object leaf)
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Piece:
+    leaf: int
+    start: int
+    stop: int
+    rank: int
+    offset: int
+    length: int
+    stored: int
+    codec: str
+    xxh3: int
+
+    def describe(self, directory: Path) -> str:
+        return (
+            f"{directory / data_file_name(self.rank)}: piece of leaf {self.leaf} "
+            f"[{self.start}:{self.stop}] at offset {self.offset} ({self.stored} bytes)"
+        )
+
+
+@dataclass(frozen=True)
+class Metadata:
+    raw: dict[str, Any]
+    leaves: list[LeafInfo]
+    pieces: list[Piece]
+    world_size: int
+    plan_fingerprint: str
+    skeleton: Any
+    file_sizes: list[int]
+
+
+def _int(value: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise CorruptCheckpointError(
+            f"metadata: {what} is {value!r}, not an integer in [{lo}, {hi}]"
+        )
+    return value
+
+
+def decode_metadata(text: bytes) -> dict[str, Any]:
+    """metadata.json as a dict (no checks beyond its being a DeepPart one)."""
+    try:
+        raw = json.loads(text.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CorruptCheckpointError(f"metadata.json is not valid JSON: {e}") from e
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
+        raise CorruptCheckpointError("metadata.json is not DeepPart checkpoint metadata")
+    return raw
+
+
+def parse_metadata(raw: dict[str, Any], dtype_sizes: dict[str, int]) -> Metadata:
+    """Checks decoded metadata, whose ``leaves`` are the manifest's leaf
+    descriptions: every leaf is covered exactly once by its pieces, pieces of
+    one file do not overlap, every length is consistent. File sizes are
+    checked separately by :func:`check_file_sizes`."""
+    if raw.get("version") != FORMAT_VERSION:
+        raise CheckpointError(f"unsupported checkpoint format version {raw.get('version')!r}")
+    world = _int(raw.get("world_size"), "world_size", 1, 1 << 24)
+    fingerprint = raw.get("plan_fingerprint")
+    if not isinstance(fingerprint, str) or len(fingerprint) > 64:
+        raise CorruptCheckpointError("metadata: bad plan_fingerprint")
+    raw_leaves = raw.get("leaves")
+    if not isinstance(raw_leaves, list):
+        raise CorruptCheckpointError("metadata: leaves is not a list")
+    leaves: list[LeafInfo] = []
+    for i, lf in enumerate(raw_leaves):
+        if not isinstance(lf, dict) or not isinstance(lf.get("path"), list):
+            raise CorruptCheckpointError(f"metadata: leaf {i} is malformed")
+        if lf.get("kind") == "object":
+            nbytes = _int(lf.get("nbytes"), f"leaf {i} nbytes", 0, MAX_OBJECT_BYTES)
+            leaves.append(LeafInfo(lf["path"], "object", None, [], 1, 1, nbytes))
+            continue
+        dtype = lf.get("dtype")
+        shape = lf.get("shape")
+        if dtype not in dtype_sizes or not isinstance(shape, list):
+            raise CorruptCheckpointError(f"metadata: leaf {i} has bad dtype or shape")
+        numel = 1
+        for d in shape:
+            numel *= _int(d, f"leaf {i} shape", 0, 1 << 48)
+        itemsize = dtype_sizes[dtype]
+        _int(numel * itemsize, f"leaf {i} size")
+        nbytes = numel * itemsize
+        leaves.append(LeafInfo(lf["path"], "tensor", dtype, shape, itemsize, numel, nbytes))
+    rows = raw.get("pieces")
+    if not isinstance(rows, list):
+        raise CorruptCheckpointError("metadata: pieces is not a list")
+    pieces: list[Piece] = []
+    for j, row in enumerate(rows):
+        if not isinstance(row, list) or len(row) != len(PIECE_FIELDS):
+            raise CorruptCheckpointError(f"metadata: piece {j} is malformed")
+        leaf = _int(row[0], f"piece {j} leaf", 0, max(0, len(leaves) - 1))
+        info = leaves[leaf]
+        start = _int(row[1], f"piece {j} start", 0, info.numel)
+        stop = _int(row[2], f"piece {j} stop", start, info.numel)
+        rank = _int(row[3], f"piece {j} rank", 0, world - 1)
+        offset = _int(row[4], f"piece {j} offset", HEADER_SIZE)
+        length = _int(row[5], f"piece {j} length")
+        stored = _int(row[6], f"piece {j} stored length")
+        codec = row[7]
+        if codec not in CODECS:
+            raise CorruptCheckpointError(f"metadata: piece {j} has unknown codec {codec!r}")
+        xxh = _int(row[8], f"piece {j} checksum", 0, (1 << 64) - 1)
+        expect = info.nbytes if info.kind == "object" else (stop - start) * info.itemsize
+        if length != expect or (codec == "none" and stored != length):
+            raise CorruptCheckpointError(f"metadata: piece {j} has inconsistent lengths")
+        pieces.append(Piece(leaf, start, stop, rank, offset, length, stored, codec, xxh))
+    # Coverage: every leaf exactly once.
+    by_leaf: list[list[tuple[int, int]]] = [[] for _ in leaves]
+    for p in pieces:
+        by_leaf[p.leaf].append((p.start, p.stop))
+    for i, spans in enumerate(by_leaf):
+        spans.sort()
+        pos = 0
+        for a, b in spans:
+            if a != pos:
+                raise CorruptCheckpointError(f"metadata: leaf {i} is not covered exactly once")
+            pos = b
+        if pos != leaves[i].numel and not (leaves[i].numel == 0 and not spans):
+            raise CorruptCheckpointError(f"metadata: leaf {i} is not covered exactly once")
+    # No overlaps within a file; compute the least size of every file.
+    file_sizes = [HEADER_SIZE] * world
+    by_file: list[list[tuple[int, int]]] = [[] for _ in range(world)]
+    for p in pieces:
+        if p.stored:  # an empty piece occupies no bytes
+            by_file[p.rank].append((p.offset, p.offset + p.stored))
+    for r, spans in enumerate(by_file):
+        spans.sort()
+        end = HEADER_SIZE
+        for a, b in spans:
+            if a < end:
+                raise CorruptCheckpointError(f"metadata: pieces overlap in {data_file_name(r)}")
+            end = b
+        file_sizes[r] = end
+    declared = raw.get("file_sizes")
+    if not isinstance(declared, list) or len(declared) != world:
+        raise CorruptCheckpointError("metadata: bad file_sizes")
+    for r, n in enumerate(declared):
+        if _int(n, f"file_sizes[{r}]") < file_sizes[r]:
+            raise CorruptCheckpointError(f"metadata: file_sizes[{r}] is smaller than its pieces")
+    return Metadata(
+        raw=raw,
+        leaves=leaves,
+        pieces=pieces,
+        world_size=world,
+        plan_fingerprint=fingerprint,
+        skeleton=raw.get("skeleton"),
+        file_sizes=[int(n) for n in declared],
+    )
+
+
+def check_file_sizes(directory: Path, meta: Metadata, ranks: list[int]) -> None:
+    """Every data file in ``ranks`` exists and has its declared size."""
+    for r in ranks:
+        path = directory / data_file_name(r)
+        try:
+            size = path.stat().st_size
+        except OSError as e:
+            raise CorruptCheckpointError(f"{path}: missing ({e.strerror})") from e
+        if size != meta.file_sizes[r]:
+            raise CorruptCheckpointError(
+                f"{path}: {size} bytes, metadata says {meta.file_sizes[r]} (truncated or extended)"
+            )
+
+
+def read_checked_metadata(directory: Path) -> bytes:
+    """Reads metadata.json and checks the commit marker against it."""
+    mpath = directory / METADATA
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: no such checkpoint directory")
+    try:
+        marker = (directory / MARKER).read_bytes()
+    except OSError as e:
+        raise CheckpointError(
+            f"{directory}: no {MARKER} marker; the checkpoint was never committed "
+            "(a save was interrupted)"
+        ) from e
+    try:
+        if mpath.stat().st_size > MAX_METADATA_BYTES:
+            raise CorruptCheckpointError(f"{mpath}: too large")
+        text = mpath.read_bytes()
+    except OSError as e:
+        raise CorruptCheckpointError(f"{mpath}: cannot read ({e.strerror})") from e
+    if marker != marker_text(text):
+        raise CorruptCheckpointError(f"{mpath}: does not match the hash in {directory / MARKER}")
+    return text
+
+
+def remove_tree(path: Path) -> None:
+    """Removes a checkpoint directory (files, then the directory), ignoring
+    what is already gone."""
+    if not path.exists():
+        return
+    with contextlib.suppress(FileNotFoundError):
+        (path / MARKER).unlink()  # first: a half-removed checkpoint is never "committed"
+    for child in sorted(path.iterdir(), reverse=True):
+        if child.is_dir() and not child.is_symlink():
+            remove_tree(child)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                child.unlink()
+    with contextlib.suppress(FileNotFoundError):
+        path.rmdir()

@@ -1,0 +1,840 @@
+"""The DeepPart planner service: ``deeppart serve --listen HOST:PORT --cache-dir DIR``.
+
+A gRPC server (Python grpcio, thread pool) of ``deeppart.planner.v1.Planner``,
+with standard health checking and server reflection. Requests are fingerprint
+first: a Plan request names its structure by fingerprints; the service answers
+``PLAN_STATUS_NEED_MANIFEST`` when it does not know the manifest, and the client
+resends it once. Known manifests are persisted in the cache directory (atomic
+writes), plans go through the planner's plan cache where the binding has one,
+and recently used responses are kept in memory as serialized bytes.
+
+The handlers take and return raw bytes, so that malformed requests become
+``INVALID_ARGUMENT`` (grpcio's own deserializer would answer ``INTERNAL``) and
+cached responses are sent without serializing them again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hmac
+import json
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import grpc
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+import deeppart
+from deeppart.proto import planner_pb2 as pb
+from deeppart.service import wire
+from deeppart.service.options import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_RESPONSE_CACHE_BYTES,
+    JOB_METADATA_KEY,
+    SERVICE_NAME,
+    TOKEN_ENV,
+)
+
+MAX_JOBS_TRACKED = 1024
+MAX_JOB_ID_CHARS = 128
+MAX_DETAIL_CHARS = 2000
+_FINGERPRINT_CHARS = frozenset("0123456789abcdef")
+
+
+class ServiceError(Exception):
+    """Ends an RPC with a gRPC status code and a message naming the problem."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+# ----------------------------------------------------------------------------
+# Structured logs.
+
+
+class JsonLog:
+    """One JSON object per line: ``{"ts": ..., "level": ..., "event": ..., ...}``.
+
+    Per-RPC lines are flushed at most every ``flush_s`` (and by a background
+    thread), every other line at once: a busy server does not pay one flush
+    per request.
+    """
+
+    def __init__(self, stream: IO[str] | None = None, flush_s: float = 0.2) -> None:
+        self._stream = stream if stream is not None else sys.stderr
+        self._lock = threading.Lock()
+        self._flush_s = flush_s
+        self._last_flush = time.monotonic()
+        self._dirty = False
+        threading.Thread(target=self._flusher, name="log-flush", daemon=True).start()
+
+    def __call__(self, event: str, level: str = "info", **fields: Any) -> None:
+        record = {"ts": round(time.time(), 6), "level": level, "event": event, **fields}
+        line = json.dumps(record, default=str, separators=(",", ":"))
+        with self._lock:
+            try:
+                self._stream.write(line + "\n")
+                now = time.monotonic()
+                if event != "rpc" or level != "info" or now - self._last_flush > self._flush_s:
+                    self._stream.flush()
+                    self._last_flush = now
+                    self._dirty = False
+                else:
+                    self._dirty = True
+            except (OSError, ValueError):
+                pass  # a closed log stream must not fail a request
+
+    def flush(self) -> None:
+        with self._lock:
+            with contextlib.suppress(OSError, ValueError):
+                self._stream.flush()
+            self._dirty = False
+            self._last_flush = time.monotonic()
+
+    def _flusher(self) -> None:
+        while True:
+            time.sleep(self._flush_s)
+            if self._dirty:
+                self.flush()
+
+
+# ----------------------------------------------------------------------------
+# Persistence.
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Writes ``data`` to ``path`` so that a reader (or a restart after SIGKILL)
+    sees either the old file or the whole new one: tmp file, fsync, rename, fsync dir."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+class ManifestStore:
+    """Manifests by manifest fingerprint: wire bytes on disk, parsed ones in memory."""
+
+    def __init__(self, directory: Path, log: JsonLog, memory_leaves: int = 2_000_000) -> None:
+        self.directory = directory
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._log = log
+        self._memory: OrderedDict[str, deeppart.Manifest] = OrderedDict()
+        self._memory_leaves = memory_leaves  # bounds the parsed manifests kept in memory
+        self._leaves = 0
+        self._lock = threading.Lock()
+
+    def _path(self, fingerprint: str) -> Path:
+        return self.directory / f"{fingerprint}.pb"
+
+    def count(self) -> int:
+        return sum(1 for _ in self.directory.glob("*.pb"))
+
+    def _remember(self, fingerprint: str, manifest: deeppart.Manifest) -> None:
+        with self._lock:
+            old = self._memory.pop(fingerprint, None)
+            if old is not None:
+                self._leaves -= len(old)
+            self._memory[fingerprint] = manifest
+            self._leaves += len(manifest)
+            while self._leaves > self._memory_leaves and len(self._memory) > 1:
+                _, evicted = self._memory.popitem(last=False)
+                self._leaves -= len(evicted)
+
+    def put(self, manifest: deeppart.Manifest, wire_bytes: bytes) -> None:
+        fingerprint = manifest.fingerprint
+        path = self._path(fingerprint)
+        if not path.exists():
+            try:
+                atomic_write(path, wire_bytes)
+            except OSError as e:  # still served from memory; re-uploaded after a restart
+                self._log("persist_failed", "warning", path=str(path), error=str(e))
+        self._remember(fingerprint, manifest)
+
+    def get(self, fingerprint: str) -> deeppart.Manifest | None:
+        with self._lock:
+            manifest = self._memory.get(fingerprint)
+            if manifest is not None:
+                self._memory.move_to_end(fingerprint)
+                return manifest
+        path = self._path(fingerprint)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            manifest = wire.manifest_from_proto(pb.Manifest.FromString(data))
+            if manifest.fingerprint != fingerprint:
+                raise ValueError(f"its fingerprint is {manifest.fingerprint}")
+        except (DecodeError, ValueError, deeppart.DeepPartError) as e:
+            self._log("manifest_corrupt", "warning", fingerprint=fingerprint, error=str(e))
+            with contextlib.suppress(OSError):
+                path.unlink()
+            return None
+        self._remember(fingerprint, manifest)
+        return manifest
+
+
+class ResponseCache:
+    """Serialized PlanResponse bytes by plan fingerprint, least recently used first out."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._items: OrderedDict[str, bytes] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> bytes | None:
+        with self._lock:
+            data = self._items.get(key)
+            if data is not None:
+                self._items.move_to_end(key)
+            return data
+
+    def put(self, key: str, data: bytes) -> None:
+        if len(data) > self.max_bytes:
+            return
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self.bytes -= len(old)
+            self._items[key] = data
+            self.bytes += len(data)
+            while self.bytes > self.max_bytes:
+                _, evicted = self._items.popitem(last=False)
+                self.bytes -= len(evicted)
+
+
+# ----------------------------------------------------------------------------
+# Statistics.
+
+_HIST_BASE_MS = 0.01
+_HIST_RATIO = 1.1
+_HIST_BUCKETS = 200  # 0.01 ms * 1.1**200 ~ 1.9e6 ms
+
+
+def _bucket(ms: float) -> int:
+    if ms <= _HIST_BASE_MS:
+        return 0
+    return min(_HIST_BUCKETS - 1, 1 + int(math.log(ms / _HIST_BASE_MS, _HIST_RATIO)))
+
+
+def _bucket_ms(i: int) -> float:
+    # The geometric middle of bucket i.
+    return float(_HIST_BASE_MS * _HIST_RATIO ** (max(i, 1) - 0.5))
+
+
+@dataclass
+class _Job:
+    requests: int = 0
+    errors: int = 0
+    total_ms: float = 0.0
+    max_ms: float = 0.0
+    hist: list[int] = field(default_factory=lambda: [0] * _HIST_BUCKETS)
+
+    def quantile(self, q: float) -> float:
+        n = sum(self.hist)
+        if n == 0:
+            return 0.0
+        need = max(1, math.ceil(q * n))  # nearest rank
+        seen = 0
+        for i, c in enumerate(self.hist):
+            seen += c
+            if seen >= need:
+                return min(_bucket_ms(i), self.max_ms)
+        return self.max_ms
+
+
+class Stats:
+    """Service counters and per-job latency histograms (bounded memory)."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self._lock = threading.Lock()
+        self.counters: dict[str, int] = {
+            "requests": 0,
+            "plan_requests": 0,
+            "manifest_uploads": 0,
+            "need_manifest": 0,
+            "plans_computed": 0,
+            "response_cache_hits": 0,
+            "plan_cache_hits": 0,
+        }
+        self.errors: dict[str, int] = {}
+        self.in_flight = 0
+        self._jobs: OrderedDict[str, _Job] = OrderedDict()
+
+    def incr(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
+
+    def begin(self) -> None:
+        with self._lock:
+            self.in_flight += 1
+            self.counters["requests"] += 1
+
+    def end(self, job_id: str, ms: float, code: grpc.StatusCode | None) -> None:
+        with self._lock:
+            self.in_flight -= 1
+            if code is not None:
+                self.errors[code.name] = self.errors.get(code.name, 0) + 1
+            job = self._jobs.get(job_id)
+            if job is None:
+                if len(self._jobs) >= MAX_JOBS_TRACKED:
+                    self._jobs.popitem(last=False)
+                job = self._jobs[job_id] = _Job()
+            else:
+                self._jobs.move_to_end(job_id)
+            job.requests += 1
+            job.errors += code is not None
+            job.total_ms += ms
+            job.max_ms = max(job.max_ms, ms)
+            job.hist[_bucket(ms)] += 1
+
+    def jobs(self) -> list[pb.JobStats]:
+        with self._lock:
+            return [
+                pb.JobStats(
+                    job_id=name,
+                    requests=j.requests,
+                    errors=j.errors,
+                    mean_ms=j.total_ms / j.requests if j.requests else 0.0,
+                    p50_ms=j.quantile(0.5),
+                    p99_ms=j.quantile(0.99),
+                    max_ms=j.max_ms,
+                )
+                for name, j in self._jobs.items()
+            ]
+
+
+def rss_bytes() -> int:
+    """The resident set size of this process, from /proc (0 where there is none)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+# ----------------------------------------------------------------------------
+# The service.
+
+
+def _serialize(msg: Any) -> bytes:
+    data: bytes = msg.SerializeToString()
+    return data
+
+
+def _check_fingerprint(value: str, name: str) -> None:
+    if len(value) != 64 or not set(value) <= _FINGERPRINT_CHARS:
+        raise ServiceError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"{name} must be 64 lowercase hex digits, got {value[:80]!r}",
+        )
+
+
+class PlannerService:
+    """The Planner RPCs. Thread safe; planning runs without the GIL."""
+
+    def __init__(
+        self,
+        cache_dir: Path,
+        *,
+        token: str | None = None,
+        response_cache_bytes: int = DEFAULT_RESPONSE_CACHE_BYTES,
+        log: JsonLog | None = None,
+        test_delay_s: float = 0.0,
+    ) -> None:
+        self.cache_dir = Path(cache_dir)
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        self.log = log if log is not None else JsonLog()
+        self._token = token.encode() if token else None
+        self.manifests = ManifestStore(self.cache_dir / "service" / "manifests", self.log)
+        self._requests_dir = self.cache_dir / "service" / "plans"
+        self._requests_dir.mkdir(parents=True, exist_ok=True)
+        self.responses = ResponseCache(response_cache_bytes)
+        self.stats = Stats()
+        self.serving = True
+        self._test_delay_s = test_delay_s
+        self._plan_cache = self._make_plan_cache()
+        # One planning run per plan fingerprint at a time; others wait for it.
+        self._inflight_lock = threading.Lock()
+        self._inflight: dict[str, threading.Lock] = {}
+
+    def _make_plan_cache(self) -> deeppart.PlanCache | None:
+        """The planner's plan cache in the same directory (plans persist there)."""
+        try:
+            return deeppart.PlanCache(self.cache_dir)
+        except Exception as e:  # a broken plan cache must not stop the service
+            self.log("plan_cache_unavailable", "warning", error=str(e))
+            return None
+
+    # -- plumbing --------------------------------------------------------------
+
+    def handlers(self) -> grpc.GenericRpcHandler:
+        def wrap(name: str, fn: Callable[[bytes, str], bytes]) -> Any:
+            def handle(request: bytes, context: grpc.ServicerContext) -> bytes:
+                return self._call(name, fn, request, context)
+
+            return grpc.unary_unary_rpc_method_handler(handle)
+
+        return grpc.method_handlers_generic_handler(
+            SERVICE_NAME,
+            {
+                "Plan": wrap("Plan", self.plan),
+                "GetPlan": wrap("GetPlan", self.get_plan),
+                "Stats": wrap("Stats", self.get_stats),
+            },
+        )
+
+    def _authorize(self, metadata: dict[str, str]) -> None:
+        if self._token is None:
+            return
+        header = metadata.get("authorization", "")
+        scheme, _, presented = header.partition(" ")
+        if not header:
+            raise ServiceError(grpc.StatusCode.UNAUTHENTICATED, "missing bearer token")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            presented.strip().encode(), self._token
+        ):
+            raise ServiceError(grpc.StatusCode.UNAUTHENTICATED, "invalid bearer token")
+
+    def _call(
+        self,
+        name: str,
+        fn: Callable[[bytes, str], bytes],
+        request: bytes,
+        context: grpc.ServicerContext,
+    ) -> bytes:
+        start = time.perf_counter()
+        metadata: dict[str, str] = {}
+        for key, value in context.invocation_metadata() or ():
+            if isinstance(value, str):
+                metadata[key] = value
+        job_id = metadata.get(JOB_METADATA_KEY, "")
+        self.stats.begin()
+        code: grpc.StatusCode | None = None
+        message = ""
+        try:
+            self._authorize(metadata)
+            return fn(request, job_id)
+        except ServiceError as e:
+            code, message = e.code, e.message
+        except Exception as e:
+            code, message = grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
+            self.log("internal_error", "error", method=name, error=message)
+        finally:
+            ms = (time.perf_counter() - start) * 1e3
+            job = (getattr(self._tls, "job", "") or job_id or "-")[:MAX_JOB_ID_CHARS]
+            self.stats.end(job, ms, code)
+            self.log(
+                "rpc",
+                method=name,
+                job=job,
+                ms=round(ms, 3),
+                code=code.name if code is not None else "OK",
+                served_from=getattr(self._tls, "served_from", ""),
+                **({"error": message} if message else {}),
+            )
+            self._tls.job = ""
+            self._tls.served_from = ""
+        # Status details travel in HTTP/2 trailers: keep them well under their limit.
+        if len(message) > MAX_DETAIL_CHARS:
+            message = message[: MAX_DETAIL_CHARS - 3] + "..."
+        context.abort(code, message)
+        raise AssertionError("unreachable: abort raises")
+
+    _tls = threading.local()
+
+    def _parse(self, cls: Any, data: bytes) -> Any:
+        try:
+            return cls.FromString(data)
+        except DecodeError as e:
+            raise ServiceError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"malformed {cls.DESCRIPTOR.name} message ({len(data)} bytes): {e}",
+            ) from e
+
+    # -- RPCs -----------------------------------------------------------------
+
+    def plan(self, data: bytes, job_id: str) -> bytes:
+        req: pb.PlanRequest = self._parse(pb.PlanRequest, data)
+        self._tls.job = req.job_id or job_id
+        self.stats.incr("plan_requests")
+        if self._test_delay_s:
+            time.sleep(self._test_delay_s)
+        _check_fingerprint(req.plan_fingerprint, "plan_fingerprint")
+        _check_fingerprint(req.manifest_fingerprint, "manifest_fingerprint")
+        if req.planner_version and req.planner_version != deeppart.PLANNER_VERSION:
+            raise ServiceError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"planner version mismatch: the client has {req.planner_version}, "
+                f"the service {deeppart.PLANNER_VERSION}",
+            )
+        algorithm = req.algorithm or "balanced"
+        if algorithm not in deeppart.ALGORITHMS:
+            raise ServiceError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"unknown algorithm {algorithm!r}; "
+                f"expected one of {', '.join(deeppart.ALGORITHMS)}",
+            )
+        if req.world_size < 1:
+            raise ServiceError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"world_size must be at least 1, got {req.world_size}",
+            )
+        has_manifest = req.HasField("manifest")
+        if has_manifest:
+            self.stats.incr("manifest_uploads")
+
+        cached = self.responses.get(req.plan_fingerprint)
+        if cached is not None:
+            self.stats.incr("response_cache_hits")
+            return self._served(cached, "response-cache")
+
+        if has_manifest:
+            try:
+                manifest = wire.manifest_from_proto(req.manifest)
+            except (ValueError, deeppart.DeepPartError) as e:
+                raise ServiceError(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"invalid manifest: {e}"
+                ) from e
+            if manifest.fingerprint != req.manifest_fingerprint:
+                raise ServiceError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"manifest fingerprint mismatch: the request says {req.manifest_fingerprint}, "
+                    f"the manifest sent has {manifest.fingerprint}",
+                )
+        else:
+            found = self.manifests.get(req.manifest_fingerprint)
+            if found is None:
+                self.stats.incr("need_manifest")
+                self._tls.served_from = "need-manifest"
+                need = pb.PlanResponse(
+                    status=pb.PLAN_STATUS_NEED_MANIFEST,
+                    plan_fingerprint=req.plan_fingerprint,
+                    manifest_fingerprint=req.manifest_fingerprint,
+                    planner_version=deeppart.PLANNER_VERSION,
+                )
+                return _serialize(need)
+            manifest = found
+
+        try:
+            cost = wire.cost_from_proto(req.cost)
+            topology = wire.topology_from_proto(req.topology)
+            expected = deeppart.plan_fingerprint(
+                manifest, req.world_size, algorithm=algorithm, cost=cost, topology=topology
+            )
+        except (ValueError, deeppart.DeepPartError) as e:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
+        if expected != req.plan_fingerprint:
+            raise ServiceError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"plan fingerprint mismatch: the request says {req.plan_fingerprint}, "
+                f"its manifest and parameters give {expected}",
+            )
+        if has_manifest:
+            self.manifests.put(manifest, req.manifest.SerializeToString())
+
+        with self._single_flight(req.plan_fingerprint):
+            cached = self.responses.get(req.plan_fingerprint)
+            if cached is not None:
+                self.stats.incr("response_cache_hits")
+                return self._served(cached, "response-cache")
+            try:
+                plan = self._plan(manifest, req.world_size, algorithm, cost, topology)
+            except (ValueError, deeppart.DeepPartError) as e:
+                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
+            if plan.fingerprint != req.plan_fingerprint:
+                raise ServiceError(
+                    grpc.StatusCode.INTERNAL,
+                    f"the planner returned a plan with fingerprint {plan.fingerprint}",
+                )
+            if plan.stats.source == "computed":
+                self.stats.incr("plans_computed")
+                served_from = "computed"
+            else:
+                self.stats.incr("plan_cache_hits")
+                served_from = "plan-cache"
+            body = _serialize(wire.plan_to_response(plan))
+            self.responses.put(req.plan_fingerprint, body)
+            self._remember_request(req)
+            return self._served(body, served_from)
+
+    def _served(self, body: bytes, served_from: str) -> bytes:
+        # Serialized messages concatenate as a merge: the tail sets served_from.
+        self._tls.served_from = served_from
+        return body + _serialize(pb.PlanResponse(served_from=served_from))
+
+    @contextlib.contextmanager
+    def _single_flight(self, key: str) -> Iterator[None]:
+        with self._inflight_lock:
+            lock = self._inflight.setdefault(key, threading.Lock())
+        with lock:
+            yield
+        with self._inflight_lock:
+            if self._inflight.get(key) is lock and not lock.locked():
+                del self._inflight[key]
+
+    def _plan(
+        self,
+        manifest: deeppart.Manifest,
+        world_size: int,
+        algorithm: str,
+        cost: deeppart.CostModel,
+        topology: deeppart.Topology,
+    ) -> deeppart.Plan:
+        return deeppart.plan(
+            manifest,
+            world_size,
+            algorithm=algorithm,
+            cost=cost,
+            topology=topology,
+            cache=self._plan_cache if self._plan_cache is not None else False,
+        )
+
+    def _remember_request(self, req: pb.PlanRequest) -> None:
+        """Persists a plan's parameters (not its manifest) for GetPlan after a restart."""
+        path = self._requests_dir / f"{req.plan_fingerprint}.pb"
+        if path.exists():
+            return
+        params = pb.PlanRequest()
+        params.CopyFrom(req)
+        params.ClearField("manifest")
+        params.ClearField("job_id")
+        try:
+            atomic_write(path, params.SerializeToString())
+        except OSError as e:
+            self.log("persist_failed", "warning", path=str(path), error=str(e))
+
+    def get_plan(self, data: bytes, job_id: str) -> bytes:
+        req: pb.GetPlanRequest = self._parse(pb.GetPlanRequest, data)
+        self._tls.job = req.job_id or job_id
+        _check_fingerprint(req.plan_fingerprint, "plan_fingerprint")
+        cached = self.responses.get(req.plan_fingerprint)
+        if cached is not None:
+            self.stats.incr("response_cache_hits")
+            return self._served(cached, "response-cache")
+        try:
+            params = pb.PlanRequest.FromString(
+                (self._requests_dir / f"{req.plan_fingerprint}.pb").read_bytes()
+            )
+        except (OSError, DecodeError):
+            params = None
+        if params is None or self.manifests.get(params.manifest_fingerprint) is None:
+            raise ServiceError(
+                grpc.StatusCode.NOT_FOUND, f"no plan with fingerprint {req.plan_fingerprint}"
+            )
+        return self.plan(params.SerializeToString(), job_id)
+
+    def get_stats(self, data: bytes, job_id: str) -> bytes:
+        self._parse(pb.StatsRequest, data)
+        s = self.stats
+        with s._lock:
+            counters = dict(s.counters)
+            errors = dict(s.errors)
+            in_flight = s.in_flight
+        stats = pb.StatsResponse(
+            planner_version=deeppart.PLANNER_VERSION,
+            uptime_s=time.monotonic() - s.started,
+            known_manifests=self.manifests.count(),
+            response_cache_bytes=self.responses.bytes,
+            in_flight=in_flight,
+            errors_by_code=errors,
+            jobs=s.jobs(),
+            rss_bytes=rss_bytes(),
+            serving=self.serving,
+            **counters,
+        )
+        return _serialize(stats)
+
+
+# ----------------------------------------------------------------------------
+# The server.
+
+
+@dataclass
+class ServerConfig:
+    listen: str = "127.0.0.1:0"
+    cache_dir: Path = Path(".deeppart-cache")
+    token: str | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    response_cache_bytes: int = DEFAULT_RESPONSE_CACHE_BYTES
+    workers: int = 32
+    grace_s: float = 30.0
+    drain_delay_s: float = 0.0
+    test_delay_s: float = 0.0
+
+
+class PlannerServer:
+    """A running planner service; ``port`` is the port it listens on."""
+
+    def __init__(self, config: ServerConfig, log: JsonLog | None = None) -> None:
+        self.config = config
+        self.log = log if log is not None else JsonLog()
+        self.service = PlannerService(
+            config.cache_dir,
+            token=config.token,
+            response_cache_bytes=config.response_cache_bytes,
+            log=self.log,
+            test_delay_s=config.test_delay_s,
+        )
+        options = [
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", max(config.max_message_bytes, 256 * 1024 * 1024)),
+            ("grpc.so_reuseport", 0),
+        ]
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="planner"),
+            options=options,
+        )
+        self._server.add_generic_rpc_handlers((self.service.handlers(),))
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
+        )
+        if config.tls_cert is not None or config.tls_key is not None:
+            if config.tls_cert is None or config.tls_key is None:
+                raise ValueError("TLS needs both --tls-cert and --tls-key")
+            creds = grpc.ssl_server_credentials(
+                [(config.tls_key.read_bytes(), config.tls_cert.read_bytes())]
+            )
+            self.port = self._server.add_secure_port(config.listen, creds)
+        else:
+            self.port = self._server.add_insecure_port(config.listen)
+        if not self.port:
+            raise OSError(f"cannot listen on {config.listen}")
+        self._stopped = threading.Event()
+
+    def start(self) -> PlannerServer:
+        self._server.start()
+        for name in ("", SERVICE_NAME):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.log(
+            "serving",
+            listen=self.config.listen,
+            port=self.port,
+            cache_dir=str(self.config.cache_dir),
+            tls=self.config.tls_cert is not None,
+            auth=self.config.token is not None,
+            plan_cache=self.service._plan_cache is not None,
+            planner_version=deeppart.PLANNER_VERSION,
+            pid=os.getpid(),
+        )
+        return self
+
+    def drain(self, grace_s: float | None = None, drain_delay_s: float | None = None) -> None:
+        """Health NOT_SERVING; wait ``drain_delay_s`` (still serving, so that load
+        balancers notice); stop taking RPCs; let in-flight ones finish (up to
+        ``grace_s``); done."""
+        if self._stopped.is_set():
+            return
+        grace = self.config.grace_s if grace_s is None else grace_s
+        delay = self.config.drain_delay_s if drain_delay_s is None else drain_delay_s
+        self.service.serving = False
+        self.health.enter_graceful_shutdown()
+        self.log("draining", in_flight=self.service.stats.in_flight, grace_s=grace, delay_s=delay)
+        if delay > 0:
+            time.sleep(delay)
+        self._server.stop(grace).wait()
+        self._stopped.set()
+        self.log("stopped", requests=self.service.stats.counters["requests"])
+
+    def stop(self) -> None:
+        """Stops at once, cancelling in-flight RPCs."""
+        self._server.stop(None).wait()
+        self._stopped.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._stopped.wait(timeout)
+
+
+# ----------------------------------------------------------------------------
+# Command line (``deeppart serve``).
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    token: str | None = None
+    if args.token_file:
+        token = Path(args.token_file).read_text().strip()
+        if not token:
+            raise ValueError(f"token file {args.token_file} is empty")
+    elif os.environ.get(TOKEN_ENV):
+        token = os.environ[TOKEN_ENV].strip()
+    return ServerConfig(
+        listen=args.listen,
+        cache_dir=Path(args.cache_dir),
+        token=token,
+        tls_cert=Path(args.tls_cert) if args.tls_cert else None,
+        tls_key=Path(args.tls_key) if args.tls_key else None,
+        max_message_bytes=args.max_message_bytes,
+        response_cache_bytes=args.response_cache_bytes,
+        workers=args.workers,
+        grace_s=args.grace_s,
+        drain_delay_s=args.drain_delay_s,
+        test_delay_s=args.test_delay_ms / 1e3,
+    )
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Runs the service until SIGTERM or SIGINT, then drains and returns 0."""
+    log_stream: IO[str] | None = open(args.log_file, "a") if args.log_file else None  # noqa: SIM115
+    log = JsonLog(log_stream)
+    try:
+        config = config_from_args(args)
+        server = PlannerServer(config, log)
+    except (OSError, ValueError, RuntimeError) as e:
+        log("start_failed", "error", error=str(e))
+        print(f"deeppart serve: error: {e}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        log("signal", signal=signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    server.start()
+    if args.port_file:
+        atomic_write(Path(args.port_file), f"{server.port}\n".encode())
+    while not stop.wait(1.0):
+        pass
+    server.drain()
+    if log_stream is not None:
+        log_stream.close()
+    return 0

@@ -1,0 +1,155 @@
+"""One rank of the DCP tests (tests/test_dcp.py launches it).
+
+    python tests/dcp_worker.py save:DIR load:DIR ...
+
+Environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (gloo, CPU); with
+WORLD_SIZE=1 no process group is created (DCP's no_dist mode).
+
+It runs the operations in order. ``save`` builds the reference state (a small
+transformer and its AdamW state after one step, seeded) and saves it with
+``BalancedSavePlanner``; ``load``
+builds the same structure with other values, loads the checkpoint with stock
+``torch.distributed.checkpoint.load`` and checks it is bitwise the reference.
+Each rank prints one line: ``RESULT`` and a JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from deeppart import CostModel
+from deeppart.dcp import BalancedSavePlanner
+
+VOCAB, DIM = 8000, 64
+# Small pieces allowed, so that the small test state is cut.
+COST = CostModel(min_piece_bytes=16 * 1024)
+
+
+class TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        layer = nn.TransformerEncoderLayer(DIM, 4, 128, batch_first=True, dropout=0.0)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.encoder(self.embed(x)))
+        return out
+
+
+def make_state(seed: int) -> dict[str, Any]:
+    """Model and AdamW state after one step, all derived from ``seed``."""
+    torch.manual_seed(seed)
+    model = TinyLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3 * (seed + 1))
+    x = torch.randint(0, VOCAB, (4, 16))
+    loss = nn.functional.cross_entropy(model(x).reshape(-1, VOCAB), x.reshape(-1))
+    loss.backward()  # type: ignore[no-untyped-call]
+    opt.step()
+    return {"model": model.state_dict(), "optim": opt.state_dict(), "extra": {"epoch": seed}}
+
+
+def dtensor_value(seed: int) -> torch.Tensor:
+    return torch.arange(512 * 64, dtype=torch.float32).reshape(512, 64) * (1 - seed)
+
+
+def with_dtensor(state: dict[str, Any], world: int, seed: int) -> dict[str, Any]:
+    """``state`` plus ``dt``: a 512 x 64 tensor, row-sharded over the ranks
+    as a DTensor (a plain tensor in one process)."""
+    value = dtensor_value(seed)
+    if world == 1:
+        return state | {"dt": value}
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    return state | {"dt": distribute_tensor(value, mesh, [Shard(0)])}
+
+
+def same(a: Any, b: Any, path: str = "") -> list[str]:
+    """Paths where ``a`` and ``b`` differ (tensors compared bitwise)."""
+    if isinstance(a, torch.Tensor):
+        ok = (
+            isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and bool(
+                torch.equal(
+                    a.view(torch.uint8) if a.dim() else a, b.view(torch.uint8) if b.dim() else b
+                )
+            )
+        )
+        return [] if ok else [path]
+    if isinstance(a, dict):
+        if not isinstance(b, dict) or set(a) != set(b):
+            return [path]
+        return [p for k in a for p in same(a[k], b[k], f"{path}.{k}")]
+    if isinstance(a, list | tuple):
+        if not isinstance(b, list | tuple) or len(a) != len(b):
+            return [path]
+        return [
+            p for i, (x, y) in enumerate(zip(a, b, strict=True)) for p in same(x, y, f"{path}.{i}")
+        ]
+    return [] if a == b else [path]
+
+
+def main() -> int:
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    result: dict[str, Any] = {"rank": rank, "world": world}
+    for op in sys.argv[1:]:
+        mode, path = op.split(":", 1)
+        if mode == "save":
+            planner = BalancedSavePlanner(cost=COST)
+            dcp_save(make_state(0), checkpoint_id=path, planner=planner)
+            assert planner.deeppart_plan is not None
+            result[f"save:{path}"] = {
+                "source": planner.deeppart_plan.stats.source,
+                "items": len(planner.plan.items),
+            }
+        elif mode == "savedt":
+            # With a DTensor sharded over the ranks: each rank's shard is an
+            # owned leaf of the plan.
+            planner = BalancedSavePlanner(cost=COST)
+            dcp_save(with_dtensor(make_state(0), world, 0), checkpoint_id=path, planner=planner)
+            result[f"save:{path}"] = {"items": len(planner.plan.items)}
+        elif mode == "loaddt":
+            target = with_dtensor(make_state(1), world, 1)
+            dcp_load(target, checkpoint_id=path, no_dist=world == 1)
+            dt = target.pop("dt")
+            full = dt.full_tensor() if world > 1 else dt
+            diff = same(make_state(0), target)
+            if not torch.equal(full, dtensor_value(0)):
+                diff.append(".dt")
+            result[f"load:{path}"] = diff
+        elif mode == "load":
+            target = make_state(1)
+            assert same(target, make_state(0)), "the load target must differ from the reference"
+            dcp_load(target, checkpoint_id=path, no_dist=world == 1)
+            result[f"load:{path}"] = same(make_state(0), target)
+        else:
+            raise SystemExit(f"unknown op {op!r}")
+    print("RESULT " + json.dumps(result), flush=True)
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

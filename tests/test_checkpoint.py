@@ -1,0 +1,348 @@
+"""Single-process tests of the checkpoint format, codecs and checks."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import deeppart
+from deeppart import checkpoint as ck
+from deeppart.comm import SingleComm, resolve
+from deeppart.compression import CODECS, CodecError, check_codec, compress, decompress
+from deeppart.format import (
+    ALIGN,
+    MARKER,
+    METADATA,
+    PIECE_FIELDS,
+    data_file_name,
+    is_committed,
+    marker_text,
+)
+from deeppart.progress import Progress, Stats
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mpi_checkpoint import assert_bitwise_equal, make_state
+
+
+@pytest.fixture(scope="module")
+def state() -> dict[str, Any]:
+    return make_state()
+
+
+def _rewrite_metadata(d: Path, edit: Any) -> None:
+    """Edits metadata.json and re-signs the marker (a consistent but lying
+    metadata file, as a bug or an attacker could produce)."""
+    meta = json.loads((d / METADATA).read_text())
+    edit(meta)
+    text = json.dumps(meta).encode()
+    (d / METADATA).write_bytes(text)
+    (d / MARKER).write_bytes(marker_text(text))
+
+
+# ----------------------------------------------------------------------------
+# Codecs.
+
+
+@pytest.mark.parametrize("codec", [c for c in CODECS if c != "none"])
+@pytest.mark.parametrize("itemsize", [1, 2, 4, 8])
+def test_codec_roundtrip(codec: str, itemsize: int) -> None:
+    rng = np.random.default_rng(0)
+    raw = (rng.standard_normal(3000).astype(np.float32) * 0.01).tobytes()[: 1000 * itemsize]
+    packed = compress(codec, memoryview(raw), itemsize)
+    assert decompress(codec, packed, len(raw), itemsize) == raw
+
+
+def test_codec_errors() -> None:
+    with pytest.raises(CodecError, match="unknown compression"):
+        check_codec("gzip")
+    packed = compress("zstd", memoryview(b"abc" * 100))
+    with pytest.raises(CodecError, match="expected 301"):
+        decompress("zstd", packed, 301)
+    with pytest.raises(CodecError):
+        decompress("lz4", b"not lz4 at all", 10)
+
+
+def test_shuffle_zstd_helps_floats() -> None:
+    t = torch.randn(1 << 16).to(torch.bfloat16).float()  # low mantissa bytes are zero
+    raw = memoryview(t.numpy().tobytes())
+    assert len(compress("shuffle-zstd", raw, 4)) < len(compress("zstd", raw, 4))
+
+
+# ----------------------------------------------------------------------------
+# Save and load in one process.
+
+
+@pytest.mark.parametrize("codec", [None, "zstd", "lz4", "shuffle-zstd"])
+def test_roundtrip_single_process(tmp_path: Path, state: dict[str, Any], codec: str | None) -> None:
+    stats = deeppart.save(state, tmp_path / "ck", compression=codec)
+    assert isinstance(resolve(), SingleComm)
+    assert (
+        stats.world_size == 1
+        and stats.raw_bytes == deeppart.Manifest.from_state_dict(state).total_bytes
+    )
+    if codec is not None:
+        assert stats.ratio > 1.0
+    out = deeppart.load(tmp_path / "ck")
+    assert_bitwise_equal(state, out)
+    load_stats = ck.last_stats("load")
+    assert load_stats is not None and load_stats.raw_bytes == stats.raw_bytes
+
+
+def test_format_layout(tmp_path: Path, state: dict[str, Any]) -> None:
+    d = tmp_path / "ck"
+    deeppart.save(state, d)
+    assert sorted(p.name for p in d.iterdir()) == [MARKER, METADATA, data_file_name(0)]
+    assert is_committed(d)
+    meta = json.loads((d / METADATA).read_text())
+    assert meta["format"] == "deeppart-checkpoint" and meta["version"] == 1
+    assert meta["checksum"] == "xxh3_64" and meta["world_size"] == 1
+    assert meta["piece_fields"] == list(PIECE_FIELDS)
+    assert len(meta["plan_fingerprint"]) == 64
+    size = (d / data_file_name(0)).stat().st_size
+    assert meta["file_sizes"] == [size]
+    for _leaf, start, stop, rank, offset, length, stored, codec, xxh in meta["pieces"]:
+        assert offset % ALIGN == 0 and offset + stored <= size and codec == "none"
+        assert length == stored and 0 <= xxh < 2**64 and rank == 0 and start <= stop
+    data = (d / data_file_name(0)).read_bytes()
+    assert data[:8] == b"DPCKPT01"
+    # Tensor bytes are stored raw, little-endian, in the tensor's element order.
+    leaves = deeppart.Manifest.from_json(json.dumps(meta["manifest"])).leaves()
+    i = next(k for k, lf in enumerate(leaves) if lf["path"] == ("extras", "ids"))
+    row = next(r for r in meta["pieces"] if r[0] == i)
+    ids = np.frombuffer(data[row[4] : row[4] + row[5]], dtype=np.int64)
+    assert (ids == np.arange(row[1], row[2])).all()
+    assert b"pickle" not in (d / METADATA).read_bytes()
+
+
+def test_into_restores_in_place(tmp_path: Path, state: dict[str, Any]) -> None:
+    deeppart.save(state, tmp_path / "ck")
+    into = make_state(seed=5)
+    into["extras"]["strided"] = into["extras"]["strided"].clone()  # contiguous now
+    before = {k: (v, v.data_ptr()) for k, v in into["model"].items()}
+    opt_t = into["optim"]["state"][0]["exp_avg"]
+    out = deeppart.load(tmp_path / "ck", into=into)
+    for k, (t, ptr) in before.items():
+        assert out["model"][k] is t and t.data_ptr() == ptr
+    assert out["optim"]["state"][0]["exp_avg"] is opt_t
+    assert_bitwise_equal(state["model"], into["model"])
+    assert out["step"] == state["step"]
+
+
+def test_into_non_contiguous_target(tmp_path: Path) -> None:
+    src = {"w": torch.arange(12.0).reshape(3, 4)}
+    deeppart.save(src, tmp_path / "ck")
+    base = torch.zeros(4, 3)
+    target = base.t()  # a non-contiguous view
+    out = deeppart.load(tmp_path / "ck", into={"w": target})
+    assert out["w"] is target and torch.equal(target, src["w"])
+    assert torch.equal(base, src["w"].t())
+
+
+def test_into_mismatch(tmp_path: Path) -> None:
+    deeppart.save({"w": torch.zeros(3), "n": 1}, tmp_path / "ck")
+    with pytest.raises(deeppart.StateMismatchError, match=r"w: into= has torch\.float32 \[4\]"):
+        deeppart.load(tmp_path / "ck", into={"w": torch.zeros(4), "n": 1})
+    with pytest.raises(deeppart.StateMismatchError, match="leaves"):
+        deeppart.load(tmp_path / "ck", into={"w": torch.zeros(3)})
+
+
+def test_non_plain_object_rejected(tmp_path: Path) -> None:
+    class Thing:
+        pass
+
+    with pytest.raises(deeppart.StateError, match="optim/sched/thing"):
+        deeppart.save({"w": torch.zeros(2), "optim": {"sched": {"thing": Thing()}}}, tmp_path / "c")
+    assert not any(tmp_path.iterdir()), "nothing is written"
+
+
+def test_overwrite(tmp_path: Path) -> None:
+    d = tmp_path / "ck"
+    deeppart.save({"a": torch.ones(2)}, d)
+    with pytest.raises(deeppart.CheckpointError, match="overwrite=False"):
+        deeppart.save({"a": torch.zeros(2)}, d)
+    deeppart.save({"a": torch.zeros(2)}, d, overwrite=True)
+    assert torch.equal(deeppart.load(d)["a"], torch.zeros(2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+def test_given_plan_must_match(tmp_path: Path) -> None:
+    state = {"a": torch.ones(10)}
+    other = deeppart.plan(deeppart.Manifest.from_state_dict({"b": torch.ones(10)}), 1)
+    with pytest.raises(deeppart.StateMismatchError, match="another state"):
+        deeppart.save(state, tmp_path / "ck", plan=other)
+    good = deeppart.plan(deeppart.Manifest.from_state_dict(state), 1)
+    deeppart.save(state, tmp_path / "ck", plan=good)
+
+
+# ----------------------------------------------------------------------------
+# Commit marker and corruption.
+
+
+def test_uncommitted_checkpoint_is_never_loaded(tmp_path: Path) -> None:
+    d = tmp_path / "ck"
+    deeppart.save({"a": torch.ones(2)}, d)
+    (d / MARKER).unlink()
+    with pytest.raises(deeppart.CheckpointError, match="never committed"):
+        deeppart.load(d)
+
+
+def test_edited_metadata_fails_marker(tmp_path: Path) -> None:
+    d = tmp_path / "ck"
+    deeppart.save({"a": torch.ones(2)}, d)
+    (d / METADATA).write_bytes((d / METADATA).read_bytes().replace(b'"step"', b'"stop"'))
+    (d / METADATA).write_bytes((d / METADATA).read_bytes() + b" ")
+    with pytest.raises(deeppart.CorruptCheckpointError, match="does not match the hash"):
+        deeppart.load(d)
+
+
+@pytest.mark.parametrize("codec", [None, "zstd"])
+def test_flipped_byte_names_file_and_piece(
+    tmp_path: Path, state: dict[str, Any], codec: str | None
+) -> None:
+    d = tmp_path / "ck"
+    deeppart.save(state, d, compression=codec)
+    meta = json.loads((d / METADATA).read_text())
+    row = max(meta["pieces"], key=lambda r: r[6])
+    path = d / data_file_name(0)
+    data = bytearray(path.read_bytes())
+    data[row[4] + 7] ^= 0x01
+    path.write_bytes(bytes(data))
+    msg = f"{data_file_name(0)}: piece of leaf {row[0]} \\[{row[1]}:{row[2]}\\].*checksum"
+    with pytest.raises(deeppart.CorruptCheckpointError, match=msg):
+        deeppart.load(d)
+
+
+def test_truncated_and_missing_files(tmp_path: Path, state: dict[str, Any]) -> None:
+    d = tmp_path / "ck"
+    deeppart.save(state, d)
+    path = d / data_file_name(0)
+    data = path.read_bytes()
+    path.write_bytes(data[:-1])
+    with pytest.raises(deeppart.CorruptCheckpointError, match=r"rank-00000\.bin: .*truncated"):
+        deeppart.load(d)
+    path.unlink()
+    with pytest.raises(deeppart.CorruptCheckpointError, match=r"rank-00000\.bin: missing"):
+        deeppart.load(d)
+
+
+def test_bad_header(tmp_path: Path) -> None:
+    d = tmp_path / "ck"
+    deeppart.save({"a": torch.ones(2)}, d)
+    path = d / data_file_name(0)
+    data = bytearray(path.read_bytes())
+    data[0:8] = b"XXXXXXXX"
+    path.write_bytes(bytes(data))
+    with pytest.raises(deeppart.CorruptCheckpointError, match="not a DeepPart"):
+        deeppart.load(d)
+
+
+def _bump_offset(meta: dict[str, Any]) -> None:
+    meta["pieces"][0][4] = meta["file_sizes"][0] + ALIGN
+
+
+def _overlap(meta: dict[str, Any]) -> None:
+    meta["pieces"][1][4] = meta["pieces"][0][4]
+
+
+def _bad_length(meta: dict[str, Any]) -> None:
+    meta["pieces"][0][5] += 4
+    meta["pieces"][0][6] += 4
+
+
+def _drop_piece(meta: dict[str, Any]) -> None:
+    del meta["pieces"][0]
+
+
+def _huge_object(meta: dict[str, Any]) -> None:
+    meta["manifest"]["leaves"][-1]["nbytes"] = 1 << 40
+
+
+def _negative(meta: dict[str, Any]) -> None:
+    meta["pieces"][0][1] = -1
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (_bump_offset, "smaller than its pieces"),
+        (_overlap, "overlap"),
+        (_bad_length, "inconsistent lengths"),
+        (_drop_piece, "not covered exactly once"),
+        (_huge_object, "nbytes"),
+        (_negative, "start"),
+    ],
+)
+def test_metadata_bounds_checked(tmp_path: Path, edit: Any, message: str) -> None:
+    """Signed but lying metadata is rejected before any read or allocation."""
+    d = tmp_path / "ck"
+    deeppart.save({"a": torch.ones(1000), "b": torch.ones(1000), "n": "x"}, d)
+    _rewrite_metadata(d, edit)
+    with pytest.raises(deeppart.CorruptCheckpointError, match=message):
+        deeppart.load(d)
+
+
+# ----------------------------------------------------------------------------
+# Checkpointer.
+
+
+def test_checkpointer_keep_last_and_latest(tmp_path: Path) -> None:
+    cp = deeppart.Checkpointer(tmp_path / "run", keep_last=2, compression="lz4")
+    assert cp.latest() is None
+    with pytest.raises(deeppart.CheckpointError, match="no committed"):
+        cp.load()
+    for step in (10, 20, 30):
+        cp.save(step, {"w": torch.full((100,), float(step)), "step": step})
+    assert cp.steps() == [20, 30] and cp.latest() == 30
+    # An uncommitted newer directory (a crash after the rename) is ignored.
+    partial = cp.path(40)
+    partial.mkdir()
+    (partial / METADATA).write_text("{}")
+    assert cp.latest() == 30
+    assert cp.load()["step"] == 30
+    assert torch.equal(cp.load(20)["w"], torch.full((100,), 20.0))
+    first_plan = cp._plan
+    cp.save(50, {"w": torch.zeros(100), "step": 50})
+    assert cp._plan is first_plan, "the plan is reused while the structure is the same"
+    assert cp.steps() == [30, 50]
+    assert not partial.exists(), "older uncommitted leftovers are removed after a commit"
+
+
+# ----------------------------------------------------------------------------
+# Readers, progress, summary.
+
+
+def test_assign_readers_balanced() -> None:
+    owner = ck._assign_readers([100, 10, 90, 20, 0], 2)
+    sizes = [100, 10, 90, 20, 0]
+    loads = [sum(b for b, o in zip(sizes, owner, strict=True) if o == r) for r in (0, 1)]
+    assert sorted(loads) == [110, 110]
+    assert ck._assign_readers([5, 5], 4) == [0, 1]
+    assert ck._assign_readers([5, 5, 5], 1) == [0, 0, 0]
+
+
+def test_progress_quiet_without_tty() -> None:
+    out = io.StringIO()
+    p = Progress("save", 100, enabled=True, stream=out, delay=0.0)
+    p.advance(50)
+    p.close()
+    assert out.getvalue() == ""
+
+
+def test_stats_summary() -> None:
+    s = Stats("save", "/x", 4, 2_000_000_000, 1_000_000_000, 2.0, [1.0, 2.0, 1.5, 0.5], "zstd")
+    line = s.summary()
+    assert "1.00 GB/s" in line and "ratio 2.00x" in line and "slowest rank 1" in line
+
+
+def test_load_exchange_argument(tmp_path: Path) -> None:
+    deeppart.save({"a": torch.arange(5)}, tmp_path / "ck")
+    assert torch.equal(deeppart.load(tmp_path / "ck", exchange="read")["a"], torch.arange(5))
+    with pytest.raises(ValueError, match="exchange"):
+        deeppart.load(tmp_path / "ck", exchange="carrier-pigeon")

@@ -1,0 +1,138 @@
+"""The ``deeppart plan`` command, run as ``python -m deeppart`` in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import EXAMPLE_MANIFEST
+
+import deeppart
+
+
+def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "deeppart", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=300,
+    )
+
+
+def test_plan_text_output(tmp_path: Path) -> None:
+    proc = run_cli("plan", str(EXAMPLE_MANIFEST), "--world-size", "8", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+    rows = dict(_split_row(line) for line in proc.stdout.splitlines())
+    assert rows["manifest"] == "9 leaves, 280.27 MiB"
+    assert rows["world size"] == "8"
+    assert rows["algorithm"] == "balanced"
+    assert rows["makespan"].endswith("ms (modelled)")
+    assert rows["lower bound"].endswith(" ms")
+    expected = deeppart.plan(
+        deeppart.Manifest.from_json(EXAMPLE_MANIFEST.read_text()), 8, cache=False
+    )
+    assert float(rows["gap"]) == pytest.approx(expected.stats.gap, abs=1e-4)
+    assert rows["writers"] == str(expected.stats.writers)
+    assert rows["pieces"] == f"{expected.stats.pieces} ({expected.stats.splits} from splits)"
+    assert rows["fingerprint"] == expected.fingerprint
+    assert rows["plan time"].endswith(" ms")
+    assert rows["slowest rank"].endswith("MiB")
+
+
+def _split_row(line: str) -> tuple[str, str]:
+    key, value = line.split("  ", 1)
+    return key.strip(), value.strip()
+
+
+@pytest.mark.parametrize("algorithm", list(deeppart.ALGORITHMS))
+def test_plan_json_output(algorithm: str) -> None:
+    proc = run_cli("plan", str(EXAMPLE_MANIFEST), "-p", "16", "--algorithm", algorithm, "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    for key in ("makespan", "lower_bound", "gap", "pieces", "splits", "writers", "plan_ms"):
+        assert key in out, key
+    assert out["algorithm"] == algorithm
+    assert out["world_size"] == 16
+    assert out["leaves"] == 9
+    m = deeppart.Manifest.from_json(EXAMPLE_MANIFEST.read_text())
+    assert out["total_bytes"] == m.total_bytes
+    expected = deeppart.plan(m, 16, algorithm=algorithm, cache=False)
+    assert out["fingerprint"] == expected.fingerprint
+    assert out["makespan"] == pytest.approx(expected.stats.makespan)
+    assert out["lower_bound"] == pytest.approx(expected.stats.lower_bound)
+    assert out["gap"] == pytest.approx(out["makespan"] / out["lower_bound"])
+    assert out["makespan"] >= out["lower_bound"]
+    assert (out["pieces"], out["splits"], out["writers"]) == (
+        expected.stats.pieces,
+        expected.stats.splits,
+        expected.stats.writers,
+    )
+    assert out["plan_ms"] >= 0
+
+
+def test_plan_cost_options_and_output_file(tmp_path: Path) -> None:
+    target = tmp_path / "plan.json"
+    proc = run_cli(
+        "plan", str(EXAMPLE_MANIFEST), "-p", "8", "--bandwidth", "2e9", "--ranks-per-node", "4",
+        "--min-piece-bytes", "4096", "--json", "-o", str(target),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    plan = deeppart.Plan.from_json(target.read_text())
+    assert plan.cost.bandwidth == 2e9 and plan.cost.min_piece_bytes == 4096
+    assert plan.topology.ranks_per_node == 4
+    assert plan.fingerprint == json.loads(proc.stdout)["fingerprint"]
+
+
+def test_malformed_manifest_exits_2(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"version": 1, "leaves": [')
+    proc = run_cli("plan", str(bad), "-p", "4")
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr.startswith("deeppart: error: ManifestError: malformed manifest JSON")
+
+
+def test_invalid_leaf_exits_2_naming_it(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"version": 1, "leaves": [{"path": ["w"], "dtype": "float33", "shape": [1]}]}')
+    proc = run_cli("plan", str(bad), "-p", "4")
+    assert proc.returncode == 2
+    assert 'deeppart: error: ManifestError: leaf 0 (w): unknown dtype "float33"' in proc.stderr
+
+
+def test_missing_file_exits_2(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.json"
+    proc = run_cli("plan", str(missing), "-p", "4")
+    assert proc.returncode == 2
+    assert (
+        proc.stderr.strip() == f"deeppart: error: cannot read {missing}: No such file or directory"
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["-p", "0"], "deeppart: error: PlanError: world size must be at least 1, got 0"),
+        (["-p", "2"], "PlanError: leaf 8 (rng) is owned by rank 3, but the world size is 2"),
+        (["-p", "6", "--ranks-per-node", "4"], "PlanError: invalid topology"),
+        (["-p", "4", "--bandwidth", "nan"], "PlanError: invalid cost model: bandwidth"),
+    ],
+)
+def test_bad_plan_arguments_exit_2(args: list[str], message: str) -> None:
+    proc = run_cli("plan", str(EXAMPLE_MANIFEST), *args)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+
+
+def test_usage_errors_exit_2() -> None:
+    proc = run_cli("plan", str(EXAMPLE_MANIFEST), "-p", "4", "--algorithm", "magic")
+    assert proc.returncode == 2
+    assert "invalid choice: 'magic'" in proc.stderr
+    proc = run_cli("plan", str(EXAMPLE_MANIFEST))
+    assert proc.returncode == 2
+    assert "--world-size" in proc.stderr
