@@ -1,0 +1,253 @@
+"""BalancedSavePlanner with torch.distributed.checkpoint, on gloo ranks (CPU).
+
+Each test launches ranks of tests/dcp_worker.py as subprocesses (with a
+timeout) on a free port. The reference state is a small transformer with its
+AdamW state after one step; it is saved with ``BalancedSavePlanner`` and
+loaded with stock ``dcp.load`` and the default load planner, bitwise
+compared, at the same and at other world sizes (including one process
+without a process group).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch.distributed.checkpoint.filesystem import FileSystemReader  # noqa: E402
+from torch.distributed.checkpoint.metadata import (  # noqa: E402
+    BytesStorageMetadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+
+WORKER = Path(__file__).resolve().parent / "dcp_worker.py"
+TIMEOUT_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def launch(world: int, *ops: str) -> list[dict[str, Any]]:
+    """Runs ``world`` ranks of the worker; returns each rank's result."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER), *ops],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    outputs: list[str] = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=TIMEOUT_S)
+            outputs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    results = []
+    for rank, (p, out) in enumerate(zip(procs, outputs, strict=True)):
+        assert p.returncode == 0, f"rank {rank} failed:\n{out}"
+        lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+        assert lines, f"rank {rank} printed no result:\n{out}"
+        results.append(json.loads(lines[-1][len("RESULT ") :]))
+    return results
+
+
+@pytest.fixture(scope="module")
+def saved_by_4(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    """A checkpoint saved by 4 ranks, each of which loads it back, then
+    saves the same state again (a plan cache hit)."""
+    d = tmp_path_factory.mktemp("dcp4")
+    ck, again = d / "ck", d / "again"
+    results = launch(4, f"save:{ck}", f"load:{ck}", f"save:{again}")
+    return ck, [r | {"ck": str(ck), "again": str(again)} for r in results]
+
+
+def test_save_4_load_4_bitwise(saved_by_4: tuple[Path, list[dict[str, Any]]]) -> None:
+    ck, results = saved_by_4
+    for r in results:
+        assert r[f"load:{ck}"] == [], f"rank {r['rank']} differs at {r[f'load:{ck}']}"
+    # Every rank writes something: the load is spread.
+    assert all(r[f"save:{ck}"]["items"] > 0 for r in results)
+
+
+def test_second_save_uses_plan_cache(saved_by_4: tuple[Path, list[dict[str, Any]]]) -> None:
+    _, results = saved_by_4
+    for r in results:
+        assert r[f"save:{r['again']}"]["source"] == "memory"
+
+
+def test_large_replicated_tensors_are_split(
+    saved_by_4: tuple[Path, list[dict[str, Any]]],
+) -> None:
+    ck, _ = saved_by_4
+    md = FileSystemReader(str(ck)).read_metadata()
+    assert md.storage_data is not None
+    split = {}
+    for fqn, entry in md.state_dict_metadata.items():
+        if isinstance(entry, BytesStorageMetadata):
+            continue
+        assert isinstance(entry, TensorStorageMetadata)
+        # The chunks tile the tensor: row ranges, full width, no overlap.
+        rows = sorted((c.offsets[0], c.sizes[0]) for c in entry.chunks) if entry.size else []
+        if entry.size:
+            pos = 0
+            for off, n in rows:
+                assert off == pos
+                pos += n
+            assert pos == entry.size[0]
+            for c in entry.chunks:
+                assert list(c.sizes[1:]) == list(entry.size[1:])
+                assert all(o == 0 for o in c.offsets[1:])
+        if len(entry.chunks) > 1:
+            files = {
+                md.storage_data[MetadataIndex(fqn, c.offsets)].relative_path for c in entry.chunks
+            }
+            split[fqn] = files
+    # The 8000 x 64 float32 tensors (2 MiB) exceed a rank's share (~3 MiB of
+    # ~13 MiB) once the smaller leaves are placed: some are cut, and their
+    # chunks are written by different ranks (one file per rank).
+    assert split, "no tensor was split"
+    assert all(len(files) > 1 for files in split.values()), split
+    writers = {f.split("_")[2] for files in split.values() for f in files}
+    assert len(writers) >= 2
+
+
+def test_load_at_2_and_1(saved_by_4: tuple[Path, list[dict[str, Any]]], tmp_path: Path) -> None:
+    ck, _ = saved_by_4
+    own, dt = tmp_path / "ck2", tmp_path / "dt2"
+    # 2 ranks: load the 4-rank checkpoint; save and load their own; the same
+    # with a DTensor sharded over the 2 ranks in the state (owned leaves).
+    ops = [f"load:{ck}", f"save:{own}", f"load:{own}", f"savedt:{dt}", f"loaddt:{dt}"]
+    for r in launch(2, *ops):
+        assert r[f"load:{ck}"] == []
+        assert r[f"load:{own}"] == []
+        assert r[f"load:{dt}"] == []
+    # The DTensor's two shards were written by their own ranks.
+    md = FileSystemReader(str(dt)).read_metadata()
+    assert md.storage_data is not None
+    entry = md.state_dict_metadata["dt"]
+    assert isinstance(entry, TensorStorageMetadata)
+    files = {md.storage_data[MetadataIndex("dt", c.offsets)].relative_path for c in entry.chunks}
+    assert {f.split("_")[2] for f in files} == {"0", "1"}
+    # 1 process, no process group (no_dist=True).
+    (r,) = launch(1, f"load:{ck}", f"load:{own}", f"loaddt:{dt}")
+    assert r[f"load:{ck}"] == []
+    assert r[f"load:{own}"] == []
+    assert r[f"load:{dt}"] == []
+
+
+# ----------------------------------------------------------------------------
+# The coordinator's logic, in one process (several ranks' local plans faked).
+
+
+def _local_plans(state: dict[str, Any], world: int) -> tuple[Any, list[Any]]:
+    """The coordinator's planner, set up, and ``world`` local plans: rank 0's
+    own and copies of it claiming to come from the other ranks."""
+    import dataclasses
+
+    from deeppart import CostModel
+    from deeppart.dcp import BalancedSavePlanner
+
+    # Per-file and per-piece costs near 0, so that even this tiny state is cut.
+    cost = CostModel(fixed_s=1e-9, piece_s=1e-9, writer_s=1e-9, min_piece_bytes=1024)
+    planner = BalancedSavePlanner(cost=cost, cache=False)
+    planner.set_up_planner(state, None, True)
+    local = planner.create_local_plan()
+    plans = []
+    for r in range(world):
+        info = dict(local.planner_data["deeppart"], rank=r, world=world)
+        plans.append(dataclasses.replace(local, planner_data={"deeppart": info}))
+    return planner, plans
+
+
+def test_global_plan_with_owned_shards() -> None:
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+    state = {"big": torch.arange(64 * 256, dtype=torch.float32).reshape(256, 64), "lr": 0.1}
+    planner, plans = _local_plans(state, 4)
+    # Rank 3 owns a 32 x 64 shard of a sharded tensor (as a DTensor would).
+    offsets, sizes = torch.Size([480, 0]), torch.Size([32, 64])
+    shard = WriteItem(
+        index=MetadataIndex("sharded", offsets),
+        type=WriteItemType.SHARD,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+            properties=TensorProperties(dtype=torch.float32),
+            size=torch.Size([512, 64]),
+        ),
+    )
+    plans[3] = type(plans[3])([shard], planner_data=plans[3].planner_data)
+    out, md = planner.create_global_plan(plans)
+    # Not the speculative fast path: each rank gets its full plan.
+    assert all(p.usable for p in out)
+    assert [it.index.fqn for it in out[3].items].count("sharded") == 1
+    assert all("sharded" not in {it.index.fqn for it in p.items} for p in out[:3])
+    # The replicated 64 KiB tensor is cut in row ranges over the ranks, and
+    # rank 3, with 8 KiB of its own, gets fewer of its rows than the others.
+    big = md.state_dict_metadata["big"]
+    assert isinstance(big, TensorStorageMetadata)
+    assert len(big.chunks) > 1
+    assert sum(c.sizes[0] for c in big.chunks) == 256
+    rows = [
+        sum(it.tensor_data.chunk.sizes[0] for it in p.items if it.index.fqn == "big") for p in out
+    ]
+    assert sum(1 for n in rows if n) > 1
+    assert rows[3] < max(rows[:3])
+    assert isinstance(md.state_dict_metadata["lr"], BytesStorageMetadata)
+    # The narrowed rows are what a rank writes for its chunk.
+    for p in out:
+        for it in p.items:
+            if it.index.fqn == "big":
+                data = planner.resolve_data(it)
+                row0, rows = it.tensor_data.chunk.offsets[0], it.tensor_data.chunk.sizes[0]
+                assert torch.equal(data, state["big"][row0 : row0 + rows])
+
+
+def test_fast_path_scatters_markers() -> None:
+    state = {"big": torch.zeros(256, 64), "small": torch.ones(3)}
+    planner, plans = _local_plans(state, 1)
+    out, md = planner.create_global_plan(plans)
+    assert [p.usable for p in out] == [False]
+    final = planner.finish_plan(out[0])
+    assert final.usable and {it.index.fqn for it in final.items} == {"big", "small"}
+    assert set(md.state_dict_metadata) == {"big", "small"}
+
+
+def test_ranks_with_different_state_are_refused() -> None:
+    from deeppart.dcp import DcpPlanError
+
+    planner, plans = _local_plans({"w": torch.zeros(4, 4)}, 2)
+    other, _ = _local_plans({"w": torch.zeros(4, 5)}, 2)
+    plans[1].planner_data["deeppart"]["fingerprint"] = other._fingerprint
+    with pytest.raises(DcpPlanError, match=r"ranks \[1\]"):
+        planner.create_global_plan(plans)
