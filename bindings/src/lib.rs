@@ -490,10 +490,8 @@ impl Plan {
         topology: Option<&Topology>,
         plan_ms: f64,
     ) -> PyResult<Plan> {
-        let world_size = check_world_size(world_size)?;
-        let algorithm: core::Algorithm = algorithm.parse().map_err(plan_err)?;
-        let cost = cost.map(|c| c.inner).unwrap_or_default();
-        let topology = topology.map(|t| t.inner).unwrap_or_default();
+        let (world_size, algorithm, cost, topology) =
+            planning_inputs(world_size, algorithm, cost, topology)?;
         let manifest = manifest.inner.clone();
         let ranks: Vec<Vec<core::Piece>> = ranks
             .into_iter()
@@ -543,6 +541,21 @@ fn check_world_size(world_size: i64) -> PyResult<u32> {
     core::check_world_size(world_size as u64).map_err(plan_err)
 }
 
+/// Checks and converts the arguments every planning entry point takes.
+fn planning_inputs(
+    world_size: i64,
+    algorithm: &str,
+    cost: Option<&CostModel>,
+    topology: Option<&Topology>,
+) -> PyResult<(u32, core::Algorithm, core::CostModel, core::Topology)> {
+    Ok((
+        check_world_size(world_size)?,
+        algorithm.parse().map_err(plan_err)?,
+        cost.map(|c| c.inner).unwrap_or_default(),
+        topology.map(|t| t.inner).unwrap_or_default(),
+    ))
+}
+
 /// The fingerprint a plan for these inputs would have, without planning.
 #[pyfunction]
 #[pyo3(signature = (manifest, world_size, *, algorithm="balanced", cost=None, topology=None))]
@@ -554,10 +567,8 @@ fn plan_fingerprint(
     cost: Option<&CostModel>,
     topology: Option<&Topology>,
 ) -> PyResult<String> {
-    let world_size = check_world_size(world_size)?;
-    let algorithm: core::Algorithm = algorithm.parse().map_err(plan_err)?;
-    let cost = cost.map(|c| c.inner).unwrap_or_default();
-    let topology = topology.map(|t| t.inner).unwrap_or_default();
+    let (world_size, algorithm, cost, topology) =
+        planning_inputs(world_size, algorithm, cost, topology)?;
     let manifest = manifest.inner.clone();
     Ok(py.detach(move || {
         core::fingerprint::plan_fingerprint(&manifest, world_size, &topology, &cost, algorithm)
@@ -576,10 +587,8 @@ fn plan(
     topology: Option<&Topology>,
     cache: Option<&PlanCache>,
 ) -> PyResult<Plan> {
-    let world_size = check_world_size(world_size)?;
-    let algorithm: core::Algorithm = algorithm.parse().map_err(plan_err)?;
-    let cost = cost.map(|c| c.inner).unwrap_or_default();
-    let topology = topology.map(|t| t.inner).unwrap_or_default();
+    let (world_size, algorithm, cost, topology) =
+        planning_inputs(world_size, algorithm, cost, topology)?;
     let manifest = manifest.inner.clone();
     if let Some(cache) = cache {
         let inner = cache.inner.clone();
