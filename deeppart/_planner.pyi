@@ -1,8 +1,10 @@
 """Type stubs of the Rust extension module ``deeppart._planner``."""
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from os import PathLike
 from typing import Any, Final, Literal, TypedDict, final
+
+from typing_extensions import Buffer
 
 __all__ = [
     "ALGORITHMS",
@@ -11,6 +13,7 @@ __all__ = [
     "CacheWarning",
     "CostModel",
     "DeepPartError",
+    "ErasureError",
     "Manifest",
     "ManifestError",
     "Plan",
@@ -21,6 +24,8 @@ __all__ = [
     "default_cache_dir",
     "plan",
     "plan_fingerprint",
+    "rs_encode",
+    "rs_reconstruct",
 ]
 
 PLANNER_VERSION: Final[str]
@@ -33,6 +38,7 @@ class DeepPartError(Exception): ...
 class ManifestError(DeepPartError): ...
 class PlanError(DeepPartError): ...
 class CacheError(DeepPartError): ...
+class ErasureError(DeepPartError): ...
 class CacheWarning(UserWarning): ...
 
 @final
@@ -213,3 +219,17 @@ class PlanCache:
     def verify(self) -> _VerifyReport: ...
 
 def default_cache_dir() -> str | None: ...
+
+# Reed-Solomon erasure coding (deeppart_planner::erasure). Shards are any
+# C-contiguous buffers, read as raw bytes. Parity shards have the longest
+# data length rounded up to even; reconstruction needs the data lengths.
+# (numpy's stubs declare ndarray a Buffer only for Python >= 3.12: under
+# 3.11, pass array.data, a memoryview without a copy.)
+def rs_encode(shards: Iterable[Buffer], parity: int) -> list[bytes]: ...
+def rs_reconstruct(
+    original_count: int,
+    parity_count: int,
+    originals: Mapping[int, Buffer],
+    parity: Mapping[int, Buffer],
+    lengths: Sequence[int],
+) -> list[bytes]: ...

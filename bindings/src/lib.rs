@@ -11,6 +11,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 use serde_json::{Map, Number, Value};
 
+mod erasure;
+
 create_exception!(_planner, DeepPartError, PyException, "Base class of DeepPart's errors.");
 create_exception!(_planner, ManifestError, DeepPartError, "A manifest is malformed or invalid.");
 create_exception!(_planner, PlanError, DeepPartError, "A plan cannot be computed or accepted.");
@@ -788,5 +790,6 @@ fn _planner(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(plan_fingerprint, m)?)?;
     m.add("PLANNER_VERSION", core::PLANNER_VERSION)?;
     m.add("ALGORITHMS", core::Algorithm::ALL.iter().map(|a| a.name()).collect::<Vec<_>>())?;
+    erasure::register(m)?;
     Ok(())
 }

@@ -11,6 +11,7 @@ pub mod cache;
 pub mod codec;
 pub mod cost;
 pub mod dtype;
+pub mod erasure;
 pub mod error;
 pub mod fingerprint;
 pub mod manifest;
