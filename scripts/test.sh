@@ -4,7 +4,8 @@
 # Sets up .venv and the extension first; skips what is already done.
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 setup
-log "Rust tests"
+log "Rust format and tests"
+cargo fmt --all --check
 cargo test -p deeppart-planner --release --quiet
 log "ruff"
 ruff check deeppart tests bench

@@ -470,3 +470,24 @@ def test_plan_releases_the_gil() -> None:
     finally:
         sys.setswitchinterval(old)
     assert observed > 0
+
+
+def test_assignment_digest_tells_plans_with_equal_inputs_apart() -> None:
+    """Two plans of the same inputs share a fingerprint; if one has its
+    pieces reassigned (e.g. by a faulty planner service), ranks comparing
+    only fingerprints would write an inconsistent checkpoint. The assignment
+    digest, which save's agreement collective compares, differs."""
+    manifest = deeppart.Manifest.from_leaves(
+        [{"path": [f"w{i}"], "dtype": "float32", "shape": [64, 64]} for i in range(6)]
+    )
+    planned = deeppart.plan(manifest, 3, cache=False)
+    ranks = [list(planned.rank_pieces(r)) for r in range(3)]
+    same = deeppart.Plan.from_pieces(manifest, 3, ranks)
+    assert same.fingerprint == planned.fingerprint
+    assert same.assignment_digest() == planned.assignment_digest()
+    donor = next(r for r in range(3) if ranks[r])
+    moved = [list(r) for r in ranks]
+    moved[(donor + 1) % 3].append(moved[donor].pop())
+    other = deeppart.Plan.from_pieces(manifest, 3, moved)
+    assert other.fingerprint == planned.fingerprint
+    assert other.assignment_digest() != planned.assignment_digest()

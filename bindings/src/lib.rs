@@ -13,10 +13,30 @@ use serde_json::{Map, Number, Value};
 
 mod erasure;
 
-create_exception!(_planner, DeepPartError, PyException, "Base class of DeepPart's errors.");
-create_exception!(_planner, ManifestError, DeepPartError, "A manifest is malformed or invalid.");
-create_exception!(_planner, PlanError, DeepPartError, "A plan cannot be computed or accepted.");
-create_exception!(_planner, CacheError, DeepPartError, "The plan cache cannot be read or written.");
+create_exception!(
+    _planner,
+    DeepPartError,
+    PyException,
+    "Base class of DeepPart's errors."
+);
+create_exception!(
+    _planner,
+    ManifestError,
+    DeepPartError,
+    "A manifest is malformed or invalid."
+);
+create_exception!(
+    _planner,
+    PlanError,
+    DeepPartError,
+    "A plan cannot be computed or accepted."
+);
+create_exception!(
+    _planner,
+    CacheError,
+    DeepPartError,
+    "The plan cache cannot be read or written."
+);
 create_exception!(
     _planner,
     CacheWarning,
@@ -36,7 +56,9 @@ fn plan_err(e: core::PlanError) -> PyErr {
 /// to JSON, so that Python leaves are validated exactly like JSON ones.
 fn to_json(obj: &Bound<'_, PyAny>, depth: usize) -> PyResult<Value> {
     if depth > 64 {
-        return Err(ManifestError::new_err("leaf description is nested too deeply"));
+        return Err(ManifestError::new_err(
+            "leaf description is nested too deeply",
+        ));
     }
     if obj.is_none() {
         return Ok(Value::Null);
@@ -51,7 +73,9 @@ fn to_json(obj: &Bound<'_, PyAny>, depth: usize) -> PyResult<Value> {
         if let Ok(v) = obj.extract::<i64>() {
             return Ok(Value::Number(v.into()));
         }
-        return Err(ManifestError::new_err(format!("integer {obj} is out of the 64-bit range")));
+        return Err(ManifestError::new_err(format!(
+            "integer {obj} is out of the 64-bit range"
+        )));
     }
     if let Ok(f) = obj.cast::<PyFloat>() {
         return Number::from_f64(f.value())
@@ -106,7 +130,10 @@ struct Manifest {
 
 impl Manifest {
     fn wrap(inner: Arc<core::Manifest>) -> Manifest {
-        Manifest { inner, fingerprint: std::sync::OnceLock::new() }
+        Manifest {
+            inner,
+            fingerprint: std::sync::OnceLock::new(),
+        }
     }
 }
 
@@ -116,7 +143,9 @@ impl Manifest {
     #[staticmethod]
     fn from_json(py: Python<'_>, text: &str) -> PyResult<Manifest> {
         let text = text.to_owned();
-        let m = py.detach(move || core::Manifest::from_json(&text)).map_err(manifest_err)?;
+        let m = py
+            .detach(move || core::Manifest::from_json(&text))
+            .map_err(manifest_err)?;
         Ok(Manifest::wrap(Arc::new(m)))
     }
 
@@ -169,7 +198,11 @@ impl Manifest {
 
     /// Leaf paths as tuples, in manifest order.
     fn paths<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyTuple>>> {
-        self.inner.leaves().iter().map(|l| path_to_py(py, &l.path)).collect()
+        self.inner
+            .leaves()
+            .iter()
+            .map(|l| path_to_py(py, &l.path))
+            .collect()
     }
 
     #[getter]
@@ -180,7 +213,9 @@ impl Manifest {
     /// Hex blake3 hash of the structure (paths, kinds, dtypes, shapes, sizes, owners).
     #[getter]
     fn fingerprint(&self) -> String {
-        self.fingerprint.get_or_init(|| self.inner.fingerprint()).clone()
+        self.fingerprint
+            .get_or_init(|| self.inner.fingerprint())
+            .clone()
     }
 
     fn __len__(&self) -> usize {
@@ -188,7 +223,9 @@ impl Manifest {
     }
 
     fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
-        other.cast::<Manifest>().is_ok_and(|o| *o.get().inner == *self.inner)
+        other
+            .cast::<Manifest>()
+            .is_ok_and(|o| *o.get().inner == *self.inner)
     }
 
     fn __hash__(&self) -> u64 {
@@ -197,7 +234,11 @@ impl Manifest {
     }
 
     fn __repr__(&self) -> String {
-        format!("Manifest(leaves={}, total_bytes={})", self.inner.len(), self.inner.total_bytes())
+        format!(
+            "Manifest(leaves={}, total_bytes={})",
+            self.inner.len(),
+            self.inner.total_bytes()
+        )
     }
 }
 
@@ -300,7 +341,9 @@ impl Topology {
                     u32::MAX
                 ))
             })?;
-        Ok(Topology { inner: core::Topology { ranks_per_node } })
+        Ok(Topology {
+            inner: core::Topology { ranks_per_node },
+        })
     }
 
     #[getter]
@@ -418,28 +461,42 @@ impl Plan {
     fn fingerprint(&self) -> &str {
         &self.inner.fingerprint
     }
+    /// Hex blake3 hash of the assignment (world size and every rank's pieces).
+    fn assignment_digest(&self, py: Python<'_>) -> String {
+        let inner = &self.inner;
+        py.detach(|| inner.assignment_digest())
+    }
     #[getter]
     fn manifest(&self) -> Manifest {
         Manifest::wrap(self.inner.manifest.clone())
     }
     #[getter]
     fn cost(&self) -> CostModel {
-        CostModel { inner: self.inner.cost }
+        CostModel {
+            inner: self.inner.cost,
+        }
     }
     #[getter]
     fn topology(&self) -> Topology {
-        Topology { inner: self.inner.topology }
+        Topology {
+            inner: self.inner.topology,
+        }
     }
     #[getter]
     fn stats(&self) -> PlanStats {
-        PlanStats { inner: self.inner.stats }
+        PlanStats {
+            inner: self.inner.stats,
+        }
     }
 
     /// The pieces of one rank as `(leaf_index, start, stop)`, in flat element
     /// units (an object is `(i, 0, 1)`), ordered by leaf then start.
     fn rank_pieces(&self, rank: i64) -> PyResult<Vec<(u32, u64, u64)>> {
         let r = self.check_rank(rank)?;
-        Ok(self.inner.ranks[r].iter().map(|p| (p.leaf, p.start, p.stop)).collect())
+        Ok(self.inner.ranks[r]
+            .iter()
+            .map(|p| (p.leaf, p.start, p.stop))
+            .collect())
     }
 
     /// The pieces of one rank as `(leaf_path, start, stop)`.
@@ -452,7 +509,13 @@ impl Plan {
         let leaves = self.inner.manifest.leaves();
         self.inner.ranks[r]
             .iter()
-            .map(|p| Ok((path_to_py(py, &leaves[p.leaf as usize].path)?, p.start, p.stop)))
+            .map(|p| {
+                Ok((
+                    path_to_py(py, &leaves[p.leaf as usize].path)?,
+                    p.start,
+                    p.stop,
+                ))
+            })
             .collect()
     }
 
@@ -462,7 +525,11 @@ impl Plan {
         self.inner
             .ranks
             .iter()
-            .map(|list| list.iter().map(|p| leaves[p.leaf as usize].range_bytes(p.start, p.stop)).sum())
+            .map(|list| {
+                list.iter()
+                    .map(|p| leaves[p.leaf as usize].range_bytes(p.start, p.stop))
+                    .sum()
+            })
             .collect()
     }
 
@@ -497,7 +564,11 @@ impl Plan {
         let manifest = manifest.inner.clone();
         let ranks: Vec<Vec<core::Piece>> = ranks
             .into_iter()
-            .map(|list| list.into_iter().map(|(leaf, start, stop)| core::Piece { leaf, start, stop }).collect())
+            .map(|list| {
+                list.into_iter()
+                    .map(|(leaf, start, stop)| core::Piece { leaf, start, stop })
+                    .collect()
+            })
             .collect();
         let p = py
             .detach(move || {
@@ -520,7 +591,9 @@ impl Plan {
     #[staticmethod]
     fn from_json(py: Python<'_>, text: &str) -> PyResult<Plan> {
         let text = text.to_owned();
-        let p = py.detach(move || core::Plan::from_json(&text)).map_err(plan_err)?;
+        let p = py
+            .detach(move || core::Plan::from_json(&text))
+            .map_err(plan_err)?;
         Ok(Plan { inner: Arc::new(p) })
     }
 
@@ -538,7 +611,9 @@ impl Plan {
 
 fn check_world_size(world_size: i64) -> PyResult<u32> {
     if world_size < 1 {
-        return Err(PlanError::new_err(format!("world size must be at least 1, got {world_size}")));
+        return Err(PlanError::new_err(format!(
+            "world size must be at least 1, got {world_size}"
+        )));
     }
     core::check_world_size(world_size as u64).map_err(plan_err)
 }
@@ -594,9 +669,12 @@ fn plan(
     let manifest = manifest.inner.clone();
     if let Some(cache) = cache {
         let inner = cache.inner.clone();
-        let p = py.detach(move || inner.plan(manifest, world_size as u64, topology, cost, algorithm));
+        let p =
+            py.detach(move || inner.plan(manifest, world_size as u64, topology, cost, algorithm));
         cache.emit_warnings(py);
-        return Ok(Plan { inner: p.map_err(plan_err)? });
+        return Ok(Plan {
+            inner: p.map_err(plan_err)?,
+        });
     }
     let p = py
         .detach(move || core::plan(manifest, world_size as u64, topology, cost, algorithm))
@@ -644,14 +722,20 @@ impl PlanCache {
         planner_version: Option<String>,
     ) -> PlanCache {
         let defaults = core::cache::CacheOptions::default();
-        let directory = if disk { directory.or(defaults.directory) } else { None };
+        let directory = if disk {
+            directory.or(defaults.directory)
+        } else {
+            None
+        };
         let opts = core::cache::CacheOptions {
             directory,
             memory_entries,
             max_bytes,
             planner_version: planner_version.unwrap_or(defaults.planner_version),
         };
-        PlanCache { inner: Arc::new(core::cache::PlanCache::new(opts)) }
+        PlanCache {
+            inner: Arc::new(core::cache::PlanCache::new(opts)),
+        }
     }
 
     /// The cache directory, or None for a memory-only cache.
@@ -663,7 +747,9 @@ impl PlanCache {
     /// The SQLite database file, or None for a memory-only cache.
     #[getter]
     fn path(&self) -> Option<String> {
-        self.inner.directory().map(|d| core::store::db_path(d).display().to_string())
+        self.inner
+            .directory()
+            .map(|d| core::store::db_path(d).display().to_string())
     }
 
     #[getter]
@@ -688,14 +774,17 @@ impl PlanCache {
         topology: Option<&Topology>,
     ) -> PyResult<Option<Plan>> {
         if world_size < 1 {
-            return Err(PlanError::new_err(format!("world size must be at least 1, got {world_size}")));
+            return Err(PlanError::new_err(format!(
+                "world size must be at least 1, got {world_size}"
+            )));
         }
         let algorithm: core::Algorithm = algorithm.parse().map_err(plan_err)?;
         let cost = cost.map(|c| c.inner).unwrap_or_default();
         let topology = topology.map(|t| t.inner).unwrap_or_default();
         let manifest = manifest.inner.clone();
         let inner = self.inner.clone();
-        let p = py.detach(move || inner.get(manifest, world_size as u64, topology, cost, algorithm));
+        let p =
+            py.detach(move || inner.get(manifest, world_size as u64, topology, cost, algorithm));
         self.emit_warnings(py);
         Ok(p.map_err(plan_err)?.map(|inner| Plan { inner }))
     }
@@ -789,7 +878,13 @@ fn _planner(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(plan, m)?)?;
     m.add_function(wrap_pyfunction!(plan_fingerprint, m)?)?;
     m.add("PLANNER_VERSION", core::PLANNER_VERSION)?;
-    m.add("ALGORITHMS", core::Algorithm::ALL.iter().map(|a| a.name()).collect::<Vec<_>>())?;
+    m.add(
+        "ALGORITHMS",
+        core::Algorithm::ALL
+            .iter()
+            .map(|a| a.name())
+            .collect::<Vec<_>>(),
+    )?;
     erasure::register(m)?;
     Ok(())
 }

@@ -62,7 +62,13 @@ impl LoadSummary {
                 }
             }
         }
-        LoadSummary { replicated_work, replicated_leaves, owned_load, is_owner, max_unsplittable }
+        LoadSummary {
+            replicated_work,
+            replicated_leaves,
+            owned_load,
+            is_owner,
+            max_unsplittable,
+        }
     }
 
     pub fn owners(&self) -> usize {
@@ -110,7 +116,11 @@ impl Levels {
         if summary.replicated_leaves > 0 {
             floor = floor.max(cost.fixed_s + summary.max_unsplittable);
         }
-        Levels { fixed_s: cost.fixed_s, work: summary.replicated_work + summary.total_owned(), floor }
+        Levels {
+            fixed_s: cost.fixed_s,
+            work: summary.replicated_work + summary.total_owned(),
+            floor,
+        }
     }
 
     fn at(&self, k: u32) -> f64 {
@@ -125,8 +135,16 @@ impl Levels {
 /// replicated must be written) to the world size.
 pub fn writer_range(summary: &LoadSummary, world_size: u32) -> (u32, u32) {
     let owners = summary.owners() as u32;
-    let lo = if summary.replicated_leaves > 0 { owners.max(1) } else { owners };
-    let hi = if summary.replicated_leaves > 0 { world_size } else { owners };
+    let lo = if summary.replicated_leaves > 0 {
+        owners.max(1)
+    } else {
+        owners
+    };
+    let hi = if summary.replicated_leaves > 0 {
+        world_size
+    } else {
+        owners
+    };
     (lo, hi)
 }
 
@@ -134,16 +152,28 @@ pub fn writer_range(summary: &LoadSummary, world_size: u32) -> (u32, u32) {
 pub fn lower_bound(summary: &LoadSummary, cost: &CostModel, world_size: u32) -> LowerBound {
     let (lo, hi) = writer_range(summary, world_size);
     let levels = Levels::new(summary, cost);
-    let mut best = LowerBound { makespan_s: f64::INFINITY, writers: lo, level_s: 0.0 };
+    let mut best = LowerBound {
+        makespan_s: f64::INFINITY,
+        writers: lo,
+        level_s: 0.0,
+    };
     for k in lo..=hi {
         let m = levels.at(k);
         let total = m + k as f64 * cost.writer_s;
         if total < best.makespan_s {
-            best = LowerBound { makespan_s: total, writers: k, level_s: m };
+            best = LowerBound {
+                makespan_s: total,
+                writers: k,
+                level_s: m,
+            };
         }
     }
     if lo == 0 && hi == 0 {
-        best = LowerBound { makespan_s: 0.0, writers: 0, level_s: 0.0 };
+        best = LowerBound {
+            makespan_s: 0.0,
+            writers: 0,
+            level_s: 0.0,
+        };
     }
     best
 }
@@ -172,9 +202,13 @@ mod tests {
     fn large_states_use_many_writers() {
         let cost = CostModel::default();
         let dtype = crate::DType::Float32;
-        let m = Manifest::new(vec![
-            Leaf::tensor(vec![PathKey::Str("w".into())], dtype, vec![1 << 30], None).unwrap(),
-        ])
+        let m = Manifest::new(vec![Leaf::tensor(
+            vec![PathKey::Str("w".into())],
+            dtype,
+            vec![1 << 30],
+            None,
+        )
+        .unwrap()])
         .unwrap();
         let s = LoadSummary::new(&m, 4096, &cost);
         let lb = lower_bound(&s, &cost, 4096);

@@ -47,7 +47,11 @@ pub enum CacheError {
 /// The user's default cache directory: `$DEEPPART_CACHE_DIR`, else
 /// `$XDG_CACHE_HOME/deeppart`, else `~/.cache/deeppart`.
 pub fn default_cache_dir() -> Option<PathBuf> {
-    let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
+    let var = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
     if let Some(d) = var("DEEPPART_CACHE_DIR") {
         return Some(d);
     }
@@ -140,7 +144,11 @@ impl MemoryLru {
         self.map.insert(fp, (plan, self.tick));
         let mut dropped = 0;
         while self.map.len() > self.cap {
-            let oldest = self.map.iter().min_by_key(|(_, (_, t))| *t).map(|(k, _)| k.clone());
+            let oldest = self
+                .map
+                .iter()
+                .min_by_key(|(_, (_, t))| *t)
+                .map(|(k, _)| k.clone());
             match oldest {
                 Some(k) => {
                     self.map.remove(&k);
@@ -212,7 +220,11 @@ impl PlanCache {
             None => Disk::None,
         };
         PlanCache {
-            memory: Mutex::new(MemoryLru { cap: opts.memory_entries, tick: 0, map: HashMap::new() }),
+            memory: Mutex::new(MemoryLru {
+                cap: opts.memory_entries,
+                tick: 0,
+                map: HashMap::new(),
+            }),
             disk: Mutex::new(disk),
             fp_memo: Mutex::new(HashMap::new()),
             opts,
@@ -267,7 +279,11 @@ impl PlanCache {
     /// database (or one of another schema) is rebuilt once and `f` retried;
     /// a store that cannot be used is disabled. Returns `None` when there
     /// is no usable store, or when `f` failed (warned about).
-    fn with_store<T>(&self, what: &str, mut f: impl FnMut(&mut Store) -> store::Result<T>) -> Option<T> {
+    fn with_store<T>(
+        &self,
+        what: &str,
+        mut f: impl FnMut(&mut Store) -> store::Result<T>,
+    ) -> Option<T> {
         let mut disk = self.lock_disk();
         let mut rebuilt = false;
         loop {
@@ -292,7 +308,9 @@ impl PlanCache {
                     }
                 }
             }
-            let Disk::Open(s, dir) = &mut *disk else { return None };
+            let Disk::Open(s, dir) = &mut *disk else {
+                return None;
+            };
             match f(s) {
                 Ok(v) => return Some(v),
                 Err(e) if e.needs_rebuild() && !rebuilt => {
@@ -301,13 +319,19 @@ impl PlanCache {
                     self.rebuild(&mut disk, &dir, &e);
                 }
                 Err(StoreError::Busy(m)) => {
-                    self.warn("busy", format!("plan cache {what} skipped: database busy ({m})"));
+                    self.warn(
+                        "busy",
+                        format!("plan cache {what} skipped: database busy ({m})"),
+                    );
                     return None;
                 }
                 Err(e) => {
                     self.warn(
                         "io",
-                        format!("plan cache {what} failed at {}, continuing without it: {e}", dir.display()),
+                        format!(
+                            "plan cache {what} failed at {}, continuing without it: {e}",
+                            dir.display()
+                        ),
                     );
                     return None;
                 }
@@ -320,7 +344,10 @@ impl PlanCache {
         match store::remove_files(dir) {
             Ok(()) => self.warn(
                 "rebuilt",
-                format!("plan cache at {} was unreadable ({cause}); rebuilt it empty", dir.display()),
+                format!(
+                    "plan cache at {} was unreadable ({cause}); rebuilt it empty",
+                    dir.display()
+                ),
             ),
             Err(e) => {
                 self.warn(
@@ -345,7 +372,14 @@ impl PlanCache {
     ) -> Result<Request, PlanError> {
         let world_size = crate::validate_inputs(&manifest, world_size, &topology, &cost)?;
         let fingerprint = self.fingerprint_of(&manifest, world_size, &topology, &cost, algorithm);
-        Ok(Request { manifest, world_size, topology, cost, algorithm, fingerprint })
+        Ok(Request {
+            manifest,
+            world_size,
+            topology,
+            cost,
+            algorithm,
+            fingerprint,
+        })
     }
 
     /// The plan fingerprint, remembered per manifest allocation: asking
@@ -374,7 +408,8 @@ impl PlanCache {
                 return fp.clone();
             }
         }
-        let fp = crate::fingerprint::plan_fingerprint(manifest, world_size, topology, cost, algorithm);
+        let fp =
+            crate::fingerprint::plan_fingerprint(manifest, world_size, topology, cost, algorithm);
         let mut memo = lock(&self.fp_memo);
         if memo.len() >= FP_MEMO_ENTRIES {
             memo.retain(|_, (weak, _)| weak.strong_count() > 0);
@@ -401,7 +436,8 @@ impl PlanCache {
         if let Some(p) = self.lookup(&req, started) {
             return Ok(p);
         }
-        let ranks = crate::algorithms::run(algorithm, &req.manifest, req.world_size, &topology, &cost);
+        let ranks =
+            crate::algorithms::run(algorithm, &req.manifest, req.world_size, &topology, &cost);
         let plan = crate::assemble_plan_with_fingerprint(
             req.manifest,
             req.world_size,
@@ -441,7 +477,9 @@ impl PlanCache {
             plan.stats.plan_ms = started.elapsed().as_secs_f64() * 1e3;
             return Some(Arc::new(plan));
         }
-        let entry = self.with_store("read", |s| s.get(&req.fingerprint)).flatten();
+        let entry = self
+            .with_store("read", |s| s.get(&req.fingerprint))
+            .flatten();
         let Some(entry) = entry else {
             self.misses.fetch_add(1, Ordering::Relaxed);
             return None;
@@ -553,14 +591,19 @@ impl PlanCache {
     }
 
     fn store_err(dir: &Path, source: StoreError) -> CacheError {
-        CacheError::Store { path: store::db_path(dir).display().to_string(), source }
+        CacheError::Store {
+            path: store::db_path(dir).display().to_string(),
+            source,
+        }
     }
 
     /// Empties both tiers. A damaged database is removed and created anew;
     /// a disabled store is retried.
     pub fn clear(&self) -> Result<u64, CacheError> {
         lock(&self.memory).map.clear();
-        let Some(dir) = self.opts.directory.clone() else { return Ok(0) };
+        let Some(dir) = self.opts.directory.clone() else {
+            return Ok(0);
+        };
         let mut disk = self.lock_disk();
         if !matches!(*disk, Disk::Open(..)) {
             *disk = Disk::Unopened(dir.clone());
@@ -577,7 +620,9 @@ impl PlanCache {
                 Err(e) => return Err(Self::store_err(&dir, e)),
             }
         }
-        let Disk::Open(s, _) = &*disk else { unreachable!() };
+        let Disk::Open(s, _) = &*disk else {
+            unreachable!()
+        };
         match s.clear() {
             Ok(n) => Ok(n),
             Err(e) if e.needs_rebuild() => {
@@ -600,7 +645,9 @@ impl PlanCache {
             let s = Store::open(&dir).map_err(|e| Self::store_err(&dir, e))?;
             *disk = Disk::Open(s, dir.clone());
         }
-        let Disk::Open(s, _) = &mut *disk else { unreachable!() };
+        let Disk::Open(s, _) = &mut *disk else {
+            unreachable!()
+        };
         let err = |e| Self::store_err(&dir, e);
         let check = s.integrity_check().map_err(err)?;
         if check != ["ok"] {
@@ -611,11 +658,14 @@ impl PlanCache {
         }
         let mut report = VerifyReport::default();
         for info in s.list().map_err(err)? {
-            let Some(entry) = s.get(&info.fingerprint).map_err(err)? else { continue };
+            let Some(entry) = s.get(&info.fingerprint).map_err(err)? else {
+                continue;
+            };
             report.entries += 1;
             let ok = match codec::check(&entry.data) {
                 Ok((h, body)) => {
-                    h.fingerprint_hex() == info.fingerprint && codec::decode_pieces(&h, body).is_ok()
+                    h.fingerprint_hex() == info.fingerprint
+                        && codec::decode_pieces(&h, body).is_ok()
                 }
                 Err(_) => false,
             };
@@ -640,8 +690,11 @@ mod tests {
     use crate::DType;
 
     fn tmpdir(name: &str) -> PathBuf {
-        let d = std::env::temp_dir()
-            .join(format!("deeppart-cache-{name}-{}-{}", std::process::id(), store::now_ns()));
+        let d = std::env::temp_dir().join(format!(
+            "deeppart-cache-{name}-{}-{}",
+            std::process::id(),
+            store::now_ns()
+        ));
         std::fs::create_dir_all(&d).unwrap();
         d
     }
@@ -662,11 +715,15 @@ mod tests {
     }
 
     fn opts(dir: &Path) -> CacheOptions {
-        CacheOptions { directory: Some(dir.to_path_buf()), ..CacheOptions::default() }
+        CacheOptions {
+            directory: Some(dir.to_path_buf()),
+            ..CacheOptions::default()
+        }
     }
 
     fn plan_with(c: &PlanCache, m: &Arc<Manifest>, cost: CostModel) -> Arc<Plan> {
-        c.plan(m.clone(), 8, Topology::default(), cost, Algorithm::Balanced).unwrap()
+        c.plan(m.clone(), 8, Topology::default(), cost, Algorithm::Balanced)
+            .unwrap()
     }
 
     #[test]
@@ -678,7 +735,10 @@ mod tests {
         assert_eq!(a.stats.source, PlanSource::Computed);
         let b = plan_with(&c, &m, CostModel::default());
         assert_eq!(b.stats.source, PlanSource::Memory);
-        assert_eq!((b.ranks.clone(), b.fingerprint.clone()), (a.ranks.clone(), a.fingerprint.clone()));
+        assert_eq!(
+            (b.ranks.clone(), b.fingerprint.clone()),
+            (a.ranks.clone(), a.fingerprint.clone())
+        );
         // Another cache on the same directory: a disk hit.
         let c2 = PlanCache::new(opts(&dir));
         let d = plan_with(&c2, &m, CostModel::default());
@@ -686,18 +746,38 @@ mod tests {
         assert_eq!(d.ranks, a.ranks);
         assert_eq!(d.stats.makespan_s, a.stats.makespan_s);
         // Any cost parameter is part of the key.
-        let e = plan_with(&c2, &m, CostModel { writer_s: 3e-4, ..CostModel::default() });
+        let e = plan_with(
+            &c2,
+            &m,
+            CostModel {
+                writer_s: 3e-4,
+                ..CostModel::default()
+            },
+        );
         assert_eq!(e.stats.source, PlanSource::Computed);
         let s = c2.stats();
-        assert_eq!((s.hits_memory, s.hits_disk, s.misses, s.entries), (0, 1, 1, 2));
+        assert_eq!(
+            (s.hits_memory, s.hits_disk, s.misses, s.entries),
+            (0, 1, 1, 2)
+        );
         assert!(c.take_warnings().is_empty() && c2.take_warnings().is_empty());
-        assert_eq!(c2.verify().unwrap(), VerifyReport { entries: 2, valid: 2, ..Default::default() });
+        assert_eq!(
+            c2.verify().unwrap(),
+            VerifyReport {
+                entries: 2,
+                valid: 2,
+                ..Default::default()
+            }
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
     fn fingerprints_are_remembered_per_manifest_object_only() {
-        let c = PlanCache::new(CacheOptions { directory: None, ..CacheOptions::default() });
+        let c = PlanCache::new(CacheOptions {
+            directory: None,
+            ..CacheOptions::default()
+        });
         let m = manifest(30, 50_000);
         let t = Topology::default();
         let cost = CostModel::default();
@@ -705,16 +785,31 @@ mod tests {
             crate::fingerprint::plan_fingerprint(m, ws, &t, cost, Algorithm::Balanced)
         };
         for _ in 0..2 {
-            assert_eq!(c.fingerprint_of(&m, 8, &t, &cost, Algorithm::Balanced), expect(&m, 8, &cost));
-            assert_eq!(c.fingerprint_of(&m, 4, &t, &cost, Algorithm::Balanced), expect(&m, 4, &cost));
-            let other = CostModel { bandwidth: 2e9, ..cost };
-            assert_eq!(c.fingerprint_of(&m, 8, &t, &other, Algorithm::Balanced), expect(&m, 8, &other));
+            assert_eq!(
+                c.fingerprint_of(&m, 8, &t, &cost, Algorithm::Balanced),
+                expect(&m, 8, &cost)
+            );
+            assert_eq!(
+                c.fingerprint_of(&m, 4, &t, &cost, Algorithm::Balanced),
+                expect(&m, 4, &cost)
+            );
+            let other = CostModel {
+                bandwidth: 2e9,
+                ..cost
+            };
+            assert_eq!(
+                c.fingerprint_of(&m, 8, &t, &other, Algorithm::Balanced),
+                expect(&m, 8, &other)
+            );
         }
         // A different manifest, even at a reused address, is hashed afresh.
         drop(m);
         for n in 31..40 {
             let m2 = manifest(n, 50_000);
-            assert_eq!(c.fingerprint_of(&m2, 8, &t, &cost, Algorithm::Balanced), expect(&m2, 8, &cost));
+            assert_eq!(
+                c.fingerprint_of(&m2, 8, &t, &cost, Algorithm::Balanced),
+                expect(&m2, 8, &cost)
+            );
         }
     }
 
@@ -722,10 +817,16 @@ mod tests {
     fn another_planner_version_misses() {
         let dir = tmpdir("version");
         let m = manifest(50, 50_000);
-        let old = PlanCache::new(CacheOptions { planner_version: "0.0.0-old".into(), ..opts(&dir) });
+        let old = PlanCache::new(CacheOptions {
+            planner_version: "0.0.0-old".into(),
+            ..opts(&dir)
+        });
         plan_with(&old, &m, CostModel::default());
         let new = PlanCache::new(opts(&dir));
-        assert_eq!(plan_with(&new, &m, CostModel::default()).stats.source, PlanSource::Computed);
+        assert_eq!(
+            plan_with(&new, &m, CostModel::default()).stats.source,
+            PlanSource::Computed
+        );
         assert_eq!(new.stats().stale, 1);
         std::fs::remove_dir_all(&dir).unwrap();
     }
@@ -739,8 +840,9 @@ mod tests {
         {
             // Flip one byte of the stored entry, keeping the row.
             let conn = rusqlite::Connection::open(store::db_path(&dir)).unwrap();
-            let mut data: Vec<u8> =
-                conn.query_row("SELECT data FROM plans", [], |r| r.get(0)).unwrap();
+            let mut data: Vec<u8> = conn
+                .query_row("SELECT data FROM plans", [], |r| r.get(0))
+                .unwrap();
             let mid = data.len() / 2;
             data[mid] ^= 1;
             conn.execute("UPDATE plans SET data = ?1", [&data]).unwrap();
@@ -758,12 +860,18 @@ mod tests {
         // Garbage over the whole file: rebuilt, with one warning.
         std::fs::write(store::db_path(&dir), vec![0xa5u8; 20_000]).unwrap();
         let c3 = PlanCache::new(opts(&dir));
-        assert_eq!(plan_with(&c3, &m, CostModel::default()).stats.source, PlanSource::Computed);
+        assert_eq!(
+            plan_with(&c3, &m, CostModel::default()).stats.source,
+            PlanSource::Computed
+        );
         let w = c3.take_warnings();
         assert_eq!(w.len(), 1, "{w:?}");
         assert!(w[0].contains("rebuilt"), "{w:?}");
         let c4 = PlanCache::new(opts(&dir));
-        assert_eq!(plan_with(&c4, &m, CostModel::default()).stats.source, PlanSource::Disk);
+        assert_eq!(
+            plan_with(&c4, &m, CostModel::default()).stats.source,
+            PlanSource::Disk
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -787,8 +895,20 @@ mod tests {
     fn disk_cap_evicts_least_recently_used() {
         let dir = tmpdir("cap");
         let ms: Vec<_> = (0..6).map(|i| manifest(30 + i, 50_000)).collect();
-        let probe = codec::encode(&plan_with(&PlanCache::new(CacheOptions { directory: None, ..opts(&dir) }), &ms[0], CostModel::default())).len() as u64;
-        let c = PlanCache::new(CacheOptions { max_bytes: probe * 3 + probe / 2, memory_entries: 0, ..opts(&dir) });
+        let probe = codec::encode(&plan_with(
+            &PlanCache::new(CacheOptions {
+                directory: None,
+                ..opts(&dir)
+            }),
+            &ms[0],
+            CostModel::default(),
+        ))
+        .len() as u64;
+        let c = PlanCache::new(CacheOptions {
+            max_bytes: probe * 3 + probe / 2,
+            memory_entries: 0,
+            ..opts(&dir)
+        });
         for m in &ms {
             plan_with(&c, m, CostModel::default());
             std::thread::sleep(std::time::Duration::from_millis(2));
@@ -797,8 +917,14 @@ mod tests {
         assert!(s.evictions >= 2, "{s:?}");
         assert!(s.bytes <= probe * 3 + probe / 2, "{s:?}");
         // The newest is still there, the oldest is gone.
-        assert_eq!(plan_with(&c, &ms[5], CostModel::default()).stats.source, PlanSource::Disk);
-        assert_eq!(plan_with(&c, &ms[0], CostModel::default()).stats.source, PlanSource::Computed);
+        assert_eq!(
+            plan_with(&c, &ms[5], CostModel::default()).stats.source,
+            PlanSource::Disk
+        );
+        assert_eq!(
+            plan_with(&c, &ms[0], CostModel::default()).stats.source,
+            PlanSource::Computed
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

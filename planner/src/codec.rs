@@ -106,7 +106,10 @@ pub fn fingerprint_bytes(fingerprint: &str) -> Option<[u8; 32]> {
 }
 
 fn algorithm_code(a: Algorithm) -> u8 {
-    Algorithm::ALL.iter().position(|&x| x == a).expect("every algorithm is in ALL") as u8
+    Algorithm::ALL
+        .iter()
+        .position(|&x| x == a)
+        .expect("every algorithm is in ALL") as u8
 }
 
 fn put_varint(out: &mut Vec<u8>, mut v: u64) {
@@ -120,7 +123,8 @@ fn put_varint(out: &mut Vec<u8>, mut v: u64) {
 /// Encodes a plan's assignment with its inputs' parameters (not the manifest).
 pub fn encode(plan: &Plan) -> Vec<u8> {
     let pieces: u64 = plan.ranks.iter().map(|r| r.len() as u64).sum();
-    let mut out = Vec::with_capacity(HEADER_LEN + plan.ranks.len() + 6 * pieces as usize + CHECKSUM_LEN);
+    let mut out =
+        Vec::with_capacity(HEADER_LEN + plan.ranks.len() + 6 * pieces as usize + CHECKSUM_LEN);
     out.extend_from_slice(MAGIC);
     out.extend_from_slice(&CODEC_VERSION.to_le_bytes());
     out.extend_from_slice(&0u16.to_le_bytes());
@@ -161,7 +165,10 @@ struct Reader<'a> {
 impl<'a> Reader<'a> {
     fn take(&mut self, n: usize) -> Result<&'a [u8], CodecError> {
         if self.buf.len() - self.pos < n {
-            return Err(CodecError::Malformed(format!("unexpected end at byte {}", self.pos)));
+            return Err(CodecError::Malformed(format!(
+                "unexpected end at byte {}",
+                self.pos
+            )));
         }
         let s = &self.buf[self.pos..self.pos + n];
         self.pos += n;
@@ -171,13 +178,19 @@ impl<'a> Reader<'a> {
         Ok(self.take(1)?[0])
     }
     fn u16(&mut self) -> Result<u16, CodecError> {
-        Ok(u16::from_le_bytes(self.take(2)?.try_into().expect("2 bytes")))
+        Ok(u16::from_le_bytes(
+            self.take(2)?.try_into().expect("2 bytes"),
+        ))
     }
     fn u32(&mut self) -> Result<u32, CodecError> {
-        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4 bytes")))
+        Ok(u32::from_le_bytes(
+            self.take(4)?.try_into().expect("4 bytes"),
+        ))
     }
     fn u64(&mut self) -> Result<u64, CodecError> {
-        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8 bytes")))
+        Ok(u64::from_le_bytes(
+            self.take(8)?.try_into().expect("8 bytes"),
+        ))
     }
     fn f64(&mut self) -> Result<f64, CodecError> {
         Ok(f64::from_bits(self.u64()?))
@@ -188,14 +201,20 @@ impl<'a> Reader<'a> {
             let b = self.u8()?;
             let bits = u64::from(b & 0x7f);
             if shift == 63 && bits > 1 {
-                return Err(CodecError::Malformed(format!("varint overflows at byte {}", self.pos)));
+                return Err(CodecError::Malformed(format!(
+                    "varint overflows at byte {}",
+                    self.pos
+                )));
             }
             v |= bits << shift;
             if b & 0x80 == 0 {
                 return Ok(v);
             }
         }
-        Err(CodecError::Malformed(format!("varint too long at byte {}", self.pos)))
+        Err(CodecError::Malformed(format!(
+            "varint too long at byte {}",
+            self.pos
+        )))
     }
     fn remaining(&self) -> usize {
         self.buf.len() - self.pos
@@ -234,7 +253,9 @@ pub fn check(bytes: &[u8]) -> Result<(Header, &[u8]), CodecError> {
     let algorithm = *Algorithm::ALL
         .get(code as usize)
         .ok_or_else(|| CodecError::Malformed(format!("unknown algorithm code {code}")))?;
-    let topology = Topology { ranks_per_node: r.u32()? };
+    let topology = Topology {
+        ranks_per_node: r.u32()?,
+    };
     let cost = CostModel {
         fixed_s: r.f64()?,
         piece_s: r.f64()?,
@@ -245,46 +266,73 @@ pub fn check(bytes: &[u8]) -> Result<(Header, &[u8]), CodecError> {
     let leaves = r.u64()?;
     let plan_ms = r.f64()?;
     let pieces = r.u64()?;
-    let header = Header { fingerprint, world_size, algorithm, topology, cost, leaves, plan_ms, pieces };
+    let header = Header {
+        fingerprint,
+        world_size,
+        algorithm,
+        topology,
+        cost,
+        leaves,
+        plan_ms,
+        pieces,
+    };
     Ok((header, &body[HEADER_LEN..]))
 }
 
 /// Decodes the per-rank piece lists of a checked body.
 pub fn decode_pieces(header: &Header, pieces_body: &[u8]) -> Result<Vec<Vec<Piece>>, CodecError> {
-    let mut r = Reader { buf: pieces_body, pos: 0 };
+    let mut r = Reader {
+        buf: pieces_body,
+        pos: 0,
+    };
     // Every rank takes at least one byte and every piece at least three:
     // bounds the allocations by the input size.
     if header.world_size as usize > r.remaining() || header.pieces > (r.remaining() / 3) as u64 {
-        return Err(CodecError::Malformed("counts exceed the encoded size".into()));
+        return Err(CodecError::Malformed(
+            "counts exceed the encoded size".into(),
+        ));
     }
     let mut ranks = Vec::with_capacity(header.world_size as usize);
     let mut total = 0u64;
     for rank in 0..header.world_size {
         let n = r.varint()?;
         if n > (r.remaining() / 3) as u64 {
-            return Err(CodecError::Malformed(format!("rank {rank} claims {n} pieces")));
+            return Err(CodecError::Malformed(format!(
+                "rank {rank} claims {n} pieces"
+            )));
         }
         let mut list = Vec::with_capacity(n as usize);
         let mut leaf = 0u64;
         for _ in 0..n {
             leaf += r.varint()?;
-            let leaf32 = u32::try_from(leaf)
-                .map_err(|_| CodecError::Malformed(format!("rank {rank}: leaf index {leaf} overflows")))?;
+            let leaf32 = u32::try_from(leaf).map_err(|_| {
+                CodecError::Malformed(format!("rank {rank}: leaf index {leaf} overflows"))
+            })?;
             let start = r.varint()?;
             let len = r.varint()?;
-            let stop = start
-                .checked_add(len)
-                .ok_or_else(|| CodecError::Malformed(format!("rank {rank}: piece end overflows")))?;
-            list.push(Piece { leaf: leaf32, start, stop });
+            let stop = start.checked_add(len).ok_or_else(|| {
+                CodecError::Malformed(format!("rank {rank}: piece end overflows"))
+            })?;
+            list.push(Piece {
+                leaf: leaf32,
+                start,
+                stop,
+            });
         }
         total += n;
         ranks.push(list);
     }
     if r.remaining() != 0 {
-        return Err(CodecError::Malformed(format!("{} trailing bytes", r.remaining())));
+        return Err(CodecError::Malformed(format!(
+            "{} trailing bytes",
+            r.remaining()
+        )));
     }
     if total != header.pieces {
-        return Err(CodecError::Malformed(format!("{total} pieces, header says {}", header.pieces)));
+        return Err(CodecError::Malformed(format!(
+            "{total} pieces, header says {}",
+            header.pieces
+        )));
     }
     Ok(ranks)
 }
@@ -350,17 +398,28 @@ pub fn decode(
 /// written exactly once, owned leaves by their owner, pieces within bounds,
 /// each rank's pieces strictly ordered), in linear time: a leaf written as
 /// one piece needs no sort, and only the pieces of split leaves are sorted.
-pub fn validate_decoded(manifest: &Manifest, world_size: u32, ranks: &[Vec<Piece>]) -> Result<(), PlanError> {
+pub fn validate_decoded(
+    manifest: &Manifest,
+    world_size: u32,
+    ranks: &[Vec<Piece>],
+) -> Result<(), PlanError> {
     let bad = |m: String| Err(PlanError::Malformed(m));
     if ranks.len() != world_size as usize {
-        return bad(format!("plan has {} ranks, expected {world_size}", ranks.len()));
+        return bad(format!(
+            "plan has {} ranks, expected {world_size}",
+            ranks.len()
+        ));
     }
     let leaves = manifest.leaves();
     let mut count = vec![0u32; leaves.len()];
     for (r, list) in ranks.iter().enumerate() {
         for (i, p) in list.iter().enumerate() {
             let Some(leaf) = leaves.get(p.leaf as usize) else {
-                return bad(format!("rank {r} piece {i} names leaf {} of {}", p.leaf, leaves.len()));
+                return bad(format!(
+                    "rank {r} piece {i} names leaf {} of {}",
+                    p.leaf,
+                    leaves.len()
+                ));
             };
             let units = leaf.units();
             if p.start > p.stop || p.stop > units {
@@ -376,19 +435,25 @@ pub fn validate_decoded(manifest: &Manifest, world_size: u32, ranks: &[Vec<Piece
                 if owner as usize != r {
                     return bad(format!(
                         "leaf {} ({}) is owned by rank {owner} but planned on rank {r}",
-                        p.leaf, leaf.display_path()
+                        p.leaf,
+                        leaf.display_path()
                     ));
                 }
             }
             if i > 0 && list[i - 1] >= *p {
-                return bad(format!("rank {r} pieces are not strictly ordered at piece {i}"));
+                return bad(format!(
+                    "rank {r} pieces are not strictly ordered at piece {i}"
+                ));
             }
             let c = &mut count[p.leaf as usize];
             *c = c.saturating_add(1);
         }
     }
     if let Some(missing) = count.iter().position(|&c| c == 0) {
-        return bad(format!("leaf {missing} ({}) is not written", leaves[missing].display_path()));
+        return bad(format!(
+            "leaf {missing} ({}) is not written",
+            leaves[missing].display_path()
+        ));
     }
     // Leaves written as one piece: it must be the whole leaf. Pieces of the
     // other leaves are collected and checked like validate_assignment does.
@@ -450,12 +515,26 @@ mod tests {
     fn manifest(n: usize) -> Arc<Manifest> {
         let mut leaves = Vec::new();
         for i in 0..n {
-            let path = vec![PathKey::Str("layer".into()), PathKey::Int(i as i64), PathKey::Str("w".into())];
+            let path = vec![
+                PathKey::Str("layer".into()),
+                PathKey::Int(i as i64),
+                PathKey::Str("w".into()),
+            ];
             let leaf = if i % 7 == 3 {
-                Leaf::object(path, 100 + i as u64, if i % 5 == 0 { Some(1) } else { None }).unwrap()
+                Leaf::object(
+                    path,
+                    100 + i as u64,
+                    if i % 5 == 0 { Some(1) } else { None },
+                )
+                .unwrap()
             } else {
-                Leaf::tensor(path, DType::parse("float32").unwrap(), vec![(i as u64 % 50 + 1) * 40_000, 8], None)
-                    .unwrap()
+                Leaf::tensor(
+                    path,
+                    DType::parse("float32").unwrap(),
+                    vec![(i as u64 % 50 + 1) * 40_000, 8],
+                    None,
+                )
+                .unwrap()
             };
             leaves.push(leaf);
         }
@@ -463,7 +542,14 @@ mod tests {
     }
 
     fn sample(n: usize, world: u64) -> Plan {
-        crate::plan(manifest(n), world, Topology::default(), CostModel::default(), Algorithm::Balanced).unwrap()
+        crate::plan(
+            manifest(n),
+            world,
+            Topology::default(),
+            CostModel::default(),
+            Algorithm::Balanced,
+        )
+        .unwrap()
     }
 
     fn dec(bytes: &[u8], p: &Plan) -> Result<Plan, CodecError> {
@@ -507,9 +593,15 @@ mod tests {
             assert!(dec(&b, &p).is_err(), "flip at {i} accepted");
         }
         for len in 0..bytes.len() {
-            assert!(dec(&bytes[..len], &p).is_err(), "truncation to {len} accepted");
+            assert!(
+                dec(&bytes[..len], &p).is_err(),
+                "truncation to {len} accepted"
+            );
         }
-        assert!(matches!(dec(b"garbage garbage garbage", &p), Err(CodecError::BadMagic)));
+        assert!(matches!(
+            dec(b"garbage garbage garbage", &p),
+            Err(CodecError::BadMagic)
+        ));
     }
 
     /// A body with a valid checksum but a wrong assignment (a forged or
@@ -523,21 +615,67 @@ mod tests {
         let r = bad.ranks.iter().position(|l| !l.is_empty()).unwrap();
         bad.ranks[r].remove(0);
         let bytes = encode(&bad);
-        assert!(matches!(dec(&bytes, &p), Err(CodecError::Invalid(_)) | Err(CodecError::Malformed(_))));
+        assert!(matches!(
+            dec(&bytes, &p),
+            Err(CodecError::Invalid(_)) | Err(CodecError::Malformed(_))
+        ));
     }
 
     #[test]
     fn other_inputs_do_not_decode() {
         let p = sample(30, 4);
         let bytes = encode(&p);
-        let other_cost = CostModel { piece_s: 1e-3, ..CostModel::default() };
-        let r = decode(&bytes, p.manifest.clone(), 4, p.topology, other_cost, p.algorithm, &p.fingerprint, PlanSource::Disk, None);
+        let other_cost = CostModel {
+            piece_s: 1e-3,
+            ..CostModel::default()
+        };
+        let r = decode(
+            &bytes,
+            p.manifest.clone(),
+            4,
+            p.topology,
+            other_cost,
+            p.algorithm,
+            &p.fingerprint,
+            PlanSource::Disk,
+            None,
+        );
         assert!(matches!(r, Err(CodecError::Mismatch(_))));
-        let r = decode(&bytes, p.manifest.clone(), 8, p.topology, p.cost, p.algorithm, &p.fingerprint, PlanSource::Disk, None);
+        let r = decode(
+            &bytes,
+            p.manifest.clone(),
+            8,
+            p.topology,
+            p.cost,
+            p.algorithm,
+            &p.fingerprint,
+            PlanSource::Disk,
+            None,
+        );
         assert!(matches!(r, Err(CodecError::Mismatch(_))));
-        let r = decode(&bytes, manifest(31), 4, p.topology, p.cost, p.algorithm, &p.fingerprint, PlanSource::Disk, None);
+        let r = decode(
+            &bytes,
+            manifest(31),
+            4,
+            p.topology,
+            p.cost,
+            p.algorithm,
+            &p.fingerprint,
+            PlanSource::Disk,
+            None,
+        );
         assert!(matches!(r, Err(CodecError::Mismatch(_))));
-        let r = decode(&bytes, p.manifest.clone(), 4, p.topology, p.cost, p.algorithm, &"0".repeat(64), PlanSource::Disk, None);
+        let r = decode(
+            &bytes,
+            p.manifest.clone(),
+            4,
+            p.topology,
+            p.cost,
+            p.algorithm,
+            &"0".repeat(64),
+            PlanSource::Disk,
+            None,
+        );
         assert!(matches!(r, Err(CodecError::Mismatch(_))));
     }
 
@@ -549,13 +687,33 @@ mod tests {
         for i in 0..40u64 {
             let path = vec![PathKey::Int(i as i64)];
             leaves.push(match i % 5 {
-                0 => Leaf::object(path, 10 + i, if i % 10 == 0 { Some((i % 3) as u32) } else { None }).unwrap(),
-                1 => Leaf::tensor(path, DType::parse("float32").unwrap(), vec![0, 4], None).unwrap(),
-                _ => Leaf::tensor(path, DType::parse("float32").unwrap(), vec![(i + 1) * 300_000], None).unwrap(),
+                0 => Leaf::object(
+                    path,
+                    10 + i,
+                    if i % 10 == 0 {
+                        Some((i % 3) as u32)
+                    } else {
+                        None
+                    },
+                )
+                .unwrap(),
+                1 => {
+                    Leaf::tensor(path, DType::parse("float32").unwrap(), vec![0, 4], None).unwrap()
+                }
+                _ => Leaf::tensor(
+                    path,
+                    DType::parse("float32").unwrap(),
+                    vec![(i + 1) * 300_000],
+                    None,
+                )
+                .unwrap(),
             });
         }
         let m = Arc::new(Manifest::new(leaves).unwrap());
-        let cost = CostModel { min_piece_bytes: 1 << 16, ..CostModel::default() };
+        let cost = CostModel {
+            min_piece_bytes: 1 << 16,
+            ..CostModel::default()
+        };
         let mut state = 0x9e3779b97f4a7c15u64;
         let mut next = move |n: usize| {
             state ^= state << 13;
@@ -610,7 +768,16 @@ mod tests {
 
     #[test]
     fn varints() {
-        for v in [0u64, 1, 127, 128, 300, u32::MAX as u64, u64::MAX - 1, u64::MAX] {
+        for v in [
+            0u64,
+            1,
+            127,
+            128,
+            300,
+            u32::MAX as u64,
+            u64::MAX - 1,
+            u64::MAX,
+        ] {
             let mut out = Vec::new();
             put_varint(&mut out, v);
             let mut r = Reader { buf: &out, pos: 0 };

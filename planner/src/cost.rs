@@ -57,7 +57,9 @@ impl CostModel {
             if v.is_finite() && v >= 0.0 {
                 Ok(())
             } else {
-                Err(PlanError::Cost(format!("{name} must be a finite number >= 0, got {v}")))
+                Err(PlanError::Cost(format!(
+                    "{name} must be a finite number >= 0, got {v}"
+                )))
             }
         };
         finite_nonneg("fixed_s", self.fixed_s)?;
@@ -108,7 +110,9 @@ impl Topology {
     /// Checks the topology against a world size.
     pub fn validate(&self, world_size: u32) -> Result<(), PlanError> {
         if self.ranks_per_node == 0 {
-            return Err(PlanError::Topology("ranks_per_node must be at least 1".into()));
+            return Err(PlanError::Topology(
+                "ranks_per_node must be at least 1".into(),
+            ));
         }
         // (Not `is_multiple_of`: that needs Rust 1.87, the workspace supports 1.80.)
         if world_size.checked_rem(self.ranks_per_node) != Some(0) {
@@ -156,9 +160,15 @@ mod tests {
         assert!(c.validate().is_ok());
         c.bandwidth = 0.0;
         assert!(c.validate().unwrap_err().to_string().contains("bandwidth"));
-        c = CostModel { piece_s: f64::NAN, ..CostModel::default() };
+        c = CostModel {
+            piece_s: f64::NAN,
+            ..CostModel::default()
+        };
         assert!(c.validate().unwrap_err().to_string().contains("piece_s"));
-        c = CostModel { fixed_s: -1.0, ..CostModel::default() };
+        c = CostModel {
+            fixed_s: -1.0,
+            ..CostModel::default()
+        };
         assert!(c.validate().unwrap_err().to_string().contains("fixed_s"));
     }
 

@@ -11,9 +11,17 @@ pub enum ManifestError {
     #[error("unsupported manifest version {found}; this planner reads version {supported}")]
     Version { found: u64, supported: u64 },
     #[error("leaf {index} ({path}): {reason}")]
-    Leaf { index: usize, path: String, reason: String },
+    Leaf {
+        index: usize,
+        path: String,
+        reason: String,
+    },
     #[error("leaf {index} ({path}): duplicate path, first seen at leaf {first}")]
-    DuplicatePath { index: usize, path: String, first: usize },
+    DuplicatePath {
+        index: usize,
+        path: String,
+        first: usize,
+    },
     #[error("manifest has {count} leaves, more than the limit of {limit}")]
     TooManyLeaves { count: usize, limit: usize },
     #[error("manifest total size overflows: the leaves add up to more than {limit} bytes")]
@@ -28,7 +36,12 @@ pub enum PlanError {
     #[error("world size {world_size} is larger than the supported maximum {limit}")]
     WorldSizeTooLarge { world_size: u64, limit: u64 },
     #[error("leaf {index} ({path}) is owned by rank {owner}, but the world size is {world_size}")]
-    OwnerOutOfRange { index: usize, path: String, owner: u32, world_size: u32 },
+    OwnerOutOfRange {
+        index: usize,
+        path: String,
+        owner: u32,
+        world_size: u32,
+    },
     #[error("invalid topology: {0}")]
     Topology(String),
     #[error("invalid cost model: {0}")]

@@ -84,7 +84,13 @@ mod tests {
     use crate::DType;
 
     /// The definition: one hash over the whole encoding.
-    fn reference(m: &Manifest, world_size: u32, t: &Topology, c: &CostModel, a: Algorithm) -> String {
+    fn reference(
+        m: &Manifest,
+        world_size: u32,
+        t: &Topology,
+        c: &CostModel,
+        a: Algorithm,
+    ) -> String {
         let mut buf = Vec::new();
         buf.extend_from_slice(b"deeppart-plan-v1\0");
         buf.extend_from_slice(crate::PLANNER_VERSION.as_bytes());
@@ -110,16 +116,30 @@ mod tests {
                     ];
                     match i % 3 {
                         0 => Leaf::object(path, i as u64, Some((i % 4) as u32)).unwrap(),
-                        1 => Leaf::tensor(path, DType::parse("bfloat16").unwrap(), vec![i as u64, 3], None).unwrap(),
-                        _ => Leaf::tensor(path, DType::parse("float64").unwrap(), vec![], Some(1)).unwrap(),
+                        1 => Leaf::tensor(
+                            path,
+                            DType::parse("bfloat16").unwrap(),
+                            vec![i as u64, 3],
+                            None,
+                        )
+                        .unwrap(),
+                        _ => Leaf::tensor(path, DType::parse("float64").unwrap(), vec![], Some(1))
+                            .unwrap(),
                     }
                 })
                 .collect();
             let m = Manifest::new(leaves).unwrap();
             let t = Topology { ranks_per_node: 2 };
-            let c = CostModel { piece_s: 3e-5, ..CostModel::default() };
+            let c = CostModel {
+                piece_s: 3e-5,
+                ..CostModel::default()
+            };
             for a in Algorithm::ALL {
-                assert_eq!(plan_fingerprint(&m, 8, &t, &c, a), reference(&m, 8, &t, &c, a), "n={n} {a}");
+                assert_eq!(
+                    plan_fingerprint(&m, 8, &t, &c, a),
+                    reference(&m, 8, &t, &c, a),
+                    "n={n} {a}"
+                );
             }
         }
     }

@@ -42,7 +42,10 @@ pub fn check_world_size(world_size: u64) -> Result<u32, PlanError> {
         return Err(PlanError::WorldSize(world_size));
     }
     if world_size > MAX_WORLD_SIZE {
-        return Err(PlanError::WorldSizeTooLarge { world_size, limit: MAX_WORLD_SIZE });
+        return Err(PlanError::WorldSizeTooLarge {
+            world_size,
+            limit: MAX_WORLD_SIZE,
+        });
     }
     Ok(world_size as u32)
 }
@@ -83,7 +86,16 @@ pub fn plan(
     let world_size = validate_inputs(&manifest, world_size, &topology, &cost)?;
     let ranks = algorithms::run(algorithm, &manifest, world_size, &topology, &cost);
     let plan_ms = started.elapsed().as_secs_f64() * 1e3;
-    assemble_plan(manifest, world_size, topology, cost, algorithm, ranks, plan_ms, PlanSource::Computed)
+    assemble_plan(
+        manifest,
+        world_size,
+        topology,
+        cost,
+        algorithm,
+        ranks,
+        plan_ms,
+        PlanSource::Computed,
+    )
 }
 
 /// Builds a [`Plan`] from an assignment: validates it, scores it against the
@@ -126,7 +138,17 @@ pub fn assemble_plan_with_fingerprint(
         list.sort_unstable();
     }
     plan::validate_assignment(&manifest, world_size, &ranks)?;
-    Ok(score_plan(manifest, world_size, topology, cost, algorithm, ranks, plan_ms, source, fingerprint))
+    Ok(score_plan(
+        manifest,
+        world_size,
+        topology,
+        cost,
+        algorithm,
+        ranks,
+        plan_ms,
+        source,
+        fingerprint,
+    ))
 }
 
 /// The second half of [`assemble_plan_with_fingerprint`]: scores and
@@ -169,5 +191,14 @@ pub(crate) fn score_plan(
     let fingerprint = fingerprint.unwrap_or_else(|| {
         fingerprint::plan_fingerprint(&manifest, world_size, &topology, &cost, algorithm)
     });
-    Plan { manifest, world_size, topology, cost, algorithm, fingerprint, ranks, stats }
+    Plan {
+        manifest,
+        world_size,
+        topology,
+        cost,
+        algorithm,
+        fingerprint,
+        ranks,
+        stats,
+    }
 }

@@ -41,7 +41,10 @@ pub fn display_path(path: &[PathKey]) -> String {
     if path.is_empty() {
         return "<empty path>".to_string();
     }
-    path.iter().map(|k| k.to_string()).collect::<Vec<_>>().join("/")
+    path.iter()
+        .map(|k| k.to_string())
+        .collect::<Vec<_>>()
+        .join("/")
 }
 
 /// What a leaf holds.
@@ -73,13 +76,16 @@ impl Leaf {
         owner: Option<u32>,
     ) -> Result<Leaf, String> {
         if shape.len() > MAX_DIMS {
-            return Err(format!("tensor has {} dimensions, more than {MAX_DIMS}", shape.len()));
+            return Err(format!(
+                "tensor has {} dimensions, more than {MAX_DIMS}",
+                shape.len()
+            ));
         }
         let mut numel: u64 = 1;
         for &d in &shape {
-            numel = numel
-                .checked_mul(d)
-                .ok_or_else(|| format!("shape {shape:?} overflows: its element count exceeds 2^64"))?;
+            numel = numel.checked_mul(d).ok_or_else(|| {
+                format!("shape {shape:?} overflows: its element count exceeds 2^64")
+            })?;
         }
         let nbytes = numel.checked_mul(dtype.itemsize()).ok_or_else(|| {
             format!("shape {shape:?} of {dtype} overflows: its byte size exceeds 2^64")
@@ -89,15 +95,27 @@ impl Leaf {
                 "shape {shape:?} of {dtype} is {nbytes} bytes, more than the limit of {MAX_BYTES}"
             ));
         }
-        Ok(Leaf { path, kind: LeafKind::Tensor { dtype, shape }, nbytes, owner })
+        Ok(Leaf {
+            path,
+            kind: LeafKind::Tensor { dtype, shape },
+            nbytes,
+            owner,
+        })
     }
 
     /// An opaque object leaf of `nbytes` bytes.
     pub fn object(path: Vec<PathKey>, nbytes: u64, owner: Option<u32>) -> Result<Leaf, String> {
         if nbytes > MAX_BYTES {
-            return Err(format!("object of {nbytes} bytes is larger than the limit of {MAX_BYTES}"));
+            return Err(format!(
+                "object of {nbytes} bytes is larger than the limit of {MAX_BYTES}"
+            ));
         }
-        Ok(Leaf { path, kind: LeafKind::Object, nbytes, owner })
+        Ok(Leaf {
+            path,
+            kind: LeafKind::Object,
+            nbytes,
+            owner,
+        })
     }
 
     /// Number of plan units: elements for a tensor, 1 for an object.
@@ -167,7 +185,10 @@ impl Manifest {
     /// range, total size without overflow.
     pub fn new(leaves: Vec<Leaf>) -> Result<Manifest, ManifestError> {
         if leaves.len() > MAX_LEAVES {
-            return Err(ManifestError::TooManyLeaves { count: leaves.len(), limit: MAX_LEAVES });
+            return Err(ManifestError::TooManyLeaves {
+                count: leaves.len(),
+                limit: MAX_LEAVES,
+            });
         }
         let mut seen: HashMap<&[PathKey], usize> = HashMap::with_capacity(leaves.len());
         let mut total: u64 = 0;
@@ -184,7 +205,10 @@ impl Manifest {
                 return Err(bad(format!("path has more than {MAX_PATH_DEPTH} keys")));
             }
             if leaf.nbytes > MAX_BYTES {
-                return Err(bad(format!("{} bytes is more than the limit of {MAX_BYTES}", leaf.nbytes)));
+                return Err(bad(format!(
+                    "{} bytes is more than the limit of {MAX_BYTES}",
+                    leaf.nbytes
+                )));
             }
             if let LeafKind::Tensor { dtype, shape } = &leaf.kind {
                 let rebuilt = Leaf::tensor(leaf.path.clone(), *dtype, shape.clone(), leaf.owner)
@@ -208,7 +232,10 @@ impl Manifest {
                 .filter(|t| *t <= MAX_BYTES)
                 .ok_or(ManifestError::TotalTooLarge { limit: MAX_BYTES })?;
         }
-        Ok(Manifest { leaves, total_bytes: total })
+        Ok(Manifest {
+            leaves,
+            total_bytes: total,
+        })
     }
 
     pub fn leaves(&self) -> &[Leaf] {
@@ -229,7 +256,11 @@ impl Manifest {
 
     /// Bytes held by all ranks (leaves without an owner).
     pub fn replicated_bytes(&self) -> u64 {
-        self.leaves.iter().filter(|l| l.owner.is_none()).map(|l| l.nbytes).sum()
+        self.leaves
+            .iter()
+            .filter(|l| l.owner.is_none())
+            .map(|l| l.nbytes)
+            .sum()
     }
 
     /// Highest owner rank, if any leaf has an owner.
@@ -255,16 +286,23 @@ impl Manifest {
             .ok_or_else(|| ManifestError::Json("the top level must be an object".into()))?;
         for key in obj.keys() {
             if key != "version" && key != "leaves" {
-                return Err(ManifestError::Json(format!("unknown top-level key {key:?}")));
+                return Err(ManifestError::Json(format!(
+                    "unknown top-level key {key:?}"
+                )));
             }
         }
         let version = obj
             .get("version")
             .ok_or_else(|| ManifestError::Json("missing \"version\"".into()))?
             .as_u64()
-            .ok_or_else(|| ManifestError::Json("\"version\" must be a non-negative integer".into()))?;
+            .ok_or_else(|| {
+                ManifestError::Json("\"version\" must be a non-negative integer".into())
+            })?;
         if version != MANIFEST_VERSION {
-            return Err(ManifestError::Version { found: version, supported: MANIFEST_VERSION });
+            return Err(ManifestError::Version {
+                found: version,
+                supported: MANIFEST_VERSION,
+            });
         }
         let raw_leaves = obj
             .get("leaves")
@@ -272,7 +310,10 @@ impl Manifest {
             .as_array()
             .ok_or_else(|| ManifestError::Json("\"leaves\" must be an array".into()))?;
         if raw_leaves.len() > MAX_LEAVES {
-            return Err(ManifestError::TooManyLeaves { count: raw_leaves.len(), limit: MAX_LEAVES });
+            return Err(ManifestError::TooManyLeaves {
+                count: raw_leaves.len(),
+                limit: MAX_LEAVES,
+            });
         }
         let mut leaves = Vec::with_capacity(raw_leaves.len());
         for (index, raw) in raw_leaves.iter().enumerate() {
@@ -380,7 +421,9 @@ pub fn path_to_json(path: &[PathKey]) -> Value {
 
 /// Parses a JSON path array; `what` names the path in errors.
 pub fn path_from_json(value: &Value) -> Result<Vec<PathKey>, String> {
-    let arr = value.as_array().ok_or("\"path\" must be an array of strings and integers")?;
+    let arr = value
+        .as_array()
+        .ok_or("\"path\" must be an array of strings and integers")?;
     if arr.is_empty() {
         return Err("path is empty".into());
     }
@@ -394,7 +437,9 @@ pub fn path_from_json(value: &Value) -> Result<Vec<PathKey>, String> {
                 .as_i64()
                 .map(PathKey::Int)
                 .ok_or_else(|| format!("path key {n} is not a 64-bit integer")),
-            other => Err(format!("path key {other} is neither a string nor an integer")),
+            other => Err(format!(
+                "path key {other} is neither a string nor an integer"
+            )),
         })
         .collect()
 }
@@ -406,24 +451,39 @@ pub fn leaf_from_json(index: usize, raw: &Value) -> Result<Leaf, ManifestError> 
         .and_then(|p| path_from_json(p).ok())
         .map(|p| display_path(&p))
         .unwrap_or_else(|| "<no valid path>".to_string());
-    let bad = |reason: String| ManifestError::Leaf { index, path: partial_path.clone(), reason };
-    let obj = raw.as_object().ok_or_else(|| bad("a leaf must be an object".into()))?;
+    let bad = |reason: String| ManifestError::Leaf {
+        index,
+        path: partial_path.clone(),
+        reason,
+    };
+    let obj = raw
+        .as_object()
+        .ok_or_else(|| bad("a leaf must be an object".into()))?;
     for key in obj.keys() {
-        if !matches!(key.as_str(), "path" | "kind" | "dtype" | "shape" | "nbytes" | "owner") {
+        if !matches!(
+            key.as_str(),
+            "path" | "kind" | "dtype" | "shape" | "nbytes" | "owner"
+        ) {
             return Err(bad(format!("unknown key {key:?}")));
         }
     }
-    let path = path_from_json(obj.get("path").ok_or_else(|| bad("missing \"path\"".into()))?)
-        .map_err(&bad)?;
+    let path = path_from_json(
+        obj.get("path")
+            .ok_or_else(|| bad("missing \"path\"".into()))?,
+    )
+    .map_err(&bad)?;
     let owner = match obj.get("owner") {
         None | Some(Value::Null) => None,
         Some(v) => {
-            let o = v.as_u64().ok_or_else(|| bad(format!("owner {v} is not a non-negative integer")))?;
+            let o = v
+                .as_u64()
+                .ok_or_else(|| bad(format!("owner {v} is not a non-negative integer")))?;
             Some(u32::try_from(o).map_err(|_| bad(format!("owner {o} is out of range")))?)
         }
     };
     let nonneg = |field: &str, v: &Value| -> Result<u64, ManifestError> {
-        v.as_u64().ok_or_else(|| bad(format!("{field} {v} is not a non-negative integer")))
+        v.as_u64()
+            .ok_or_else(|| bad(format!("{field} {v} is not a non-negative integer")))
     };
     let kind = match obj.get("kind") {
         None => "tensor",
@@ -432,7 +492,6 @@ pub fn leaf_from_json(index: usize, raw: &Value) -> Result<Leaf, ManifestError> 
     };
     match kind {
         "tensor" => {
-
             let dtype_name = obj
                 .get("dtype")
                 .ok_or_else(|| bad("missing \"dtype\"".into()))?
@@ -446,7 +505,10 @@ pub fn leaf_from_json(index: usize, raw: &Value) -> Result<Leaf, ManifestError> 
                 .as_array()
                 .ok_or_else(|| bad("shape must be an array of non-negative integers".into()))?;
             if shape_raw.len() > MAX_DIMS {
-                return Err(bad(format!("tensor has {} dimensions, more than {MAX_DIMS}", shape_raw.len())));
+                return Err(bad(format!(
+                    "tensor has {} dimensions, more than {MAX_DIMS}",
+                    shape_raw.len()
+                )));
             }
             let shape = shape_raw
                 .iter()
@@ -469,11 +531,16 @@ pub fn leaf_from_json(index: usize, raw: &Value) -> Result<Leaf, ManifestError> 
             if obj.contains_key("dtype") || obj.contains_key("shape") {
                 return Err(bad("an object leaf takes nbytes, not dtype or shape".into()));
             }
-            let nbytes =
-                nonneg("nbytes", obj.get("nbytes").ok_or_else(|| bad("missing \"nbytes\"".into()))?)?;
+            let nbytes = nonneg(
+                "nbytes",
+                obj.get("nbytes")
+                    .ok_or_else(|| bad("missing \"nbytes\"".into()))?,
+            )?;
             Leaf::object(path, nbytes, owner).map_err(&bad)
         }
-        other => Err(bad(format!("unknown kind {other:?}; expected \"tensor\" or \"object\""))),
+        other => Err(bad(format!(
+            "unknown kind {other:?}; expected \"tensor\" or \"object\""
+        ))),
     }
 }
 
@@ -510,28 +577,48 @@ mod tests {
         assert!(err("{").starts_with("malformed manifest JSON"));
         assert!(err(r#"{"version": 2, "leaves": []}"#).contains("unsupported manifest version 2"));
         let e = err(r#"{"version":1,"leaves":[{"path":["a"],"dtype":"float33","shape":[1]}]}"#);
-        assert!(e.contains("leaf 0 (a)") && e.contains("unknown dtype \"float33\""), "{e}");
-        let e = err(r#"{"version":1,"leaves":[{"path":["a"],"dtype":"float32","shape":[4294967296,4294967296]}]}"#);
+        assert!(
+            e.contains("leaf 0 (a)") && e.contains("unknown dtype \"float33\""),
+            "{e}"
+        );
+        let e = err(
+            r#"{"version":1,"leaves":[{"path":["a"],"dtype":"float32","shape":[4294967296,4294967296]}]}"#,
+        );
         assert!(e.contains("overflows"), "{e}");
-        let e = err(r#"{"version":1,"leaves":[{"path":["a"],"dtype":"float64","shape":[4294967296,536870912]}]}"#);
+        let e = err(
+            r#"{"version":1,"leaves":[{"path":["a"],"dtype":"float64","shape":[4294967296,536870912]}]}"#,
+        );
         assert!(e.contains("overflows"), "{e}");
         let e = err(r#"{"version":1,"leaves":[{"path":["a"],"dtype":"float32","shape":[-1]}]}"#);
-        assert!(e.contains("shape dimension -1 is not a non-negative integer"), "{e}");
+        assert!(
+            e.contains("shape dimension -1 is not a non-negative integer"),
+            "{e}"
+        );
         let e = err(r#"{"version":1,"leaves":[{"path":["a"],"kind":"object","nbytes":-5}]}"#);
         assert!(e.contains("nbytes -5"), "{e}");
-        let e = err(r#"{"version":1,"leaves":[{"path":["a"],"kind":"object","nbytes":2305843009213693952}]}"#);
+        let e = err(
+            r#"{"version":1,"leaves":[{"path":["a"],"kind":"object","nbytes":2305843009213693952}]}"#,
+        );
         assert!(e.contains("larger than the limit"), "{e}");
-        let e = err(r#"{"version":1,"leaves":[{"path":["a","b"],"kind":"object","nbytes":1},{"path":["a","b"],"kind":"object","nbytes":2}]}"#);
-        assert!(e.contains("leaf 1 (a/b): duplicate path, first seen at leaf 0"), "{e}");
+        let e = err(
+            r#"{"version":1,"leaves":[{"path":["a","b"],"kind":"object","nbytes":1},{"path":["a","b"],"kind":"object","nbytes":2}]}"#,
+        );
+        assert!(
+            e.contains("leaf 1 (a/b): duplicate path, first seen at leaf 0"),
+            "{e}"
+        );
         let e = err(r#"{"version":1,"leaves":[{"path":[],"kind":"object","nbytes":1}]}"#);
         assert!(e.contains("path is empty"), "{e}");
-        let e = err(r#"{"version":1,"leaves":[{"path":["a"],"kind":"object","nbytes":1,"owner":-1}]}"#);
+        let e =
+            err(r#"{"version":1,"leaves":[{"path":["a"],"kind":"object","nbytes":1,"owner":-1}]}"#);
         assert!(e.contains("owner -1"), "{e}");
         let e = err(r#"{"version":1,"leaves":[{"path":["a", 1.5],"kind":"object","nbytes":1}]}"#);
         assert!(e.contains("path key 1.5"), "{e}");
         let e = err(r#"{"version":1,"leaves":[{"path":["a"],"kind":"blob","nbytes":1}]}"#);
         assert!(e.contains("unknown kind \"blob\""), "{e}");
-        let e = err(r#"{"version":1,"leaves":[{"path":["a"],"dtype":"float32","shape":[1],"sahpe":[2]}]}"#);
+        let e = err(
+            r#"{"version":1,"leaves":[{"path":["a"],"dtype":"float32","shape":[1],"sahpe":[2]}]}"#,
+        );
         assert!(e.contains("unknown key \"sahpe\""), "{e}");
     }
 

@@ -27,8 +27,12 @@ pub enum Algorithm {
 }
 
 impl Algorithm {
-    pub const ALL: [Algorithm; 4] =
-        [Algorithm::Balanced, Algorithm::Lpt, Algorithm::Greedy, Algorithm::DeepPart];
+    pub const ALL: [Algorithm; 4] = [
+        Algorithm::Balanced,
+        Algorithm::Lpt,
+        Algorithm::Greedy,
+        Algorithm::DeepPart,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -156,7 +160,13 @@ pub fn evaluate(manifest: &Manifest, cost: &CostModel, ranks: &[Vec<Piece>]) -> 
     }
     let slowest = rank_cost.iter().copied().fold(0.0, f64::max);
     let makespan_s = slowest + writers as f64 * cost.writer_s;
-    Evaluation { rank_cost, rank_bytes, writers, makespan_s, pieces }
+    Evaluation {
+        rank_cost,
+        rank_bytes,
+        writers,
+        makespan_s,
+        pieces,
+    }
 }
 
 /// Checks that an assignment is a valid plan for the manifest: every unit of
@@ -169,19 +179,30 @@ pub fn validate_assignment(
 ) -> Result<(), PlanError> {
     let bad = |m: String| Err(PlanError::Malformed(m));
     if ranks.len() != world_size as usize {
-        return bad(format!("plan has {} ranks, expected {world_size}", ranks.len()));
+        return bad(format!(
+            "plan has {} ranks, expected {world_size}",
+            ranks.len()
+        ));
     }
     let leaves = manifest.leaves();
     let mut covering: Vec<(u32, u64, u64, u32)> = Vec::new();
     for (r, list) in ranks.iter().enumerate() {
         for (i, p) in list.iter().enumerate() {
             let Some(leaf) = leaves.get(p.leaf as usize) else {
-                return bad(format!("rank {r} piece {i} names leaf {} of {}", p.leaf, leaves.len()));
+                return bad(format!(
+                    "rank {r} piece {i} names leaf {} of {}",
+                    p.leaf,
+                    leaves.len()
+                ));
             };
             if p.start > p.stop || p.stop > leaf.units() {
                 return bad(format!(
                     "rank {r} piece {i} [{}, {}) is out of bounds for leaf {} ({}) of {} units",
-                    p.start, p.stop, p.leaf, leaf.display_path(), leaf.units()
+                    p.start,
+                    p.stop,
+                    p.leaf,
+                    leaf.display_path(),
+                    leaf.units()
                 ));
             }
             if p.start == p.stop && leaf.units() != 0 {
@@ -191,12 +212,15 @@ pub fn validate_assignment(
                 if owner as usize != r {
                     return bad(format!(
                         "leaf {} ({}) is owned by rank {owner} but planned on rank {r}",
-                        p.leaf, leaf.display_path()
+                        p.leaf,
+                        leaf.display_path()
                     ));
                 }
             }
             if i > 0 && list[i - 1] >= *p {
-                return bad(format!("rank {r} pieces are not strictly ordered at piece {i}"));
+                return bad(format!(
+                    "rank {r} pieces are not strictly ordered at piece {i}"
+                ));
             }
             covering.push((p.leaf, p.start, p.stop, r as u32));
         }
@@ -236,6 +260,31 @@ pub fn validate_assignment(
 }
 
 impl Plan {
+    /// Hex blake3 hash of the assignment itself: the world size and every
+    /// rank's pieces, in order. Two plans with the same fingerprint (the same
+    /// inputs) but different pieces, e.g. one from a faulty planner service,
+    /// differ here; ranks compare it before writing.
+    pub fn assignment_digest(&self) -> String {
+        let mut hasher = blake3::Hasher::new();
+        hasher.update(b"deeppart-assignment-v1");
+        hasher.update(&u64::from(self.world_size).to_le_bytes());
+        let mut buf = Vec::with_capacity(1 << 16);
+        for pieces in &self.ranks {
+            buf.extend_from_slice(&(pieces.len() as u64).to_le_bytes());
+            for p in pieces {
+                buf.extend_from_slice(&u64::from(p.leaf).to_le_bytes());
+                buf.extend_from_slice(&p.start.to_le_bytes());
+                buf.extend_from_slice(&p.stop.to_le_bytes());
+                if buf.len() >= 1 << 16 {
+                    hasher.update(&buf);
+                    buf.clear();
+                }
+            }
+        }
+        hasher.update(&buf);
+        hasher.finalize().to_hex().to_string()
+    }
+
     /// Pieces of one rank.
     pub fn rank_pieces(&self, rank: u32) -> &[Piece] {
         &self.ranks[rank as usize]
@@ -297,7 +346,10 @@ impl Plan {
     pub fn from_json(text: &str) -> Result<Plan, PlanError> {
         let bad = |m: String| PlanError::Malformed(m);
         let v: Value = serde_json::from_str(text).map_err(|e| bad(format!("invalid JSON: {e}")))?;
-        let version = v.get("version").and_then(Value::as_u64).ok_or_else(|| bad("missing version".into()))?;
+        let version = v
+            .get("version")
+            .and_then(Value::as_u64)
+            .ok_or_else(|| bad("missing version".into()))?;
         if version != PLAN_JSON_VERSION {
             return Err(bad(format!("unsupported plan version {version}")));
         }
@@ -311,37 +363,55 @@ impl Plan {
             .and_then(Value::as_str)
             .ok_or_else(|| bad("missing algorithm".into()))?
             .parse()?;
-        let topology: Topology = serde_json::from_value(v.get("topology").cloned().unwrap_or(Value::Null))
-            .map_err(|e| bad(format!("invalid topology: {e}")))?;
+        let topology: Topology =
+            serde_json::from_value(v.get("topology").cloned().unwrap_or(Value::Null))
+                .map_err(|e| bad(format!("invalid topology: {e}")))?;
         let cost: CostModel = serde_json::from_value(v.get("cost").cloned().unwrap_or(Value::Null))
             .map_err(|e| bad(format!("invalid cost: {e}")))?;
-        let manifest = Manifest::from_json_value(v.get("manifest").ok_or_else(|| bad("missing manifest".into()))?)
-            .map_err(|e| bad(format!("embedded manifest: {e}")))?;
+        let manifest = Manifest::from_json_value(
+            v.get("manifest")
+                .ok_or_else(|| bad("missing manifest".into()))?,
+        )
+        .map_err(|e| bad(format!("embedded manifest: {e}")))?;
         let raw_ranks = v
             .get("ranks")
             .and_then(Value::as_array)
             .ok_or_else(|| bad("missing ranks".into()))?;
         if raw_ranks.len() != world_size as usize {
-            return Err(bad(format!("{} rank lists for world size {world_size}", raw_ranks.len())));
+            return Err(bad(format!(
+                "{} rank lists for world size {world_size}",
+                raw_ranks.len()
+            )));
         }
         let mut ranks = Vec::with_capacity(raw_ranks.len());
         for (r, list) in raw_ranks.iter().enumerate() {
-            let list = list.as_array().ok_or_else(|| bad(format!("rank {r} is not a list")))?;
+            let list = list
+                .as_array()
+                .ok_or_else(|| bad(format!("rank {r} is not a list")))?;
             let mut pieces = Vec::with_capacity(list.len());
             for (i, p) in list.iter().enumerate() {
                 let field = |name: &str| {
-                    p.get(name)
-                        .and_then(Value::as_u64)
-                        .ok_or_else(|| bad(format!("rank {r} piece {i}: missing or invalid {name}")))
+                    p.get(name).and_then(Value::as_u64).ok_or_else(|| {
+                        bad(format!("rank {r} piece {i}: missing or invalid {name}"))
+                    })
                 };
                 let leaf = u32::try_from(field("leaf")?)
                     .map_err(|_| bad(format!("rank {r} piece {i}: leaf out of range")))?;
-                let piece = Piece { leaf, start: field("start")?, stop: field("stop")? };
+                let piece = Piece {
+                    leaf,
+                    start: field("start")?,
+                    stop: field("stop")?,
+                };
                 if let Some(path) = p.get("path") {
-                    let path = path_from_json(path).map_err(|e| bad(format!("rank {r} piece {i}: {e}")))?;
+                    let path = path_from_json(path)
+                        .map_err(|e| bad(format!("rank {r} piece {i}: {e}")))?;
                     match manifest.leaves().get(leaf as usize) {
                         Some(l) if l.path == path => {}
-                        _ => return Err(bad(format!("rank {r} piece {i}: path does not match leaf {leaf}"))),
+                        _ => {
+                            return Err(bad(format!(
+                                "rank {r} piece {i}: path does not match leaf {leaf}"
+                            )))
+                        }
                     }
                 }
                 pieces.push(piece);
@@ -369,7 +439,10 @@ impl Plan {
             PlanSource::Computed,
         )?;
         if plan.fingerprint != stored_fp {
-            return Err(PlanError::FingerprintMismatch { expected: plan.fingerprint, actual: stored_fp });
+            return Err(PlanError::FingerprintMismatch {
+                expected: plan.fingerprint,
+                actual: stored_fp,
+            });
         }
         Ok(plan)
     }

@@ -107,7 +107,10 @@ pub struct Store {
 }
 
 pub fn now_ns() -> i64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as i64).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as i64)
+        .unwrap_or(0)
 }
 
 /// Path of the database file in a cache directory.
@@ -162,7 +165,11 @@ impl Store {
             | OpenFlags::SQLITE_OPEN_NO_MUTEX;
         let conn = Connection::open_with_flags(&path, flags)?;
         conn.busy_timeout(BUSY_TIMEOUT)?;
-        let store = Store { conn, path, pid: std::process::id() };
+        let store = Store {
+            conn,
+            path,
+            pid: std::process::id(),
+        };
         store.init()?;
         Ok(store)
     }
@@ -172,11 +179,15 @@ impl Store {
         // A file that is not a database fails here (SQLITE_NOTADB).
         let version: i64 = c.pragma_query_value(None, "user_version", |r| r.get(0))?;
         if version != 0 && version != SCHEMA_VERSION {
-            return Err(StoreError::Schema { found: version.to_string() });
+            return Err(StoreError::Schema {
+                found: version.to_string(),
+            });
         }
         let mode: String = c.query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))?;
         if !mode.eq_ignore_ascii_case("wal") {
-            return Err(StoreError::Unusable(format!("cannot use WAL mode (journal_mode is {mode})")));
+            return Err(StoreError::Unusable(format!(
+                "cannot use WAL mode (journal_mode is {mode})"
+            )));
         }
         c.pragma_update(None, "synchronous", "NORMAL")?;
         if version == 0 {
@@ -190,7 +201,9 @@ impl Store {
                         |r| r.get(0),
                     )?;
                     if tables != 0 {
-                        return Err(StoreError::Schema { found: "0 with tables present".into() });
+                        return Err(StoreError::Schema {
+                            found: "0 with tables present".into(),
+                        });
                     }
                     c.execute_batch(CREATE)?;
                     c.execute(
@@ -199,7 +212,9 @@ impl Store {
                     )?;
                     c.pragma_update(None, "user_version", SCHEMA_VERSION)?;
                 } else if again != SCHEMA_VERSION {
-                    return Err(StoreError::Schema { found: again.to_string() });
+                    return Err(StoreError::Schema {
+                        found: again.to_string(),
+                    });
                 }
                 Ok(())
             })();
@@ -212,14 +227,22 @@ impl Store {
             }
         }
         let meta: Option<String> = c
-            .query_row("SELECT value FROM meta WHERE key = 'schema_version'", [], |r| r.get(0))
+            .query_row(
+                "SELECT value FROM meta WHERE key = 'schema_version'",
+                [],
+                |r| r.get(0),
+            )
             .optional()
             .map_err(|e| match StoreError::from(e) {
-                StoreError::Unusable(m) => StoreError::Schema { found: format!("unreadable ({m})") },
+                StoreError::Unusable(m) => StoreError::Schema {
+                    found: format!("unreadable ({m})"),
+                },
                 other => other,
             })?;
         if meta.as_deref() != Some(&SCHEMA_VERSION.to_string()) {
-            return Err(StoreError::Schema { found: meta.unwrap_or_else(|| "missing".into()) });
+            return Err(StoreError::Schema {
+                found: meta.unwrap_or_else(|| "missing".into()),
+            });
         }
         Ok(())
     }
@@ -236,24 +259,33 @@ impl Store {
 
     /// Reads one entry.
     pub fn get(&self, fingerprint: &str) -> Result<Option<Entry>> {
-        let mut st = self.conn.prepare_cached(
-            "SELECT planner_version, data FROM plans WHERE fingerprint = ?1",
-        )?;
+        let mut st = self
+            .conn
+            .prepare_cached("SELECT planner_version, data FROM plans WHERE fingerprint = ?1")?;
         Ok(st
-            .query_row([fingerprint], |r| Ok(Entry { planner_version: r.get(0)?, data: r.get(1)? }))
+            .query_row([fingerprint], |r| {
+                Ok(Entry {
+                    planner_version: r.get(0)?,
+                    data: r.get(1)?,
+                })
+            })
             .optional()?)
     }
 
     /// Marks an entry as just used.
     pub fn touch(&self, fingerprint: &str) -> Result<()> {
-        let mut st = self.conn.prepare_cached("UPDATE plans SET last_used_ns = ?1 WHERE fingerprint = ?2")?;
+        let mut st = self
+            .conn
+            .prepare_cached("UPDATE plans SET last_used_ns = ?1 WHERE fingerprint = ?2")?;
         st.execute(params![now_ns(), fingerprint])?;
         Ok(())
     }
 
     /// Deletes one entry; returns whether it was there.
     pub fn delete(&self, fingerprint: &str) -> Result<bool> {
-        let mut st = self.conn.prepare_cached("DELETE FROM plans WHERE fingerprint = ?1")?;
+        let mut st = self
+            .conn
+            .prepare_cached("DELETE FROM plans WHERE fingerprint = ?1")?;
         Ok(st.execute([fingerprint])? > 0)
     }
 
@@ -272,7 +304,9 @@ impl Store {
         if data.len() as u64 > max_bytes {
             return Ok(PutOutcome::default());
         }
-        let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let tx = self
+            .conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)?;
         let now = now_ns();
         tx.prepare_cached(
             "INSERT INTO plans (fingerprint, planner_version, codec_version, leaves, world_size, size, created_ns, last_used_ns, data)
@@ -292,7 +326,8 @@ impl Store {
             now,
             data
         ])?;
-        let total: i64 = tx.query_row("SELECT COALESCE(SUM(size), 0) FROM plans", [], |r| r.get(0))?;
+        let total: i64 =
+            tx.query_row("SELECT COALESCE(SUM(size), 0) FROM plans", [], |r| r.get(0))?;
         let mut evicted = 0;
         if total as u64 > max_bytes {
             let mut excess = total as u64 - max_bytes;
@@ -313,12 +348,16 @@ impl Store {
                 out
             };
             for (fp, _) in &victims {
-                tx.prepare_cached("DELETE FROM plans WHERE fingerprint = ?1")?.execute([fp])?;
+                tx.prepare_cached("DELETE FROM plans WHERE fingerprint = ?1")?
+                    .execute([fp])?;
                 evicted += 1;
             }
         }
         tx.commit()?;
-        Ok(PutOutcome { stored: true, evicted })
+        Ok(PutOutcome {
+            stored: true,
+            evicted,
+        })
     }
 
     /// Number of entries and their summed size.
@@ -352,7 +391,9 @@ impl Store {
         let n = self.conn.execute("DELETE FROM plans", [])?;
         // Shrinking is best effort: another process may be reading.
         let _ = self.conn.execute_batch("VACUUM");
-        let _ = self.conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()));
+        let _ = self
+            .conn
+            .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()));
         Ok(n as u64)
     }
 
@@ -369,7 +410,11 @@ mod tests {
     use super::*;
 
     fn tmpdir(name: &str) -> PathBuf {
-        let d = std::env::temp_dir().join(format!("deeppart-store-{name}-{}-{}", std::process::id(), now_ns()));
+        let d = std::env::temp_dir().join(format!(
+            "deeppart-store-{name}-{}-{}",
+            std::process::id(),
+            now_ns()
+        ));
         std::fs::create_dir_all(&d).unwrap();
         d
     }
@@ -379,7 +424,9 @@ mod tests {
         let dir = tmpdir("lru");
         let mut s = Store::open(&dir).unwrap();
         for i in 0..5 {
-            let o = s.put(&format!("fp{i}"), "v", 1, 1, &[i as u8; 100], 350).unwrap();
+            let o = s
+                .put(&format!("fp{i}"), "v", 1, 1, &[i as u8; 100], 350)
+                .unwrap();
             assert!(o.stored);
             assert_eq!(o.evicted, if i >= 3 { 1 } else { 0 }, "put {i}");
             std::thread::sleep(Duration::from_millis(2));
@@ -413,7 +460,10 @@ mod tests {
         {
             let s = Store::open(&dir).unwrap();
             let e = s.get("a").unwrap().unwrap();
-            assert_eq!((e.planner_version.as_str(), e.data.as_slice()), ("v1", &b"data"[..]));
+            assert_eq!(
+                (e.planner_version.as_str(), e.data.as_slice()),
+                ("v1", &b"data"[..])
+            );
             s.conn.pragma_update(None, "user_version", 99).unwrap();
         }
         let err = Store::open(&dir).err().unwrap();

@@ -339,7 +339,19 @@ proptest! {
             let again = plan(twin.clone(), inst.world_size as u64, inst.topology(), inst.cost, algorithm).unwrap();
             prop_assert_eq!(&again.ranks, &p.ranks, "{} is not deterministic", algorithm);
             prop_assert_eq!(&again.fingerprint, &p.fingerprint);
+            prop_assert_eq!(again.assignment_digest(), p.assignment_digest());
             prop_assert_eq!(again.stats.makespan_s, p.stats.makespan_s);
+            // Moving one piece to another rank keeps the fingerprint (same
+            // inputs) but must change the assignment digest.
+            if let Some(from) = p.ranks.iter().position(|r| !r.is_empty()) {
+                if p.ranks.len() > 1 {
+                    let mut moved = p.clone();
+                    let piece = moved.ranks[from].pop().unwrap();
+                    let to = (from + 1) % moved.ranks.len();
+                    moved.ranks[to].push(piece);
+                    prop_assert_ne!(moved.assignment_digest(), p.assignment_digest());
+                }
+            }
 
             let back = Plan::from_json(&p.to_json())
                 .map_err(|e| TestCaseError::fail(format!("{algorithm}: JSON round trip: {e}")))?;

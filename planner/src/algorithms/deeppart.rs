@@ -70,8 +70,14 @@ impl Tree {
             Item::Leaf(l) => manifest.leaves()[*l as usize].nbytes,
             Item::Node(n) => {
                 let node = &self.nodes[*n];
-                let own = node.leaf.map_or(0, |l| manifest.leaves()[l as usize].nbytes);
-                if node.children.is_empty() { node.bytes } else { node.bytes.max(own) }
+                let own = node
+                    .leaf
+                    .map_or(0, |l| manifest.leaves()[l as usize].nbytes);
+                if node.children.is_empty() {
+                    node.bytes
+                } else {
+                    node.bytes.max(own)
+                }
             }
         }
     }
@@ -125,7 +131,10 @@ fn assign(
         return;
     }
     // Group items, largest first, until each group holds one rank's share.
-    let sizes: Vec<u64> = items.iter().map(|it| tree.item_bytes(manifest, it)).collect();
+    let sizes: Vec<u64> = items
+        .iter()
+        .map(|it| tree.item_bytes(manifest, it))
+        .collect();
     let total: u64 = sizes.iter().sum();
     if total == 0 {
         // Nothing to balance; grouping would make one group of everything
@@ -163,7 +172,13 @@ fn assign(
     let spare = n - g as u32;
     let exact: Vec<f64> = groups
         .iter()
-        .map(|(_, b)| if total == 0 { 0.0 } else { *b as f64 / total as f64 * spare as f64 })
+        .map(|(_, b)| {
+            if total == 0 {
+                0.0
+            } else {
+                *b as f64 / total as f64 * spare as f64
+            }
+        })
         .collect();
     let mut given = 0;
     for (c, e) in counts.iter_mut().zip(&exact) {
@@ -172,7 +187,9 @@ fn assign(
     }
     let mut by_remainder: Vec<usize> = (0..g).collect();
     by_remainder.sort_by(|&a, &b| {
-        (exact[b] - exact[b].floor()).total_cmp(&(exact[a] - exact[a].floor())).then(a.cmp(&b))
+        (exact[b] - exact[b].floor())
+            .total_cmp(&(exact[a] - exact[a].floor()))
+            .then(a.cmp(&b))
     });
     for &k in by_remainder.iter().take((spare - given) as usize) {
         counts[k] += 1;
@@ -187,7 +204,10 @@ fn assign(
 /// Every leaf under an item, whole, to one rank.
 fn collect_whole(manifest: &Manifest, tree: &Tree, item: Item, out: &mut Vec<Piece>) {
     match item {
-        Item::Leaf(l) => out.push(super::whole(l as usize, manifest.leaves()[l as usize].units())),
+        Item::Leaf(l) => out.push(super::whole(
+            l as usize,
+            manifest.leaves()[l as usize].units(),
+        )),
         Item::Node(n) => {
             for it in tree.items(n) {
                 collect_whole(manifest, tree, it, out);
@@ -211,7 +231,11 @@ fn split_leaf(manifest: &Manifest, l: u32, lo: u32, n: u32, ranks: &mut [Vec<Pie
     for p in 0..parts {
         // In u128: rows * parts can exceed 2^64 (rows <= 2^60, parts <= 2^20).
         let stop = (rows as u128 * (p + 1) as u128 / parts as u128) as u64 * row;
-        ranks[(lo as u64 + p) as usize].push(Piece { leaf: l, start, stop });
+        ranks[(lo as u64 + p) as usize].push(Piece {
+            leaf: l,
+            start,
+            stop,
+        });
         start = stop;
     }
 }

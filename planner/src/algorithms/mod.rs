@@ -41,7 +41,11 @@ fn assign_owned(manifest: &Manifest, ranks: &mut [Vec<Piece>]) {
 }
 
 fn whole(leaf: usize, units: u64) -> Piece {
-    Piece { leaf: leaf as u32, start: 0, stop: units }
+    Piece {
+        leaf: leaf as u32,
+        start: 0,
+        stop: units,
+    }
 }
 
 /// A replicated leaf with the figures the algorithms sort and place by,
@@ -60,7 +64,11 @@ fn replicated_by_size(manifest: &Manifest) -> Vec<SizedLeaf> {
         .iter()
         .enumerate()
         .filter(|(_, l)| l.owner.is_none())
-        .map(|(i, l)| SizedLeaf { nbytes: l.nbytes, units: l.units(), leaf: i as u32 })
+        .map(|(i, l)| SizedLeaf {
+            nbytes: l.nbytes,
+            units: l.units(),
+            leaf: i as u32,
+        })
         .collect();
     // Compares plain fields, not leaves through indices: with a million
     // leaves that is the difference between cache hits and misses.
