@@ -174,13 +174,39 @@ def _check_tensor(t: Any, path: Path) -> None:
         raise StateError(f"{_describe_path(path)}: quantized tensors are not supported")
 
 
-def _walk(value: Any, path: Path, depth: int, leaves: list[FlatLeaf]) -> Any:
-    """Appends the leaves under ``value`` and returns its skeleton."""
+def _alias_key(t: Any) -> tuple[Any, ...] | None:
+    """What makes two tensors the same data: the same memory, viewed the same
+    way (tied weights: ``state_dict()`` returns two tensor objects over one
+    storage). None for empty tensors, which share no data."""
+    if t.numel() == 0:
+        return None
+    return (
+        t.device.type,
+        t.device.index,
+        t.untyped_storage().data_ptr(),
+        t.storage_offset(),
+        tuple(t.shape),
+        tuple(t.stride()),
+        t.dtype,
+    )
+
+
+def _walk(
+    value: Any, path: Path, depth: int, leaves: list[FlatLeaf], seen: dict[Any, int]
+) -> Any:
+    """Appends the leaves under ``value`` and returns its skeleton. A tensor
+    that aliases an earlier one (tied weights) becomes a second reference to
+    that leaf, so it is stored once and restored as one shared tensor."""
     if depth > _MAX_DEPTH:
         raise StateError(f"{_describe_path(path)}: state tree is nested more than 200 levels deep")
     if _is_tensor(value):
         _check_tensor(value, path)
+        alias = _alias_key(value)
+        if alias is not None and alias in seen:
+            return {"leaf": seen[alias]}
         leaves.append(FlatLeaf(path, value, None))
+        if alias is not None:
+            seen[alias] = len(leaves) - 1
         return {"leaf": len(leaves) - 1}
     if not _holds_tensor(value):
         leaves.append(FlatLeaf(path, None, encode_plain(value, path)))
@@ -189,17 +215,19 @@ def _walk(value: Any, path: Path, depth: int, leaves: list[FlatLeaf]) -> Any:
         entries = []
         for k, v in value.items():
             key = _path_key(k, path)
-            entries.append([_encode(k, path, 0), _walk(v, (*path, key), depth + 1, leaves)])
+            entries.append([_encode(k, path, 0), _walk(v, (*path, key), depth + 1, leaves, seen)])
         return {"dict": entries}
     kind = "list" if isinstance(value, list) else "tuple"
-    return {kind: [_walk(v, (*path, i), depth + 1, leaves) for i, v in enumerate(value)]}
+    return {kind: [_walk(v, (*path, i), depth + 1, leaves, seen) for i, v in enumerate(value)]}
 
 
 def flatten(state: Any) -> tuple[list[FlatLeaf], Any]:
     """Splits a state tree into its leaves, in a deterministic order, and a
-    JSON-able skeleton for :func:`unflatten`."""
+    JSON-able skeleton for :func:`unflatten`. Tensors that alias one
+    another (the same memory viewed the same way, e.g. tied weights) are one
+    leaf, referenced from every path that holds them."""
     leaves: list[FlatLeaf] = []
-    skeleton = _walk(state, (), 0, leaves)
+    skeleton = _walk(state, (), 0, leaves, {})
     if leaves and leaves[0].path == ():
         # A bare tensor or value at the root: give it a non-empty path.
         leaves[0] = FlatLeaf(("<root>",), leaves[0].tensor, leaves[0].encoded)

@@ -346,3 +346,36 @@ def test_load_exchange_argument(tmp_path: Path) -> None:
     assert torch.equal(deeppart.load(tmp_path / "ck", exchange="read")["a"], torch.arange(5))
     with pytest.raises(ValueError, match="exchange"):
         deeppart.load(tmp_path / "ck", exchange="carrier-pigeon")
+
+
+def test_tied_weights_are_stored_once_and_stay_tied(tmp_path: Path) -> None:
+    """A model with tied weights: state_dict() gives two tensor objects over
+    one storage. They are one leaf (stored once), restored as one tensor, and
+    an in-place load into a tied model keeps the tie."""
+    torch.manual_seed(0)
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(50, 8)
+            self.head = torch.nn.Linear(8, 50, bias=False)
+            self.head.weight = self.embed.weight
+
+    model = Tied()
+    sd = model.state_dict()
+    assert sd["embed.weight"] is not sd["head.weight"]
+    assert len(deeppart.Manifest.from_state_dict(sd)) == 1
+    deeppart.save({"model": sd, "step": 3}, tmp_path / "c")
+    back = deeppart.load(tmp_path / "c")
+    assert back["model"]["embed.weight"] is back["model"]["head.weight"]
+    assert torch.equal(back["model"]["embed.weight"], sd["embed.weight"])
+    # Views that differ (a slice, a transpose) are not the same data.
+    w = torch.arange(12.0).reshape(3, 4)
+    views = {"w": w, "t": w.t(), "row": w[1], "empty_a": torch.zeros(0), "empty_b": torch.zeros(0)}
+    assert len(deeppart.Manifest.from_state_dict(views)) == 5
+    fresh = Tied()
+    with torch.no_grad():
+        fresh.embed.weight.zero_()
+    deeppart.load(tmp_path / "c", into={"model": fresh.state_dict(), "step": 0})
+    assert fresh.head.weight is fresh.embed.weight
+    assert torch.equal(fresh.head.weight, model.embed.weight)
