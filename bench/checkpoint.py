@@ -12,12 +12,14 @@ state (data parallel), so 4 ranks need 4x the state in memory, plus a
 loaded copy for torch.load: the full 4 GB state does not fit 4 ranks in
 24 GiB, hence the default 0.25 (about 1 GB).
 
-Method, the same for every contender: all ranks ``Barrier``, time the
-operation, ``Barrier`` again; the time is the slowest rank's. With
-``--repeat R`` the contenders run in R rounds (each once per round, so the
-slow phases of a shared machine spread over all of them) and each one's
-best round counts. An untimed warm-up first sets up MPI's and gloo's
-shared-memory paths. Saves fsync
+Method, the same for every contender: ``os.sync()`` and a ``Barrier``
+(untimed), time the operation, ``Barrier`` again; the time is the slowest
+rank's. With ``--repeat R`` the contenders run in R rounds, each once per
+round in a new shuffled order (so the slow phases of a shared machine, and
+the cost of what the previous contender left behind, spread over all of
+them); the report gives each one's best round and, more robust, the median
+over the rounds of the ratios measured within one round. An untimed
+warm-up first sets up MPI's and gloo's shared-memory paths. Saves fsync
 every file they write (torch.save: ``os.fsync`` of the file; DCP:
 ``FileSystemWriter(sync_files=True)``, its default; DeepPart: always; raw:
 ``os.fsync``). Loads read what was just written, so they come from the
@@ -31,10 +33,11 @@ the shared page cache, as DCP does here) and, for comparison, with
 ``exchange="bcast"`` (each rank reads 1/K of the files, then MPI
 broadcasts: what ``"auto"`` picks across nodes). "raw" writes (reads)
 ``1/K`` of the state's bytes per rank as one sequential write (read) of one
-file: the ceiling of this machine for K parallel writers. A save's raw
-ceiling writes a new file each round and then deletes the previous one, as
-every checkpoint must (overwriting the last checkpoint in place would lose
-it on a crash); "raw in place" rewrites the same file, shown for reference.
+file: the ceiling of this machine for K parallel writers. Every save
+contender writes a new file or directory each round and then deletes the
+previous one, as a training loop saving ``step-N`` with one checkpoint kept
+does (overwriting the last checkpoint in place would lose it on a crash);
+"raw in place" rewrites the same file each round, shown for reference.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -58,6 +62,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.models import adamw_param_groups, bert_params  # noqa: E402
+from deeppart.checkpoint import WRITE_CHUNK  # noqa: E402
 
 CONTENDERS = ("torch", "dcp", "deeppart", "deeppart+{codec}", "raw")
 
@@ -93,30 +98,49 @@ def _fsynced_torch_save(state: Any, path: Path) -> None:
 
 
 def _raw_write(buf: np.ndarray[Any, Any], path: Path) -> None:
+    """A sequential write in the chunks DeepPart writes in (one huge write()
+    was measured slower here than chunks of a few MiB)."""
     with open(path, "wb") as f:
-        f.write(buf.data)
+        for start in range(0, buf.size, WRITE_CHUNK):
+            f.write(buf[start : start + WRITE_CHUNK].data)
         f.flush()
         os.fsync(f.fileno())
 
 
-class _RawNewFile:
-    """The ceiling for a checkpoint: a sequential write of the same bytes to a
-    new file, the previous round's file deleted afterwards. A checkpoint must
-    never overwrite the blocks of the one before it (a crash would lose
-    both), so this, not an overwrite in place, is what DeepPart is held to;
-    on this machine's virtual disk, rewriting just-freed blocks in place is
-    measurably faster than allocating new ones."""
+class _NewEachRound:
+    """Runs ``write(path)`` to a new path each round (``NAME-<round>``), then
+    deletes the previous round's path: what a training loop does when it
+    saves ``step-N`` and keeps the last checkpoint, and what a crash-safe
+    checkpoint must do (overwriting the last one in place would lose both on
+    a crash). Every save contender, the raw ceiling included, runs this way,
+    so all of them allocate new blocks; on this machine's virtual disk,
+    rewriting just-freed blocks in place is measurably faster, so an
+    in-place raw rewrite is shown for reference only."""
 
-    def __init__(self, buf: np.ndarray[Any, Any], directory: Path, rank: int) -> None:
-        self.buf, self.directory, self.rank, self.round = buf, directory, rank, 0
+    def __init__(self, write: Callable[[Path], Any], base: Path, name: str, owner: bool) -> None:
+        self.write, self.base, self.name, self.owner = write, base, name, owner
+        self.round = 0
+
+    def path(self, round_: int) -> Path:
+        return self.base / f"{self.name}-{round_}"
+
+    @property
+    def latest(self) -> Path:
+        return self.path(self.round - 1)
 
     def __call__(self) -> None:
-        path = self.directory / f"raw-new-{self.rank}-{self.round}.bin"
-        _raw_write(self.buf, path)
-        old = self.directory / f"raw-new-{self.rank}-{self.round - 1}.bin"
-        if old.exists():
-            old.unlink()
+        self.write(self.path(self.round))
         self.round += 1
+
+    def cleanup(self) -> None:
+        """Deletes the previous round's path (untimed, after every rank
+        wrote: housekeeping that a training loop overlaps with training)."""
+        old = self.path(self.round - 2)
+        if self.owner and self.round > 1 and old.exists():
+            if old.is_dir():
+                shutil.rmtree(old)
+            else:
+                old.unlink()
 
 
 def _raw_read(buf: np.ndarray[Any, Any], path: Path) -> None:
@@ -156,58 +180,71 @@ def worker(args: argparse.Namespace) -> None:
     deeppart.save({"w": torch.zeros(4 << 20)}, base / "warm", comm=comm, overwrite=True)
     deeppart.load(base / "warm", comm=comm)
 
-    def torch_save() -> None:
+    def torch_write(path: Path) -> None:
         if rank == 0:
-            _fsynced_torch_save(state, base / "torch.pt")
+            _fsynced_torch_save(state, path)
 
-    def torch_load() -> None:
-        loaded = torch.load(base / "torch.pt", weights_only=True)
-        del loaded
+    def dcp_write(path: Path) -> None:
+        dcp_save(state, storage_writer=FileSystemWriter(str(path), sync_files=True))
+
+    def dp_write(path: Path) -> None:
+        deeppart.save(state, path, comm=comm)
+
+    def dpz_write(path: Path) -> None:
+        deeppart.save(state, path, comm=comm, compression=codec)
+
+    torch_s = _NewEachRound(torch_write, base, "torch.pt", rank == 0)
+    dcp_s = _NewEachRound(dcp_write, base, "dcp", rank == 0)
+    dp_s = _NewEachRound(dp_write, base, "dp", rank == 0)
+    dpz_s = _NewEachRound(dpz_write, base, "dpz", rank == 0)
+    raw_s = _NewEachRound(lambda path: _raw_write(share, path), base, f"raw-{rank}.bin", True)
 
     saves: list[tuple[str, Callable[[], Any]]] = [
-        ("save torch", torch_save),
-        (
-            "save dcp",
-            lambda: dcp_save(
-                state, storage_writer=FileSystemWriter(str(base / "dcp"), sync_files=True)
-            ),
-        ),
-        ("save deeppart", lambda: deeppart.save(state, base / "dp", comm=comm, overwrite=True)),
-        (
-            f"save deeppart+{codec}",
-            lambda: deeppart.save(
-                state, base / "dpz", comm=comm, compression=codec, overwrite=True
-            ),
-        ),
-        ("save raw", _RawNewFile(share, base, rank)),
-        ("save raw in place", lambda: _raw_write(share, base / f"raw-{rank}.bin")),
+        ("save torch", torch_s),
+        ("save dcp", dcp_s),
+        ("save deeppart", dp_s),
+        (f"save deeppart+{codec}", dpz_s),
+        ("save raw", raw_s),
+        ("save raw in place", lambda: _raw_write(share, base / f"raw-inplace-{rank}.bin")),
     ]
     loads: list[tuple[str, Callable[[], Any]]] = [
-        ("load torch", torch_load),
+        ("load torch", lambda: torch.load(torch_s.latest, weights_only=True)),
         (
             "load dcp",
-            lambda: dcp_load(state, storage_reader=FileSystemReader(str(base / "dcp"))),
+            lambda: dcp_load(state, storage_reader=FileSystemReader(str(dcp_s.latest))),
         ),
-        ("load deeppart", lambda: deeppart.load(base / "dp", comm=comm, into=state)),
-        (f"load deeppart+{codec}", lambda: deeppart.load(base / "dpz", comm=comm, into=state)),
+        ("load deeppart", lambda: deeppart.load(dp_s.latest, comm=comm, into=state)),
+        (f"load deeppart+{codec}", lambda: deeppart.load(dpz_s.latest, comm=comm, into=state)),
         (
             "load deeppart/bcast",
-            lambda: deeppart.load(base / "dp", comm=comm, into=state, exchange="bcast"),
+            lambda: deeppart.load(dp_s.latest, comm=comm, into=state, exchange="bcast"),
         ),
-        ("load raw", lambda: _raw_read(share, base / f"raw-{rank}.bin")),
+        ("load raw", lambda: _raw_read(share, raw_s.latest)),
     ]
     # Rounds: every contender once per round, so slow phases of this shared
     # machine spread over all of them; each contender's best round counts.
     ratio = 1.0
+    rounds: dict[str, list[float]] = {}
     for batch in (saves, loads):
-        for _ in range(args.repeat):
-            for name, fn in batch:
+        for round_ in range(args.repeat):
+            # A new order each round (the same on every rank): on this disk
+            # a contender pays for what the one before it left behind (e.g.
+            # the discards of deleted files), so no contender may always
+            # follow the same one.
+            order = np.random.default_rng(round_).permutation(len(batch))
+            for name, fn in (batch[i] for i in order):
+                # Untimed: flush what earlier contenders left to the disk
+                # (deletions, journal), so each starts from a quiet disk.
+                os.sync()
                 comm.Barrier()
                 t0 = time.perf_counter()
                 fn()
                 comm.Barrier()
                 dt = time.perf_counter() - t0
+                if isinstance(fn, _NewEachRound):
+                    fn.cleanup()
                 times[name] = min(times.get(name, float("inf")), dt)
+                rounds.setdefault(name, []).append(dt)
                 if name == f"save deeppart+{codec}":
                     stats = deeppart.checkpoint.last_stats("save")
                     ratio = stats.ratio if stats else 1.0
@@ -228,6 +265,7 @@ def worker(args: argparse.Namespace) -> None:
                     "ranks": size,
                     "bytes": total,
                     "times": times,
+                    "rounds": rounds,
                     "ratio": ratio,
                     "verified": bool(ok),
                 }
@@ -262,6 +300,16 @@ def _run(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
             result: dict[str, Any] = json.loads(line[len("RESULT ") :])
             return result
     raise SystemExit(f"no result from {n} ranks:\n{proc.stdout}")
+
+
+OTHERS = ("torch", "dcp", "raw")
+
+
+def _median_ratio(rounds: dict[str, list[float]], num: str, den: str) -> float:
+    """The median over the rounds of ``num``'s time / ``den``'s time, each
+    pair measured in the same round."""
+    pairs = zip(rounds[num], rounds[den], strict=True)
+    return float(np.median([a / b for a, b in pairs]))
 
 
 def report(results: list[dict[str, Any]], codec: str) -> None:
@@ -299,6 +347,13 @@ def report(results: list[dict[str, Any]], codec: str) -> None:
                     if op == "load"
                     else ""
                 )
+            )
+        print(f"{op} ratios within each round, median over the rounds (noise-robust)")
+        for r in results:
+            med = [_median_ratio(r["rounds"], f"{op} {o}", f"{op} deeppart") for o in OTHERS]
+            print(
+                f"  {r['ranks']} rank(s): torch/deeppart {med[0]:5.2f}x  "
+                f"dcp/deeppart {med[1]:5.2f}x  raw/deeppart {med[2]:5.2f}"
             )
     print(
         f"\n{codec} compression ratio (raw/stored): "

@@ -25,8 +25,16 @@ from deeppart._planner import (
     default_cache_dir,
     plan_fingerprint,
 )
+from deeppart.async_save import AsyncSave, AsyncSaveWarning, async_save
 from deeppart.checkpoint import Checkpointer, load, save
 from deeppart.format import CheckpointError, CorruptCheckpointError, StateMismatchError
+from deeppart.levels import (
+    LevelConfig,
+    LevelConfigError,
+    LevelSaveStats,
+    RecoveryReport,
+    open_backend,
+)
 from deeppart.planning import plan
 from deeppart.progress import Stats as CheckpointStats
 from deeppart.state import StateError
@@ -40,6 +48,8 @@ __version__ = "0.1.0"
 __all__ = [
     "ALGORITHMS",
     "PLANNER_VERSION",
+    "AsyncSave",
+    "AsyncSaveWarning",
     "CacheError",
     "CacheWarning",
     "CheckpointError",
@@ -49,6 +59,9 @@ __all__ = [
     "CostModel",
     "DeepPartError",
     "ErasureError",
+    "LevelConfig",
+    "LevelConfigError",
+    "LevelSaveStats",
     "Manifest",
     "ManifestError",
     "Plan",
@@ -56,12 +69,15 @@ __all__ = [
     "PlanError",
     "PlanStats",
     "PlannerClient",
+    "RecoveryReport",
     "StateError",
     "StateMismatchError",
     "Topology",
     "__version__",
+    "async_save",
     "default_cache_dir",
     "load",
+    "open_backend",
     "plan",
     "plan_fingerprint",
     "plan_with",

@@ -24,11 +24,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
+from deeppart import staging as _staging
 from deeppart._planner import DeepPartError, Manifest, ManifestError, Plan
 from deeppart.comm import Comm, resolve
 from deeppart.compression import CODECS, CodecError, check_codec, compress, decompress
@@ -61,6 +62,10 @@ from deeppart.format import (
 )
 from deeppart.progress import Progress, Stats
 from deeppart.state import FlatLeaf, StateError, decode_plain, describe_leaf, flatten, unflatten
+
+if TYPE_CHECKING:
+    from deeppart.async_save import AsyncCheckpointer, AsyncSave
+    from deeppart.levels.backend import LevelBackend, LevelSaveStats, RecoveryReport
 
 U8 = npt.NDArray[np.uint8]
 
@@ -210,6 +215,23 @@ def _make_plan(
     return made
 
 
+def _reuse_plan(owner: Any, manifest: Manifest) -> Plan:
+    """``owner._plan`` while it is for ``manifest``, else a new plan from
+    ``owner``'s planning options (``comm``, ``planner``, ``algorithm``,
+    ``cost``, ``topology``): what repeated saves of one structure reuse."""
+    current: Plan | None = owner._plan
+    if current is not None and current.manifest == manifest:
+        return current
+    return _make_plan(
+        manifest,
+        owner.comm.size,
+        planner=owner.planner,
+        algorithm=owner.algorithm,
+        cost=owner.cost,
+        topology=owner.topology,
+    )
+
+
 @dataclass
 class _Prepared:
     leaves: list[FlatLeaf]
@@ -232,11 +254,29 @@ def _prepare(
     plan = plan_for(manifest)
     h = hashlib.sha256()
     h.update(plan.fingerprint.encode())
+    h.update(plan.assignment_digest().encode())
     h.update(manifest.fingerprint.encode())
     h.update(json.dumps(skeleton, separators=(",", ":")).encode())
     h.update(codec.encode())
     h.update(os.path.abspath(directory).encode())
     return _Prepared(leaves, skeleton, manifest, plan, codec, h.digest())
+
+
+def _agree_prepared(c: Comm, err: BaseException | None, prep: _Prepared | None) -> _Prepared:
+    """Every rank raises if any failed to prepare, or if ranks disagree on
+    the state's structure, plan, codec or directory (nothing written yet)."""
+    digests = _agree(c, err, prep.digest if prep else b"")
+    assert prep is not None
+    if len(set(digests)) != 1:
+        groups: dict[bytes, list[int]] = {}
+        for r, d in enumerate(digests):
+            groups.setdefault(d, []).append(r)
+        desc = "; ".join(f"ranks {v}" for v in groups.values())
+        raise StateMismatchError(
+            "ranks disagree on the state's structure, its plan, the codec or the directory "
+            f"(groups of agreeing ranks: {desc}); nothing was written"
+        )
+    return prep
 
 
 # ----------------------------------------------------------------------------
@@ -247,14 +287,30 @@ def _prepare(
 _REC = 5
 
 
+#: Bytes per write() call. One huge write() of a large tensor was measured
+#: slower here than the same bytes in chunks (bench/checkpoint.py's raw
+#: ceiling writes in the same chunks).
+WRITE_CHUNK = 8 << 20
+
+
+def _write_chunked(f: Any, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    for start in range(0, len(view), WRITE_CHUNK):
+        f.write(view[start : start + WRITE_CHUNK])
+
+
 def _write_pieces(
     path: Path,
     rank: int,
     prep: _Prepared,
     level: int,
     progress: Progress,
+    staging: _staging.Staging | None = None,
 ) -> tuple[npt.NDArray[np.uint64], int]:
-    """Writes this rank's data file; returns its piece records and size."""
+    """Writes this rank's data file; returns its piece records and size.
+    Pieces of device tensors pass through ``staging`` in bounded chunks."""
+    stage = staging if staging is not None else _staging.Staging()
+    on_device: dict[int, Any] = {}
     pieces = prep.plan.rank_pieces(rank)
     records = np.zeros((len(pieces), _REC), dtype=np.uint64)
     views: dict[int, tuple[U8, int]] = {}
@@ -264,7 +320,28 @@ def _write_pieces(
         pos = end = HEADER_SIZE
         for k, (li, start, stop) in enumerate(pieces):
             leaf = prep.leaves[li]
-            if leaf.tensor is not None:
+            if leaf.tensor is not None and _staging.needs_staging(leaf.tensor):
+                if li not in on_device:
+                    on_device[li] = _staging.device_bytes(leaf.tensor)
+                isz = leaf.tensor.element_size()
+                chunks = stage.read(on_device[li], start * isz, stop * isz)
+                if not codec_index:
+                    # Raw: streamed from the host buffer, checksummed on the way.
+                    f.seek(pos)
+                    n, xxh = _staging.write_stream(f, chunks)
+                    end = pos + n if n else end
+                    records[k] = (pos, n, n, xxh, 0)
+                    pos = align_up(pos + n)
+                    progress.advance(n)
+                    continue
+                # A codec needs the whole piece: staged whole (see deeppart.staging).
+                whole = np.empty((stop - start) * isz, dtype=np.uint8)
+                at = 0
+                for chunk in chunks:
+                    whole[at : at + chunk.size] = chunk
+                    at += chunk.size
+                raw, itemsize = whole.data, isz
+            elif leaf.tensor is not None:
                 if li not in views:
                     t = _readable(leaf.tensor)
                     views[li] = (_u8_view(t), t.element_size())
@@ -283,7 +360,7 @@ def _write_pieces(
             if len(data):
                 if f.tell() != pos:
                     f.seek(pos)
-                f.write(data)
+                _write_chunked(f, data)
                 end = pos + len(data)
             records[k] = (pos, len(raw), len(data), checksum(data), used)
             pos = align_up(pos + len(data))
@@ -295,7 +372,29 @@ def _write_pieces(
     return records, size
 
 
-def _metadata_json(prep: _Prepared, records: npt.NDArray[np.uint64], user: Any) -> bytes:
+def _metadata_head(prep: _Prepared, codec: str) -> dict[str, Any]:
+    """The keys of ``metadata.json`` that describe the state and its plan."""
+    return {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "created_unix": time.time(),
+        "world_size": prep.plan.world_size,
+        "algorithm": prep.plan.algorithm,
+        "plan_fingerprint": prep.plan.fingerprint,
+        "manifest_fingerprint": prep.manifest.fingerprint,
+        "manifest": json.loads(prep.manifest.to_json()),
+        "skeleton": prep.skeleton,
+        "compression": codec,
+        "checksum": "xxh3_64",
+    }
+
+
+def _metadata_json(
+    prep: _Prepared,
+    records: npt.NDArray[np.uint64],
+    user: Any,
+    extra: dict[str, Any] | None = None,
+) -> bytes:
     world = prep.plan.world_size
     counts = [len(prep.plan.rank_pieces(r)) for r in range(world)]
     rows: list[list[Any]] = []
@@ -313,17 +412,7 @@ def _metadata_json(prep: _Prepared, records: npt.NDArray[np.uint64], user: Any) 
             raw_total += length
             stored_total += stored
     meta = {
-        "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
-        "created_unix": time.time(),
-        "world_size": world,
-        "algorithm": prep.plan.algorithm,
-        "plan_fingerprint": prep.plan.fingerprint,
-        "manifest_fingerprint": prep.manifest.fingerprint,
-        "manifest": json.loads(prep.manifest.to_json()),
-        "skeleton": prep.skeleton,
-        "compression": prep.codec,
-        "checksum": "xxh3_64",
+        **_metadata_head(prep, prep.codec),
         "alignment": HEADER_SIZE,
         "raw_bytes": raw_total,
         "stored_bytes": stored_total,
@@ -331,8 +420,28 @@ def _metadata_json(prep: _Prepared, records: npt.NDArray[np.uint64], user: Any) 
         "piece_fields": list(PIECE_FIELDS),
         "pieces": rows,
         "user": user,
+        **(extra or {}),
     }
     return json.dumps(meta, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _commit_dir(tmp: Path, final: Path, meta: bytes) -> None:
+    """Rank 0's commit of a written temporary directory ``tmp`` as ``final``:
+    metadata.json, fsyncs, rename (a replaced ``final`` is uncommitted,
+    moved aside, then removed), then the COMMITTED marker, written last."""
+    write_durable(tmp / METADATA, meta)
+    fsync_dir(tmp)
+    old: Path | None = None
+    if final.exists():
+        old = final.parent / f".old-{final.name}-{os.urandom(6).hex()}"
+        (final / MARKER).unlink(missing_ok=True)
+        final.rename(old)
+    tmp.rename(final)
+    fsync_dir(final.parent)
+    write_durable(final / MARKER, marker_text(meta))
+    fsync_dir(final)
+    if old is not None:
+        remove_tree(old)
 
 
 def save(
@@ -351,6 +460,7 @@ def save(
     user: Any = None,
     progress: bool | None = None,
     verbose: bool = False,
+    staging_bytes: int | None = None,
     _plan_for: Callable[[Manifest], Plan] | None = None,
 ) -> Stats:
     """Saves ``state`` (the same on every rank) to ``directory``, every rank
@@ -362,8 +472,11 @@ def save(
     state for this world size instead. ``compression``: None,
     ``"zstd"``, ``"lz4"`` or ``"shuffle-zstd"``; ``level``: the Zstandard
     level (1: fast; ratios on float data barely improve above). ``user``: a plain value
-    stored in the metadata. Returns the save's :class:`Stats` (the same on
-    every rank); rank 0 prints its summary when ``verbose``.
+    stored in the metadata. ``staging_bytes``: the host buffer through which
+    pieces of device (e.g. CUDA) tensors are copied, in chunks (default
+    :data:`deeppart.staging.DEFAULT_STAGING_BYTES`, 64 MiB). Returns the
+    save's :class:`Stats` (the same on every rank); rank 0 prints its
+    summary when ``verbose``.
     """
     c = resolve(comm)
     t0 = time.perf_counter()
@@ -391,17 +504,7 @@ def save(
         prep = _prepare(state, compression, _plan_for, final)
     except Exception as e:
         err = e
-    digests = _agree(c, err, prep.digest if prep else b"")
-    assert prep is not None
-    if len(set(digests)) != 1:
-        groups: dict[bytes, list[int]] = {}
-        for r, d in enumerate(digests):
-            groups.setdefault(d, []).append(r)
-        desc = "; ".join(f"ranks {v}" for v in groups.values())
-        raise StateMismatchError(
-            "ranks disagree on the state's structure, its plan, the codec or the directory "
-            f"(groups of agreeing ranks: {desc}); nothing was written"
-        )
+    prep = _agree_prepared(c, err, prep)
 
     # Rank 0 makes the temporary directory.
     tmp_name = b""
@@ -423,7 +526,10 @@ def save(
     prog = Progress("save", mine, enabled=progress if c.rank == 0 else False)
     local = np.zeros(1, dtype=np.uint64)
     try:
-        records, size = _write_pieces(tmp / data_file_name(c.rank), c.rank, prep, level, prog)
+        stage = _staging.Staging(staging_bytes)
+        records, size = _write_pieces(
+            tmp / data_file_name(c.rank), c.rank, prep, level, prog, staging=stage
+        )
         local = np.concatenate([records.reshape(-1), np.array([size], dtype=np.uint64)])
     except Exception as e:
         err = e
@@ -446,19 +552,7 @@ def save(
         try:
             meta = _metadata_json(prep, gathered, user)
             stored_total = int(json.loads(meta)["stored_bytes"])
-            write_durable(tmp / METADATA, meta)
-            fsync_dir(tmp)
-            old: Path | None = None
-            if final.exists():
-                old = final.parent / f".old-{final.name}-{os.urandom(6).hex()}"
-                (final / MARKER).unlink(missing_ok=True)
-                final.rename(old)
-            tmp.rename(final)
-            fsync_dir(final.parent)
-            write_durable(final / MARKER, marker_text(meta))
-            fsync_dir(final)
-            if old is not None:
-                remove_tree(old)
+            _commit_dir(tmp, final, meta)
         except Exception as e:
             err = e
             remove_tree(tmp)
@@ -506,6 +600,9 @@ class _Target:
     buf: U8
     tensor: Any | None
     copy_into: Any | None
+    #: A device tensor's flat uint8 view, filled through the staging buffer
+    #: (then ``buf`` is empty).
+    sink: Any | None = None
 
 
 def _leaf_infos(meta_raw: dict[str, Any]) -> list[dict[str, Any]]:
@@ -563,7 +660,11 @@ def _targets(meta: Metadata, into: Any) -> tuple[list[_Target], Any]:
                 f"{where}: into= has {t.dtype} {list(t.shape)}, the checkpoint "
                 f"{info.dtype} {info.shape}"
             )
-        if t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg():
+        plain = t.is_contiguous() and not t.is_conj() and not t.is_neg()
+        if plain and _staging.needs_staging(t):
+            sink = _staging.device_bytes(t)
+            targets.append(_Target(np.empty(0, dtype=np.uint8), t, None, sink))
+        elif t.device.type == "cpu" and plain:
             targets.append(_Target(_u8_view(t), t, None))
         else:
             stage = torch.empty(info.shape, dtype=dtype)
@@ -576,42 +677,119 @@ def _read_file(
     meta: Metadata,
     rank: int,
     pieces: list[Piece],
-    dest: Callable[[Piece], U8],
+    dest: Callable[[Piece], U8 | _staging.DeviceSink],
     progress: Progress,
+    staging: _staging.Staging | None = None,
 ) -> int:
     """Reads, verifies and decodes the pieces of one data file into
     ``dest(piece)``; returns the bytes read."""
     path = directory / data_file_name(rank)
+    with open(path, "rb", buffering=0) as f:
+        return _read_pieces(f, path, directory, meta, rank, pieces, dest, progress, staging)
+
+
+def _read_pieces(
+    f: Any,
+    path: Path,
+    directory: Path,
+    meta: Metadata,
+    rank: int,
+    pieces: list[Piece],
+    dest: Callable[[Piece], U8 | _staging.DeviceSink],
+    progress: Progress,
+    staging: _staging.Staging | None = None,
+) -> int:
+    """:func:`_read_file` from ``f`` (an open file, or anything with
+    ``seek``/``read``/``readinto``, e.g. :class:`io.BytesIO`)."""
     n = 0
     sizes = {i: lf.itemsize for i, lf in enumerate(meta.leaves)}
-    with open(path, "rb", buffering=0) as f:
-        check_header(path, f.read(HEADER_SIZE), rank, meta.world_size, meta.plan_fingerprint)
-        for p in pieces:
-            out = dest(p)
-            f.seek(p.offset)
-            if p.codec == "none":
-                got = f.readinto(out.data)
-                if got != p.length:
-                    raise CorruptCheckpointError(f"{p.describe(directory)}: short read")
-                stored: bytes | memoryview = out.data
-            else:
-                stored = f.read(p.stored)
-                if len(stored) != p.stored:
-                    raise CorruptCheckpointError(f"{p.describe(directory)}: short read")
-            if checksum(stored) != p.xxh3:
-                raise CorruptCheckpointError(
-                    f"{p.describe(directory)}: checksum mismatch (xxh3_64)"
-                )
-            if p.codec != "none":
-                try:
-                    out[:] = np.frombuffer(
-                        decompress(p.codec, stored, p.length, sizes[p.leaf]), dtype=np.uint8
-                    )
-                except CodecError as e:
-                    raise CorruptCheckpointError(f"{p.describe(directory)}: {e}") from e
+    check_header(path, f.read(HEADER_SIZE), rank, meta.world_size, meta.plan_fingerprint)
+    for p in pieces:
+        out = dest(p)
+        f.seek(p.offset)
+        if isinstance(out, _staging.DeviceSink):
+            _read_staged(f, p, out, staging or _staging.Staging(), directory, sizes[p.leaf])
             n += p.stored
             progress.advance(p.length)
+            continue
+        if p.codec == "none":
+            got = f.readinto(out.data)
+            if got != p.length:
+                raise CorruptCheckpointError(f"{p.describe(directory)}: short read")
+            stored: bytes | memoryview = out.data
+        else:
+            stored = f.read(p.stored)
+            if len(stored) != p.stored:
+                raise CorruptCheckpointError(f"{p.describe(directory)}: short read")
+        if checksum(stored) != p.xxh3:
+            raise CorruptCheckpointError(
+                f"{p.describe(directory)}: checksum mismatch (xxh3_64)"
+            )
+        if p.codec != "none":
+            try:
+                out[:] = np.frombuffer(
+                    decompress(p.codec, stored, p.length, sizes[p.leaf]), dtype=np.uint8
+                )
+            except CodecError as e:
+                raise CorruptCheckpointError(f"{p.describe(directory)}: {e}") from e
+        n += p.stored
+        progress.advance(p.length)
     return n
+
+
+def _read_staged(
+    f: Any,
+    p: Piece,
+    sink: _staging.DeviceSink,
+    staging: _staging.Staging,
+    directory: Path,
+    itemsize: int,
+) -> None:
+    """Reads piece ``p`` (at ``f``'s position) into a device tensor: a raw
+    piece chunk by chunk through ``staging``, a compressed one decoded whole
+    and then copied in chunks."""
+    if p.codec == "none":
+        xxh = _staging.read_stream(f, p.length, sink, staging)
+        if xxh is None:
+            raise CorruptCheckpointError(f"{p.describe(directory)}: short read")
+        if xxh != p.xxh3:
+            raise CorruptCheckpointError(f"{p.describe(directory)}: checksum mismatch (xxh3_64)")
+        return
+    stored = f.read(p.stored)
+    if len(stored) != p.stored:
+        raise CorruptCheckpointError(f"{p.describe(directory)}: short read")
+    if checksum(stored) != p.xxh3:
+        raise CorruptCheckpointError(f"{p.describe(directory)}: checksum mismatch (xxh3_64)")
+    try:
+        raw = decompress(p.codec, stored, p.length, itemsize)
+    except CodecError as e:
+        raise CorruptCheckpointError(f"{p.describe(directory)}: {e}") from e
+    staging.put(sink, np.frombuffer(raw, dtype=np.uint8))
+
+
+def _assemble(meta: Metadata, targets: list[_Target], path: Path) -> Any:
+    """The state from the filled targets: object leaves decoded, staged
+    tensors copied into ``into``'s, the containers rebuilt."""
+    values: list[Any] = []
+    try:
+        for i, info in enumerate(meta.leaves):
+            tgt = targets[i]
+            if info.kind == "object":
+                try:
+                    values.append(decode_plain(tgt.buf.tobytes()))
+                except ValueError as e:
+                    raise CorruptCheckpointError(
+                        f"{path}: object leaf {'/'.join(map(str, info.path))}: {e}"
+                    ) from e
+            else:
+                if tgt.copy_into is not None:
+                    assert tgt.tensor is not None
+                    with _torch().no_grad():
+                        tgt.tensor.copy_(tgt.copy_into)
+                values.append(tgt.tensor)
+        return unflatten(meta.skeleton, values)
+    except ValueError as e:
+        raise CorruptCheckpointError(f"{path}: {e}") from e
 
 
 def load(
@@ -622,6 +800,7 @@ def load(
     exchange: str = "auto",
     progress: bool | None = None,
     verbose: bool = False,
+    staging_bytes: int | None = None,
 ) -> Any:
     """Loads a committed checkpoint on every rank of ``comm`` (any number of
     ranks, also one process without MPI). Collective.
@@ -642,6 +821,8 @@ def load(
     missing directory), :class:`CorruptCheckpointError` (bad checksum,
     truncated file, naming the file and piece) or
     :class:`StateMismatchError` (``into`` differs), on every rank.
+    ``into`` tensors on a device (e.g. CUDA) are filled through a host
+    buffer of ``staging_bytes`` (default 64 MiB), in chunks.
     """
     c = resolve(comm)
     t0 = time.perf_counter()
@@ -691,16 +872,20 @@ def load(
             pos += p.length
         return lambda p: buf[offsets[id(p)] : offsets[id(p)] + p.length]
 
-    def direct(p: Piece) -> U8:
+    stage = _staging.Staging(staging_bytes)
+
+    def direct(p: Piece) -> U8 | _staging.DeviceSink:
         isz = meta.leaves[p.leaf].itemsize if meta.leaves[p.leaf].kind == "tensor" else 0
         if isz == 0:
             return targets[p.leaf].buf
+        if targets[p.leaf].sink is not None:
+            return _staging.DeviceSink(targets[p.leaf].sink, p.start * isz, p.length)
         return targets[p.leaf].buf[p.start * isz : p.stop * isz]
 
     try:
         for f in mine:
             if read_all:
-                nread += _read_file(path, meta, f, by_file[f], direct, prog)
+                nread += _read_file(path, meta, f, by_file[f], direct, prog, stage)
             else:
                 buf = np.empty(file_raw[f], dtype=np.uint8)
                 buffers[f] = buf
@@ -719,29 +904,14 @@ def load(
             c.bcast_u8(buf, root=owner[f])
             src = place(buf, by_file[f])
             for p in by_file[f]:
-                direct(p)[:] = src(p)
+                out = direct(p)
+                if isinstance(out, _staging.DeviceSink):
+                    stage.put(out, src(p))
+                else:
+                    out[:] = src(p)
             del buf
 
-    values: list[Any] = []
-    try:
-        for i, info in enumerate(meta.leaves):
-            tgt = targets[i]
-            if info.kind == "object":
-                try:
-                    values.append(decode_plain(tgt.buf.tobytes()))
-                except ValueError as e:
-                    raise CorruptCheckpointError(
-                        f"{path}: object leaf {'/'.join(map(str, info.path))}: {e}"
-                    ) from e
-            else:
-                if tgt.copy_into is not None:
-                    assert tgt.tensor is not None
-                    with _torch().no_grad():
-                        tgt.tensor.copy_(tgt.copy_into)
-                values.append(tgt.tensor)
-        state = unflatten(meta.skeleton, values)
-    except ValueError as e:
-        raise CorruptCheckpointError(f"{path}: {e}") from e
+    state = _assemble(meta, targets, path)
     t_local = time.perf_counter() - t0
     rows = c.allgather_f64(np.array([t_local, float(nread)], dtype=np.float64))
     raw_total = sum(file_raw)
@@ -772,6 +942,14 @@ class Checkpointer:
     the same; ``keep_last`` old committed checkpoints are kept (older ones
     and leftovers of interrupted saves are removed only after the new one is
     committed); ``latest()`` is the newest committed step; ``load(step)``.
+
+    With ``async_=True``, ``save`` returns an :class:`deeppart.AsyncSave`
+    as soon as the state is copied to host memory (at most
+    ``max_staging_bytes`` of tensors, else it saves synchronously with a
+    warning) and writes it in a background thread; the next ``save``,
+    ``load``, ``wait`` or ``close`` first waits for it and raises its error,
+    if nobody has seen it yet (docs/ASYNC.md). ``staging_bytes``: the host
+    buffer for device tensors (see :func:`save`).
     """
 
     PREFIX = "step-"
@@ -791,9 +969,16 @@ class Checkpointer:
         exchange: str = "auto",
         progress: bool | None = None,
         verbose: bool = False,
+        staging_bytes: int | None = None,
+        async_: bool = False,
+        max_staging_bytes: int | None = None,
+        config: Any = None,
+        backend: str = "auto",
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError("keep_last must be at least 1")
+        if config is not None and async_:
+            raise ValueError("async_=True is not supported with config= (multi-level storage)")
         self.root = Path(root)
         self.comm = resolve(comm)
         self.keep_last = keep_last
@@ -806,7 +991,36 @@ class Checkpointer:
         self.exchange = exchange
         self.progress = progress
         self.verbose = verbose
+        self.staging_bytes = staging_bytes
         self._plan: Plan | None = None
+        self._async: AsyncCheckpointer | None = None
+        if async_:
+            from deeppart.async_save import AsyncCheckpointer
+
+            self._async = AsyncCheckpointer(self, max_staging_bytes)
+        #: Multi-level storage (docs/LEVELS.md): with ``config=`` (a
+        #: LevelConfig or an FTI-style INI path), save/latest/load go through
+        #: a LevelBackend and ``root`` is unused; ``last_recovery`` is the
+        #: RecoveryReport of the latest load.
+        self.levels: LevelBackend | None = None
+        self.last_recovery: RecoveryReport | None = None
+        if config is not None:
+            from deeppart.levels import open_backend
+
+            self.levels = open_backend(
+                config,
+                self.comm,
+                backend,
+                compression=compression,
+                zstd_level=level,
+                planner=planner,
+                algorithm=algorithm,
+                cost=cost,
+                topology=topology,
+                keep=keep_last,
+                exchange=exchange,
+                verbose=verbose,
+            )
 
     def path(self, step: int) -> Path:
         return self.root / f"{self.PREFIX}{step:08d}"
@@ -824,34 +1038,33 @@ class Checkpointer:
         return sorted(out)
 
     def latest(self) -> int | None:
+        if self.levels is not None:
+            return self.levels.latest()
         steps = self.steps()
         return steps[-1] if steps else None
 
     def _plan_for(self, manifest: Manifest) -> Plan:
-        if self._plan is None or self._plan.manifest != manifest:
-            self._plan = _make_plan(
-                manifest,
-                self.comm.size,
-                planner=self.planner,
-                algorithm=self.algorithm,
-                cost=self.cost,
-                topology=self.topology,
-            )
+        self._plan = _reuse_plan(self, manifest)
         return self._plan
 
-    def save(self, step: int, state: Any, *, user: Any = None) -> Stats:
-        stats = save(
-            state,
-            self.path(step),
-            comm=self.comm,
-            compression=self.compression,
-            level=self.level,
-            overwrite=True,
-            user={"step": step, "user": user},
-            progress=self.progress,
-            verbose=self.verbose,
-            _plan_for=self._plan_for,
-        )
+    def save(
+        self, step: int, state: Any, *, user: Any = None
+    ) -> Stats | AsyncSave | LevelSaveStats:
+        if self.levels is not None:
+            return self.levels.save(step, state)
+        kwargs: dict[str, Any] = {
+            "compression": self.compression,
+            "level": self.level,
+            "overwrite": True,
+            "user": {"step": step, "user": user},
+            "progress": self.progress,
+            "verbose": self.verbose,
+            "staging_bytes": self.staging_bytes,
+            "_plan_for": self._plan_for,
+        }
+        if self._async is not None:
+            return self._async.save(step, state, kwargs)
+        stats = save(state, self.path(step), comm=self.comm, **kwargs)
         if self.comm.rank == 0:
             self._cleanup(step)
         return stats
@@ -873,7 +1086,22 @@ class Checkpointer:
         for d in doomed:
             remove_tree(d)
 
+    def wait(self) -> Stats | None:
+        """Waits for the asynchronous save in flight, if any; returns its
+        Stats, or raises its error if nobody has seen it yet."""
+        return self._async.wait() if self._async is not None else None
+
+    def close(self) -> None:
+        """Waits for the asynchronous save in flight (see :meth:`wait`)."""
+        self.wait()
+        if self.levels is not None:
+            self.levels.close()
+
     def load(self, step: int | None = None, *, into: Any = None) -> Any:
+        self.wait()
+        if self.levels is not None:
+            state, self.last_recovery = self.levels.load(step, into=into)
+            return state
         if step is None:
             step = self.latest()
             if step is None:
@@ -885,4 +1113,5 @@ class Checkpointer:
             exchange=self.exchange,
             progress=self.progress,
             verbose=self.verbose,
+            staging_bytes=self.staging_bytes,
         )

@@ -1,9 +1,12 @@
-"""The few collectives a checkpoint needs, over mpi4py or a single process.
+"""The few collectives a checkpoint needs, over mpi4py, torch.distributed
+or a single process.
 
 Everything here moves raw ``numpy.uint8`` / ``float64`` / ``uint64``
-buffers with mpi4py's upper-case (buffer) methods: nothing is pickled.
-Messages larger than :data:`MAX_MESSAGE` bytes are sent in chunks, so no
-count overflows MPI's 32-bit ``int``.
+buffers, with mpi4py's upper-case (buffer) methods or torch.distributed's
+tensor collectives: nothing is pickled. Messages larger than
+:data:`MAX_MESSAGE` bytes are sent in chunks, so no count overflows MPI's
+32-bit ``int``. :func:`resolve` picks the communicator (its docstring gives
+the precedence between MPI and torch.distributed).
 
 With no MPI (mpi4py absent or not initialised, and not started by
 ``mpiexec``) a :class:`SingleComm` stands in: rank 0 of 1, every collective
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import numpy as np
@@ -21,6 +25,9 @@ import numpy.typing as npt
 
 #: Largest single MPI message, in bytes (well under 2 GiB).
 MAX_MESSAGE = 1 << 30
+
+#: First MPI tag of :meth:`MPIComm.sendrecv_u8`'s chunks.
+_TAG = 7100
 
 U8 = npt.NDArray[np.uint8]
 U64 = npt.NDArray[np.uint64]
@@ -51,7 +58,23 @@ class Comm(Protocol):
         """Broadcasts ``buf`` (a contiguous uint8 array, the same length on
         every rank) in place from ``root``, in chunks."""
         ...
+    def sendrecv_u8(self, send: U8, dest: int, recv: U8, source: int) -> None:
+        """Sends ``send`` to rank ``dest`` while receiving ``recv`` (whose
+        length the caller knows) from rank ``source``, in chunks; both
+        contiguous uint8. Every rank of a ring calls it at once, so no
+        ordering deadlocks. ``dest``/``source`` may be this rank (a copy)."""
+        ...
     def barrier(self) -> None: ...
+
+
+def _chunks(buf: U8, what: str) -> Iterator[U8]:
+    """``buf`` (checked: a contiguous uint8 array) flat, in chunks of at
+    most :data:`MAX_MESSAGE` bytes."""
+    if not buf.flags.c_contiguous or buf.dtype != np.uint8:
+        raise ValueError(f"{what} needs a contiguous uint8 array")
+    flat = buf.reshape(-1)
+    for start in range(0, flat.size, MAX_MESSAGE):
+        yield flat[start : start + MAX_MESSAGE]
 
 
 class SingleComm:
@@ -82,11 +105,33 @@ class SingleComm:
     def bcast_u8(self, buf: U8, root: int) -> None:
         return None
 
+    def sendrecv_u8(self, send: U8, dest: int, recv: U8, source: int) -> None:
+        if dest != 0 or source != 0:
+            raise ValueError("a single process has only rank 0")
+        if send.size != recv.size:
+            raise ValueError("sendrecv_u8 to self needs equal lengths")
+        recv.reshape(-1)[:] = send.reshape(-1)
+
     def barrier(self) -> None:
         return None
 
 
-class MPIComm:
+class _Ranked:
+    """``rank`` and ``size``, read-only, of a communicator that knows them."""
+
+    _rank: int
+    _size: int
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+
+class MPIComm(_Ranked):
     """An mpi4py communicator, used only through buffer collectives."""
 
     def __init__(self, comm: Any) -> None:
@@ -96,14 +141,6 @@ class MPIComm:
         self.comm = comm
         self._rank: int = comm.Get_rank()
         self._size: int = comm.Get_size()
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def size(self) -> int:
-        return self._size
 
     def allgather_bytes(self, data: bytes, width: int) -> list[bytes]:
         if len(data) > width:
@@ -146,15 +183,171 @@ class MPIComm:
         return None
 
     def bcast_u8(self, buf: U8, root: int) -> None:
-        if not buf.flags.c_contiguous or buf.dtype != np.uint8:
-            raise ValueError("bcast_u8 needs a contiguous uint8 array")
-        flat = buf.reshape(-1)
-        for start in range(0, flat.size, MAX_MESSAGE):
-            chunk = flat[start : start + MAX_MESSAGE]
+        for chunk in _chunks(buf, "bcast_u8"):
             self.comm.Bcast([chunk, self._MPI.BYTE], root=root)
+
+    def sendrecv_u8(self, send: U8, dest: int, recv: U8, source: int) -> None:
+        for buf in (send, recv):
+            if not buf.flags.c_contiguous or buf.dtype != np.uint8:
+                raise ValueError("sendrecv_u8 needs contiguous uint8 arrays")
+        out, into = send.reshape(-1), recv.reshape(-1)
+        # Chunk counts follow each side's own length; a receiver's length
+        # equals its sender's, so the chunks (tagged by index) match.
+        reqs = []
+        for k, start in enumerate(range(0, into.size, MAX_MESSAGE)):
+            chunk = into[start : start + MAX_MESSAGE]
+            reqs.append(self.comm.Irecv([chunk, self._MPI.BYTE], source=source, tag=_TAG + k))
+        for k, start in enumerate(range(0, out.size, MAX_MESSAGE)):
+            chunk = out[start : start + MAX_MESSAGE]
+            reqs.append(self.comm.Isend([chunk, self._MPI.BYTE], dest=dest, tag=_TAG + k))
+        self._MPI.Request.Waitall(reqs)
 
     def barrier(self) -> None:
         self.comm.Barrier()
+
+
+class TorchDistComm(_Ranked):
+    """A ``torch.distributed`` process group (gloo, NCCL, ...), used only
+    through tensor collectives (never the ``*_object`` ones: nothing is
+    pickled). Messages go in chunks of at most :data:`MAX_MESSAGE` bytes.
+
+    NCCL moves only CUDA tensors: with an NCCL group every message is staged
+    through a CUDA tensor on ``torch.cuda.current_device()`` (one chunk at a
+    time); with gloo (CPU) the collectives work on the numpy buffers' memory
+    directly.
+    """
+
+    def __init__(self, group: Any = None) -> None:
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "TorchDistComm needs an initialised torch.distributed "
+                "(torch.distributed.init_process_group)"
+            )
+        self._torch = torch
+        self._dist = dist
+        self.group = group
+        self._rank: int = dist.get_rank(group)
+        self._size: int = dist.get_world_size(group)
+        backend = str(dist.get_backend(group)).lower()
+        self.backend = backend
+        self._device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if "nccl" in backend
+            else torch.device("cpu")
+        )
+
+    def _global(self, rank: int) -> int:
+        """The default group's rank of this group's ``rank``."""
+        if self.group is None:
+            return rank
+        got: int = self._dist.get_global_rank(self.group, rank)
+        return got
+
+    def _dev(self, arr: npt.NDArray[Any]) -> Any:
+        """``arr`` as a tensor on the collective device (shares memory on the CPU)."""
+        t = self._torch.from_numpy(arr)
+        return t if self._device.type == "cpu" else t.to(self._device)
+
+    def _back(self, t: Any, arr: npt.NDArray[Any]) -> None:
+        """Copies device tensor ``t`` back into ``arr`` (no-op on the CPU)."""
+        if self._device.type != "cpu":
+            self._torch.from_numpy(arr).copy_(t.cpu())
+
+    def _allgather(self, send: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        """Rows: every rank's equal-length 1-D ``send`` (small messages)."""
+        recv = np.empty((self._size, send.size), dtype=send.dtype)
+        if send.size == 0:
+            return recv
+        out = [self._dev(recv[r]) for r in range(self._size)]
+        self._dist.all_gather(out, self._dev(send), group=self.group)
+        for r in range(self._size):
+            self._back(out[r], recv[r])
+        return recv
+
+    def allgather_bytes(self, data: bytes, width: int) -> list[bytes]:
+        if len(data) > width:
+            raise ValueError(f"{len(data)} bytes do not fit in {width}")
+        send = np.zeros(width, dtype=np.uint8)
+        send[: len(data)] = np.frombuffer(data, dtype=np.uint8)
+        recv = self._allgather(send)
+        return [recv[r].tobytes() for r in range(self._size)]
+
+    def allgather_f64(self, values: F64) -> F64:
+        send = np.ascontiguousarray(values, dtype=np.float64).reshape(-1).copy()
+        out: F64 = self._allgather(send)
+        return out
+
+    def allgather_varbytes(self, data: bytes) -> list[bytes]:
+        lengths = self.allgather_f64(np.array([len(data)], dtype=np.float64))[:, 0]
+        counts = [int(n) for n in lengths]  # small: error messages
+        rows = self.allgather_bytes(data, max(1, max(counts)))
+        return [rows[r][: counts[r]] for r in range(self._size)]
+
+    def gatherv_u64(self, values: U64, counts: list[int], root: int = 0) -> U64 | None:
+        send = np.ascontiguousarray(values, dtype=np.uint64).reshape(-1)
+        if send.size != counts[self._rank]:
+            raise ValueError("gatherv_u64: local count differs from counts[rank]")
+        if max(counts, default=0) * 8 > MAX_MESSAGE:
+            raise ValueError("gatherv_u64 is for index records, not bulk data")
+        # Padded to the longest count; moved as int64 (the same bits).
+        width = max(1, max(counts, default=0))
+        padded = np.zeros(width, dtype=np.uint64)
+        padded[: send.size] = send
+        as_i64 = padded.view(np.int64)
+        if self._rank == root:
+            recv = np.empty((self._size, width), dtype=np.int64)
+            out = [self._dev(recv[r]) for r in range(self._size)]
+            self._dist.gather(
+                self._dev(as_i64), out, dst=self._global(root), group=self.group
+            )
+            for r in range(self._size):
+                self._back(out[r], recv[r])
+            rows = recv.view(np.uint64)
+            return np.concatenate([rows[r, : counts[r]] for r in range(self._size)])
+        self._dist.gather(self._dev(as_i64), None, dst=self._global(root), group=self.group)
+        return None
+
+    def bcast_u8(self, buf: U8, root: int) -> None:
+        for chunk in _chunks(buf, "bcast_u8"):
+            t = self._dev(chunk)
+            self._dist.broadcast(t, src=self._global(root), group=self.group)
+            self._back(t, chunk)
+
+    def sendrecv_u8(self, send: U8, dest: int, recv: U8, source: int) -> None:
+        for buf in (send, recv):
+            if not buf.flags.c_contiguous or buf.dtype != np.uint8:
+                raise ValueError("sendrecv_u8 needs contiguous uint8 arrays")
+        out, into = send.reshape(-1), recv.reshape(-1)
+        if dest == self._rank and source == self._rank:
+            if out.size != into.size:
+                raise ValueError("sendrecv_u8 to self needs equal lengths")
+            into[:] = out
+            return
+        dist = self._dist
+        # Chunk by chunk, each a batched send and receive (NCCL needs them
+        # batched; gloo matches them by tag). A receiver's length equals its
+        # sender's, so both sides count the same chunks.
+        for k in range(max(-(-out.size // MAX_MESSAGE), -(-into.size // MAX_MESSAGE))):
+            lo = k * MAX_MESSAGE
+            ops = []
+            got = into[lo : lo + MAX_MESSAGE]
+            r_t = self._dev(got) if got.size else None
+            if r_t is not None:
+                ops.append(dist.P2POp(dist.irecv, r_t, self._global(source), self.group, _TAG + k))
+            part = out[lo : lo + MAX_MESSAGE]
+            if part.size:
+                s_t = self._dev(part)
+                ops.append(dist.P2POp(dist.isend, s_t, self._global(dest), self.group, _TAG + k))
+            for req in dist.batch_isend_irecv(ops):
+                req.wait()
+            if r_t is not None:
+                self._back(r_t, got)
+
+    def barrier(self) -> None:
+        self._dist.barrier(group=self.group)
 
 
 _LAUNCHER_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "PMIX_SIZE")
@@ -170,20 +363,49 @@ def _launched_by_mpiexec() -> bool:
     return False
 
 
+def _is_process_group(obj: Any) -> bool:
+    dist = sys.modules.get("torch.distributed")
+    pg = getattr(dist, "ProcessGroup", None) if dist is not None else None
+    return pg is not None and isinstance(obj, pg)
+
+
+def _torch_dist_initialized() -> bool:
+    dist = sys.modules.get("torch.distributed")
+    return bool(dist is not None and dist.is_available() and dist.is_initialized())
+
+
 def resolve(comm: Any = None) -> Comm:
     """The communicator to use.
 
-    - an explicit mpi4py communicator is wrapped;
-    - a :class:`SingleComm` or :class:`MPIComm` is used as is;
-    - None: ``MPI.COMM_WORLD`` when mpi4py is already imported and MPI
-      initialised, or when this process was started by ``mpiexec`` with more
-      than one rank (then mpi4py is imported); otherwise a single process.
+    - a :class:`SingleComm`, :class:`MPIComm` or :class:`TorchDistComm` is
+      used as is;
+    - a ``torch.distributed`` ``ProcessGroup`` is wrapped in a
+      :class:`TorchDistComm`; ``"torch"``: torch.distributed's default group;
+    - any other object is taken for an mpi4py communicator and wrapped;
+    - None, in this order of precedence:
+
+      1. ``MPI.COMM_WORLD`` when mpi4py is imported and MPI initialised;
+      2. torch.distributed's default group when it is initialised
+         (``torchrun``, ``init_process_group``);
+      3. ``MPI.COMM_WORLD`` when this process was started by ``mpiexec``
+         with more than one rank (mpi4py is then imported);
+      4. otherwise a single process.
     """
-    if isinstance(comm, SingleComm | MPIComm):
+    if isinstance(comm, SingleComm | MPIComm | TorchDistComm):
         return comm
+    if isinstance(comm, str):
+        if comm != "torch":
+            raise ValueError(f"comm must be a communicator or 'torch', not {comm!r}")
+        return TorchDistComm()
+    if _is_process_group(comm):
+        return TorchDistComm(comm)
     if comm is not None:
         return MPIComm(comm)
     mpi_mod = sys.modules.get("mpi4py.MPI")
+    if mpi_mod is not None and mpi_mod.Is_initialized() and not mpi_mod.Is_finalized():
+        return MPIComm(mpi_mod.COMM_WORLD)
+    if _torch_dist_initialized():
+        return TorchDistComm()
     if mpi_mod is None and _launched_by_mpiexec():
         try:
             from mpi4py import MPI

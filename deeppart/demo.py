@@ -216,6 +216,7 @@ def _worker(args: argparse.Namespace) -> int:
                 _arm_crash(ck, rank, done)
             digest = state_digest(state)
             stats = cp.save(done, state)
+            assert isinstance(stats, deeppart.CheckpointStats)  # not async_
             if rank == 0:
                 (out / "digests").mkdir(exist_ok=True)
                 (out / "digests" / f"{done}.txt").write_text(json.dumps(digest))

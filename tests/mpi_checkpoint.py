@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ from typing import Any
 import torch
 
 import deeppart
+import deeppart.state
 from deeppart import checkpoint as ck
 from deeppart.comm import resolve
 
@@ -118,6 +121,9 @@ def scenario_load(d: Path) -> None:
     assert_bitwise_equal(make_state(), out)
     out = deeppart.load(d, exchange="read")
     assert_bitwise_equal(make_state(), out)
+    for exchange in ("bcast", "read"):
+        into = make_state(seed=1)
+        assert_bitwise_equal(make_state(), deeppart.load(d, into=into, exchange=exchange))
     ok("load")
 
 
@@ -180,6 +186,112 @@ def scenario_crash(root: Path) -> None:
     raise AssertionError("unreachable: a rank was killed")
 
 
+class WriterGate:
+    """Holds every background write at its start until the main thread
+    opens the gate: proof that the main thread ran while a save was in
+    flight, with no timing involved."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.gate = threading.Event()
+        self.real = ck._write_pieces
+
+    def __enter__(self) -> WriterGate:
+        def gated(*args: Any, **kwargs: Any) -> Any:
+            if threading.current_thread() is not threading.main_thread():
+                self.started.set()
+                if not self.gate.wait(120):
+                    raise RuntimeError("the gate was never opened")
+            return self.real(*args, **kwargs)
+
+        ck._write_pieces = gated
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        ck._write_pieces = self.real
+
+
+def host_copy(state: Any) -> Any:
+    """A deep copy of ``state``'s values (what a checkpoint of it must hold)."""
+    leaves, skeleton = deeppart.state.flatten(state)
+    values = [
+        lf.tensor.detach().clone()
+        if lf.tensor is not None
+        else deeppart.state.decode_plain(lf.encoded or b"")
+        for lf in leaves
+    ]
+    return deeppart.state.unflatten(skeleton, values)
+
+
+def scenario_async(root: Path, allreduce: Callable[[torch.Tensor], None]) -> None:
+    """Checkpointer(async_=True) while training goes on: each save returns
+    while its background write is still held at the gate; the main thread
+    then trains (gradients all-reduced over the training communicator, a
+    collective running beside the writer's) and only then opens the gate.
+    Each checkpoint holds the state as it was at its save call."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def train(steps: int) -> None:
+        for _ in range(steps):
+            model(torch.randn(8, 16)).pow(2).mean().backward()
+            for prm in model.parameters():
+                assert prm.grad is not None
+                allreduce(prm.grad)
+            opt.step()
+            opt.zero_grad()
+
+    def state(step: int) -> dict[str, Any]:
+        return {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
+
+    train(1)
+    cp = deeppart.Checkpointer(root, async_=True, keep_last=2)
+    expected = {}
+    for step in (1, 2):
+        expected[step] = host_copy(state(step))
+        with WriterGate() as gate:
+            handle = cp.save(step, state(step))
+            assert isinstance(handle, deeppart.AsyncSave)
+            assert gate.started.wait(120), "the writer never started"
+            assert not handle.done(), "the save finished before the gate opened"
+            train(3)  # the live state changes under the snapshot
+            gate.gate.set()
+            stats = handle.wait()
+        assert stats.raw_bytes > 0
+    cp.close()
+    assert cp.steps() == [1, 2]
+    for step in (1, 2):
+        assert_bitwise_equal(expected[step], cp.load(step), f"step {step}")
+    live = host_copy(state(2))
+    assert not torch.equal(live["model"]["0.weight"], expected[2]["model"]["0.weight"])
+    ok("async")
+
+
+def mpi_allreduce(t: torch.Tensor) -> None:
+    """Sums ``t`` (a CPU float tensor) over MPI.COMM_WORLD, in place."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() > 1:
+        assert MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        comm.Allreduce(MPI.IN_PLACE, t.detach().numpy())
+
+
+def launch(cmd: list[str], timeout: float, root: Path) -> subprocess.CompletedProcess[str]:
+    """Runs a test job (e.g. ``mpiexec -n K python WORKER ...``) from
+    ``root`` with a timeout, single-threaded; a hang fails the calling test."""
+    import pytest
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root))
+    try:
+        return subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=root
+        )
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{' '.join(cmd)} hung (no result after {timeout} s): {e.stdout!r}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("scenario")
@@ -187,6 +299,12 @@ def main() -> None:
     p.add_argument("--codec", default=None)
     p.add_argument("--expect", default="")
     p.add_argument("--max-message", type=int, default=0, help="chunk size of broadcasts")
+    p.add_argument(
+        "--stage",
+        type=int,
+        default=0,
+        help="treat every tensor as a device tensor, staged through a buffer of this many bytes",
+    )
     args = p.parse_args()
     scenarios: dict[str, Callable[[], None]] = {
         "roundtrip": lambda: scenario_roundtrip(args.dir, args.codec),
@@ -196,12 +314,18 @@ def main() -> None:
         "mismatch": lambda: scenario_mismatch(args.dir),
         "nonplain": lambda: scenario_nonplain(args.dir),
         "crash": lambda: scenario_crash(args.dir),
+        "async": lambda: scenario_async(args.dir, mpi_allreduce),
     }
     torch.set_num_threads(1)
     if args.max_message:
         import deeppart.comm
 
         deeppart.comm.MAX_MESSAGE = args.max_message
+    if args.stage:
+        from deeppart import staging
+
+        staging.DEFAULT_STAGING_BYTES = args.stage
+        staging.needs_staging = lambda t: True
     scenarios[args.scenario]()
     sys.stdout.flush()
 

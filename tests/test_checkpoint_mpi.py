@@ -37,13 +37,7 @@ def run(n: int, *args: str, expect_ok: bool = True) -> subprocess.CompletedProce
     cmd = [sys.executable, str(SCRIPT), *args]
     if n:
         cmd = [str(MPIEXEC), "-n", str(n), *cmd]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    try:
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=ROOT
-        )
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{' '.join(cmd)} hung (no result after {TIMEOUT_S} s): {e.stdout!r}")
+    proc = mpi_checkpoint.launch(cmd, TIMEOUT_S, ROOT)
     if expect_ok:
         assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}"
         oks = set(re.findall(r"OK [\w-]+ rank \d+/\d+", proc.stdout))
@@ -82,6 +76,15 @@ def test_elastic_restore(tmp_path: Path, n: int, m: int) -> None:
     run(m if m > 1 else 0, "load", d)
 
 
+def test_staged_device_path_on_three_ranks(tmp_path: Path) -> None:
+    """Every tensor taken for a device tensor (staged through a 1 KiB host
+    buffer): saved on 3 ranks, loaded on 2 with and without into=, through
+    the broadcast and the read exchanges, bitwise."""
+    d = str(tmp_path / "ck")
+    run(3, "save", d, "--stage", "1024")
+    run(2, "load", d, "--stage", "1024")
+
+
 def test_ranks_disagreeing_on_structure_all_fail(tmp_path: Path) -> None:
     proc = run(3, "mismatch", str(tmp_path / "ck"))
     assert proc.stdout.count("OK mismatch") == 3
@@ -108,6 +111,15 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
     cp.save(3, mpi_checkpoint.make_state(steps=1))
     assert cp.steps() == [1, 3]
     assert not [p.name for p in root.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_async_checkpointer_overlaps_training(tmp_path: Path) -> None:
+    """Checkpointer(async_=True) on 2 MPI ranks (MPI_THREAD_MULTIPLE, the
+    writer on a Dup of COMM_WORLD): each save returns while its write is
+    held; the main thread trains, all-reducing gradients over COMM_WORLD,
+    before the writer may go on; each checkpoint is its snapshot, bitwise."""
+    proc = run(2, "async", str(tmp_path / "root"))
+    assert proc.stdout.count("OK async") == 2
 
 
 def _piece_in(d: Path, rank: int) -> list[int]:

@@ -1,0 +1,366 @@
+"""Asynchronous save: snapshot the state to host memory, write it in a
+background thread while training goes on.
+
+:func:`async_save` (and :class:`deeppart.Checkpointer` with ``async_=True``)
+
+1. waits for this communicator's previous asynchronous save, and raises its
+   error if nobody has seen it yet;
+2. copies every tensor of the state to host memory (reusable buffers in a
+   ``Checkpointer``; pinned when CUDA is available) and deep-copies the plain
+   values (through their plain encoding), on every rank, then agrees with
+   one small collective that every rank has its snapshot;
+3. returns an :class:`AsyncSave` handle; a background thread runs
+   :func:`deeppart.save` on the snapshot, over a *dedicated* communicator.
+
+The writer's collectives never share a communicator with the training
+loop's: with MPI it uses a ``Dup`` of the communicator (made once, cached)
+and needs ``MPI_THREAD_MULTIPLE`` (``MPI.Query_thread()``; mpi4py asks for
+it by default); with torch.distributed it uses its own process group
+(``new_group`` over the same ranks, gloo even under NCCL, made once,
+cached). Without a thread
+level that allows it, or with a communicator of another kind, or when the
+state's tensors exceed ``max_staging_bytes``, the save runs synchronously
+instead, after a warning, and the handle returned is already done. See
+docs/ASYNC.md.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from deeppart.comm import Comm, MPIComm, SingleComm, TorchDistComm, resolve
+from deeppart.progress import Stats
+from deeppart.state import decode_plain, flatten, unflatten
+
+if TYPE_CHECKING:
+    import os
+
+    from deeppart.checkpoint import Checkpointer
+
+
+class AsyncSaveWarning(UserWarning):
+    """An asynchronous save that ran synchronously (the reason is in the message)."""
+
+
+class AsyncSave:
+    """The handle of one asynchronous save (the same on every rank).
+
+    ``wait()`` / ``result()`` block until the save is committed and return
+    its :class:`Stats`, or raise its error (every time they are called);
+    ``done()`` says whether it finished. An error not yet seen through
+    ``wait``, ``result`` or ``exception`` is raised by the next asynchronous
+    save on the same communicator (or the ``Checkpointer``'s next save,
+    load or close).
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        #: Seconds the main thread spent on the snapshot (the training stall).
+        self.snapshot_seconds = 0.0
+        #: Whether the save ran synchronously instead (see the warning).
+        self.synchronous = False
+        self._finished = threading.Event()
+        self._stats: Stats | None = None
+        self._error: BaseException | None = None
+        self._seen = False
+        self._thread: threading.Thread | None = None
+
+    def _finish(self, stats: Stats | None, error: BaseException | None) -> None:
+        self._stats, self._error = stats, error
+        self._finished.set()
+
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The save's error (None if it succeeded), after waiting for it."""
+        if not self._finished.wait(timeout):
+            raise TimeoutError(f"{self.directory}: the asynchronous save is still running")
+        if self._thread is not None:
+            self._thread.join()
+        self._seen = True
+        return self._error
+
+    def wait(self, timeout: float | None = None) -> Stats:
+        """Waits for the save; returns its :class:`Stats` or raises its error."""
+        error = self.exception(timeout)
+        if error is not None:
+            raise error
+        assert self._stats is not None
+        return self._stats
+
+    result = wait
+
+    def _settle(self) -> None:
+        """Waits; raises the error only if nobody has seen it yet."""
+        seen = self._seen
+        error = self.exception()
+        if error is not None and not seen:
+            raise error
+
+
+# ----------------------------------------------------------------------------
+# The writer's communicator.
+
+_WRITERS: dict[Any, tuple[Any, Comm]] = {}
+_IN_FLIGHT: dict[Any, AsyncSave] = {}
+_LOCK = threading.Lock()
+
+
+_SINGLE = SingleComm()
+
+
+def writer_comm(c: Comm) -> tuple[Comm | None, str]:
+    """The dedicated communicator of ``c``'s background writer (made once per
+    communicator, collectively), or None and the reason why a background
+    writer cannot be used."""
+    if isinstance(c, SingleComm):
+        return _SINGLE, ""
+    if isinstance(c, MPIComm):
+        mpi = c._MPI
+        level = mpi.Query_thread()
+        if level < mpi.THREAD_MULTIPLE:
+            return None, (
+                f"MPI provides thread level {level}, not MPI_THREAD_MULTIPLE "
+                f"({mpi.THREAD_MULTIPLE}), so a background thread may not call MPI"
+            )
+        key: Any = ("mpi", c.comm.py2f())
+        if key not in _WRITERS:
+            _WRITERS[key] = (c.comm, MPIComm(c.comm.Dup()))
+        return _WRITERS[key][1], ""
+    if isinstance(c, TorchDistComm):
+        import torch.distributed as dist
+
+        # The default group's identity too: a re-initialised
+        # torch.distributed gets new writer groups.
+        world = dist.group.WORLD
+        key = ("torch", id(c.group), id(world))
+        if key not in _WRITERS:
+            if c.group is None:
+                ranks = list(range(dist.get_world_size()))
+            else:
+                ranks = dist.get_process_group_ranks(c.group)
+            # The writer's collectives are small (agreements, piece records):
+            # gloo keeps them on the CPU, off the GPU's NCCL streams.
+            backend = "gloo" if dist.is_gloo_available() else str(dist.get_backend(c.group))
+            group = dist.new_group(ranks, backend=backend, use_local_synchronization=True)
+            _WRITERS[key] = ((c.group, world), TorchDistComm(group))
+        return _WRITERS[key][1], ""
+    return None, f"no dedicated writer communicator for a {type(c).__name__}"
+
+
+# ----------------------------------------------------------------------------
+# The snapshot.
+
+
+class Snapshot:
+    """Host copies of a state's tensors, in buffers reused from one
+    snapshot to the next when a leaf keeps its dtype and shape."""
+
+    def __init__(self) -> None:
+        self._buffers: list[Any] = []
+
+    def take(self, state: Any) -> Any:
+        """A copy of ``state``: every tensor copied to host memory, every
+        plain value copied through its plain encoding."""
+        import torch
+
+        leaves, skeleton = flatten(state)
+        pin = torch.cuda.is_available()
+        values: list[Any] = []
+        buffers: list[Any] = []
+        pending: set[Any] = set()
+        for i, leaf in enumerate(leaves):
+            if leaf.tensor is None:
+                assert leaf.encoded is not None
+                values.append(decode_plain(leaf.encoded))
+                buffers.append(None)
+                continue
+            t = leaf.tensor.detach()
+            old = self._buffers[i] if i < len(self._buffers) else None
+            if old is not None and old.dtype == t.dtype and old.shape == t.shape:
+                buf = old
+            else:
+                on_gpu = pin and t.device.type == "cuda"
+                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=on_gpu)
+            non_blocking = t.device.type == "cuda" and buf.is_pinned()
+            buf.copy_(t, non_blocking=non_blocking)
+            if non_blocking:
+                pending.add(t.device)
+            values.append(buf)
+            buffers.append(buf)
+        for device in pending:
+            torch.cuda.synchronize(device)
+        self._buffers = buffers
+        return unflatten(skeleton, values)
+
+
+def tensor_bytes(state: Any) -> int:
+    """The bytes of all tensors in ``state``."""
+    leaves, _ = flatten(state)
+    tensors = [lf.tensor for lf in leaves if lf.tensor is not None]
+    return sum(int(t.numel()) * int(t.element_size()) for t in tensors)
+
+
+# ----------------------------------------------------------------------------
+# Starting a save.
+
+
+def start(
+    c: Comm,
+    state: Any,
+    directory: Path,
+    save_kwargs: dict[str, Any],
+    *,
+    max_staging_bytes: int | None = None,
+    snapshot: Snapshot | None = None,
+    after: Callable[[], None] | None = None,
+) -> AsyncSave:
+    """Snapshots ``state`` and starts writing it (collective over ``c``);
+    ``after`` runs once the save is committed (on the writer thread)."""
+    from deeppart.checkpoint import _agree, save
+
+    writer, why = writer_comm(c)
+    key = id(writer)  # writers are cached: one key per communicator
+    with _LOCK:
+        prev = _IN_FLIGHT.pop(key, None)
+    if prev is not None:
+        prev._settle()
+
+    t0 = time.perf_counter()
+    err: BaseException | None = None
+    copy: Any = None
+    too_big = False
+    try:
+        if max_staging_bytes is not None:
+            nbytes = tensor_bytes(state)
+            too_big = nbytes > max_staging_bytes
+            if too_big:
+                why = (
+                    f"the state's {nbytes} tensor bytes exceed "
+                    f"max_staging_bytes={max_staging_bytes}"
+                )
+        if writer is not None and not too_big:
+            copy = (snapshot or Snapshot()).take(state)
+    except Exception as e:
+        err = e
+    # Every rank snapshotted (or every rank raises), and all take one road.
+    flags = _agree(c, err, bytes([writer is None or too_big]), width=1)
+    handle = AsyncSave(directory)
+    handle.snapshot_seconds = time.perf_counter() - t0
+
+    if any(row[0] for row in flags):
+        why = why or "another rank cannot save in the background"
+        warnings.warn(
+            f"{directory}: saving synchronously: {why}",
+            AsyncSaveWarning,
+            stacklevel=3,
+        )
+        handle.synchronous = True
+        stats = save(state, directory, comm=c, **save_kwargs)
+        _after(after, directory)
+        handle._finish(stats, None)
+        return handle
+
+    assert writer is not None
+
+    def run() -> None:
+        try:
+            stats = save(copy, directory, comm=writer, **save_kwargs)
+        except BaseException as e:  # surfaced by wait() or the next save
+            handle._finish(None, e)
+            return
+        _after(after, directory)
+        handle._finish(stats, None)
+
+    thread = threading.Thread(target=run, name=f"deeppart-save {directory.name}")
+    handle._thread = thread
+    with _LOCK:
+        _IN_FLIGHT[key] = handle
+    thread.start()
+    return handle
+
+
+def _after(after: Callable[[], None] | None, directory: Path) -> None:
+    """Runs the post-commit step (rank 0's clean-up of old checkpoints). It
+    runs on some ranks only, so a failure is a warning, never the save's
+    error: that error would be raised on those ranks alone, by the next
+    save, and leave the other ranks in its first collective."""
+    if after is None:
+        return
+    try:
+        after()
+    except Exception as e:
+        msg = f"{directory}: cleaning up after the save: {e}"
+        warnings.warn(msg, AsyncSaveWarning, stacklevel=1)
+
+
+def async_save(
+    state: Any,
+    directory: str | os.PathLike[str],
+    *,
+    comm: Any = None,
+    max_staging_bytes: int | None = None,
+    **save_kwargs: Any,
+) -> AsyncSave:
+    """Saves ``state`` like :func:`deeppart.save` (same keyword arguments),
+    but returns as soon as the state is copied to host memory; a background
+    thread writes and commits it. Collective.
+
+    The state may change right after the call returns: the checkpoint holds
+    the snapshot. A second ``async_save`` on the same communicator first waits
+    for this one. ``max_staging_bytes``: the most tensor bytes the snapshot
+    may hold in host memory (None: no limit); a larger state is saved
+    synchronously, with an :class:`AsyncSaveWarning`.
+    """
+    return start(
+        resolve(comm),
+        state,
+        Path(directory),
+        save_kwargs,
+        max_staging_bytes=max_staging_bytes,
+    )
+
+
+class AsyncCheckpointer:
+    """The asynchronous side of a ``Checkpointer(async_=True)``: one save in
+    flight at a time, snapshot buffers reused."""
+
+    def __init__(self, owner: Checkpointer, max_staging_bytes: int | None) -> None:
+        self.owner = owner
+        self.max_staging_bytes = max_staging_bytes
+        self._snapshot = Snapshot()
+        self.pending: AsyncSave | None = None
+
+    def wait(self) -> Stats | None:
+        """Waits for the save in flight; raises its error if nobody has seen
+        it yet. Returns its Stats (None if none, or it failed)."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return None
+        pending._settle()
+        return pending._stats
+
+    def save(self, step: int, state: Any, kwargs: dict[str, Any]) -> AsyncSave:
+        self.wait()
+        cp = self.owner
+
+        def cleanup() -> None:
+            if cp.comm.rank == 0:
+                cp._cleanup(step)
+
+        self.pending = start(
+            cp.comm,
+            state,
+            cp.path(step),
+            kwargs,
+            max_staging_bytes=self.max_staging_bytes,
+            snapshot=self._snapshot,
+            after=cleanup,
+        )
+        return self.pending

@@ -1,0 +1,69 @@
+"""The interface every multi-level storage backend implements.
+
+Two backends implement it: DeepPart's built-in engine
+(:mod:`deeppart.levels.engine`) and the real FTI library through ctypes
+(:mod:`deeppart.levels.fti`). :class:`deeppart.Checkpointer` with
+``config=`` drives one of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class LevelSaveStats:
+    """What one checkpoint through the levels did (the same on every rank)."""
+
+    step: int
+    level: int
+    raw_bytes: int
+    seconds: float
+    #: Seconds per phase, e.g. {"l1": 0.3, "l2": 0.2} or {"l3_encode": 0.1}.
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RecoveryReport:
+    """How a restore was served: the step, and per rank of the writing job
+    the level its data came from (1: own node-local file, 2: partner copy,
+    3: Reed-Solomon decoding, 4: global directory)."""
+
+    step: int
+    levels: list[int]
+    #: Files that were lost or corrupt and rewritten from another level.
+    rewritten: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        by: dict[int, list[int]] = {}
+        for rank, level in enumerate(self.levels):
+            by.setdefault(level, []).append(rank)
+        parts = ", ".join(f"L{lv}: ranks {rs}" for lv, rs in sorted(by.items()))
+        return f"recovered step {self.step} ({parts}) in {self.seconds:.2f} s"
+
+
+class LevelBackend(Protocol):
+    """Multi-level checkpoint storage. Every method is collective over the
+    backend's communicator."""
+
+    name: str
+
+    def save(self, step: int, state: Any, *, level: int | None = None) -> LevelSaveStats:
+        """Checkpoints ``state`` as ``step`` at ``level`` (None: the level the
+        config's ``ckpt_l1..ckpt_l4`` intervals give this checkpoint)."""
+        ...
+
+    def latest(self) -> int | None:
+        """The newest committed step that can still be recovered, or None."""
+        ...
+
+    def load(self, step: int | None = None, *, into: Any = None) -> tuple[Any, RecoveryReport]:
+        """Restores ``step`` (None: :meth:`latest`) on every rank, from the
+        cheapest level that has it, rewriting lost files where it can."""
+        ...
+
+    def close(self) -> None:
+        """Releases the backend (FTI_Finalize for the FTI backend)."""
+        ...

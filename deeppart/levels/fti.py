@@ -1,0 +1,952 @@
+"""Multi-level checkpoints through the real FTI library (github leobago/fti,
+v1.5/1.6), loaded with ctypes (docs/FTI.md).
+
+FTI is a C library that must be built by the user, against the same MPI
+library as mpi4py; :func:`find_libfti` finds it (``FTI_LIBRARY``, else the
+linker's search path). :class:`FTIBackend` implements
+:class:`deeppart.levels.backend.LevelBackend` on top of it:
+
+- the config is validated against the job (levels against the topology)
+  before FTI is called, because FTI hangs on some invalid ones (L2 on one
+  node);
+- each job gets its own copy of FTI's INI file (FTI rewrites it), in
+  ``meta_dir/<exec_id>/fti.cfg``, seen by every rank and reused on restart;
+  ``head = 0`` and inline L2/L3/L4 are required, ``verbosity = 3``;
+- every rank's planned pieces (DeepPart's plan, as in :func:`deeppart.save`)
+  are registered with ``FTI_Protect``, large ones straight from tensor
+  memory, small ones packed into one buffer; ``FTI_Checkpoint(id, level)``
+  writes them; rank 0 then writes a small index (pieces, FTI ids, sizes,
+  xxh3 checksums) next to the config;
+- on restart ``FTI_Init`` rebuilds lost files (L2 partner copies, L3
+  Reed-Solomon, L4), ``FTI_Recover`` reads each rank's own pieces back,
+  the checksums are verified, and the ranks exchange their pieces with
+  buffer broadcasts so every rank holds the full state.
+
+Nothing is pickled: the index is JSON, the data raw bytes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import configparser
+import ctypes
+import ctypes.util
+import hashlib
+import json
+import os
+import socket
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from deeppart._planner import Manifest, Plan
+from deeppart.checkpoint import (
+    _agree,
+    _assemble,
+    _dtype_sizes,
+    _leaf_infos,
+    _make_plan,
+    _metadata_head,
+    _prepare,
+    _Prepared,
+    _readable,
+    _targets,
+    _u8_view,
+)
+from deeppart.comm import Comm, MPIComm, SingleComm
+from deeppart.format import (
+    HEADER_SIZE,
+    CheckpointError,
+    CorruptCheckpointError,
+    StateMismatchError,
+    checksum,
+    fsync_dir,
+    parse_metadata,
+    write_durable,
+)
+from deeppart.levels.backend import LevelSaveStats, RecoveryReport
+from deeppart.levels.config import LevelConfig, LevelConfigError
+
+__all__ = [
+    "FTIBackend",
+    "FTIError",
+    "check_same_mpi",
+    "find_libfti",
+    "fti_config_text",
+    "load_libfti",
+]
+
+U8 = npt.NDArray[np.uint8]
+
+#: FTI's return codes (include/fti.h).
+FTI_SCES, FTI_NSCS, FTI_NREC, FTI_DONE = 0, -1, -2, 1
+
+#: Settings DeepPart requires in FTI's config, and why.
+REQUIRED = {
+    ("basic", "head"): ("0", "dedicated FTI head processes never return from FTI_Init"),
+    ("basic", "inline_l2"): ("1", "DeepPart needs L2 finished when FTI_Checkpoint returns"),
+    ("basic", "inline_l3"): ("1", "DeepPart needs L3 finished when FTI_Checkpoint returns"),
+    ("basic", "inline_l4"): ("1", "DeepPart needs L4 finished when FTI_Checkpoint returns"),
+    ("basic", "ckpt_io"): ("1", "the backend is tested with POSIX I/O only"),
+    ("basic", "enable_dcp"): ("0", "differential checkpoints are not supported"),
+    ("basic", "enable_icp"): ("0", "incremental checkpoints are not supported"),
+    ("basic", "enable_staging"): ("0", "staging is not supported"),
+}
+
+#: FTI's console verbosity: 3 prints errors only.
+FTI_VERBOSITY = 3
+
+#: A piece at least this large is protected straight from tensor memory;
+#: smaller ones are packed into one buffer (a copy), which keeps the number
+#: of FTI datasets small.
+ZERO_COPY_MIN = 4 << 20
+
+#: At most this many zero-copy datasets per rank (the rest are packed), so
+#: a rank protects about 2 * MAX_ZERO_COPY + 2 datasets (more only for
+#: shares over MAX_BLOB).
+MAX_ZERO_COPY = 60
+
+#: Largest FTI dataset, in bytes. FTI 1.5 declares FTI_Protect's count and
+#: FTI_GetStoredSize as int32_t (1.6: int64_t), so datasets stay well under
+#: 2 GiB; a larger piece becomes several datasets (still zero-copy).
+MAX_BLOB = 1 << 30
+
+#: FTI dataset id of each rank's header; data blobs follow.
+HEADER_ID = 0
+_HEADER = struct.Struct("<8sqii32s")
+_HEADER_BYTES = 64
+_MAGIC = b"DPFTI001"
+
+INDEX_PREFIX = "fti-step-"
+CONFIG_NAME = "fti.cfg"
+
+
+class FTIError(CheckpointError):
+    """libfti is missing, unusable, or an FTI call failed."""
+
+
+# ----------------------------------------------------------------------------
+# Finding and loading libfti.
+
+
+def find_libfti() -> str | None:
+    """The libfti to load: ``$FTI_LIBRARY`` when set (a path, not checked
+    here), else what ``ctypes.util.find_library("fti")`` finds, else None."""
+    env = os.environ.get("FTI_LIBRARY", "").strip()
+    if env:
+        return env
+    return ctypes.util.find_library("fti")
+
+
+def _mapped_mpi_libraries() -> set[str]:
+    """Real paths of the MPI libraries mapped into this process (Linux)."""
+    found: set[str] = set()
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(None, 5)
+                if len(parts) < 6:
+                    continue
+                path = parts[5].strip()
+                name = os.path.basename(path)
+                if name.startswith(("libmpi.so", "libmpich.so", "libmpi_mpifh", "libmpi_abi")):
+                    found.add(os.path.realpath(path))
+    except OSError:
+        pass
+    return found
+
+
+def check_same_mpi(before: set[str], after: set[str], library: str) -> None:
+    """Raises :class:`FTIError` when loading ``library`` mapped an MPI
+    library that mpi4py had not (``before``/``after``: the mapped MPI
+    libraries around the load, from ``/proc/self/maps``)."""
+    new = sorted(after - before)
+    if new and before:
+        raise FTIError(
+            f"{library} is linked against another MPI library than mpi4py: it loaded "
+            f"{', '.join(new)}, mpi4py uses {', '.join(sorted(before))}. Rebuild FTI with "
+            "the MPI compiler wrappers of the MPI that mpi4py uses (docs/FTI.md)"
+        )
+
+
+@dataclass
+class _Lib:
+    """libfti's functions, with their C signatures."""
+
+    cdll: ctypes.CDLL
+    path: str
+    comm_type: Any
+    mpi_libraries: list[str]
+
+    def comm_world(self) -> int:
+        """FTI's global ``FTI_COMM_WORLD`` handle (valid after FTI_Init)."""
+        value = int(self.comm_type.in_dll(self.cdll, "FTI_COMM_WORLD").value or 0)
+        if self.comm_type is ctypes.c_int:
+            value &= 0xFFFFFFFF  # MPICH's handles are unsigned to mpi4py (0x84000000...)
+        return value
+
+    def char_type(self) -> int:
+        """FTI's ``FTI_CHAR`` type id (valid after FTI_Init)."""
+        return int(ctypes.c_int.in_dll(self.cdll, "FTI_CHAR").value)
+
+
+_FUNCTIONS: dict[str, tuple[Any, list[Any]]] = {
+    # name: (restype, argtypes); FTI_Init's communicator type is set per MPI.
+    "FTI_Init": (ctypes.c_int, [ctypes.c_char_p]),
+    "FTI_Status": (ctypes.c_int, []),
+    "FTI_Protect": (ctypes.c_int, [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]),
+    "FTI_Checkpoint": (ctypes.c_int, [ctypes.c_int, ctypes.c_int]),
+    "FTI_Recover": (ctypes.c_int, []),
+    "FTI_GetStoredSize": (ctypes.c_int64, [ctypes.c_int]),
+    "FTI_Finalize": (ctypes.c_int, []),
+}
+
+
+def _mpi_comm_type() -> Any:
+    """The ctypes type of an ``MPI_Comm`` handle: a pointer (Open MPI) or an
+    int (MPICH and its derivatives)."""
+    from mpi4py import MPI
+
+    return ctypes.c_void_p if MPI._sizeof(MPI.Comm) == 8 else ctypes.c_int
+
+
+def load_libfti(library: str | None = None) -> _Lib:
+    """Loads libfti (``library``, else :func:`find_libfti`) after mpi4py,
+    checks it has the FTI >= 1.5 API and uses mpi4py's MPI library."""
+    path = library if library is not None else find_libfti()
+    if not path:
+        raise FTIError(
+            "libfti was not found: set FTI_LIBRARY to the path of libfti.so, or install it "
+            "where the dynamic linker finds it (see docs/FTI.md)"
+        )
+    if os.sep in path and not os.path.isfile(path):
+        raise FTIError(f"libfti {path!r} (FTI_LIBRARY or library=): no such file")
+    from mpi4py import MPI  # noqa: F401  (initialises MPI, maps its library first)
+
+    before = _mapped_mpi_libraries()
+    try:
+        cdll = ctypes.CDLL(path)
+    except OSError as e:
+        raise FTIError(f"cannot load libfti from {path!r}: {e}") from e
+    missing = [
+        name for name in (*_FUNCTIONS, "FTI_COMM_WORLD", "FTI_CHAR") if not hasattr(cdll, name)
+    ]
+    if missing:
+        raise FTIError(f"{path} is not an FTI library (missing {', '.join(missing)})")
+    if not hasattr(cdll, "FTI_InitType_opaque"):
+        raise FTIError(
+            f"{path}: FTI older than 1.5 (its FTI_Protect takes a struct type, not an "
+            "fti_id_t); DeepPart needs FTI 1.5 or 1.6"
+        )
+    after = _mapped_mpi_libraries()
+    check_same_mpi(before, after, path)
+    comm_type = _mpi_comm_type()
+    for name, (restype, argtypes) in _FUNCTIONS.items():
+        fn = getattr(cdll, name)
+        fn.restype = restype
+        fn.argtypes = [*argtypes, comm_type] if name == "FTI_Init" else argtypes
+    return _Lib(cdll, path, comm_type, sorted(after))
+
+
+# ----------------------------------------------------------------------------
+# FTI's config file.
+
+
+def _fti_dirs(config: LevelConfig) -> tuple[str, str, str]:
+    glbl = config.glbl_dir.strip() or str(config.meta_root() / "fti-global")
+    return (
+        os.path.abspath(config.ckpt_dir),
+        os.path.abspath(glbl),
+        os.path.abspath(config.meta_dir),
+    )
+
+
+def check_fti_options(config: LevelConfig) -> None:
+    """Raises :class:`LevelConfigError` when the config's FTI-only keys ask
+    for something the backend does not support (heads, offline levels...)."""
+    for sec, key, value in config.fti_options:
+        want = REQUIRED.get((sec, key))
+        if want is not None and value.strip() != want[0]:
+            raise LevelConfigError(
+                f"{key} = {value.strip()}: the FTI backend needs {want[0]} ({want[1]})"
+            )
+    if config.head != 0:
+        raise LevelConfigError(f"head = {config.head}: the FTI backend needs head = 0")
+
+
+def fti_config_text(config: LevelConfig, *, failure: int = 0, exec_id: str | None = None) -> str:
+    """FTI's INI file for ``config``: DeepPart's keys, the FTI-only keys it
+    accepts (``config.fti_options``), and the settings the backend requires
+    (:data:`REQUIRED`; ``verbosity = 3``). ``failure`` and ``exec_id``
+    (section ``[restart]``) are FTI's own, carried over from the file FTI
+    rewrote so that a restart finds its checkpoint."""
+    check_fti_options(config)
+    ckpt_dir, glbl_dir, meta_dir = _fti_dirs(config)
+    basic: dict[str, str] = {
+        "head": "0",
+        "node_size": str(config.node_size),
+        "ckpt_dir": ckpt_dir,
+        "glbl_dir": glbl_dir,
+        "meta_dir": meta_dir,
+        # FTI's intervals are minutes for FTI_Snapshot, which DeepPart does
+        # not call; it passes the level to FTI_Checkpoint itself.
+        "ckpt_l1": str(config.ckpt_l1),
+        "ckpt_l2": str(config.ckpt_l2),
+        "ckpt_l3": str(config.ckpt_l3),
+        "ckpt_l4": str(config.ckpt_l4),
+        "dcp_l4": "0",
+        "inline_l2": "1",
+        "inline_l3": "1",
+        "inline_l4": "1",
+        "keep_last_ckpt": str(config.keep_last_ckpt),
+        "keep_l4_ckpt": "0",
+        "group_size": str(config.group_size),
+        "max_sync_intv": "0",
+        "ckpt_io": "1",
+        "enable_staging": "0",
+        "enable_dcp": "0",
+        "enable_icp": "0",
+        "dcp_mode": "0",
+        "dcp_block_size": "16384",
+        "verbosity": str(FTI_VERBOSITY),
+    }
+    restart: dict[str, str] = {"failure": str(int(failure))}
+    if exec_id:
+        restart["exec_id"] = exec_id
+    injection = {"rank": "0", "number": "0", "position": "0", "frequency": "0"}
+    advanced: dict[str, str] = {
+        "block_size": "1024",
+        "transfer_size": "16",
+        "general_tag": "2612",
+        "ckpt_tag": "711",
+        "stage_tag": "406",
+        "final_tag": "3107",
+        "local_test": str(config.local_test),
+        "lustre_striping_unit": "4194304",
+        "lustre_striping_factor": "-1",
+        "lustre_striping_offset": "-1",
+    }
+    sections = {"basic": basic, "restart": restart, "injection": injection, "advanced": advanced}
+    fixed = {("basic", k) for k in ("node_size", "ckpt_dir", "glbl_dir", "meta_dir", "verbosity")}
+    for sec, key, value in config.fti_options:
+        if sec in sections and (sec, key) not in fixed and sec != "restart":
+            sections[sec][key] = value.strip()
+    out: list[str] = ["; written by deeppart.levels.fti (FTI rewrites [restart])"]
+    for name, values in sections.items():
+        out.append(f"[{name}]")
+        out += [f"{k:<30} = {v}" for k, v in values.items()]
+        out.append("")
+    return "\n".join(out)
+
+
+def _read_restart(path: Path) -> tuple[int, str | None]:
+    """(failure, exec_id) of FTI's rewritten config file, (0, None) if none."""
+    if not path.exists():
+        return 0, None
+    parser = configparser.ConfigParser(
+        interpolation=None, inline_comment_prefixes=(";", "#"), strict=False
+    )
+    try:
+        parser.read_string(path.read_text(errors="replace"), source=str(path))
+    except (OSError, configparser.Error) as e:
+        raise FTIError(f"{path}: cannot read FTI's config file: {e}") from e
+    sec = next((s for s in parser.sections() if s.strip().lower() == "restart"), None)
+    if sec is None:
+        return 0, None
+    raw = parser.get(sec, "failure", fallback="0").strip()
+    try:
+        failure = int(raw)
+    except ValueError:
+        failure = 0
+    exec_id = parser.get(sec, "exec_id", fallback="").strip() or None
+    return failure, exec_id
+
+
+# ----------------------------------------------------------------------------
+# The backend.
+
+
+@dataclass
+class _Blob:
+    """One FTI dataset of a rank: ``nbytes`` of the rank's piece stream from
+    ``start``."""
+
+    fti_id: int
+    start: int
+    nbytes: int
+
+
+def _blobs(lengths: list[int]) -> list[_Blob]:
+    """Splits a rank's stream of pieces (``lengths``, in plan order) into FTI
+    datasets of at most :data:`MAX_BLOB` bytes: a piece of at least
+    :data:`ZERO_COPY_MIN` bytes alone (up to :data:`MAX_ZERO_COPY` of them),
+    runs of the others together. Empty pieces take no dataset.
+    Deterministic: save and restore agree."""
+    out: list[_Blob] = []
+
+    def emit(start: int, stop: int) -> None:
+        for a in range(start, stop, MAX_BLOB):
+            out.append(_Blob(HEADER_ID + 1 + len(out), a, min(MAX_BLOB, stop - a)))
+
+    run_start = pos = 0
+    big = 0
+    for n in lengths:
+        if n >= ZERO_COPY_MIN and big < MAX_ZERO_COPY:
+            emit(run_start, pos)
+            emit(pos, pos + n)
+            big += 1
+            run_start = pos + n
+        pos += n
+    emit(run_start, pos)
+    return out
+
+
+def _fill(blob: _Blob, views: list[U8], starts: list[int]) -> U8:
+    """The bytes of ``blob``: a view of one piece when it lies inside one
+    (no copy), else a copy of its range of the stream (``starts``: each
+    piece's offset in the stream)."""
+    end = blob.start + blob.nbytes
+    k = bisect.bisect_right(starts, blob.start) - 1
+    while views[k].size == 0 or starts[k] + views[k].size <= blob.start:
+        k += 1  # skip empty pieces at this offset
+    if end <= starts[k] + views[k].size:
+        return views[k][blob.start - starts[k] : end - starts[k]]
+    buf = np.empty(blob.nbytes, dtype=np.uint8)
+    pos = blob.start
+    while pos < end:
+        v, v0 = views[k], starts[k]
+        n = min(end, v0 + v.size) - pos
+        if n > 0:
+            buf[pos - blob.start : pos - blob.start + n] = v[pos - v0 : pos - v0 + n]
+            pos += n
+        k += 1
+    return buf
+
+
+def _pointer(arr: U8) -> int:
+    return int(arr.ctypes.data) if arr.size else 0
+
+
+class FTIBackend:
+    """:class:`~deeppart.levels.backend.LevelBackend` over the real FTI
+    library. Collective: construct and call it on every rank of ``comm``
+    (an mpi4py communicator, a :class:`deeppart.comm.MPIComm`, or None for
+    ``MPI.COMM_WORLD``). ``library``: the libfti to load (default:
+    :func:`find_libfti`)."""
+
+    name = "fti"
+
+    def __init__(
+        self, config: LevelConfig, comm: Any = None, *, library: str | None = None
+    ) -> None:
+        self.config = config
+        self._lib: _Lib | None = None
+        self._initialised = False
+        self._closed = False
+        self._keep: list[Any] = []  # buffers FTI holds raw pointers to
+        self._nids = 0  # datasets protected so far (ids 0 .. _nids-1)
+        self._count = 0  # saves through this backend
+        self._last_step: int | None = None
+        self._last_level = 0
+        self._recovered_status = 0
+        self._recover_failed = False
+        self._hosts: list[str] | None = None
+
+        # The communicator of the job. A SingleComm (one process) needs no
+        # MPI until the library is loaded: the checks below come first.
+        mpi_comm: Any = None
+        user: Comm
+        if isinstance(comm, SingleComm):
+            user = comm
+        elif isinstance(comm, MPIComm):
+            user, mpi_comm = comm, comm.comm
+        else:
+            if comm is None:
+                from mpi4py import MPI
+
+                comm = MPI.COMM_WORLD
+            user, mpi_comm = MPIComm(comm), comm
+
+        # 1. The config against the job, before FTI (it hangs on some).
+        err: BaseException | None = None
+        try:
+            check_fti_options(config)
+            hosts = None
+            if not config.local_test:
+                hosts = [h.decode() for h in user.allgather_varbytes(socket.gethostname().encode())]
+            config.validate(user.size, hosts)
+            self._hosts = hosts
+        except Exception as e:
+            err = e
+        _agree(user, err)
+
+        # 2. The library, on every rank.
+        try:
+            self._lib = load_libfti(library)
+        except Exception as e:
+            err = e
+        _agree(user, err)
+        lib = self._lib
+        assert lib is not None
+
+        from mpi4py import MPI
+
+        if mpi_comm is None:
+            mpi_comm = MPI.COMM_SELF
+
+        # 3. The per-job config file, written by rank 0, reused on restart.
+        self._dir = config.meta_root()
+        self.config_path = self._dir / CONFIG_NAME
+        if user.rank == 0:
+            try:
+                self._dir.mkdir(parents=True, exist_ok=True)
+                failure, exec_id = _read_restart(self.config_path)
+                text = fti_config_text(config, failure=failure, exec_id=exec_id)
+                tmp = self.config_path.with_name(f".{CONFIG_NAME}.{os.getpid()}")
+                tmp.write_text(text)
+                os.replace(tmp, self.config_path)
+                fsync_dir(self._dir)
+            except Exception as e:
+                err = e
+        _agree(user, err)
+
+        # 4. FTI_Init (collective; rebuilds lost files on a restart).
+        handle = lib.comm_type(MPI._handleof(mpi_comm))
+        rc = lib.cdll.FTI_Init(str(self.config_path).encode(), handle)
+        if rc not in (FTI_SCES, FTI_NREC):
+            raise FTIError(f"FTI_Init({self.config_path}) failed with {rc}")
+        self._initialised = True
+        self._recover_failed = rc == FTI_NREC
+        # From here on: FTI's communicator (without heads, the same ranks).
+        self._mpi_comm = MPI.Intracomm.fromhandle(lib.comm_world())
+        self.comm: Comm = MPIComm(self._mpi_comm)
+        self._char = lib.char_type()
+        self._recovered_status = int(lib.cdll.FTI_Status())
+        if self.comm.size != user.size:
+            raise FTIError(f"FTI_COMM_WORLD has {self.comm.size} ranks, the job {user.size}")
+        if self._recovered_status and not self._recover_failed:
+            # FTI knows the stored datasets; a save before any load must
+            # protect them all again (placeholders), as FTI checkpoints every
+            # dataset it knows.
+            self._nids = self._stored_ids()
+
+    def _stored_ids(self) -> int:
+        """This rank's number of FTI datasets in the newest index (0 if none
+        or unreadable)."""
+        steps = self._indexed_steps()
+        if not steps:
+            return 0
+        try:
+            fti = json.loads(self._index_path(steps[-1]).read_bytes())["fti"]
+            return int(fti["ids"][self.comm.rank])
+        except (OSError, ValueError, KeyError, IndexError, TypeError):
+            return 0
+
+    # ------------------------------------------------------------------
+
+    @property
+    def library(self) -> str:
+        assert self._lib is not None
+        return self._lib.path
+
+    @property
+    def status(self) -> int:
+        """``FTI_Status()`` right after ``FTI_Init``: 0 fresh start, 1
+        restart from the best level, 2 restart from the last L4."""
+        return self._recovered_status
+
+    def _fti(self) -> ctypes.CDLL:
+        if self._closed or self._lib is None:
+            raise CheckpointError("the FTI backend is closed")
+        return self._lib.cdll
+
+    def _protect(self, fti_id: int, buf: U8) -> None:
+        rc = self._fti().FTI_Protect(fti_id, _pointer(buf), int(buf.size), self._char)
+        if rc != FTI_SCES:
+            raise FTIError(f"FTI_Protect(id {fti_id}, {buf.size} bytes) failed with {rc}")
+
+    def _protect_all(self, header: U8, blobs: list[tuple[_Blob, U8]], keep: list[Any]) -> int:
+        """Protects the header and the blobs; every id protected before and
+        not used now gets a 1-byte placeholder (FTI recovers every protected
+        id, so the set must not shrink). Returns the number of ids."""
+        self._protect(HEADER_ID, header)
+        for blob, buf in blobs:
+            self._protect(blob.fti_id, buf)
+        used = 1 + len(blobs)
+        for fti_id in range(used, self._nids):
+            pad = np.zeros(1, dtype=np.uint8)
+            keep.append(pad)
+            self._protect(fti_id, pad)
+        self._keep = keep
+        self._nids = max(self._nids, used)
+        return self._nids
+
+    def _level_checked(self, level: int) -> None:
+        if level not in (1, 2, 3, 4):
+            raise LevelConfigError(f"level {level}: must be 1, 2, 3 or 4")
+        # The level must fit the topology even if the config does not
+        # enable it (FTI hangs, e.g., on L2 with one node).
+        probe = self.config.replace(**{f"ckpt_l{level}": max(1, self.config.interval(level))})
+        probe.validate(self.comm.size, self._hosts)
+
+    def _index_path(self, step: int) -> Path:
+        return self._dir / f"{INDEX_PREFIX}{step:08d}.json"
+
+    # ------------------------------------------------------------------
+
+    def save(self, step: int, state: Any, *, level: int | None = None) -> LevelSaveStats:
+        """Checkpoints ``state`` (the same on every rank) as ``step`` through
+        ``FTI_Checkpoint(step + 1, level)``."""
+        t0 = time.perf_counter()
+        c = self.comm
+        err: BaseException | None = None
+        prep: _Prepared | None = None
+        lv = level if level is not None else self.config.level_for(self._count + 1)
+        try:
+            self._fti()
+            if not 0 <= step < (1 << 31) - 1:
+                raise CheckpointError(f"step {step}: FTI needs 0 <= step < 2**31 - 1")
+            self._level_checked(lv)
+
+            def plan_for(m: Manifest) -> Plan:
+                return _make_plan(m, c.size)
+
+            prep = _prepare(state, None, plan_for, self._dir / f"step-{step}")
+        except Exception as e:
+            err = e
+        digests = _agree(c, err, prep.digest if prep else b"")
+        assert prep is not None
+        if len(set(digests)) != 1:
+            raise StateMismatchError(
+                "ranks disagree on the state's structure or its plan; nothing was written"
+            )
+
+        # This rank's pieces: views of tensor memory (or encoded values),
+        # checksummed, cut into FTI datasets.
+        t1 = time.perf_counter()
+        keep: list[Any] = []
+        local = np.zeros(len(prep.plan.rank_pieces(c.rank)) + 1, dtype=np.uint64)
+        header = np.zeros(_HEADER_BYTES, dtype=np.uint8)
+        try:
+            pieces = prep.plan.rank_pieces(c.rank)
+            views: list[U8] = []
+            cache: dict[int, tuple[U8, int]] = {}
+            for li, start, stop in pieces:
+                leaf = prep.leaves[li]
+                if leaf.tensor is not None:
+                    if li not in cache:
+                        t = _readable(leaf.tensor)
+                        keep.append(t)
+                        cache[li] = (_u8_view(t), t.element_size())
+                    arr, isz = cache[li]
+                    views.append(arr[start * isz : stop * isz])
+                else:
+                    assert leaf.encoded is not None
+                    views.append(np.frombuffer(leaf.encoded, dtype=np.uint8))
+            sums = [checksum(v.data) for v in views]
+            blobs: list[tuple[_Blob, U8]] = []
+            starts = [0]
+            for v in views:
+                starts.append(starts[-1] + int(v.size))
+            for blob in _blobs([int(v.size) for v in views]):
+                buf = _fill(blob, views, starts)
+                keep.append(buf)
+                blobs.append((blob, buf))
+            header[: _HEADER.size] = np.frombuffer(
+                _HEADER.pack(_MAGIC, step, c.rank, c.size, self._digest(prep, step)), dtype=np.uint8
+            )
+            keep.append(header)
+            nids = self._protect_all(header, blobs, keep)
+            local = np.array([*sums, nids], dtype=np.uint64)
+        except Exception as e:
+            err = e
+        _agree(c, err)
+        t2 = time.perf_counter()
+
+        rc = self._fti().FTI_Checkpoint(step + 1, lv)
+        if rc not in (FTI_DONE, FTI_SCES):
+            err = FTIError(f"FTI_Checkpoint(id {step + 1}, level {lv}) failed with {rc}")
+        _agree(c, err)
+        t3 = time.perf_counter()
+
+        # Rank 0 writes the index: the checkpoint's metadata, FTI ids, checksums.
+        counts = [len(prep.plan.rank_pieces(r)) + 1 for r in range(c.size)]
+        gathered = c.gatherv_u64(local, counts, root=0)
+        if c.rank == 0:
+            assert gathered is not None
+            try:
+                meta = self._index(prep, step, lv, gathered)
+                write_durable(self._index_path(step), meta)
+                fsync_dir(self._dir)
+                for old in self._dir.glob(f"{INDEX_PREFIX}*.json"):
+                    if old != self._index_path(step):
+                        old.unlink(missing_ok=True)
+            except Exception as e:
+                err = e
+        _agree(c, err)
+        self._count += 1
+        self._last_step = step
+        self._last_level = lv
+        t4 = time.perf_counter()
+        return LevelSaveStats(
+            step=step,
+            level=lv,
+            raw_bytes=prep.manifest.total_bytes,
+            seconds=t4 - t0,
+            phases={
+                "plan": t1 - t0,
+                "protect": t2 - t1,
+                f"fti_l{lv}": t3 - t2,
+                "index": t4 - t3,
+            },
+        )
+
+    @staticmethod
+    def _digest(prep: _Prepared, step: int) -> bytes:
+        return hashlib.sha256(prep.digest + struct.pack("<q", step)).digest()
+
+    def _index(
+        self, prep: _Prepared, step: int, level: int, gathered: npt.NDArray[np.uint64]
+    ) -> bytes:
+        """The index (``gathered``: per rank, its pieces' xxh3 and its
+        number of FTI datasets)."""
+        world = prep.plan.world_size
+        rows: list[list[Any]] = []
+        blobs: list[list[int]] = []
+        stream: list[int] = []
+        nids: list[int] = []
+        k = 0
+        for r in range(world):
+            pos = HEADER_SIZE  # offsets in the rank's piece stream, as in a data file
+            lengths: list[int] = []
+            for li, start, stop in prep.plan.rank_pieces(r):
+                leaf = prep.leaves[li]
+                if leaf.tensor is not None:
+                    n = (stop - start) * int(leaf.tensor.element_size())
+                else:
+                    assert leaf.encoded is not None
+                    n = len(leaf.encoded)
+                rows.append([li, start, stop, r, pos, n, n, "none", int(gathered[k])])
+                lengths.append(n)
+                pos += n
+                k += 1
+            nids.append(int(gathered[k]))
+            k += 1
+            stream.append(pos)
+            blobs += [[r, b.fti_id, b.start, b.nbytes] for b in _blobs(lengths)]
+        meta = {
+            **_metadata_head(prep, "none"),
+            "alignment": 1,
+            "raw_bytes": prep.manifest.total_bytes,
+            "stored_bytes": prep.manifest.total_bytes,
+            "file_sizes": stream,
+            "pieces": rows,
+            "user": None,
+            "fti": {
+                "step": step,
+                "level": level,
+                "checkpoint_id": step + 1,
+                "digest": self._digest(prep, step).hex(),
+                "ids": nids,
+                "blobs": blobs,
+                "library": self.library,
+            },
+        }
+        return json.dumps(meta, separators=(",", ":"), allow_nan=False).encode()
+
+    # ------------------------------------------------------------------
+
+    def _indexed_steps(self) -> list[int]:
+        steps: list[int] = []
+        for p in self._dir.glob(f"{INDEX_PREFIX}*.json"):
+            digits = p.stem[len(INDEX_PREFIX) :]
+            if digits.isdigit():
+                steps.append(int(digits))
+        return sorted(steps)
+
+    def latest(self) -> int | None:
+        """The step FTI can recover: the last one saved by this backend, or
+        on a restart the newest indexed one (FTI keeps one checkpoint)."""
+        self._fti()
+        if self._last_step is not None:
+            return self._last_step
+        if self._recovered_status == 0 or self._recover_failed:
+            return None
+        steps = self._indexed_steps()
+        return steps[-1] if steps else None
+
+    def load(self, step: int | None = None, *, into: Any = None) -> tuple[Any, RecoveryReport]:
+        """Restores the checkpoint FTI holds (``step``: None or that step)
+        on every rank, verifying every piece's xxh3 checksum."""
+        t0 = time.perf_counter()
+        c = self.comm
+        lib = self._fti()
+        err: BaseException | None = None
+        have = self.latest()
+        meta_raw: dict[str, Any] = {}
+        digest = b""
+        try:
+            if have is None:
+                if self._recover_failed:
+                    raise CheckpointError(
+                        "FTI could not recover the checkpoint files at FTI_Init (too many lost)"
+                    )
+                raise CheckpointError(f"no FTI checkpoint to recover in {self._dir}")
+            if step is not None and step != have:
+                raise CheckpointError(
+                    f"step {step}: FTI keeps only its newest checkpoint, step {have}"
+                )
+            text = self._index_path(have).read_bytes()
+            digest = hashlib.sha256(text).digest()
+            meta_raw = json.loads(text)
+            if not isinstance(meta_raw, dict) or not isinstance(meta_raw.get("fti"), dict):
+                raise CorruptCheckpointError(f"{self._index_path(have)}: not an FTI index")
+        except (OSError, ValueError) as e:
+            err = CorruptCheckpointError(f"{self._index_path(have or 0)}: {e}")
+        except Exception as e:
+            err = e
+        digests = _agree(c, err, digest)
+        if len(set(digests)) != 1:
+            raise StateMismatchError(f"{self._dir}: ranks read different index files")
+        assert have is not None
+
+        # Parse and check the index, allocate this rank's stream.
+        fti = meta_raw["fti"]
+        stream = np.zeros(0, dtype=np.uint8)
+        header = np.zeros(_HEADER_BYTES, dtype=np.uint8)
+        blobs: list[_Blob] = []
+        try:
+            meta_raw["leaves"] = [
+                {
+                    k: (list(v) if isinstance(v, tuple) else v)
+                    for k, v in lf.items()
+                    if v is not None
+                }
+                for lf in _leaf_infos(meta_raw)
+            ]
+            meta = parse_metadata(meta_raw, _dtype_sizes())
+            if meta.world_size != c.size:
+                raise CheckpointError(
+                    f"the FTI checkpoint was written by {meta.world_size} ranks, this job has "
+                    f"{c.size} (FTI restarts on the same number of ranks)"
+                )
+            nids = int(fti["ids"][c.rank])
+            blobs = [_Blob(int(i), int(s), int(n)) for r, i, s, n in fti["blobs"] if r == c.rank]
+            size = int(meta.file_sizes[c.rank]) - HEADER_SIZE
+            stream = np.empty(size, dtype=np.uint8)
+            sizes = {HEADER_ID: _HEADER_BYTES} | {b.fti_id: b.nbytes for b in blobs}
+            keep: list[Any] = [stream, header]
+            bufs: dict[int, U8] = {HEADER_ID: header}
+            for b in blobs:
+                if b.start < 0 or b.start + b.nbytes > size:
+                    raise CorruptCheckpointError(f"FTI index: dataset {b.fti_id} out of bounds")
+                bufs[b.fti_id] = stream[b.start : b.start + b.nbytes]
+            for fti_id in range(nids):
+                stored = int(lib.FTI_GetStoredSize(fti_id))
+                expect = sizes.get(fti_id, 1)
+                # FTI 1.5 returns an int32_t: only its low 32 bits are defined.
+                if stored != expect and stored & 0xFFFFFFFF != expect:
+                    raise CorruptCheckpointError(
+                        f"FTI dataset {fti_id} of rank {c.rank}: FTI stored {stored} bytes, "
+                        f"the index says {expect}"
+                    )
+                if fti_id not in bufs:
+                    bufs[fti_id] = np.zeros(1, dtype=np.uint8)
+                    keep.append(bufs[fti_id])
+                self._protect(fti_id, bufs[fti_id])
+            self._keep = keep
+            self._nids = max(self._nids, nids)
+        except CheckpointError as e:
+            err = e
+        except (KeyError, TypeError, ValueError) as e:
+            err = CorruptCheckpointError(f"{self._index_path(have)}: malformed FTI index ({e})")
+        except Exception as e:
+            err = e
+        _agree(c, err)
+
+        rc = lib.FTI_Recover()
+        if rc != FTI_SCES:
+            err = FTIError(f"FTI_Recover failed with {rc}")
+        _agree(c, err)
+        t1 = time.perf_counter()
+
+        # Verify: this rank's header, then every piece of its stream.
+        try:
+            magic, hstep, hrank, hworld, hdigest = _HEADER.unpack(header[: _HEADER.size].tobytes())
+            if (magic, hstep, hrank, hworld) != (_MAGIC, have, c.rank, c.size) or (
+                hdigest.hex() != fti["digest"]
+            ):
+                raise CorruptCheckpointError(
+                    f"rank {c.rank}: FTI recovered a checkpoint of another step or job "
+                    f"(step {hstep}, rank {hrank}/{hworld}), the index is for step {have}"
+                )
+            for p in meta.pieces:
+                if p.rank != c.rank:
+                    continue
+                got = stream[p.offset - HEADER_SIZE : p.offset - HEADER_SIZE + p.length]
+                if checksum(got.data) != p.xxh3:
+                    raise CorruptCheckpointError(
+                        f"rank {c.rank}: piece of leaf {p.leaf} [{p.start}:{p.stop}] "
+                        "recovered by FTI fails its xxh3 checksum"
+                    )
+            targets, _ = _targets(meta, into)
+        except Exception as e:
+            err = e
+        _agree(c, err)
+
+        # Exchange: every rank broadcasts its own pieces.
+        def direct(leaf: int, start: int, stop: int) -> U8:
+            info = meta.leaves[leaf]
+            if info.kind != "tensor":
+                return targets[leaf].buf
+            return targets[leaf].buf[start * info.itemsize : stop * info.itemsize]
+
+        for r in range(c.size):
+            size = int(meta.file_sizes[r]) - HEADER_SIZE
+            if size == 0:
+                continue
+            buf = stream if r == c.rank else np.empty(size, dtype=np.uint8)
+            c.bcast_u8(buf, root=r)
+            for p in meta.pieces:
+                if p.rank == r and p.length:
+                    direct(p.leaf, p.start, p.stop)[:] = buf[
+                        p.offset - HEADER_SIZE : p.offset - HEADER_SIZE + p.length
+                    ]
+
+        state = _assemble(meta, targets, self._index_path(have))
+        level = 4 if self._recovered_status == 2 and self._last_step is None else int(fti["level"])
+        report = RecoveryReport(
+            step=have,
+            levels=[level] * meta.world_size,
+            rewritten=[],
+            seconds=time.perf_counter() - t0,
+        )
+        del t1
+        return state, report
+
+    # ------------------------------------------------------------------
+
+    def close(self, *, finalize: bool = True) -> None:
+        """``FTI_Finalize`` (collective). FTI then removes its checkpoints
+        unless ``keep_last_ckpt = 1`` (which moves the last one to L4).
+        ``finalize=False`` skips it, as a crash would, so that the next job
+        restarts from the checkpoint (for tests)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._initialised and finalize and self._lib is not None:
+            rc = self._lib.cdll.FTI_Finalize()
+            if rc != FTI_SCES:
+                raise FTIError(f"FTI_Finalize failed with {rc}")
+        self._keep = []
+
+    def __enter__(self) -> FTIBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,211 @@
+"""Asynchronous saves in one process (deeppart.async_save and
+Checkpointer(async_=True)); the multi-rank runs are in
+tests/test_checkpoint_mpi.py (MPI) and tests/test_torchdist.py (torchrun).
+
+No assertion depends on timing: the background writer is held at a gate
+(an event) inside its write, so "the save is still running" is a fact when
+the main thread acts.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import deeppart  # noqa: E402
+from deeppart import checkpoint as ck  # noqa: E402
+
+# (deeppart.async_save is the function; the module is imported by name.)
+from deeppart.async_save import AsyncSave, Snapshot  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mpi_checkpoint import (  # noqa: E402
+    WriterGate,
+    assert_bitwise_equal,
+    host_copy,
+    make_state,
+)
+
+
+def _model() -> tuple[Any, Any]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, opt
+
+
+def _step(model: Any, opt: Any) -> None:
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_training_overlaps_and_the_snapshot_is_written(tmp_path: Path) -> None:
+    """async_save returns while the write is held; the main thread then runs
+    optimizer steps (changing parameters, optimizer moments and the step
+    count in place) before the writer may go on; the checkpoint holds the
+    state as it was at the call."""
+    model, opt = _model()
+    _step(model, opt)
+    state = {"model": model.state_dict(), "optim": opt.state_dict(), "note": {"lr": 0.01}}
+    expected = host_copy(state)
+    with WriterGate() as gate:
+        handle = deeppart.async_save(state, tmp_path / "ck")
+        assert gate.started.wait(60)
+        assert not handle.done()
+        for _ in range(3):
+            _step(model, opt)
+        state["note"]["lr"] = 0.5  # plain values are snapshotted too
+        gate.gate.set()
+        stats = handle.wait()
+    assert handle.done() and stats.raw_bytes > 0 and not handle.synchronous
+    assert handle.result() is stats
+    assert not torch.equal(model.state_dict()["0.weight"], expected["model"]["0.weight"])
+    assert_bitwise_equal(expected, deeppart.load(tmp_path / "ck"))
+
+
+def _failing_writes(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Every write raises; the event is set once one has (the writer runs
+    on its own thread: undo the patch only after that)."""
+    failed = threading.Event()
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        failed.set()
+        raise OSError("injected write failure")
+
+    monkeypatch.setattr(ck, "_write_pieces", broken)
+    return failed
+
+
+def test_write_error_surfaces_on_wait(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    failed = _failing_writes(monkeypatch)
+    cp = deeppart.Checkpointer(tmp_path, async_=True)
+    handle = cp.save(1, make_state())
+    assert isinstance(handle, deeppart.AsyncSave)
+    with pytest.raises(OSError, match="injected"):
+        handle.wait()
+    with pytest.raises(OSError, match="injected"):  # every time it is asked
+        handle.result()
+    assert failed.is_set() and cp.latest() is None
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+    # Seen through wait(): the next save goes ahead.
+    monkeypatch.undo()
+    cp.save(2, make_state())
+    cp.close()
+    assert cp.steps() == [2]
+
+
+def test_unseen_write_error_surfaces_on_the_next_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    failed = _failing_writes(monkeypatch)
+    cp = deeppart.Checkpointer(tmp_path, async_=True)
+    cp.save(1, make_state())
+    assert failed.wait(60)
+    monkeypatch.undo()
+    with pytest.raises(OSError, match="injected"):
+        cp.save(2, make_state())  # raised before step 2 is snapshotted
+    assert cp.latest() is None
+    cp.save(3, make_state())  # the error was reported once
+    assert_bitwise_equal(make_state(), cp.load())  # load waits for step 3
+    assert cp.steps() == [3]
+
+
+def test_unseen_error_of_async_save_surfaces_on_the_next_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    failed = _failing_writes(monkeypatch)
+    deeppart.async_save(make_state(), tmp_path / "a")
+    assert failed.wait(60)
+    monkeypatch.undo()
+    with pytest.raises(OSError, match="injected"):
+        deeppart.async_save(make_state(), tmp_path / "b")
+    deeppart.async_save(make_state(), tmp_path / "c").wait()
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    assert (tmp_path / "c" / "COMMITTED").exists()
+
+
+def test_a_later_save_waits_for_the_previous(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Save 1's writer is held; save 2 (on the main thread) must wait for it:
+    the gate opens only once save 2 is waiting, and save 2's write starts
+    only after step 1 is committed."""
+    events: list[str] = []
+    real_exception = AsyncSave.exception
+
+    def exception(self: AsyncSave, timeout: float | None = None) -> BaseException | None:
+        if not self.done() and not waiting.is_set():  # the first wait: save 2's
+            events.append("save 2 waits")
+            waiting.set()
+        return real_exception(self, timeout)
+
+    monkeypatch.setattr(AsyncSave, "exception", exception)
+    waiting = threading.Event()
+    cp = deeppart.Checkpointer(tmp_path, async_=True, keep_last=5)
+    with WriterGate() as gate:
+        first = cp.save(1, make_state())
+        assert gate.started.wait(60)
+        events.append("save 1 held")
+
+        def opener() -> None:
+            if waiting.wait(60):
+                events.append("gate opens")
+                gate.gate.set()
+
+        helper = threading.Thread(target=opener)
+        helper.start()
+        real = gate.real
+
+        def record(*args: Any, **kwargs: Any) -> Any:
+            step = 2 if "step-00000002" in args[0].parent.name else 1
+            committed = (cp.path(1) / "COMMITTED").exists()
+            events.append(f"write {step}, step 1 committed: {committed}")
+            return real(*args, **kwargs)
+
+        gate.real = record
+        second = cp.save(2, make_state(steps=3))
+        helper.join()
+    assert isinstance(first, AsyncSave) and first.done()
+    assert isinstance(second, deeppart.AsyncSave)
+    second.wait()
+    assert events[:5] == [
+        "save 1 held",
+        "save 2 waits",
+        "gate opens",
+        "write 1, step 1 committed: False",
+        "write 2, step 1 committed: True",
+    ], events
+    assert cp.steps() == [1, 2]
+    assert_bitwise_equal(make_state(steps=3), cp.load(2))
+
+
+def test_over_budget_saves_synchronously_with_a_warning(tmp_path: Path) -> None:
+    state = make_state()
+    with pytest.warns(deeppart.AsyncSaveWarning, match="max_staging_bytes=1000"):
+        handle = deeppart.async_save(state, tmp_path / "ck", max_staging_bytes=1000)
+    assert handle.done() and handle.synchronous
+    assert_bitwise_equal(state, deeppart.load(tmp_path / "ck"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        big = deeppart.async_save(state, tmp_path / "ck2", max_staging_bytes=1 << 30)
+        big.wait()
+    assert not big.synchronous
+
+
+def test_snapshot_buffers_are_reused(tmp_path: Path) -> None:
+    snap = Snapshot()
+    state = make_state()
+    first = snap.take(state)
+    second = snap.take(state)
+    w1, w2 = first["model"]["layers.0.linear1.weight"], second["model"]["layers.0.linear1.weight"]
+    assert w1.data_ptr() == w2.data_ptr()
+    assert w1.data_ptr() != state["model"]["layers.0.linear1.weight"].data_ptr()
+    assert_bitwise_equal(state, second)

@@ -1,0 +1,137 @@
+"""deeppart.save / load / Checkpointer under ``torchrun`` (gloo, CPU), with
+no ``comm=``: :func:`deeppart.comm.resolve` picks torch.distributed's default
+group and :class:`deeppart.comm.TorchDistComm` carries every collective.
+
+Each test runs ``python -m torch.distributed.run --nproc-per-node N
+--standalone tests/torchdist_worker.py SCENARIO ...`` (or the worker alone,
+one process without a process group) in its own session, with a timeout
+after which the whole process group is killed: a hang fails the test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+from deeppart.comm import MPIComm, SingleComm, TorchDistComm, resolve  # noqa: E402
+from deeppart.format import METADATA, data_file_name  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = ROOT / "tests" / "torchdist_worker.py"
+TIMEOUT_S = 240
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="no torch.distributed")
+
+
+def run(n: int, *args: str) -> str:
+    """Runs the worker on ``n`` torchrun ranks (``n == 0``: one plain
+    process); returns its output after checking every rank printed OK."""
+    cmd = [sys.executable, str(WORKER), *args]
+    if n:
+        launcher = [sys.executable, "-m", "torch.distributed.run"]
+        cmd = [*launcher, "--nproc-per-node", str(n), "--standalone", *cmd[1:]]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} hung (no result after {TIMEOUT_S} s):\n{out}")
+    assert proc.returncode == 0, f"rc={proc.returncode}\n{out}"
+    oks = set(re.findall(r"OK [\w-]+ rank \d+/\d+", out))
+    assert len(oks) >= max(n, 1), out
+    return out
+
+
+def test_every_collective(tmp_path: Path) -> None:
+    """allgather_bytes/f64/varbytes, gatherv_u64 (uint64 high bits intact),
+    bcast_u8, a ring of sendrecv_u8 of unequal lengths, barrier, on 3 gloo
+    ranks with messages chunked at 1 KiB."""
+    out = run(3, "comm", str(tmp_path), "--max-message", "1024")
+    assert out.count("OK comm") == 3
+
+
+def test_roundtrip_bitwise_and_into(tmp_path: Path) -> None:
+    """A real model + AdamW state saved and loaded on 4 torchrun ranks is
+    bitwise equal on every rank; into= fills the same tensor objects."""
+    d = tmp_path / "ck"
+    run(4, "roundtrip", str(d))
+    files = sorted(p.name for p in d.iterdir())
+    assert files == ["COMMITTED", METADATA, *[data_file_name(r) for r in range(4)]]
+    meta = json.loads((d / METADATA).read_text())
+    assert len({row[3] for row in meta["pieces"] if row[5] > 0}) > 1
+
+
+@pytest.mark.parametrize("codec", ["none", "zstd"])
+def test_elastic_restore(tmp_path: Path, codec: str) -> None:
+    """Saved on 4 torchrun ranks; loaded (exchange "bcast", chunked at 4 KiB,
+    and "read") on 2 torchrun ranks, and in one process without a group."""
+    d = str(tmp_path / "ck")
+    run(4, "save", d, "--codec", codec)
+    run(2, "load", d, "--max-message", "4096")
+    run(0, "load", d)
+
+
+def test_structure_disagreement_fails_on_every_rank(tmp_path: Path) -> None:
+    """One rank's state differs: every rank raises StateMismatchError, no
+    rank hangs, and nothing is written."""
+    out = run(4, "mismatch", str(tmp_path / "ck"))
+    assert out.count("OK mismatch") == 4
+    assert not (tmp_path / "ck").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_non_plain_value_on_one_rank_fails_everywhere(tmp_path: Path) -> None:
+    out = run(2, "nonplain", str(tmp_path / "ck"))
+    assert out.count("OK nonplain") == 2
+
+
+def test_async_checkpointer_under_torchrun(tmp_path: Path) -> None:
+    """Checkpointer(async_=True) on 2 ranks: the writer (its own process
+    group) is held while the main thread trains with all_reduce on the
+    default group; each checkpoint holds its snapshot."""
+    out = run(2, "async", str(tmp_path / "root"))
+    assert out.count("OK async") == 2
+
+
+def test_resolve_precedence_in_process(tmp_path: Path) -> None:
+    """comm=None: MPI when mpi4py is initialised, else the torch default
+    group when initialised, else one process; a ProcessGroup or "torch" is
+    wrapped in a TorchDistComm."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    mpi_up = mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized()
+    assert isinstance(resolve(), MPIComm if mpi_up else SingleComm)
+    with pytest.raises(ValueError, match="'torch'"):
+        resolve("tcp")
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        assert isinstance(resolve(), MPIComm if mpi_up else TorchDistComm)
+        for form in ("torch", dist.group.WORLD):
+            c = resolve(form)
+            assert isinstance(c, TorchDistComm) and (c.rank, c.size) == (0, 1)
+    finally:
+        dist.destroy_process_group()
+    assert isinstance(resolve(), MPIComm if mpi_up else SingleComm)
