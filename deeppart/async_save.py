@@ -26,6 +26,8 @@ docs/ASYNC.md.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import threading
 import time
 import warnings
@@ -113,6 +115,30 @@ _LOCK = threading.Lock()
 
 
 _SINGLE = SingleComm()
+
+
+def release_writers() -> None:
+    """Frees the cached writer communicators (an MPI ``Dup``, a gloo group).
+    Runs at interpreter exit (before mpi4py finalizes MPI): a gloo group
+    left for the interpreter's teardown can abort the process ("terminate
+    called without an active exception") after the program has finished.
+    Call it yourself before re-initialising MPI or torch.distributed."""
+    with _LOCK:
+        writers = list(_WRITERS.values())
+        _WRITERS.clear()
+    for _, comm in writers:
+        with contextlib.suppress(Exception):
+            if isinstance(comm, MPIComm):
+                if not comm._MPI.Is_finalized():
+                    comm.comm.Free()
+            elif isinstance(comm, TorchDistComm):
+                import torch.distributed as dist
+
+                if dist.is_initialized() and comm.group is not None:
+                    dist.destroy_process_group(comm.group)
+
+
+atexit.register(release_writers)
 
 
 def writer_comm(c: Comm) -> tuple[Comm | None, str]:
