@@ -21,6 +21,7 @@ import os
 import socket
 import struct
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -427,14 +428,16 @@ def _metadata_json(
 
 def _commit_dir(tmp: Path, final: Path, meta: bytes) -> None:
     """Rank 0's commit of a written temporary directory ``tmp`` as ``final``:
-    metadata.json, fsyncs, rename (a replaced ``final`` is uncommitted,
-    moved aside, then removed), then the COMMITTED marker, written last."""
+    metadata.json, fsyncs, rename (a replaced ``final`` is moved aside,
+    still committed, and removed only after the new marker), then the
+    COMMITTED marker, written last."""
     write_durable(tmp / METADATA, meta)
     fsync_dir(tmp)
     old: Path | None = None
     if final.exists():
+        # Moved aside still committed: if this save dies before its marker,
+        # load() serves the previous checkpoint from there.
         old = final.parent / f".old-{final.name}-{os.urandom(6).hex()}"
-        (final / MARKER).unlink(missing_ok=True)
         final.rename(old)
     tmp.rename(final)
     fsync_dir(final.parent)
@@ -792,6 +795,28 @@ def _assemble(meta: Metadata, targets: list[_Target], path: Path) -> Any:
         raise CorruptCheckpointError(f"{path}: {e}") from e
 
 
+def _committed_or_replaced(path: Path) -> Path:
+    """``path`` itself, unless it is not committed and a save with
+    ``overwrite=True`` that was replacing it died before its commit marker:
+    then the previous checkpoint, which that save had moved aside still
+    committed (``.old-NAME-*``), with a warning."""
+    if is_committed(path) or not path.parent.is_dir():
+        return path
+    prefix = f".old-{path.name}-"
+    olds = [
+        p for p in path.parent.iterdir() if p.name.startswith(prefix) and is_committed(p)
+    ]
+    if not olds:
+        return path
+    previous = max(olds, key=lambda p: (p / MARKER).stat().st_mtime)
+    warnings.warn(
+        f"{path}: not committed (a save replacing it was interrupted); "
+        f"loading the checkpoint it replaced, {previous}",
+        stacklevel=3,
+    )
+    return previous
+
+
 def load(
     directory: str | os.PathLike[str],
     *,
@@ -837,6 +862,7 @@ def load(
         exchange = "read" if len(set(hosts)) == 1 else "bcast"
     read_all = exchange == "read" or c.size == 1
     try:
+        path = _committed_or_replaced(path)
         meta, digest = _read_metadata(path)
         raw_per_file = [0] * meta.world_size
         for p in meta.pieces:
@@ -1076,7 +1102,7 @@ class Checkpointer:
             doomed += [self.path(s) for s in committed[: -self.keep_last]]
         for child in self.root.iterdir():
             # Leftovers of interrupted saves older than the committed one.
-            if child.name.startswith((".tmp-", ".old-")) or (
+            if child.name.startswith(".tmp-") or self._superseded(child) or (
                 child.name.startswith(self.PREFIX)
                 and child.name[len(self.PREFIX) :].isdigit()
                 and int(child.name[len(self.PREFIX) :]) < newest
@@ -1085,6 +1111,18 @@ class Checkpointer:
                 doomed.append(child)
         for d in doomed:
             remove_tree(d)
+
+    def _superseded(self, child: Path) -> bool:
+        """Whether ``child`` is a ``.old-NAME-<12 hex>`` directory that may
+        go: uncommitted, or NAME is committed again. A committed one whose
+        replacement never committed is the only copy of that step
+        (:func:`load` serves it) and stays."""
+        name = child.name
+        if not name.startswith(".old-") or len(name) < len(".old--") + 12:
+            return False
+        if not is_committed(child):
+            return True
+        return is_committed(child.parent / name[len(".old-") : -13])
 
     def wait(self) -> Stats | None:
         """Waits for the asynchronous save in flight, if any; returns its

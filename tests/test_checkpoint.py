@@ -379,3 +379,43 @@ def test_tied_weights_are_stored_once_and_stay_tied(tmp_path: Path) -> None:
     deeppart.load(tmp_path / "c", into={"model": fresh.state_dict(), "step": 0})
     assert fresh.head.weight is fresh.embed.weight
     assert torch.equal(fresh.head.weight, model.embed.weight)
+
+
+def test_interrupted_overwrite_keeps_the_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """overwrite=True over a committed checkpoint, dying after the old one was
+    moved aside and the new one renamed in but before its marker: load()
+    serves the old one (with a warning), never nothing; a Checkpointer's
+    cleanup keeps that only copy until the step commits again."""
+    d = tmp_path / "step-00000005"
+    old_state = {"w": torch.arange(10.0), "step": 5}
+    deeppart.save(old_state, d)
+    from deeppart.format import write_durable as real
+
+    def die_at_marker(path: Path, data: bytes) -> None:
+        if path.name == MARKER:
+            raise KeyboardInterrupt("killed before the marker")
+        real(path, data)
+
+    monkeypatch.setattr(ck, "write_durable", die_at_marker)
+    with pytest.raises(KeyboardInterrupt):
+        deeppart.save({"w": torch.zeros(10), "step": 6}, d, overwrite=True)
+    monkeypatch.setattr(ck, "write_durable", real)
+    assert not is_committed(d)
+    olds = [p for p in tmp_path.iterdir() if p.name.startswith(".old-")]
+    assert len(olds) == 1 and is_committed(olds[0])
+    with pytest.warns(UserWarning, match="a save replacing it was interrupted"):
+        back = deeppart.load(d)
+    assert_bitwise_equal(old_state, back, "previous checkpoint")
+
+    # A later step commits: the cleanup must not delete step 5's only copy.
+    cp = deeppart.Checkpointer(tmp_path)
+    cp.save(7, {"w": torch.ones(10), "step": 7})
+    assert olds[0].exists()
+    with pytest.warns(UserWarning):
+        assert deeppart.load(d)["step"] == 5
+    # Step 5 committed again: now the moved-aside copy goes.
+    cp.save(5, {"w": torch.ones(10), "step": 5})
+    cp.save(8, {"w": torch.ones(10), "step": 8})
+    assert not any(p.name.startswith(".old-") for p in tmp_path.iterdir())
