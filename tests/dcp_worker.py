@@ -152,4 +152,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from mpi_checkpoint import run_then_exit
+
+    run_then_exit(main)

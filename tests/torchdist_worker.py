@@ -117,4 +117,4 @@ def _noop(t: torch.Tensor) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sc.run_then_exit(main)
