@@ -31,6 +31,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -88,22 +89,35 @@ def _worker(
     from deeppart.service.client import PlannerClient
 
     manifest = make_manifest(leaves)
-    latencies: list[float] = []
-    errors = 0
-    if mode == "e2e":
-        client = PlannerClient(target, timeout_s=30, fallback=False)
-        client.plan(manifest, world_sizes[0])  # connect
+
+    def paced(send: Callable[[int], bool]) -> tuple[list[float], int]:
+        """Sends every request at its due time (``rate`` per second, or
+        back to back); latencies are measured from the due time."""
+        latencies: list[float] = []
+        errors = 0
         barrier.wait()
         start = time.perf_counter()
         for i, ws in enumerate(world_sizes):
             due = start + i / rate if rate else time.perf_counter()
             if rate:
                 time.sleep(max(0.0, due - time.perf_counter()))
+            if not send(ws):
+                errors += 1
+            latencies.append(time.perf_counter() - due)
+        return latencies, errors
+
+    if mode == "e2e":
+        client = PlannerClient(target, timeout_s=30, fallback=False)
+        client.plan(manifest, world_sizes[0])  # connect
+
+        def send_e2e(ws: int) -> bool:
             try:
                 client.plan(manifest, ws)
             except Exception:
-                errors += 1
-            latencies.append(time.perf_counter() - due)
+                return False
+            return True
+
+        latencies, errors = paced(send_e2e)
         client.close()
     else:
         channel = grpc.insecure_channel(
@@ -112,19 +126,15 @@ def _worker(
         call = channel.unary_unary(PLAN)
         requests = {ws: request_bytes(manifest, ws) for ws in set(world_sizes)}
         grpc.channel_ready_future(channel).result(timeout=30)
-        barrier.wait()
-        start = time.perf_counter()
-        for i, ws in enumerate(world_sizes):
-            due = start + i / rate if rate else time.perf_counter()
-            if rate:
-                time.sleep(max(0.0, due - time.perf_counter()))
+
+        def send_raw(ws: int) -> bool:
             try:
                 resp = pb.PlanResponse.FromString(call(requests[ws], timeout=30))
-                if resp.status != pb.PLAN_STATUS_OK:
-                    errors += 1
             except grpc.RpcError:
-                errors += 1
-            latencies.append(time.perf_counter() - due)
+                return False
+            return bool(resp.status == pb.PLAN_STATUS_OK)
+
+        latencies, errors = paced(send_raw)
         channel.close()
     out.put((latencies, errors))
 
