@@ -862,8 +862,15 @@ def load(
         exchange = "read" if len(set(hosts)) == 1 else "bcast"
     read_all = exchange == "read" or c.size == 1
     try:
-        path = _committed_or_replaced(path)
-        meta, digest = _read_metadata(path)
+        try:
+            meta, digest = _read_metadata(path)
+        except CheckpointError:
+            # Only on failure: the common path reads metadata.json once.
+            previous = _committed_or_replaced(path)
+            if previous == path:
+                raise
+            path = previous
+            meta, digest = _read_metadata(path)
         raw_per_file = [0] * meta.world_size
         for p in meta.pieces:
             raw_per_file[p.rank] += p.length
