@@ -352,7 +352,7 @@ class PlannerClient:
             algorithm=algorithm,
             cost=cost,
             topology=topology,
-            cache=local if local is not None else None,
+            cache=local,
         )
 
     def get_plan(self, fingerprint: str, manifest: deeppart.Manifest) -> deeppart.Plan | None:
