@@ -375,7 +375,12 @@ def main() -> None:
     p.add_argument("--ranks", default="1,2,4", help="comma-separated rank counts (default 1,2,4)")
     p.add_argument("--codec", default="zstd", help="DeepPart codec to compare (default zstd)")
     p.add_argument("--dir", default=None, help="work directory (default: a temp dir, removed)")
-    p.add_argument("--repeat", type=int, default=1, help="runs per measurement; the best counts")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="rounds (default 1): each contender's best, and median within-round ratios",
+    )
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
