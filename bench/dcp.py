@@ -118,10 +118,14 @@ def worker(args: argparse.Namespace) -> int:
 
     from deeppart.dcp import BalancedSavePlanner
 
-    class TimedDefault(DefaultSavePlanner):
-        """The stock planner, timing its two planning steps and measuring
-        the plans it sends (pickled, as DCP's gather and scatter do)."""
+    class Measuring(DefaultSavePlanner):
+        """Measures a planner's CPU time in its two planning steps, the plans
+        it sends (pickled, as DCP's gather and scatter do) and when it
+        finished planning. With ``time_wall``, also the wall time of the
+        planning steps as ``plan_seconds`` (BalancedSavePlanner keeps that
+        itself)."""
 
+        time_wall = False
         plan_seconds = 0.0
         plan_cpu = 0.0
         sent_bytes = 0
@@ -131,7 +135,8 @@ def worker(args: argparse.Namespace) -> int:
         def create_local_plan(self) -> SavePlan:
             t0, c0 = time.perf_counter(), time.thread_time()
             out = super().create_local_plan()
-            self.plan_seconds = time.perf_counter() - t0
+            if self.time_wall:
+                self.plan_seconds = time.perf_counter() - t0
             self.plan_cpu = time.thread_time() - c0
             self.sent_bytes = len(pickle.dumps(out))
             return out
@@ -139,7 +144,8 @@ def worker(args: argparse.Namespace) -> int:
         def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
             t0, c0 = time.perf_counter(), time.thread_time()
             out = super().create_global_plan(all_plans)
-            self.plan_seconds += time.perf_counter() - t0
+            if self.time_wall:
+                self.plan_seconds += time.perf_counter() - t0
             self.plan_cpu += time.thread_time() - c0
             self.scattered_bytes = len(pickle.dumps(out[0]))
             return out
@@ -148,32 +154,13 @@ def worker(args: argparse.Namespace) -> int:
             self.finished_at = time.perf_counter()
             return super().finish_plan(new_plan)
 
-    class TimedBalanced(BalancedSavePlanner):
-        """BalancedSavePlanner (which times its planning itself), measuring
-        the plans it sends."""
+    class TimedDefault(Measuring):
+        """The stock planner, measured."""
 
-        plan_cpu = 0.0
-        sent_bytes = 0
-        scattered_bytes = 0
-        finished_at = 0.0
+        time_wall = True
 
-        def create_local_plan(self) -> SavePlan:
-            c0 = time.thread_time()
-            out = super().create_local_plan()
-            self.plan_cpu = time.thread_time() - c0
-            self.sent_bytes = len(pickle.dumps(out))
-            return out
-
-        def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-            c0 = time.thread_time()
-            out = super().create_global_plan(all_plans)
-            self.plan_cpu += time.thread_time() - c0
-            self.scattered_bytes = len(pickle.dumps(out[0]))
-            return out
-
-        def finish_plan(self, new_plan: SavePlan) -> SavePlan:
-            self.finished_at = time.perf_counter()
-            return super().finish_plan(new_plan)
+    class TimedBalanced(Measuring, BalancedSavePlanner):
+        """BalancedSavePlanner, measured (it times its planning itself)."""
 
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
