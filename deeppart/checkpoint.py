@@ -839,7 +839,7 @@ def _assemble(
             for i, j in into.pairs.items():
                 mine[j] = values[i]
             return unflatten(into.skeleton, mine)
-        state = unflatten(meta.skeleton, values)
+        state = unflatten(meta.skeleton, values, absent=ABSENT)
         return prune(state) if pruned else state
     except ValueError as e:
         raise CorruptCheckpointError(f"{path}: {e}") from e

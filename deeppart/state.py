@@ -255,9 +255,10 @@ def flatten(state: Any) -> tuple[list[FlatLeaf], Any]:
     return leaves, skeleton
 
 
-def unflatten(skeleton: Any, values: list[Any]) -> Any:
+def unflatten(skeleton: Any, values: list[Any], absent: Any = None) -> Any:
     """Rebuilds a state tree from a skeleton and its leaf values (tensors, or
-    decoded plain values)."""
+    decoded plain values). ``absent`` (when not None) marks a leaf that was
+    not read: it is placed as it is, whatever the leaf's kind."""
 
     def build(node: Any, depth: int) -> Any:
         if depth > _MAX_DEPTH or not isinstance(node, dict) or len(node) != 1:
@@ -266,7 +267,7 @@ def unflatten(skeleton: Any, values: list[Any]) -> Any:
         if kind in ("leaf", "ndarray"):
             if not isinstance(body, int) or not 0 <= body < len(values):
                 raise ValueError(f"state skeleton names leaf {body!r} of {len(values)}")
-            if kind == "ndarray":
+            if kind == "ndarray" and values[body] is not absent:
                 if not _is_tensor(values[body]):
                     raise ValueError(f"state skeleton: leaf {body} is not an array")
                 return _values.tensor_as_array(values[body])

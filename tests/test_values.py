@@ -102,6 +102,9 @@ def test_large_arrays_are_tensor_leaves(tmp_path: Path) -> None:
     assert meta["manifest"]["leaves"][0]["dtype"] == "float32"
     got = deeppart.load(tmp_path / "ck")
     _same(state, got)
+    # A part without the arrays, and one with them.
+    assert deeppart.load(tmp_path / "ck", keys=["n"]) == {"n": 1}
+    _same({"big": big}, deeppart.load(tmp_path / "ck", keys=["big"]))
     # into= fills the arrays in place.
     big_into, half_into = np.zeros_like(big), np.zeros((300, 100), np.float32)
     deeppart.load(tmp_path / "ck", into={"big": big_into, "pair": (half_into, small), "n": 0})
