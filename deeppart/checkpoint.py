@@ -523,7 +523,10 @@ def save(
     if c.rank == 0:
         try:
             if final.exists() and not overwrite and is_committed(final):
-                raise CheckpointError(f"{final}: a committed checkpoint exists (overwrite=False)")
+                raise CheckpointError(
+                    f"{final}: a committed checkpoint exists "
+                    "(overwrite=False; pass overwrite=True to replace it)"
+                )
             final.parent.mkdir(parents=True, exist_ok=True)
             nonce = os.urandom(6).hex()
             tmp_name = f".tmp-{final.name}-{nonce}".encode()
@@ -531,6 +534,10 @@ def save(
         except Exception as e:
             err = e
     names = _agree(c, err, tmp_name, width=len(".tmp--") + 12 + 255)
+    # Every rank leaves that agreement at about the same moment: a rank's
+    # time in save() is its time before it plus the common time after it.
+    t_sync = time.perf_counter()
+    before_sync = t_sync - t0
     tmp = final.parent / names[0].rstrip(b"\0").decode()
 
     # Every rank writes its pieces.
@@ -547,7 +554,6 @@ def save(
         err = e
     finally:
         prog.close()
-    t_write = time.perf_counter() - t0
     try:
         _agree(c, err)
     except BaseException:
@@ -568,9 +574,10 @@ def save(
         except Exception as e:
             err = e
             remove_tree(tmp)
-    rows = _agree(c, err, struct.pack("<dQ", t_write, stored_total), width=16)
-    seconds = time.perf_counter() - t0
-    rank_seconds = [struct.unpack("<dQ", row[:16])[0] for row in rows]
+    rows = _agree(c, err, struct.pack("<dQ", before_sync, stored_total), width=16)
+    after_sync = time.perf_counter() - t_sync
+    rank_seconds = [struct.unpack("<dQ", row[:16])[0] + after_sync for row in rows]
+    seconds = max(rank_seconds)
     raw_total = prep.manifest.total_bytes
     stats = Stats(
         op="save",
@@ -889,7 +896,9 @@ def load(
     MPI traffic (right when all ranks share one node's page cache, or the
     interconnect or the CPUs are the bottleneck, e.g. oversubscribed ranks).
     ``exchange="auto"`` (default): ``"read"`` when every rank runs on the same
-    host, else ``"bcast"``; all ranks take the same decision.
+    host and no piece is compressed, else ``"bcast"`` (so that each compressed
+    piece is decompressed once, by the rank that read it, and its raw bytes
+    exchanged); all ranks take the same decision.
 
     With ``into`` (a state of the same structure, e.g. ``model.state_dict()``),
     tensors are filled in place (``copy_`` semantics, no second full copy)
@@ -919,10 +928,11 @@ def load(
     owner: list[int] = []
     targets: list[_Target | None] = []
     matched: _Into | None = None
+    one_host = True
     if exchange == "auto":
         hosts = c.allgather_varbytes(socket.gethostname().encode())
-        exchange = "read" if len(set(hosts)) == 1 else "bcast"
-    read_all = exchange == "read" or c.size == 1
+        one_host = len(set(hosts)) == 1
+    read_all = False
     try:
         try:
             meta, digest = _read_metadata(path)
@@ -939,8 +949,15 @@ def load(
         for p in meta.pieces:
             if targets[p.leaf] is not None:
                 raw_per_file[p.rank] += p.length
+        if exchange == "auto":
+            # A compressed piece is decompressed once, by the rank that reads
+            # it, and its raw bytes broadcast: with "read" every rank would
+            # decompress everything.
+            compressed = any(p.codec != "none" for p in meta.pieces)
+            exchange = "read" if one_host and not compressed else "bcast"
         if exchange not in ("bcast", "read"):
             raise ValueError(f"exchange must be 'auto', 'bcast' or 'read', not {exchange!r}")
+        read_all = exchange == "read" or c.size == 1
         owner = [c.rank] * meta.world_size if read_all else _assign_readers(raw_per_file, c.size)
         check_file_sizes(path, meta, [f for f in range(meta.world_size) if owner[f] == c.rank])
     except Exception as e:
@@ -1154,14 +1171,20 @@ class Checkpointer:
         return self._plan
 
     def save(
-        self, step: int, state: Any, *, user: Any = None
+        self, step: int, state: Any, *, user: Any = None, overwrite: bool = False
     ) -> Stats | AsyncSave | LevelSaveStats:
+        """Saves ``state`` as ``step`` (collective). A step that is already
+        committed is refused with :class:`CheckpointError`, as
+        :func:`deeppart.save` refuses an existing checkpoint, unless
+        ``overwrite=True`` (the old one stays loadable until the new one
+        commits). With ``config=`` the level backend re-saves a step as FTI
+        does."""
         if self.levels is not None:
             return self.levels.save(step, state)
         kwargs: dict[str, Any] = {
             "compression": self.compression,
             "level": self.level,
-            "overwrite": True,
+            "overwrite": overwrite,
             "user": {"step": step, "user": user},
             "progress": self.progress,
             "verbose": self.verbose,

@@ -89,18 +89,115 @@ def _path_str(path: list[Any]) -> str:
     return ".".join(str(k) for k in path)
 
 
-def verify(directory: Path, meta: Metadata, *, progress: bool | None = None) -> VerifyReport:
+_LEVEL_NAMES = {
+    1: "node-local files",
+    2: "node-local files + a copy on the partner node",
+    3: "node-local files + Reed-Solomon parity over each group",
+    4: "node-local files + a global copy",
+}
+
+
+@dataclass
+class LevelFiles:
+    """Where a multi-level checkpoint's files are (docs/LEVELS.md): every
+    rank's data file under ``ckpt_dir/node<k>/<exec_id>/step-N/``, its L2
+    partner copy, its L3 parity shard. Built from the metadata's ``levels``
+    section (and ``ckpt_dir``, recorded there, or given)."""
+
+    level: int
+    step_dir: list[Path]  # per node
+    nodes: list[int]  # per rank
+    group_size: int
+    parity_sizes: list[int]
+    parity_xxh3: list[int]
+    glbl_step: Path | None
+
+    @staticmethod
+    def from_metadata(raw: dict[str, Any], ckpt_dir: str | None) -> LevelFiles | None:
+        """None for a plain checkpoint (no ``levels`` section). Raises
+        CheckpointError when the node-local root is neither recorded nor given."""
+        lv = raw.get("levels")
+        if not isinstance(lv, dict):
+            return None
+        root = ckpt_dir or lv.get("ckpt_dir")
+        if not isinstance(root, str) or not root:
+            raise CheckpointError(
+                "this multi-level checkpoint's data files are on node-local storage that its "
+                "metadata does not name (written before ckpt_dir was recorded): pass "
+                "--ckpt-dir (the config's ckpt_dir)"
+            )
+        try:
+            nodes = [int(n) for n in lv["nodes"]]
+            name = f"step-{int(lv['step']):08d}"
+            exec_id = str(lv["exec_id"])
+            glbl = lv.get("glbl_dir")
+            return LevelFiles(
+                level=int(lv["level"]),
+                step_dir=[Path(root) / f"node{k}" / exec_id / name for k in range(max(nodes) + 1)],
+                nodes=nodes,
+                group_size=int(lv.get("group_size", 1)),
+                parity_sizes=[int(x) for x in lv.get("parity_sizes", [])],
+                parity_xxh3=[int(x) for x in lv.get("parity_xxh3", [])],
+                glbl_step=Path(glbl) / exec_id / name if isinstance(glbl, str) and glbl else None,
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptCheckpointError(f"metadata: bad levels section: {e!r}") from e
+
+    def data_file(self, rank: int) -> Path:
+        return self.step_dir[self.nodes[rank]] / data_file_name(rank)
+
+    def _group(self, rank: int) -> list[int]:
+        """The ranks at ``rank``'s position on the nodes of its sector."""
+        node = self.nodes[rank]
+        pos = [r for r in range(len(self.nodes)) if self.nodes[r] == node].index(rank)
+        first = node // self.group_size * self.group_size
+        out = []
+        for k in range(first, first + self.group_size):
+            on = [r for r in range(len(self.nodes)) if self.nodes[r] == k]
+            out.append(on[pos])
+        return out
+
+    def copy_file(self, rank: int) -> Path:
+        """Where rank's L2 copy is: on its partner's node (next of its group)."""
+        g = self._group(rank)
+        partner = g[(g.index(rank) + 1) % len(g)]
+        return self.step_dir[self.nodes[partner]] / f"partner-{rank:05d}.bin"
+
+    def parity_file(self, rank: int) -> Path:
+        return self.step_dir[self.nodes[rank]] / f"parity-{rank:05d}.bin"
+
+    def describe(self) -> str:
+        return f"L{self.level} ({_LEVEL_NAMES.get(self.level, 'unknown level')})"
+
+
+def verify(
+    directory: Path,
+    meta: Metadata,
+    *,
+    progress: bool | None = None,
+    levels: LevelFiles | None = None,
+) -> VerifyReport:
     """Reads every piece of every data file and checks its xxh3_64; collects
-    every failure (file, piece, leaf path, reason) rather than stopping."""
+    every failure (file, piece, leaf path, reason) rather than stopping.
+    ``levels``: a multi-level checkpoint's layout; its node-local data files
+    are checked, and its L2 partner copies (every piece) or L3 parity shards
+    (size and xxh3) too."""
     report = VerifyReport()
     by_rank: dict[int, list[tuple[int, Piece]]] = {}
     for i, p in enumerate(meta.pieces):
         by_rank.setdefault(p.rank, []).append((i, p))
-    total = sum(p.stored for p in meta.pieces)
+    files: list[tuple[int, Path]] = [
+        (r, levels.data_file(r) if levels else directory / data_file_name(r))
+        for r in range(meta.world_size)
+    ]
+    if levels is not None and levels.level == 2:
+        files += [(r, levels.copy_file(r)) for r in range(meta.world_size)]
+    total = sum(p.stored for p in meta.pieces) * (len(files) // max(meta.world_size, 1))
     bar = Progress("verify", total, enabled=progress)
     try:
-        for rank in range(meta.world_size):
-            path = directory / data_file_name(rank)
+        if levels is not None and levels.level == 3:
+            _verify_parity(levels, meta.world_size, report)
+        for rank, path in files:
             pieces = sorted(by_rank.get(rank, []), key=lambda ip: ip[1].offset)
 
             def fail(
@@ -152,7 +249,27 @@ def verify(directory: Path, meta: Metadata, *, progress: bool | None = None) -> 
     return report
 
 
-def describe(directory: Path, meta: Metadata, committed: bool) -> dict[str, Any]:
+def _verify_parity(levels: LevelFiles, world: int, report: VerifyReport) -> None:
+    for rank in range(world):
+        path = levels.parity_file(rank)
+        entry: dict[str, Any] = {"file": str(path), "rank": rank}
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            report.failures.append({**entry, "reason": f"missing parity shard ({e.strerror})"})
+            continue
+        report.bytes_read += len(data)
+        want = levels.parity_sizes[rank] if rank < len(levels.parity_sizes) else -1
+        if len(data) != want:
+            reason = f"parity shard: {len(data)} bytes, metadata says {want}"
+            report.failures.append({**entry, "reason": reason})
+        elif checksum(data) != levels.parity_xxh3[rank]:
+            report.failures.append({**entry, "reason": "parity shard: checksum mismatch (xxh3_64)"})
+
+
+def describe(
+    directory: Path, meta: Metadata, committed: bool, levels: LevelFiles | None = None
+) -> dict[str, Any]:
     """Everything ``inspect`` shows, as one JSON-able dict."""
     raw = meta.raw
     world = meta.world_size
@@ -198,13 +315,12 @@ def describe(directory: Path, meta: Metadata, committed: bool) -> dict[str, Any]
             node["leaves"] += 1
             node["bytes"] += lf.nbytes
             node["stored"] += leaf_stored[i]
-    level = raw.get("level")
     return {
         "directory": str(directory),
         "committed": committed,
         "format": raw.get("format"),
         "version": raw.get("version"),
-        "level": level if level is not None else "L4/global (no level recorded)",
+        "level": levels.describe() if levels else "none (a plain deeppart.save checkpoint)",
         "world_size": world,
         "algorithm": raw.get("algorithm"),
         "plan_fingerprint": meta.plan_fingerprint,
@@ -222,7 +338,9 @@ def describe(directory: Path, meta: Metadata, committed: bool) -> dict[str, Any]
         "ranks": [
             {
                 "rank": r,
-                "file": data_file_name(r),
+                "file": (
+                    f"node{levels.nodes[r]}/{data_file_name(r)}" if levels else data_file_name(r)
+                ),
                 "file_bytes": meta.file_sizes[r],
                 "raw_bytes": rank_raw[r],
                 "stored_bytes": rank_stored[r],
@@ -231,6 +349,7 @@ def describe(directory: Path, meta: Metadata, committed: bool) -> dict[str, Any]
             for r in range(world)
         ],
         "tree": [{"path": k, **v} for k, v in tree.items()],
+        **({"global_copy": str(levels.glbl_step)} if levels and levels.glbl_step else {}),
         "leaf_table": leaves,
     }
 
@@ -260,6 +379,7 @@ def format_text(info: dict[str, Any], *, max_leaves: int, max_ranks: int) -> str
         ("committed", "yes" if info["committed"] else "NO (no matching COMMITTED marker)"),
         ("format", f"{info['format']} v{info['version']}"),
         ("level", str(info["level"])),
+        *([("global copy", info["global_copy"])] if "global_copy" in info else []),
         ("world size", str(info["world_size"])),
         ("algorithm", str(info["algorithm"])),
         ("leaves", str(info["leaves"])),
@@ -320,15 +440,18 @@ def _ranks_str(ranks: list[int]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     directory = Path(args.checkpoint)
+    if directory.name == METADATA:
+        directory = directory.parent
     try:
         meta, committed = _load_metadata(directory, allow_uncommitted=True)
+        levels = LevelFiles.from_metadata(meta.raw, args.ckpt_dir)
     except CheckpointError as e:
         print(f"deeppart: error: {e}", file=sys.stderr)
         return 2
-    info = describe(directory, meta, committed)
+    info = describe(directory, meta, committed, levels)
     report: VerifyReport | None = None
     if args.verify:
-        report = verify(directory, meta)
+        report = verify(directory, meta, levels=levels)
         info["verify"] = {
             "ok": report.ok,
             "pieces_checked": report.pieces_checked,
@@ -368,7 +491,13 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "inspect", help="show a checkpoint's structure, sizes and writers; --verify checksums"
     )
-    p.add_argument("checkpoint", help="checkpoint directory")
+    p.add_argument(
+        "checkpoint", help="checkpoint directory (multi-level: meta_dir/<exec_id>/step-N)"
+    )
+    p.add_argument(
+        "--ckpt-dir", help="multi-level checkpoints: the config's node-local ckpt_dir (default: "
+        "the one recorded in metadata.json)"
+    )  # fmt: skip
     p.add_argument(
         "--verify", action="store_true", help="read every piece and check its checksum (exit 1 "
         "on corruption)"

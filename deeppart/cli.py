@@ -47,12 +47,15 @@ def _human_bytes(n: float) -> str:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    from deeppart.manifest_source import read_manifest
+
     try:
-        text = Path(args.manifest).read_text()
+        manifest = read_manifest(args.manifest)
     except OSError as e:
         return _fail(f"cannot read {args.manifest}: {e.strerror}")
+    except (_planner.DeepPartError, ValueError) as e:
+        return _fail(f"{type(e).__name__}: {e}")
     try:
-        manifest = _planner.Manifest.from_json(text)
         plan = _planner.plan(
             manifest,
             args.world_size,
@@ -114,7 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plan", help="plan a manifest and print the plan's quality")
-    p.add_argument("manifest", help="manifest JSON file")
+    p.add_argument(
+        "manifest", help="manifest JSON file (deeppart manifest makes one), a checkpoint "
+        "directory or its metadata.json, a .safetensors file, or a built-in model name"
+    )  # fmt: skip
     p.add_argument("--world-size", "-p", type=int, required=True, help="number of ranks")
     p.add_argument("--algorithm", "-a", default="balanced", choices=_planner.ALGORITHMS)
     p.add_argument("--ranks-per-node", type=int, default=1)
@@ -136,6 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
     from deeppart.cache_cli import add_parser as add_cache_parser
 
     add_cache_parser(sub)
+
+    # Manifests from checkpoints, safetensors files and built-in models (issue 17).
+    from deeppart.manifest_source import add_parser as add_manifest_parser
+
+    add_manifest_parser(sub)
 
     # Checkpoint inspection (issue 8).
     from deeppart.checkpoint_inspect import add_parser as add_inspect_parser

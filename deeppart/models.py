@@ -184,9 +184,8 @@ MODELS: dict[str, Callable[[], Manifest]] = {
 
 def load_manifest(name_or_path: str) -> Manifest:
     """A built-in model by name (with or without a ``+adamw`` suffix), else a
-    manifest JSON file."""
-    key = name_or_path.removesuffix("+adamw")
-    if key in MODELS:
-        return MODELS[key]()
-    with open(name_or_path) as f:
-        return Manifest.from_json(f.read())
+    file: a manifest JSON, a checkpoint (directory or metadata.json) or a
+    .safetensors file (see :mod:`deeppart.manifest_source`)."""
+    from deeppart.manifest_source import read_manifest
+
+    return read_manifest(name_or_path)

@@ -74,7 +74,10 @@ class Stats:
     world_size: int
     raw_bytes: int  # the state's bytes
     stored_bytes: int  # bytes in the data files
-    seconds: float  # wall time, slowest rank
+    #: Wall time of the slowest rank: the most any rank spent inside the
+    #: call (a rank that called early also counts its wait for the others).
+    seconds: float
+    #: Every rank's time inside the call; ``seconds`` is their maximum.
     rank_seconds: list[float] = field(default_factory=list)
     codec: str = "none"
 
@@ -98,10 +101,12 @@ class Stats:
         if self.codec != "none":
             disk = human_bytes(self.stored_bytes)
             comp = f", {self.codec} ratio {self.ratio:.2f}x ({disk} on disk)"
-        slow = ""
-        if self.rank_seconds:
-            slow = f", slowest rank {self.slowest_rank} ({max(self.rank_seconds):.3f} s)"
+        ranks = ""
+        if len(self.rank_seconds) > 1:
+            ranks = (
+                f" (slowest rank {self.slowest_rank}; fastest {min(self.rank_seconds):.3f} s)"
+            )
         return (
             f"[deeppart] {self.op} {human_bytes(self.raw_bytes)} on {self.world_size} rank(s) "
-            f"in {self.seconds:.3f} s, {self.gbps:.2f} GB/s{comp}{slow} -> {self.directory}"
+            f"in {self.seconds:.3f} s{ranks}, {self.gbps:.2f} GB/s{comp} -> {self.directory}"
         )

@@ -63,7 +63,13 @@ class StorageModel:
     def from_profile(profile: dict[str, Any], **overrides: Any) -> StorageModel:
         """A model from a calibration profile (``deeppart calibrate``): its
         measured per-rank write bandwidth, fixed, piece and per-tensor costs
-        replace the defaults; other fields keep theirs."""
+        replace the defaults; other fields keep theirs.
+
+        The profile measured one storage, the one the checkpoints go to: its
+        parallel-stream bandwidth (``node_bw``) is both the node-local
+        storage (L1-L3) and the shared storage of L4 (``pfs_bw``), not an
+        assumed parallel file system. For a file system whose bandwidth over
+        many nodes exceeds what one node measured, give ``pfs_bw``."""
         params = profile.get("params", profile)
         base = StorageModel()
         kw: dict[str, Any] = {}
@@ -73,6 +79,8 @@ class StorageModel:
         for src, dst in mapping.items():
             if isinstance(params.get(src), int | float) and math.isfinite(params[src]):
                 kw[dst] = float(params[src])
+        if "local_bw" in kw:
+            kw["pfs_bw"] = kw["local_bw"]
         kw.update({k: v for k, v in overrides.items() if v is not None})
         return replace(base, **kw)
 
@@ -371,6 +379,11 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"{args.model}: {len(manifest)} leaves, {manifest.total_bytes / 1e9:.2f} GB; "
             f"algorithms write to {args.level}; predicted seconds (docs/SIMULATOR.md)"
+        )
+        source = f"profile {args.profile}" if getattr(args, "profile", None) else "defaults"
+        print(
+            f"storage ({source}): rank stream {model.rank_bw / 1e9:.2f} GB/s, node-local "
+            f"{model.local_bw / 1e9:.2f} GB/s per node, shared (L4) {model.pfs_bw / 1e9:.2f} GB/s"
         )
         print(table(preds))
         print(f"simulated in {elapsed:.2f} s")

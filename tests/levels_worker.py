@@ -84,6 +84,12 @@ class Ctx:
 
         self.on_root(lose)
 
+    def layout_node_of_pred(self, node: int) -> int:
+        """The node whose ranks' files ``node``'s ranks hold copies of (the
+        previous node of its group's ring)."""
+        sector = node // self.group_size * self.group_size
+        return sector + (node - sector - 1) % self.group_size
+
     def file(self, name: str, step: int, rank: int) -> Path:
         node = rank // self.node_size
         return self.node_dir(name, node) / step_name(step) / data_file_name(rank)
@@ -142,7 +148,11 @@ def s_l2_node(x: Ctx) -> None:
     r = x.restore("l2node", 7)
     lost = set(range((x.nodes - 1) * x.node_size, x.comm.size))
     assert r.levels == [2 if q in lost else 1 for q in range(x.comm.size)], r
-    assert len(r.rewritten) == len(lost), r
+    # Rewritten: the lost ranks' own files, and the partner copies the lost
+    # node held for its neighbours (full L2 redundancy again).
+    names = sorted(Path(p).name for p in r.rewritten)
+    assert [n for n in names if n.startswith("rank-")] == [data_file_name(q) for q in sorted(lost)]
+    assert len([n for n in names if n.startswith("partner-")]) == len(lost), r
     r = x.restore("l2node", 7)
     assert r.levels == [1] * x.comm.size, r
 
@@ -165,6 +175,35 @@ def s_l3_half(x: Ctx) -> None:
     r = x.restore("l3half", 9)
     lost = set(range(x.node_size, 3 * x.node_size))
     assert r.levels == [3 if q in lost else 1 for q in range(x.comm.size)], r
+
+
+def s_lose_twice(x: Ctx, name: str, level: int) -> None:
+    """Lose the last node, recover, then lose the node whose copies (L2) or
+    parity (L3) served it: recovery must have rebuilt the partner copies
+    and parity shards the first lost node held, so the second loss is
+    survivable too (full redundancy restored, not just the lost L1 files)."""
+    x.backend(name).save(13, mc.make_state(13), level=level)
+    last = x.nodes - 1
+    x.lose_nodes(name, last)
+    first = x.restore(name, 13)
+    assert first.levels.count(level) == x.node_size, first
+    # What recovery rewrote on the lost node: L1 files and the redundancy.
+    kind = "partner-" if level == 2 else "parity-"
+    again = [p for p in first.rewritten if Path(p).name.startswith(kind)]
+    assert len(again) == x.node_size, first.rewritten
+    other = x.layout_node_of_pred(last) if level == 2 else 0
+    x.lose_nodes(name, other)
+    second = x.restore(name, 13)
+    lost = set(range(other * x.node_size, (other + 1) * x.node_size))
+    assert second.levels == [level if q in lost else 1 for q in range(x.comm.size)], second
+
+
+def s_l2_twice(x: Ctx) -> None:
+    s_lose_twice(x, "l2twice", 2)
+
+
+def s_l3_twice(x: Ctx) -> None:
+    s_lose_twice(x, "l3twice", 3)
 
 
 def s_l4_all(x: Ctx) -> None:
@@ -348,6 +387,8 @@ SCENARIOS: dict[str, Callable[[Ctx], None]] = {
     "l3node": s_l3_node,
     "l3half": s_l3_half,
     "l4all": s_l4_all,
+    "l2twice": s_l2_twice,
+    "l3twice": s_l3_twice,
     "corrupt": s_corrupt,
     "fallback": s_fallback,
     "toomuch": s_too_much,

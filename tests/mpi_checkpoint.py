@@ -9,6 +9,7 @@ non-zero.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -114,6 +115,57 @@ def scenario_roundtrip(d: Path, codec: str | None) -> None:
 def scenario_save(d: Path, codec: str | None) -> None:
     deeppart.save(make_state(), d, compression=codec)
     ok("save")
+
+
+def scenario_latecomer(d: Path) -> None:
+    """Rank 0 calls save 1 s after the others: Stats.seconds is the slowest
+    rank's time in the call (theirs, waiting included), every rank's time is
+    in rank_seconds, and the summary names no second, larger figure."""
+    import time
+
+    c = resolve()
+    if c.rank == 0:
+        time.sleep(1.0)
+    stats = deeppart.save(make_state(), d)
+    assert stats.seconds == max(stats.rank_seconds), stats
+    assert stats.seconds >= 1.0, stats
+    assert stats.slowest_rank != 0 and stats.rank_seconds[0] < stats.seconds - 0.5, stats
+    line = stats.summary()
+    assert f"in {stats.seconds:.3f} s (slowest rank {stats.slowest_rank};" in line, line
+    ok("latecomer")
+
+
+def scenario_decompress_once(d: Path) -> None:
+    """A compressed checkpoint loads (exchange="auto", one host) with every
+    compressed piece decompressed exactly once over all ranks, by the rank
+    that read it, and raw bytes exchanged; exchange="read" still has every
+    rank decompress everything. Bitwise equal either way."""
+    import numpy as np
+
+    c = resolve()
+    state = make_state()
+    deeppart.save(state, d, compression="zstd")
+    meta = json.loads((d / "metadata.json").read_text())
+    codec_at = meta["piece_fields"].index("codec")
+    compressed = sum(1 for row in meta["pieces"] if row[codec_at] != "none")
+    assert compressed > 1, "the state has compressible pieces"
+    calls = [0]
+    real = ck.decompress  # type: ignore[attr-defined]
+
+    def counting(*a: Any, **kw: Any) -> Any:
+        calls[0] += 1
+        return real(*a, **kw)
+
+    ck.decompress = counting  # type: ignore[attr-defined]
+    for exchange, per_rank in (("auto", None), ("read", compressed)):
+        calls[0] = 0
+        assert_bitwise_equal(state, deeppart.load(d, exchange=exchange), exchange)
+        counts = c.allgather_f64(np.array([float(calls[0])]))[:, 0].tolist()
+        if per_rank is None:
+            assert sum(counts) == compressed and max(counts) < compressed, counts
+        else:
+            assert counts == [per_rank] * c.size, counts
+    ok("decompress_once")
 
 
 def scenario_load(d: Path) -> None:
@@ -310,6 +362,8 @@ def main() -> None:
         "roundtrip": lambda: scenario_roundtrip(args.dir, args.codec),
         "save": lambda: scenario_save(args.dir, args.codec),
         "load": lambda: scenario_load(args.dir),
+        "latecomer": lambda: scenario_latecomer(args.dir),
+        "decompress_once": lambda: scenario_decompress_once(args.dir),
         "corrupt": lambda: scenario_corrupt(args.dir, args.expect),
         "mismatch": lambda: scenario_mismatch(args.dir),
         "nonplain": lambda: scenario_nonplain(args.dir),

@@ -314,6 +314,19 @@ def test_checkpointer_keep_last_and_latest(tmp_path: Path) -> None:
     assert not partial.exists(), "older uncommitted leftovers are removed after a commit"
 
 
+def test_checkpointer_refuses_an_existing_step(tmp_path: Path) -> None:
+    """Checkpointer.save on a committed step refuses, as deeppart.save does,
+    and leaves that step as it was; overwrite=True replaces it."""
+    cp = deeppart.Checkpointer(tmp_path / "run")
+    cp.save(5, {"w": torch.zeros(10), "step": 5})
+    with pytest.raises(deeppart.CheckpointError, match=r"step-00000005: a committed checkpoint"):
+        cp.save(5, {"w": torch.ones(10), "step": 5})
+    assert torch.equal(cp.load(5)["w"], torch.zeros(10))
+    cp.save(5, {"w": torch.ones(10), "step": 5}, overwrite=True)
+    assert torch.equal(cp.load(5)["w"], torch.ones(10))
+    assert cp.steps() == [5]
+
+
 # ----------------------------------------------------------------------------
 # Readers, progress, summary.
 
@@ -338,7 +351,10 @@ def test_progress_quiet_without_tty() -> None:
 def test_stats_summary() -> None:
     s = Stats("save", "/x", 4, 2_000_000_000, 1_000_000_000, 2.0, [1.0, 2.0, 1.5, 0.5], "zstd")
     line = s.summary()
-    assert "1.00 GB/s" in line and "ratio 2.00x" in line and "slowest rank 1" in line
+    assert "1.00 GB/s" in line and "ratio 2.00x" in line
+    # The time said is the slowest rank's, named as such: no second figure
+    # above it (the issue: "in 1.496 s ... slowest rank 1 (6.965 s)").
+    assert "in 2.000 s (slowest rank 1; fastest 0.500 s)" in line, line
 
 
 def test_load_exchange_argument(tmp_path: Path) -> None:

@@ -57,6 +57,17 @@ def test_roundtrip_bitwise_and_into(tmp_path: Path, n: int) -> None:
     assert len(writers) > 1, "the plan spreads the writes over several ranks"
 
 
+def test_save_seconds_are_the_slowest_ranks(tmp_path: Path) -> None:
+    """A rank that calls save late: Stats.seconds is the slowest rank's time
+    (as documented), not rank 0's, and the summary agrees with it."""
+    run(3, "latecomer", str(tmp_path / "ck"))
+
+
+def test_compressed_load_decompresses_each_piece_once(tmp_path: Path) -> None:
+    """Compressed load on 3 ranks: each piece decompressed by one rank only."""
+    run(3, "decompress_once", str(tmp_path / "ck"))
+
+
 def test_roundtrip_compressed(tmp_path: Path) -> None:
     run(3, "roundtrip", str(tmp_path / "ck"), "--codec", "shuffle-zstd")
 

@@ -6,8 +6,10 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 from conftest import EXAMPLE_MANIFEST
 
 import deeppart
@@ -136,3 +138,74 @@ def test_usage_errors_exit_2() -> None:
     proc = run_cli("plan", str(EXAMPLE_MANIFEST))
     assert proc.returncode == 2
     assert "--world-size" in proc.stderr
+
+
+# ----------------------------------------------------------------------------
+# Manifests for plan and simulate (issue 17): from a checkpoint, a
+# safetensors file, or Manifest.to_json.
+
+
+def _small_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 16)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_manifest_from_a_checkpoint_and_plan_reads_checkpoints(tmp_path: Path) -> None:
+    """`deeppart manifest CKPT` writes the manifest recorded in the
+    checkpoint; `plan` and `simulate` take the checkpoint, its directory or
+    its metadata.json, directly (they refused metadata.json before)."""
+    model, opt = _small_model()
+    state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": 1}
+    ck = tmp_path / "ck"
+    deeppart.save(state, ck)
+    out = tmp_path / "m.json"
+    proc = run_cli("manifest", str(ck), "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert deeppart.Manifest.from_json(out.read_text()) == deeppart.Manifest.from_state_dict(state)
+    for source in (ck, ck / "metadata.json", out):
+        proc = run_cli("plan", str(source), "-p", "4", "--json")
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["leaves"] == len(deeppart.Manifest.from_state_dict(state))
+    proc = run_cli("simulate", "--model", str(ck / "metadata.json"), "-p", "1,4")
+    assert proc.returncode == 0 and "balanced" in proc.stdout, proc.stderr
+
+
+def test_manifest_from_safetensors_header(tmp_path: Path) -> None:
+    """A .safetensors file: the header alone gives the model's manifest; with
+    --adamw the manifest of {model, AdamW state} after one real step."""
+    from safetensors.torch import save_file
+
+    model, opt = _small_model()
+    f = tmp_path / "model.safetensors"
+    save_file(model.state_dict(), str(f))
+    proc = run_cli("manifest", str(f))
+    assert proc.returncode == 0, proc.stderr
+    # safetensors does not keep the state_dict's order: compare as sets.
+    def leaves(m: deeppart.Manifest, paths: bool = True) -> list[tuple[Any, ...]]:
+        return sorted(
+            (tuple(map(str, lf["path"])) if paths else (), lf.get("dtype") or "", lf["nbytes"])
+            for lf in m.leaves()
+        )
+
+    got = deeppart.Manifest.from_json(proc.stdout)
+    assert leaves(got) == leaves(deeppart.Manifest.from_state_dict({"model": model.state_dict()}))
+    proc = run_cli("manifest", str(f), "--adamw")
+    assert proc.returncode == 0, proc.stderr
+    real = deeppart.Manifest.from_state_dict(
+        {"model": model.state_dict(), "optim": opt.state_dict()}
+    )
+    got = deeppart.Manifest.from_json(proc.stdout)
+    # The optimizer's indices follow the file's order: compare sizes, not paths.
+    assert leaves(got, paths=False) == leaves(real, paths=False)
+    assert got.total_bytes == real.total_bytes
+
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(f.read_bytes()[:20])
+    proc = run_cli("manifest", str(bad))
+    assert proc.returncode == 2 and "bad safetensors header" in proc.stderr, proc.stderr
+    proc = run_cli("manifest", str(tmp_path / "nope"))
+    assert proc.returncode == 2 and "cannot read" in proc.stderr, proc.stderr

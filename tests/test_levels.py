@@ -252,9 +252,35 @@ def levels_of(root: Path) -> dict[str, list[tuple[int, list[int]]]]:
     return got
 
 
+def inspect_multi_level(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`deeppart inspect` on the L2 and L3 steps left by l2twice/l3twice
+    (4 ranks, 2 fake nodes): it names the level, --verify finds the files
+    under ckpt_dir/node<k>/ (data, partner copies, parity: all rebuilt by
+    the recoveries), and exits 1 once a node's files are gone."""
+    from deeppart.cli import main
+
+    for name, level, extra in (("l2twice", 2, "partner-"), ("l3twice", 3, "parity-")):
+        step = root / "meta" / name / "step-00000013"
+        assert main(["inspect", str(step), "--verify", "--json"]) == 0
+        info = json.loads(capsys.readouterr().out)
+        assert info["level"].startswith(f"L{level} (")
+        assert info["verify"]["ok"], info["verify"]
+        assert [r["file"] for r in info["ranks"]] == [
+            f"node{r // 2}/rank-{r:05d}.bin" for r in range(4)
+        ]
+        shutil.rmtree(root / "local" / "node1" / name)
+        assert main(["inspect", str(step / "metadata.json"), "--verify"]) == 1
+        out = capsys.readouterr().out
+        assert f"level         L{level} (" in out
+        missing = {line.split(": ")[0].strip() for line in out.splitlines() if "missing" in line}
+        node1 = root / "local" / "node1" / name / "step-00000013"
+        assert {str(node1 / f"rank-{r:05d}.bin") for r in (2, 3)} <= missing, out
+        assert any(Path(m).name.startswith(extra) for m in missing), out
+
+
 @pytest.mark.mpi
 @needs_mpi
-def test_matrix_4_ranks(tmp_path: Path) -> None:
+def test_matrix_4_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """4 ranks as 2 fake nodes, groups of 2: nothing lost (every level);
     a node lost under L2 and under L3; all local storage lost under L4; a
     flipped byte (L2) and a truncated file (L3); the newest checkpoint
@@ -266,7 +292,7 @@ def test_matrix_4_ranks(tmp_path: Path) -> None:
     identical state every time (checked in the worker). Then one process
     with another layout reads only the L4 checkpoint."""
     names = ["none", "l2node", "l3node", "l4all", "corrupt", "fallback", "toomuch", "cadence"]
-    lv = launch(4, tmp_path, 2, 2, *names, "checkpointer", "hosts", "ioerror")
+    lv = launch(4, tmp_path, 2, 2, *names, "checkpointer", "hosts", "ioerror", "l2twice", "l3twice")
     assert lv["none"] == [(s, [1] * 4) for s in (1, 2, 3, 4, 4)]
     assert lv["l2node"] == [(7, [1, 1, 2, 2]), (7, [1, 1, 1, 1])]
     assert lv["l3node"] == [(8, [1, 1, 3, 3]), (8, [1, 1, 1, 1])]
@@ -275,6 +301,11 @@ def test_matrix_4_ranks(tmp_path: Path) -> None:
     assert lv["fallback"] == [(20, [2, 2, 1, 1])]
     assert lv["cadence"] == [(4, [4] * 4)]
     assert lv["ioerr"] == [(1, [1] * 4)]
+    # Lose node 1, recover; then lose node 0: the copies and parity node 1
+    # held were rebuilt by the first recovery, so the second works too.
+    assert lv["l2twice"] == [(13, [1, 1, 2, 2]), (13, [2, 2, 1, 1])]
+    assert lv["l3twice"] == [(13, [1, 1, 3, 3]), (13, [3, 3, 1, 1])]
+    inspect_multi_level(tmp_path, capsys)
 
     # Another world size and layout (1 process, no MPI): only L4 serves.
     one = cfg(

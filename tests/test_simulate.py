@@ -139,6 +139,17 @@ def test_scaling_plot_is_png_with_labelled_axes(
     for x, y in labels:
         assert x.strip() and y.strip()
     assert all(ax.get_xscale() == "log" and ax.get_yscale() == "log" for ax in fig.axes)
+    # Methods with the same prediction everywhere are one labelled curve
+    # (at L4, "balanced" is what deeppart-L4 writes), not curves drawn over
+    # each other; one legend, below the panels, covers no data.
+    texts = [t.get_text() for lg in fig.legends for t in lg.get_texts()]
+    assert "balanced = deeppart-L4" in texts and "deeppart-L4" not in texts, texts
+    assert all(ax.get_legend() is None for ax in fig.axes)
+    lines = [ln for ln in fig.axes[0].get_lines() if not str(ln.get_label()).startswith("_")]
+    assert len(lines) == len({ln.get_label() for ln in lines}) == len(texts) - len(THESIS_SPEEDUPS)
+    legend_box = fig.legends[0].get_window_extent()
+    for ax in fig.axes:
+        assert legend_box.y1 <= ax.get_window_extent().y0, "the legend overlaps a panel"
 
 
 def test_plan_load_plot(tmp_path: Path, bert_base: _planner.Manifest) -> None:
@@ -150,6 +161,14 @@ def test_plan_load_plot(tmp_path: Path, bert_base: _planner.Manifest) -> None:
     assert all(x or y for x, y in _labels(fig))
     assert fig.axes[0].get_xlabel() == "rank" and fig.axes[0].get_ylabel()
     assert fig.axes[1].get_ylabel()
+    # The legend explains why the makespan is above every rank's own cost.
+    legend = fig.axes[0].get_legend()
+    assert legend is not None
+    texts = [t.get_text() for t in legend.get_texts()]
+    cost = max(plan.rank_costs()) * 1e3
+    want = (f"balanced (this plan): makespan {plan.stats.makespan * 1e3:.1f} ms = slowest rank "
+            f"{cost:.1f} ms + {plan.stats.writers} writers x")  # fmt: skip
+    assert any(t.startswith(want) for t in texts), texts
 
 
 def test_plan_cli_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -201,3 +220,28 @@ def test_predictions_match_real_saves(tmp_path: Path) -> None:
     for r in rows:
         ratio = r["predicted_s"] / r["measured_s"]
         assert 1 / TOLERANCE < ratio < TOLERANCE, r
+
+
+def test_profile_sets_the_l4_storage_too(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A profile of a local disk at 1.33 GB/s (the issue's): L4 is predicted
+    on that storage, not on the default 20 GB/s parallel file system, so 4 GB
+    on 4 ranks cannot take less than 4 GB / 1.33 GB/s; --pfs-bw still wins."""
+    prof = tmp_path / "disk.json"
+    prof.write_text(json.dumps({"version": 1, "params": {
+        "fixed_s": 1e-3, "piece_s": 1e-6, "write_bw": 1.0e9, "node_bw": 1.33e9}}))  # fmt: skip
+    model = StorageModel.from_profile(json.loads(prof.read_text()))
+    assert model.pfs_bw == model.local_bw == 1.33e9
+    assert StorageModel.from_profile(json.loads(prof.read_text()), pfs_bw=5e9).pfs_bw == 5e9
+    rc = main(["simulate", "--model", "bert-large", "--ranks", "4", "--profile", str(prof),
+               "--json"])  # fmt: skip
+    assert rc == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["storage"]["pfs_bw"] == 1.33e9
+    floor = data["total_bytes"] / 1.33e9
+    for p in data["predictions"]:
+        if p["method"] in ("balanced", "deeppart-L4"):
+            assert p["seconds"] >= floor, p
+    assert main(["simulate", "--model", "bert-large", "--ranks", "4", "--profile", str(prof)]) == 0
+    assert "shared (L4) 1.33 GB/s" in capsys.readouterr().out

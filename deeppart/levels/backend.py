@@ -32,7 +32,9 @@ class RecoveryReport:
 
     step: int
     levels: list[int]
-    #: Files that were lost or corrupt and rewritten from another level.
+    #: Files that were lost or corrupt and rewritten: ranks' own files from
+    #: another level, and the partner copies (L2) and parity shards (L3)
+    #: that the lost node held, so the step is fully redundant again.
     rewritten: list[str] = field(default_factory=list)
     seconds: float = 0.0
 

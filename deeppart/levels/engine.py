@@ -270,6 +270,8 @@ class _Step:
 class _Survey:
     levels: list[int] = field(default_factory=list)
     reason: str = ""
+    #: Per rank, the _OWN/_COPY/_PARITY/_GLOBAL bits of what its node holds.
+    status: list[int] = field(default_factory=list)
 
 
 class BuiltinBackend:
@@ -500,6 +502,12 @@ class BuiltinBackend:
             "level": level,
             "step": step,
             "exec_id": self.config.exec_id,
+            # Where the files are, for tools (deeppart inspect); recovery
+            # uses the config's directories.
+            "ckpt_dir": os.path.abspath(self.config.ckpt_dir),
+            "glbl_dir": (
+                os.path.abspath(self.config.glbl_dir) if self.config.glbl_dir.strip() else ""
+            ),
             **self.layout.describe(),
             "stripe_bytes": self.stripe,
             "parity_sizes": parity_sizes,
@@ -569,18 +577,27 @@ class BuiltinBackend:
         sizes: list[int],
         renames: list[tuple[Path, Path]],
         phases: dict[str, float],
+        *,
+        data: U8 | None = None,
+        stripe: int | None = None,
     ) -> tuple[int, int]:
+        """Codes the group's parity (collective over the group) into this
+        rank's temporary parity file, appended to ``renames``; returns its
+        size and xxh3. ``data``: this rank's file already in memory (else
+        read from ``own``); ``stripe``: the step's (else this backend's)."""
         import xxhash
 
         group = self.layout.group(self.rank)
         g = len(group)
         me = group.index(self.rank)
         gsizes = [sizes[r] for r in group]
-        stripe = self.stripe
+        stripe = self.stripe if stripe is None else stripe
         nstripes = -(-max(gsizes) // stripe)
         # A failure here must not stop this rank's part of the exchanges
         # (the group would hang): it is raised after the last one.
-        data, read_err = _read_own(own, gsizes[me])
+        read_err: OSError | None = None
+        if data is None:
+            data, read_err = _read_own(own, gsizes[me])
         err: Exception | None = read_err
         tmp = local / (parity_file(self.rank) + ".tmp")
         h = xxhash.xxh3_64()
@@ -871,8 +888,9 @@ class BuiltinBackend:
                 [],
                 f"the data of rank(s) {lost} is lost at every level the step has "
                 f"(L{st.level} checkpoint)",
+                status,
             )
-        return _Survey(levels)
+        return _Survey(levels, "", status)
 
     def _candidates(self, step: int | None) -> list[int]:
         if step is not None:
@@ -1004,12 +1022,72 @@ class BuiltinBackend:
             msgs = c.allgather_varbytes(str(err).encode() if err else b"")
             return "; ".join(m.decode() for m in msgs if m)
         assert own is not None
-        all_rewritten = [x.decode() for x in c.allgather_varbytes(rewritten) if x]
+        rebuilt = self._restore_redundancy(st, own, survey.status)
+        if rewritten:
+            rebuilt.insert(0, rewritten.decode())
+        rows = c.allgather_varbytes(json.dumps(rebuilt).encode())
+        all_rewritten = [path for row in rows for path in json.loads(row)]
         # Every rank now holds its own file: broadcast each and place it.
         self._distribute(st, own, targets)
         state = ck._assemble(st.meta, targets, self.meta_step(step))
         report = RecoveryReport(step, levels, all_rewritten, time.perf_counter() - t0)
         return state, report
+
+    def _restore_redundancy(self, st: _Step, own: U8, status: list[int]) -> list[str]:
+        """After recovery every rank holds its verified file (``own``): the
+        partner copies (L2) and parity shards (L3) that were lost with a
+        node are made again, so the step survives the next loss too.
+        Collective (L2: the group ring; L3: each group that lost a shard).
+        Returns the paths this rank rewrote. A write that fails leaves that
+        redundancy missing; recovery itself still succeeds."""
+        r = self.rank
+        local = self.local_step(st.step)
+        done: list[str] = []
+        if st.level == 2:
+            need = [not status[q] & _COPY for q in range(self.comm.size)]
+            if not any(need):
+                return done
+            dest, source = self.layout.partner(r), self.layout.pred(r)
+            recv = np.empty(st.meta.file_sizes[source] if need[r] else 0, dtype=np.uint8)
+            self.comm.sendrecv_u8(own if need[dest] else _EMPTY, dest, recv, source)
+            if need[r]:
+                path = local / partner_file(source)
+                try:
+                    local.mkdir(parents=True, exist_ok=True)
+                    _write_file(path.with_name(path.name + ".tmp"), [recv])
+                    path.with_name(path.name + ".tmp").replace(path)
+                    fsync_dir(local)
+                    done.append(str(path))
+                except OSError:
+                    pass
+        elif st.level == 3:
+            group = self.layout.group(r)
+            if all(status[m] & _PARITY for m in group):
+                return done
+            renames: list[tuple[Path, Path]] = []
+            with contextlib.suppress(OSError):
+                local.mkdir(parents=True, exist_ok=True)
+            try:
+                size, xxh = self._encode(
+                    local, local / data_file_name(r), st.meta.file_sizes, renames, {},
+                    data=own, stripe=st.stripe,
+                )  # fmt: skip
+            except Exception:
+                size, xxh = -1, -1  # the group's exchanges finished; this shard stays lost
+            for tmp, final in renames:
+                try:
+                    if status[r] & _PARITY or (size, xxh) != (
+                        st.parity_sizes[r],
+                        st.parity_xxh3[r],
+                    ):
+                        tmp.unlink(missing_ok=True)
+                    else:
+                        tmp.replace(final)
+                        fsync_dir(local)
+                        done.append(str(final))
+                except OSError:
+                    pass
+        return done
 
     def _distribute(self, st: _Step, own: U8, targets: list[ck._Target]) -> None:
         c = self.comm
