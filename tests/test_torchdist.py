@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,6 +20,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
+
+from launching import run_in_session  # noqa: E402
 
 from deeppart.comm import MPIComm, SingleComm, TorchDistComm, resolve  # noqa: E402
 from deeppart.format import METADATA, data_file_name  # noqa: E402
@@ -41,22 +41,8 @@ def run(n: int, *args: str) -> str:
         launcher = [sys.executable, "-m", "torch.distributed.run"]
         cmd = [*launcher, "--nproc-per-node", str(n), "--standalone", *cmd[1:]]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} hung (no result after {TIMEOUT_S} s):\n{out}")
-    assert proc.returncode == 0, f"rc={proc.returncode}\n{out}"
+    returncode, out = run_in_session(cmd, env, ROOT, TIMEOUT_S)
+    assert returncode == 0, f"rc={returncode}\n{out}"
     oks = set(re.findall(r"OK [\w-]+ rank \d+/\d+", out))
     assert len(oks) >= max(n, 1), out
     return out

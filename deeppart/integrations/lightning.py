@@ -1,0 +1,188 @@
+"""PyTorch Lightning: every DDP rank writes its part of each checkpoint.
+
+Under DDP, Lightning's ``Strategy.save_checkpoint`` hands the checkpoint
+dict to its ``CheckpointIO`` on global rank 0 only, so a ``CheckpointIO``
+plugin alone cannot make the other ranks write. :class:`DeepPartDDPStrategy`
+is ``DDPStrategy`` with ``save_checkpoint`` run on every rank: each rank
+passes the same checkpoint dict (the state is replicated under DDP) to
+:class:`DeepPartCheckpointIO`, which calls :func:`deeppart.save`
+collectively. ``load_checkpoint`` is already called on every rank, so
+``trainer.fit(ckpt_path=...)`` reads the checkpoint with
+:func:`deeppart.load`, each rank its share.
+
+::
+
+    from deeppart.integrations.lightning import DeepPartDDPStrategy
+
+    trainer = L.Trainer(strategy=DeepPartDDPStrategy(), devices=4, ...)
+    trainer.fit(model, ckpt_path="ckpts/epoch=3-step=400.ckpt")   # a DeepPart directory
+
+A checkpoint path (``epoch=3-step=400.ckpt``) is a DeepPart checkpoint
+*directory*; ``ModelCheckpoint`` names, keeps and removes them as it does
+files. The strategy is registered as ``strategy="deeppart_ddp"`` too.
+Lightning itself stores no RNG state in its checkpoints; seed and order
+data the usual way (``seed_everything``, ``DistributedSampler``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+
+import deeppart
+from deeppart.format import remove_tree
+
+__all__ = ["DeepPartCheckpointIO", "DeepPartDDPStrategy"]
+
+
+def _default_comm(comm: Any) -> Any:
+    """``comm`` as given; by default Lightning's own process group (the
+    torch.distributed default group) when it is initialised, else DeepPart's
+    usual choice (MPI, or one process)."""
+    if comm is not None:
+        return comm
+    return "torch" if dist.is_available() and dist.is_initialized() else None
+
+
+class DeepPartCheckpointIO(CheckpointIO):
+    """Saves and loads Lightning checkpoints as DeepPart checkpoints.
+
+    ``save_checkpoint`` and ``load_checkpoint`` are collective: every rank
+    must call them with the same checkpoint (:class:`DeepPartDDPStrategy`
+    does). ``comm``: the communicator (default: Lightning's process group);
+    ``compression``, ``algorithm``, ``planner``, ``exchange``, ``progress``:
+    as for :func:`deeppart.save` / :func:`deeppart.load`. A checkpoint at an
+    existing path is replaced atomically (``overwrite=True``), as Lightning
+    does with ``last.ckpt``. Tensors are loaded on the CPU; Lightning moves
+    them to the model's device when it restores them.
+    """
+
+    def __init__(
+        self,
+        *,
+        comm: Any = None,
+        compression: str | None = None,
+        algorithm: str | None = None,
+        planner: Any = None,
+        exchange: str = "auto",
+        progress: bool | None = None,
+    ) -> None:
+        self.comm = comm
+        self.compression = compression
+        self.algorithm = algorithm
+        self.planner = planner
+        self.exchange = exchange
+        self.progress = progress
+
+    def save_checkpoint(
+        self,
+        checkpoint: dict[str, Any],
+        path: _PATH,
+        storage_options: Any | None = None,
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                f"DeepPartCheckpointIO takes no storage_options (got {storage_options!r}); "
+                "set compression= and the other options on the plugin instead"
+            )
+        deeppart.save(
+            checkpoint,
+            path,
+            comm=_default_comm(self.comm),
+            compression=self.compression,
+            algorithm=self.algorithm,
+            planner=self.planner,
+            overwrite=True,
+            progress=self.progress,
+        )
+
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        map_location: Any | None = None,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        # weights_only: DeepPart never unpickles, whatever its value.
+        state: Any = deeppart.load(path, comm=_default_comm(self.comm), exchange=self.exchange)
+        if not isinstance(state, dict):
+            raise deeppart.CheckpointError(
+                f"{path}: holds a {type(state).__name__}, not a Lightning checkpoint dict"
+            )
+        if map_location is not None:
+            import torch
+
+            state = _to_location(state, map_location, torch)
+        out: dict[str, Any] = state
+        return out
+
+    def remove_checkpoint(self, path: _PATH) -> None:
+        """Removes a checkpoint directory (Lightning calls this on rank 0)."""
+        p = Path(path)
+        if p.is_dir():
+            remove_tree(p)
+        elif p.exists():
+            p.unlink()
+
+
+def _to_location(value: Any, location: Any, torch: Any) -> Any:
+    """``torch.load``'s ``map_location`` for a device or a device string."""
+    if isinstance(value, torch.Tensor):
+        return value.to(location)
+    if isinstance(value, dict):
+        return {k: _to_location(v, location, torch) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        items = [_to_location(v, location, torch) for v in value]
+        return items if isinstance(value, list) else tuple(items)
+    return value
+
+
+class DeepPartDDPStrategy(DDPStrategy):
+    """``DDPStrategy`` whose checkpoints every rank writes in parallel.
+
+    Takes ``DDPStrategy``'s arguments (by keyword), plus :class:`DeepPartCheckpointIO`'s
+    options (``compression=``, ...) when no ``checkpoint_io`` is given. With
+    another ``CheckpointIO`` (e.g. one passed in ``plugins=``), saving falls
+    back to Lightning's rank-0 behaviour.
+    """
+
+    strategy_name = "deeppart_ddp"
+
+    def __init__(
+        self,
+        *,
+        checkpoint_io: CheckpointIO | None = None,
+        compression: str | None = None,
+        algorithm: str | None = None,
+        planner: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        if checkpoint_io is None:
+            checkpoint_io = DeepPartCheckpointIO(
+                compression=compression, algorithm=algorithm, planner=planner
+            )
+        super().__init__(checkpoint_io=checkpoint_io, **kwargs)
+
+    def save_checkpoint(
+        self,
+        checkpoint: dict[str, Any],
+        filepath: _PATH,
+        storage_options: Any | None = None,
+    ) -> None:
+        io = self.checkpoint_io
+        if isinstance(io, DeepPartCheckpointIO):
+            io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        else:
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+
+if DeepPartDDPStrategy.strategy_name not in StrategyRegistry:
+    StrategyRegistry.register(
+        DeepPartDDPStrategy.strategy_name,
+        DeepPartDDPStrategy,
+        description="DDP whose checkpoints every rank writes in parallel (DeepPart)",
+    )

@@ -1,0 +1,35 @@
+"""Running a multi-process job from a test: in its own session, so that a
+hang is ended by killing the whole process group, never left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+
+def run_in_session(
+    cmd: list[str], env: dict[str, str], cwd: Path, timeout_s: float
+) -> tuple[int, str]:
+    """Runs ``cmd`` (stdout and stderr together) in a new session; after
+    ``timeout_s`` seconds kills its process group and fails the test.
+    Returns the exit status and the output."""
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=cwd,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} hung (no result after {timeout_s} s):\n{out[-8000:]}")
+    return proc.returncode, out
