@@ -13,11 +13,11 @@ What it changes against ``DefaultSavePlanner``:
   the fewest bytes so far (``dedup_save_plans``). Here every replicated tensor
   and object becomes a leaf of a DeepPart :class:`~deeppart.Manifest`, and
   :func:`deeppart.plan` balances them; a tensor larger than a rank's share is
-  cut into row ranges, each written as a chunk
-  (``ChunkStorageMetadata(offsets=[row0, 0, ...], sizes=[rows, *shape[1:]])``)
-  by a different rank. Items a rank already owns alone (``DTensor``,
-  ``ShardedTensor`` shards) are counted as owned leaves (``owner=rank``), so
-  the replicated load goes to the ranks with less of their own.
+  cut into flat ranges, each written as a few rectangular chunks
+  (``ChunkStorageMetadata(offsets, sizes)``, see below) by a different rank.
+  Items a rank already owns alone (``DTensor``, ``ShardedTensor`` shards)
+  are counted as owned leaves (``owner=rank``), so the replicated load goes
+  to the ranks with less of their own.
 - **Less plan traffic.** All ranks hold the same replicated state, so each
   rank plans deterministically in ``create_local_plan`` and sends the
   coordinator only its own shards and a fingerprint of its replicated state
@@ -31,8 +31,17 @@ What it changes against ``DefaultSavePlanner``:
 The checkpoint is a standard DCP checkpoint: stock
 ``torch.distributed.checkpoint.load`` reads it at any world size.
 
-Leaves are described to the planner as ``uint8[rows, row_bytes]`` (a 0-D
-tensor as one row), so every cut falls on a row of the real tensor.
+Cutting on the finest box-aligned boundary: each replicated tensor is
+described to the planner as ``uint8[units, unit_bytes]``, where a *unit* is
+the largest block of trailing dimensions (never dimension 0) of at most 64 KiB
+(one element when even the last dimension is larger), and the planner cuts
+whole units only.
+A piece is then a C-order flat range of the tensor, which
+:func:`flat_range_boxes` maps to at most ``2 * ndim - 1`` boxes (hyper-
+rectangles): a partial run at each end, recursively, and whole slabs of
+dimension 0 in between. Each box is one DCP chunk. So a tensor whose
+dimension-0 rows are coarse (Mixture-of-Experts weights stacked as
+``[experts, rows, cols]``) is still balanced to within a unit.
 """
 
 from __future__ import annotations
@@ -85,10 +94,11 @@ class _Leaf:
     """One leaf of the manifest: a replicated state-dict entry or an owned shard."""
 
     fqn: str
-    rows: int  # 1 for objects and 0-D tensors
-    row_bytes: int
+    units: int  # what the planner cuts between; 1 for objects and 0-D tensors
+    unit_bytes: int
     item: WriteItem  # the whole-tensor (or bytes, or shard) WriteItem
     owner: int | None
+    unit_elems: int = 0  # elements per unit of a replicated tensor (0: never cut)
 
 
 def _plain_tensor(obj: object) -> bool:
@@ -118,34 +128,97 @@ def _tensor_item(fqn: str, tensor: torch.Tensor) -> WriteItem:
     )
 
 
+# A unit (what the planner cuts between) is the largest block of trailing
+# dimensions of at most this many bytes.
+UNIT_MAX_BYTES = 64 * 1024
+
+
+def _itemsize(item: WriteItem) -> int:
+    td = item.tensor_data
+    assert td is not None
+    return torch.empty((), dtype=td.properties.dtype).element_size()
+
+
 def _row_split(item: WriteItem) -> tuple[int, int]:
-    """(rows, bytes per row) of a tensor WriteItem's chunk."""
+    """(rows, bytes per row) of a tensor WriteItem's chunk (an owned shard,
+    written whole)."""
     td = item.tensor_data
     assert td is not None
     sizes = list(td.chunk.sizes)
-    itemsize = torch.empty((), dtype=td.properties.dtype).element_size()
+    itemsize = _itemsize(item)
     if not sizes:
         return 1, itemsize
     return sizes[0], math.prod(sizes[1:]) * itemsize
 
 
-def _piece_item(leaf: _Leaf, row0: int, rows: int) -> WriteItem:
-    """The WriteItem of rows ``[row0, row0 + rows)`` of a replicated tensor."""
-    if rows == leaf.rows:
-        return leaf.item
+def unit_elements(shape: tuple[int, ...] | list[int], itemsize: int) -> int:
+    """Elements per unit of a tensor: the product of the most trailing
+    dimensions, never dimension 0, whose block stays within
+    ``UNIT_MAX_BYTES`` (1 when even one row of the last dimension is larger),
+    so a tensor can always be cut at least between its dimension-0 rows."""
+    elems = 1
+    for d in reversed(shape[1:]):
+        if elems * d * itemsize > UNIT_MAX_BYTES:
+            break
+        elems *= d
+    return max(elems, 1)
+
+
+Box = tuple[list[int], list[int]]
+
+
+def flat_range_boxes(shape: tuple[int, ...] | list[int], start: int, stop: int) -> list[Box]:
+    """The elements ``[start, stop)`` of a tensor of ``shape``, in C order, as
+    boxes ``(offsets, sizes)``: at most ``2 * len(shape) - 1``, in order. A
+    range of whole dimension-0 slabs is one box; otherwise a partial slab at
+    either end is split the same way, one dimension down."""
+    if start >= stop:
+        return []
+    if not shape:
+        return [([], [])]
+    if len(shape) == 1:
+        return [([start], [stop - start])]
+    inner = math.prod(shape[1:])
+    first, head = divmod(start, inner)
+    last, tail = divmod(stop, inner)
+    rest = list(shape[1:])
+
+    def within(row: int, lo: int, hi: int) -> list[Box]:
+        return [([row, *o], [1, *z]) for o, z in flat_range_boxes(rest, lo, hi)]
+
+    if first == last:
+        return within(first, head, tail)
+    out: list[Box] = []
+    if head:
+        out += within(first, head, inner)
+        first += 1
+    if last > first:
+        out.append(([first] + [0] * len(rest), [last - first, *rest]))
+    if tail:
+        out += within(last, 0, tail)
+    return out
+
+
+def _piece_items(leaf: _Leaf, start: int, stop: int) -> list[WriteItem]:
+    """The WriteItems (one per box) of units ``[start, stop)`` of a
+    replicated tensor; the whole-tensor item when the piece is all of it."""
+    if start == 0 and stop == leaf.units:
+        return [leaf.item]
     td = leaf.item.tensor_data
     assert td is not None
-    offsets = torch.Size([row0] + [0] * (len(td.size) - 1))
-    sizes = torch.Size([rows, *td.size[1:]])
-    return WriteItem(
-        index=MetadataIndex(leaf.fqn, offsets),
-        type=WriteItemType.SHARD,
-        tensor_data=TensorWriteData(
-            chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
-            properties=td.properties,
-            size=td.size,
-        ),
-    )
+    items = []
+    for offsets, sizes in flat_range_boxes(
+        list(td.size), start * leaf.unit_elems, stop * leaf.unit_elems
+    ):
+        chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+        items.append(
+            WriteItem(
+                index=MetadataIndex(leaf.fqn, chunk.offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(chunk=chunk, properties=td.properties, size=td.size),
+            )
+        )
+    return items
 
 
 def _manifest(leaves: list[_Leaf]) -> Manifest:
@@ -153,12 +226,12 @@ def _manifest(leaves: list[_Leaf]) -> Manifest:
     for i, leaf in enumerate(leaves):
         path: list[str | int] = ["r", leaf.fqn] if leaf.owner is None else ["o", i, leaf.fqn]
         if leaf.item.type == WriteItemType.BYTE_IO:
-            descs.append({"path": path, "kind": "object", "nbytes": leaf.row_bytes})
+            descs.append({"path": path, "kind": "object", "nbytes": leaf.unit_bytes})
         else:
             d: dict[str, Any] = {
                 "path": path,
                 "dtype": "uint8",
-                "shape": [leaf.rows, leaf.row_bytes],
+                "shape": [leaf.units, leaf.unit_bytes],
             }
             if leaf.owner is not None:
                 d["owner"] = leaf.owner
@@ -178,13 +251,13 @@ def _assign(plan: Plan, leaves: list[_Leaf]) -> list[list[WriteItem]]:
                 if start == 0:
                     items.append(leaf.item)
                 continue
-            rb = leaf.row_bytes
-            if rb == 0 or leaf.rows <= 1:
+            ub = leaf.unit_bytes
+            if ub == 0 or leaf.units <= 1:
                 items.append(leaf.item)
                 continue
-            if start % rb or stop % rb:
-                raise DcpPlanError(f"piece {start}:{stop} of {leaf.fqn!r} is not row-aligned")
-            items.append(_piece_item(leaf, start // rb, (stop - start) // rb))
+            if start % ub or stop % ub:
+                raise DcpPlanError(f"piece {start}:{stop} of {leaf.fqn!r} cuts a unit")
+            items += _piece_items(leaf, start // ub, stop // ub)
         out.append(items)
     return out
 
@@ -239,7 +312,7 @@ class BalancedSavePlanner(DefaultSavePlanner):
     ) -> tuple[Plan | None, list[list[WriteItem]]]:
         # Empty tensors have nothing to balance: their owner (or rank 0)
         # writes their one empty chunk, so that the metadata lists them.
-        sized = [leaf for leaf in leaves if leaf.rows * leaf.row_bytes > 0]
+        sized = [leaf for leaf in leaves if leaf.units * leaf.unit_bytes > 0]
         per_rank: list[list[WriteItem]] = [[] for _ in range(world_size)]
         p: Plan | None = None
         if sized:
@@ -253,7 +326,7 @@ class BalancedSavePlanner(DefaultSavePlanner):
             )
             per_rank = _assign(p, sized)
         for leaf in leaves:
-            if leaf.rows * leaf.row_bytes == 0:
+            if leaf.units * leaf.unit_bytes == 0:
                 per_rank[leaf.owner or 0].append(leaf.item)
         return p, per_rank
 
@@ -265,8 +338,10 @@ class BalancedSavePlanner(DefaultSavePlanner):
         for fqn, obj in self.state_dict.items():
             if _plain_tensor(obj):
                 item = _tensor_item(fqn, obj)
-                rows, rb = _row_split(item)
-                replicated.append(_Leaf(fqn, rows, rb, item, None))
+                unit = unit_elements(tuple(obj.shape), obj.element_size())
+                units = obj.numel() // unit if obj.numel() else 0
+                leaf = _Leaf(fqn, units, unit * obj.element_size(), item, None, unit)
+                replicated.append(leaf)
             elif isinstance(obj, torch.Tensor):
                 own += create_default_local_save_plan({fqn: obj}, self.is_coordinator).items
             else:
@@ -370,5 +445,8 @@ class BalancedSavePlanner(DefaultSavePlanner):
             if _plain_tensor(obj):
                 assert isinstance(obj, torch.Tensor)
                 chunk = write_item.tensor_data.chunk
-                return obj.detach().narrow(0, chunk.offsets[0], chunk.sizes[0])
+                box = obj.detach()
+                for dim, (offset, size) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
+                    box = box.narrow(dim, offset, size)
+                return box
         return super().resolve_data(write_item)

@@ -10,6 +10,8 @@ transformer and its AdamW state after one step, seeded) and saves it with
 ``BalancedSavePlanner``; ``load``
 builds the same structure with other values, loads the checkpoint with stock
 ``torch.distributed.checkpoint.load`` and checks it is bitwise the reference.
+``savemoe`` / ``loadmoe`` do the same with a scaled-down Mixtral (stacked
+experts) and a cost model without per-piece costs.
 Each rank prints one line: ``RESULT`` and a JSON object.
 """
 
@@ -35,6 +37,8 @@ from deeppart.dcp import BalancedSavePlanner
 VOCAB, DIM = 8000, 64
 # Small pieces allowed, so that the small test state is cut.
 COST = CostModel(min_piece_bytes=16 * 1024)
+# Balanced time is balanced bytes: no per-file or per-piece costs.
+BYTES_COST = CostModel(fixed_s=0.0, piece_s=0.0, writer_s=1e-6, min_piece_bytes=16 * 1024)
 
 
 class TinyLM(nn.Module):
@@ -60,6 +64,20 @@ def make_state(seed: int) -> dict[str, Any]:
     loss.backward()  # type: ignore[no-untyped-call]
     opt.step()
     return {"model": model.state_dict(), "optim": opt.state_dict(), "extra": {"epoch": seed}}
+
+
+def make_moe_state(seed: int) -> dict[str, Any]:
+    """A scaled-down Mixtral (transformers' MixtralForCausalLM, stacked
+    experts) and its AdamW state after one step, derived from ``seed``."""
+    from bench.zoo import mixtral_scaled
+
+    torch.manual_seed(seed)
+    model = mixtral_scaled().build("cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3 * (seed + 1))
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    return {"model": model.state_dict(), "optim": opt.state_dict()}
 
 
 def dtensor_value(seed: int) -> torch.Tensor:
@@ -122,6 +140,15 @@ def main() -> int:
                 "source": planner.deeppart_plan.stats.source,
                 "items": len(planner.plan.items),
             }
+        elif mode == "savemoe":
+            planner = BalancedSavePlanner(cost=BYTES_COST)
+            dcp_save(make_moe_state(0), checkpoint_id=path, planner=planner)
+            result[f"save:{path}"] = {"items": len(planner.plan.items)}
+        elif mode == "loadmoe":
+            target = make_moe_state(1)
+            assert same(target, make_moe_state(0)), "the load target must differ"
+            dcp_load(target, checkpoint_id=path, no_dist=world == 1)
+            result[f"load:{path}"] = same(make_moe_state(0), target)
         elif mode == "savedt":
             # With a DTensor sharded over the ranks: each rank's shard is an
             # owned leaf of the plan.
