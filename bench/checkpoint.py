@@ -292,6 +292,12 @@ def _run(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     env = dict(
         os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1"
     )
+    return job_result(cmd, env)
+
+
+def job_result(cmd: list[str], env: dict[str, str]) -> dict[str, Any]:
+    """Runs a benchmark job (``cmd``, usually under mpiexec) and returns the
+    JSON its rank 0 printed after ``RESULT``; exits on failure."""
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed with status {proc.returncode}")
@@ -299,7 +305,7 @@ def _run(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         if line.startswith("RESULT "):
             result: dict[str, Any] = json.loads(line[len("RESULT ") :])
             return result
-    raise SystemExit(f"no result from {n} ranks:\n{proc.stdout}")
+    raise SystemExit(f"no result from {' '.join(cmd)}:\n{proc.stdout}")
 
 
 OTHERS = ("torch", "dcp", "raw")

@@ -23,6 +23,16 @@ does not count waiting as coding). Bare times depend on the machine; the
 ratios are the claim. Each round's checkpoints are deleted after the
 round, untimed (as in bench/checkpoint.py: housekeeping that a training
 loop overlaps with training).
+
+``--backend builtin,fti`` (or ``fti``) instead compares the backends side
+by side in one run, each through a real restart: per backend and level,
+one ``mpiexec`` job saves ``--repeat`` times at that level (median of the
+slowest rank's times, beside a raw write measured in the same job) and
+ends without finalizing, as a crash would; the test then deletes what the
+level protects against (as above), and a new job restores: opening the
+backend (for FTI, ``FTI_Init``, which rebuilds lost files) plus
+``load(into=state)``, one measurement per level. FTI comes from
+``FTI_LIBRARY`` or ``.fti/lib/libfti.so`` (scripts/build-fti.sh).
 """
 
 from __future__ import annotations
@@ -32,7 +42,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,7 +56,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.checkpoint import _raw_read, _raw_write  # noqa: E402
+from bench.checkpoint import _raw_read, _raw_write, job_result  # noqa: E402
 
 RANKS, NODE_SIZE = 4, 2
 
@@ -65,17 +74,11 @@ def read_all(paths: list[Path], buf: np.ndarray[Any, Any]) -> None:
         _raw_read(buf, p)
 
 
-def worker(args: argparse.Namespace) -> None:
-    import torch
-
-    from deeppart.comm import resolve
+def level_config(work: Path, **extra: Any) -> Any:
+    """The benchmark's levels config: 2 fake nodes of 2 ranks, groups of 2."""
     from deeppart.levels import LevelConfig
-    from deeppart.levels.engine import BuiltinBackend
 
-    torch.set_num_threads(1)
-    comm = resolve(None)
-    work = Path(args.dir)
-    cfg = LevelConfig.from_dict(
+    return LevelConfig.from_dict(
         {
             "ckpt_dir": work / "local",
             "meta_dir": work / "meta",
@@ -83,22 +86,46 @@ def worker(args: argparse.Namespace) -> None:
             "node_size": NODE_SIZE,
             "group_size": 2,
             "local_test": 1,
-            "keep": 1000,
+            **extra,
         }
     )
-    be = BuiltinBackend(cfg, comm, stripe_bytes=args.stripe_mb << 20)
-    state = build_state(args.mb)
-    share = np.random.default_rng(comm.rank).integers(
-        0, 255, int(args.mb * 1e6) // comm.size, dtype=np.uint8
+
+
+def rank_share(comm: Any, mb: float) -> np.ndarray[Any, Any]:
+    """This rank's share of the raw-write ceiling: random bytes."""
+    share: np.ndarray[Any, Any] = np.random.default_rng(comm.rank).integers(
+        0, 255, int(mb * 1e6) // comm.size, dtype=np.uint8
     )
+    return share
+
+
+def slowest(comm: Any) -> Callable[[Callable[[], Any]], tuple[float, Any]]:
+    """``timed(fn)``: (the slowest rank's seconds for ``fn``, its result)."""
 
     def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-        """(slowest rank's seconds, fn's result)."""
         comm.barrier()
         t = time.perf_counter()
         out = fn()
         local = time.perf_counter() - t
         return float(comm.allgather_f64(np.array([local]))[:, 0].max()), out
+
+    return timed
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+
+    from deeppart.comm import resolve
+    from deeppart.levels.engine import BuiltinBackend
+
+    torch.set_num_threads(1)
+    comm = resolve(None)
+    work = Path(args.dir)
+    cfg = level_config(work, keep=1000)
+    be = BuiltinBackend(cfg, comm, stripe_bytes=args.stripe_mb << 20)
+    state = build_state(args.mb)
+    share = rank_share(comm, args.mb)
+    timed = slowest(comm)
 
     def lose(nodes: list[int]) -> None:
         if comm.rank == 0:
@@ -178,33 +205,146 @@ def report(res: dict[str, Any]) -> None:
     )
 
 
+def _open(name: str, work: Path, comm: Any, stripe_mb: int) -> Any:
+    from deeppart.levels.engine import BuiltinBackend
+    from deeppart.levels.fti import FTIBackend
+
+    cfg = level_config(work)
+    if name == "fti":
+        return FTIBackend(cfg, comm)
+    return BuiltinBackend(cfg, comm, stripe_bytes=stripe_mb << 20)
+
+
+def restart_worker(args: argparse.Namespace) -> None:
+    """One job of the side-by-side comparison: ``save`` (``--repeat``
+    saves at ``--level``, beside raw writes; no finalize) or ``restore``
+    (open the backend, then load)."""
+    import torch
+
+    from deeppart.comm import MPIComm
+
+    torch.set_num_threads(1)
+    from mpi4py import MPI
+
+    comm = MPIComm(MPI.COMM_WORLD)
+    work = Path(args.dir)
+    state = build_state(args.mb)
+    timed = slowest(comm)
+    result: dict[str, list[float]] = {}
+    if args.worker == "save":
+        share = rank_share(comm, args.mb)
+        be = _open(args.backend, work, comm, args.stripe_mb)
+        for k in range(args.repeat + 1):  # round 0: warm-up, not counted
+            raw = work / f"raw-{comm.rank}"
+            t_raw = timed(partial(_raw_write, share, raw))[0]
+            raw.unlink()
+            t_save = timed(partial(be.save, k, state, level=args.level))[0]
+            if k:
+                result.setdefault("raw write", []).append(t_raw)
+                result.setdefault("save", []).append(t_save)
+        if args.backend == "fti":
+            be.close(finalize=False)  # a crash: FTI keeps its checkpoint
+    else:
+        t_open, be = timed(partial(_open, args.backend, work, comm, args.stripe_mb))
+        t_load, (_, rep) = timed(partial(be.load, into=state))
+        assert rep.step == args.repeat, rep
+        result = {"restore": [t_open + t_load], "open": [t_open]}
+        if args.backend == "fti":
+            be.close(finalize=False)
+    if comm.rank == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+def compare(args: argparse.Namespace, backends: list[str]) -> None:
+    """The side-by-side restart comparison (see the module docstring)."""
+    if "fti" in backends and not os.environ.get("FTI_LIBRARY"):
+        built = ROOT / ".fti" / "lib" / "libfti.so"
+        if not built.exists():
+            raise SystemExit("no libfti: set FTI_LIBRARY or run scripts/build-fti.sh (docs/FTI.md)")
+        os.environ["FTI_LIBRARY"] = str(built)
+    med: dict[tuple[str, int, str], float] = {}
+    for lv in (1, 2, 3, 4):
+        for name in backends:
+            work = Path(tempfile.mkdtemp(prefix=f"deeppart-levels-{name}-", dir=args.dir))
+            try:
+                for job in ("save", "restore"):
+                    if job == "restore":
+                        nodes = {1: [], 2: [1], 3: [1], 4: list(range(RANKS // NODE_SIZE))}[lv]
+                        for k in nodes:  # both backends: ckpt_dir/node<k> (local_test)
+                            shutil.rmtree(work / "local" / f"node{k}", ignore_errors=True)
+                    res = _run_job(
+                        args, ["--worker", job, "--backend", name, "--level", str(lv)], work
+                    )
+                    for key, values in res.items():
+                        med[(name, lv, key)] = statistics.median(values)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+    print(
+        f"\nstate {args.mb:.0f} MB on {RANKS} ranks as {RANKS // NODE_SIZE} fake nodes "
+        f"(groups of 2), {os.cpu_count()} CPUs; save: median of {args.repeat} saves (fsynced) "
+        "in one job; restore: a new job (open + load), once, after losing what the level "
+        "protects against"
+    )
+    cols = [f"{b} save/raw" for b in backends] + [f"{b} restore/raw" for b in backends]
+    if len(backends) == 2:
+        cols += [f"save {backends[1]}/{backends[0]}", f"restore {backends[1]}/{backends[0]}"]
+    print("level " + " ".join(f"{c:>18}" for c in cols))
+    for lv in (1, 2, 3, 4):
+        raw = med[(backends[0], lv, "raw write")]
+        cells = [med[(b, lv, "save")] / raw for b in backends]
+        cells += [med[(b, lv, "restore")] / raw for b in backends]
+        if len(backends) == 2:
+            a, b = backends
+            cells += [
+                med[(b, lv, "save")] / med[(a, lv, "save")],
+                med[(b, lv, "restore")] / med[(a, lv, "restore")],
+            ]
+        print(f"L{lv:<5}" + " ".join(f"{c:18.2f}" for c in cells))
+    print("(raw = a raw write of each rank's share, fsynced, measured in the same save job)")
+
+
+def _run_job(args: argparse.Namespace, extra: list[str], work: Path) -> dict[str, Any]:
+    """Runs this script's worker under ``mpiexec -n RANKS`` (``extra``: its
+    mode) and returns the JSON it printed after ``RESULT``."""
+    cmd = [
+        str(Path(sys.executable).parent / "mpiexec"), "-n", str(RANKS), sys.executable,
+        str(Path(__file__).resolve()), "--mb", str(args.mb), "--repeat", str(args.repeat),
+        "--stripe-mb", str(args.stripe_mb), "--dir", str(work), *extra,
+    ]  # fmt: skip
+    return job_result(cmd, dict(os.environ, OMP_NUM_THREADS="1"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mb", type=float, default=256.0, help="state size in MB")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--stripe-mb", type=int, default=16)
     ap.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--backend",
+        default=None,
+        help="compare backends through restarts, e.g. builtin,fti (default: the built-in "
+        "engine's in-process rounds)",
+    )
+    ap.add_argument("--level", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--worker", nargs="?", const="rounds", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.worker:
+    if args.worker == "rounds":
         worker(args)
+        return
+    if args.worker:
+        restart_worker(args)
+        return
+    if args.backend:
+        backends = [b.strip() for b in args.backend.split(",") if b.strip()]
+        unknown = set(backends) - {"builtin", "fti"}
+        if unknown or not backends:
+            raise SystemExit(f"--backend: one or two of builtin, fti (got {args.backend!r})")
+        compare(args, backends)
         return
     work = Path(tempfile.mkdtemp(prefix="deeppart-levels-", dir=args.dir))
     try:
-        cmd = [
-            str(Path(sys.executable).parent / "mpiexec"), "-n", str(RANKS), sys.executable,
-            str(Path(__file__).resolve()), "--worker", "--mb", str(args.mb), "--repeat",
-            str(args.repeat), "--stripe-mb", str(args.stripe_mb), "--dir", str(work),
-        ]  # fmt: skip
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
-        if proc.returncode != 0:
-            raise SystemExit(f"{' '.join(cmd)} failed with status {proc.returncode}")
-        for line in proc.stdout.splitlines():
-            if line.startswith("RESULT "):
-                report(json.loads(line[len("RESULT ") :]))
-                return
-        raise SystemExit(f"no result:\n{proc.stdout}")
+        report(_run_job(args, ["--worker"], work))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

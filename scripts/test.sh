@@ -12,4 +12,7 @@ ruff check deeppart tests bench
 log "mypy"
 mypy
 log "pytest"
+# Real-FTI tests (tests/test_fti.py): run with $FTI_LIBRARY, else .fti/ (scripts/build-fti.sh).
+if [ -z "${FTI_LIBRARY:-}" ] && [ -f .fti/lib/libfti.so ]; then export FTI_LIBRARY="$PWD/.fti/lib/libfti.so"; fi
+[ -n "${FTI_LIBRARY:-}" ] || log "real-FTI tests skipped: no libfti (build it: bash scripts/build-fti.sh FTI_SOURCE_DIR, or set FTI_LIBRARY)"
 pytest -q "$@"

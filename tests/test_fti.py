@@ -293,21 +293,29 @@ def test_fill_views_or_copies() -> None:
 
 
 # ----------------------------------------------------------------------------
-# With the real libfti: 4 ranks, 2 fake nodes of 2, groups of 2 nodes.
+# With the real libfti: each scenario is a separate mpiexec job (a restore
+# is always a new job, so FTI's in-memory records cannot help it). Fake
+# nodes of 2 ranks (local_test): 4 ranks = 2 nodes in groups of 2, 8 ranks
+# = 4 nodes in groups of 4.
+
+#: (ranks, group_size) of the topologies the restart matrix runs on.
+TOPOLOGIES = [(4, 2), (8, 4)]
 
 
-def _mpirun(*args: str) -> subprocess.CompletedProcess[str]:
-    cmd = [str(MPIEXEC), "-n", "4", sys.executable, str(WORKER), *args]
+def _mpirun(
+    scenario: str, root: Path, level: int, ranks: int = 4, group_size: int = 2
+) -> subprocess.CompletedProcess[str]:
+    cmd = [str(MPIEXEC), "-n", str(ranks), sys.executable, str(WORKER)]
+    cmd += [scenario, str(root), str(level), str(group_size)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    limit = TIMEOUT_S * max(1, ranks // 4)  # 8 ranks on 2 cores: twice as long
     try:
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=ROOT
-        )
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, env=env, cwd=ROOT)
     except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{' '.join(cmd)} hung (no result after {TIMEOUT_S} s): {e.stdout!r}")
+        pytest.fail(f"{' '.join(cmd)} hung (no result after {limit} s): {e.stdout!r}")
     assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    oks = set(re.findall(r"OK \w+ rank \d/4", proc.stdout))
-    assert len(oks) == 4, proc.stdout + proc.stderr
+    oks = set(re.findall(rf"OK {scenario} rank \d+/{ranks}(?!\d)", proc.stdout))
+    assert len(oks) == ranks, proc.stdout + proc.stderr
     return proc
 
 
@@ -319,23 +327,67 @@ def _node_dirs(local: Path, node: int) -> list[Path]:
     ]
 
 
+def _ckpt_files(local: Path, node: int) -> list[Path]:
+    return [f for d in _node_dirs(local, node) for f in d.rglob("Ckpt*.fti")]
+
+
+needs_mpiexec = pytest.mark.skipif(
+    not MPIEXEC.exists(), reason="mpiexec (the mpich wheel) is not installed"
+)
+
+
 @needs_fti
+@needs_mpiexec
 @pytest.mark.mpi
-@pytest.mark.skipif(not MPIEXEC.exists(), reason="mpiexec (the mpich wheel) is not installed")
 @pytest.mark.parametrize("level", [1, 2, 3, 4])
-def test_real_fti_save_restart_bitwise(tmp_path: Path, level: int) -> None:
+@pytest.mark.parametrize(("ranks", "group_size"), TOPOLOGIES, ids=["4ranks", "8ranks"])
+def test_real_fti_restart_in_a_new_job(
+    tmp_path: Path, ranks: int, group_size: int, level: int
+) -> None:
     """Saved through FTI_Checkpoint at ``level`` by one job, restored
-    bitwise on every rank by the next one (FTI_Init + FTI_Recover), after
-    losing what that level protects against: nothing (L1), node 1's local
-    storage (L2: partner copy, L3: Reed-Solomon), all local storage (L4)."""
-    _mpirun("save", str(tmp_path), str(level))
+    bitwise on every rank by a new mpiexec job (FTI_Init + FTI_Recover),
+    after losing what that level protects against: nothing (L1), node 1's
+    local storage (L2: partner copy, L3: Reed-Solomon), all local storage
+    (L4). On 8 ranks the plan leaves some ranks without any piece."""
+    saved = _mpirun("save", tmp_path, level, ranks, group_size)
+    plan = re.search(r"PLAN \[([\d, ]+)\] IDS \[([\d, ]+)\]", saved.stdout)
+    assert plan, saved.stdout
+    pieces = [int(x) for x in plan.group(1).split(",")]
+    ids = [int(x) for x in plan.group(2).split(",")]
+    assert len(set(ids)) == 1, f"every rank protects as many FTI datasets: {ids}"
+    if ranks == 8:
+        assert 0 in pieces, f"the 8-rank plan should leave a rank empty: {pieces}"
+    assert len(set(pieces)) > 1, f"ranks should hold different numbers of pieces: {pieces}"
     local = tmp_path / "local"
     if level in (2, 3):
-        lost = _node_dirs(local, 1)
+        lost = _ckpt_files(local, 1)
         tree = sorted(str(p.relative_to(tmp_path)) for p in local.rglob("*"))
-        assert lost, f"no node1 directory under {local}: {tree}"
-        for d in lost:
+        assert lost, f"no checkpoint files of node1 under {local}: {tree}"
+        for d in _node_dirs(local, 1):
             shutil.rmtree(d)
     elif level == 4:
-        shutil.rmtree(local, ignore_errors=True)
-    _mpirun("restore", str(tmp_path), str(level))
+        assert (tmp_path / "global").exists()
+        shutil.rmtree(local)
+    restored = _mpirun("restore", tmp_path, level, ranks, group_size)
+    if level in (1, 2, 3):
+        # Every rank's node-local file is back (rebuilt for node 1 at L2/L3).
+        found = set(re.findall(r"LOCAL FILE rank (\d+)", restored.stdout))
+        assert found == {str(r) for r in range(ranks)}, restored.stdout
+
+
+@needs_fti
+@needs_mpiexec
+@pytest.mark.mpi
+def test_real_fti_broken_save_fails_on_every_rank(tmp_path: Path) -> None:
+    """One rank protects an extra FTI dataset: the save fails with the
+    backend's error on every rank, before FTI_Checkpoint, leaving no index;
+    a new job then finds nothing to restore (no checkpoint claims to be
+    readable)."""
+    broken = _mpirun("broken", tmp_path, 2)
+    errors = re.findall(r"rank (\d) ERROR ranks protect different FTI datasets", broken.stdout)
+    assert sorted(errors) == ["0", "1", "2", "3"], broken.stdout
+    counts = re.search(r"ids per rank: \[(\d+), \1, \1, (\d+)\]", broken.stdout)
+    assert counts and int(counts.group(2)) == int(counts.group(1)) + 1, broken.stdout
+    assert not list((tmp_path / "meta").rglob("fti-step-*.json"))
+    nothing = _mpirun("nothing", tmp_path, 2)
+    assert len(re.findall(r"ERROR no FTI checkpoint to recover", nothing.stdout)) == 4

@@ -450,6 +450,8 @@ class FTIBackend:
         self._closed = False
         self._keep: list[Any] = []  # buffers FTI holds raw pointers to
         self._nids = 0  # datasets protected so far (ids 0 .. _nids-1)
+        self._protected: set[int] = set()  # every id this rank gave FTI_Protect
+        self._fti_comm: Any = None  # the duplicate communicator FTI was given
         self._count = 0  # saves through this backend
         self._last_step: int | None = None
         self._last_level = 0
@@ -515,8 +517,14 @@ class FTIBackend:
                 err = e
         _agree(user, err)
 
-        # 4. FTI_Init (collective; rebuilds lost files on a restart).
-        handle = lib.comm_type(MPI._handleof(mpi_comm))
+        # 4. FTI_Init (collective; rebuilds lost files on a restart). FTI
+        # gets its own duplicate of the communicator with MPI errors fatal:
+        # FTI does not check the return codes of its metadata gathers, and
+        # mpi4py's MPI_ERRORS_RETURN (inherited by every communicator FTI
+        # derives) would let a truncated gather commit unreadable metadata.
+        self._fti_comm = mpi_comm.Dup()
+        self._fti_comm.Set_errhandler(MPI.ERRORS_ARE_FATAL)
+        handle = lib.comm_type(MPI._handleof(self._fti_comm))
         rc = lib.cdll.FTI_Init(str(self.config_path).encode(), handle)
         if rc not in (FTI_SCES, FTI_NREC):
             raise FTIError(f"FTI_Init({self.config_path}) failed with {rc}")
@@ -569,22 +577,44 @@ class FTIBackend:
         rc = self._fti().FTI_Protect(fti_id, _pointer(buf), int(buf.size), self._char)
         if rc != FTI_SCES:
             raise FTIError(f"FTI_Protect(id {fti_id}, {buf.size} bytes) failed with {rc}")
+        self._protected.add(fti_id)
 
-    def _protect_all(self, header: U8, blobs: list[tuple[_Blob, U8]], keep: list[Any]) -> int:
-        """Protects the header and the blobs; every id protected before and
-        not used now gets a 1-byte placeholder (FTI recovers every protected
-        id, so the set must not shrink). Returns the number of ids."""
+    def _protect_all(
+        self, header: U8, blobs: list[tuple[_Blob, U8]], keep: list[Any], total: int
+    ) -> int:
+        """Protects the header and the blobs, then 1-byte placeholders for
+        ids ``1 + len(blobs) .. total - 1``: ``total`` is the same on every
+        rank (the largest count across ranks, and never less than before,
+        since FTI checkpoints and recovers every id it knows), because FTI
+        1.6's metadata assumes every rank protects the same number of
+        datasets. Returns the number of ids."""
         self._protect(HEADER_ID, header)
         for blob, buf in blobs:
             self._protect(blob.fti_id, buf)
-        used = 1 + len(blobs)
-        for fti_id in range(used, self._nids):
+        for fti_id in range(1 + len(blobs), total):
             pad = np.zeros(1, dtype=np.uint8)
             keep.append(pad)
             self._protect(fti_id, pad)
         self._keep = keep
-        self._nids = max(self._nids, used)
+        self._nids = max(self._nids, total)
         return self._nids
+
+    def _check_protected(self, err: BaseException | None, what: str) -> None:
+        """Collective: raises on every rank unless every rank has protected
+        the same set of FTI ids (FTI 1.6 gathers the group root's count of
+        variables from every member: a rank with more loses its extra
+        datasets from the metadata, one with fewer records garbage, and the
+        checkpoint still reports success). ``what``: the FTI call it
+        guards, for the message."""
+        ids = sorted(self._protected)
+        payload = struct.pack("<I", len(ids)) + hashlib.sha256(repr(ids).encode()).digest()[:28]
+        rows = _agree(self.comm, err, payload)
+        if len(set(rows)) != 1:
+            counts = [struct.unpack("<I", row[:4])[0] for row in rows]
+            raise FTIError(
+                f"ranks protect different FTI datasets (ids per rank: {counts}); FTI needs the "
+                f"same ids on every rank, so {what} was not called"
+            )
 
     def _level_checked(self, level: int) -> None:
         if level not in (1, 2, 3, 4):
@@ -632,6 +662,8 @@ class FTIBackend:
         keep: list[Any] = []
         local = np.zeros(len(prep.plan.rank_pieces(c.rank)) + 1, dtype=np.uint64)
         header = np.zeros(_HEADER_BYTES, dtype=np.uint8)
+        blobs: list[tuple[_Blob, U8]] = []
+        sums: list[int] = []
         try:
             pieces = prep.plan.rank_pieces(c.rank)
             views: list[U8] = []
@@ -649,7 +681,6 @@ class FTIBackend:
                     assert leaf.encoded is not None
                     views.append(np.frombuffer(leaf.encoded, dtype=np.uint8))
             sums = [checksum(v.data) for v in views]
-            blobs: list[tuple[_Blob, U8]] = []
             starts = [0]
             for v in views:
                 starts.append(starts[-1] + int(v.size))
@@ -661,11 +692,17 @@ class FTIBackend:
                 _HEADER.pack(_MAGIC, step, c.rank, c.size, self._digest(prep, step)), dtype=np.uint8
             )
             keep.append(header)
-            nids = self._protect_all(header, blobs, keep)
+        except Exception as e:
+            err = e
+        # Every rank protects as many ids as the rank with the most.
+        wants = _agree(c, err, struct.pack("<q", max(self._nids, 1 + len(blobs))))
+        total = max(struct.unpack("<q", w[:8])[0] for w in wants)
+        try:
+            nids = self._protect_all(header, blobs, keep, total)
             local = np.array([*sums, nids], dtype=np.uint64)
         except Exception as e:
             err = e
-        _agree(c, err)
+        self._check_protected(err, f"FTI_Checkpoint(id {step + 1})")
         t2 = time.perf_counter()
 
         rc = self._fti().FTI_Checkpoint(step + 1, lv)
@@ -867,7 +904,7 @@ class FTIBackend:
             err = CorruptCheckpointError(f"{self._index_path(have)}: malformed FTI index ({e})")
         except Exception as e:
             err = e
-        _agree(c, err)
+        self._check_protected(err, "FTI_Recover")
 
         rc = lib.FTI_Recover()
         if rc != FTI_SCES:
@@ -943,6 +980,8 @@ class FTIBackend:
             rc = self._lib.cdll.FTI_Finalize()
             if rc != FTI_SCES:
                 raise FTIError(f"FTI_Finalize failed with {rc}")
+            self._fti_comm.Free()  # FTI's communicators are gone with it
+        self._fti_comm = None
         self._keep = []
 
     def __enter__(self) -> FTIBackend:
