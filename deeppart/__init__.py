@@ -40,7 +40,7 @@ from deeppart.progress import Stats as CheckpointStats
 from deeppart.state import StateError
 
 if TYPE_CHECKING:
-    from deeppart.service import plan_with, resolve_planner
+    from deeppart.service import PlannerServiceError, plan_with, resolve_planner
     from deeppart.service.client import PlannerClient
 
 __version__ = "0.1.0"
@@ -69,6 +69,7 @@ __all__ = [
     "PlanError",
     "PlanStats",
     "PlannerClient",
+    "PlannerServiceError",
     "RecoveryReport",
     "StateError",
     "StateMismatchError",
@@ -99,7 +100,7 @@ def __getattr__(name: str) -> Any:
 
             return missing_client(e)
         return PlannerClient
-    if name in ("plan_with", "resolve_planner"):
+    if name in ("plan_with", "resolve_planner", "PlannerServiceError"):
         import deeppart.service
 
         return getattr(deeppart.service, name)
