@@ -31,9 +31,17 @@ existing state (DeepPart: ``into=``). DeepPart loads with its default
 exchange (``"auto"``: on one host, every rank reads everything itself from
 the shared page cache, as DCP does here) and, for comparison, with
 ``exchange="bcast"`` (each rank reads 1/K of the files, then MPI
-broadcasts: what ``"auto"`` picks across nodes). "raw" writes (reads)
-``1/K`` of the state's bytes per rank as one sequential write (read) of one
-file: the ceiling of this machine for K parallel writers. Every save
+broadcasts: what ``"auto"`` picks across nodes). "raw" writes ``1/K`` of
+the state's bytes per rank as one sequential write of one file: the ceiling
+of this machine for K parallel writers. A replicated restore must put every
+byte in every rank's memory, so the load ceilings are "raw read all" (every
+rank reads all K raw files: the ceiling of ``exchange="read"``) and "raw
+read+bcast" (each rank reads its file, then every file is broadcast: the
+ceiling of ``exchange="bcast"``); "raw share" (each rank reads only its own
+file) is shown for reference, it is not a restore. A compressed checkpoint
+loads by default with each piece decompressed once, by the rank that read
+it, and raw bytes broadcast; "deeppart+CODEC/read" is the other way (every
+rank reads and decompresses everything), for comparison. Every save
 contender writes a new file or directory each round and then deletes the
 previous one, as a training loop saving ``step-N`` with one checkpoint kept
 does (overwriting the last checkpoint in place would lose it on a crash);
@@ -149,6 +157,15 @@ def _raw_read(buf: np.ndarray[Any, Any], path: Path) -> None:
     assert n == buf.nbytes
 
 
+def _bcast_all(comm: Any, full: np.ndarray[Any, Any], n: int, size: int) -> None:
+    """Every rank's ``n``-byte block of ``full`` broadcast from that rank,
+    in chunks under MPI's 2 GiB count limit."""
+    chunk = 1 << 30
+    for r in range(size):
+        for start in range(r * n, (r + 1) * n, chunk):
+            comm.Bcast(full[start : min(start + chunk, (r + 1) * n)], root=r)
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -198,6 +215,21 @@ def worker(args: argparse.Namespace) -> None:
     dp_s = _NewEachRound(dp_write, base, "dp", rank == 0)
     dpz_s = _NewEachRound(dpz_write, base, "dpz", rank == 0)
     raw_s = _NewEachRound(lambda path: _raw_write(share, path), base, f"raw-{rank}.bin", True)
+    # The replicated-restore ceilings: every byte of every rank's raw file
+    # in every rank's memory.
+    n = share.size
+    full = np.empty(n * size, dtype=np.uint8)
+
+    def raw_of(r: int) -> Path:
+        return base / f"raw-{r}.bin-{raw_s.round - 1}"
+
+    def raw_read_all() -> None:
+        for r in range(size):
+            _raw_read(full[r * n : (r + 1) * n], raw_of(r))
+
+    def raw_read_bcast() -> None:
+        _raw_read(full[rank * n : (rank + 1) * n], raw_of(rank))
+        _bcast_all(comm, full, n, size)
 
     saves: list[tuple[str, Callable[[], Any]]] = [
         ("save torch", torch_s),
@@ -219,7 +251,13 @@ def worker(args: argparse.Namespace) -> None:
             "load deeppart/bcast",
             lambda: deeppart.load(dp_s.latest, comm=comm, into=state, exchange="bcast"),
         ),
-        ("load raw", lambda: _raw_read(share, raw_s.latest)),
+        (
+            f"load deeppart+{codec}/read",
+            lambda: deeppart.load(dpz_s.latest, comm=comm, into=state, exchange="read"),
+        ),
+        ("load raw share", lambda: _raw_read(share, raw_s.latest)),
+        ("load raw read all", raw_read_all),
+        ("load raw read+bcast", raw_read_bcast),
     ]
     # Rounds: every contender once per round, so slow phases of this shared
     # machine spread over all of them; each contender's best round counts.
@@ -308,7 +346,7 @@ def job_result(cmd: list[str], env: dict[str, str]) -> dict[str, Any]:
     raise SystemExit(f"no result from {' '.join(cmd)}:\n{proc.stdout}")
 
 
-OTHERS = ("torch", "dcp", "raw")
+OTHERS = {"save": ("torch", "dcp", "raw"), "load": ("torch", "dcp", "raw read all")}
 
 
 def _median_ratio(rounds: dict[str, list[float]], num: str, den: str) -> float:
@@ -325,15 +363,13 @@ def report(results: list[dict[str, Any]], codec: str) -> None:
         f"{os.cpu_count()} CPUs; saves fsynced, loads from the page cache"
     )
     for op in ("save", "load"):
-        names = [
-            f"{op} torch",
-            f"{op} dcp",
-            f"{op} deeppart",
-            f"{op} deeppart+{codec}",
-            *([f"{op} deeppart/bcast"] if op == "load" else []),
-            f"{op} raw",
-            *([f"{op} raw in place"] if op == "save" else []),
-        ]
+        columns = (
+            ["torch", "dcp", "deeppart", f"deeppart+{codec}", "raw", "raw in place"]
+            if op == "save"
+            else ["torch", "dcp", "deeppart", "deeppart/bcast", f"deeppart+{codec}",
+                  f"deeppart+{codec}/read", "raw read all", "raw read+bcast", "raw share"]
+        )  # fmt: skip
+        names = [f"{op} {x}" for x in columns]
         print(f"\n{op}: seconds (GB/s)")
         print(f"{'ranks':>5}  " + "  ".join(f"{n[len(op) + 1 :]:>20}" for n in names))
         for r in results:
@@ -343,24 +379,40 @@ def report(results: list[dict[str, Any]], codec: str) -> None:
         for r in results:
             t = r["times"]
             dp, dpz = t[f"{op} deeppart"], t[f"{op} deeppart+{codec}"]
-            print(
+            line = (
                 f"  {r['ranks']} rank(s): torch/deeppart {t[f'{op} torch'] / dp:5.2f}x  "
                 f"dcp/deeppart {t[f'{op} dcp'] / dp:5.2f}x  "
-                f"raw/deeppart {t[f'{op} raw'] / dp:5.2f}  "
-                f"deeppart/deeppart+{codec} {dp / dpz:5.2f}x"
-                + (
-                    f"  dcp/deeppart-bcast {t[f'{op} dcp'] / t[f'{op} deeppart/bcast']:5.2f}x"
-                    if op == "load"
-                    else ""
-                )
             )
+            if op == "save":
+                line += (
+                    f"raw/deeppart {t['save raw'] / dp:5.2f}  "
+                    f"deeppart/deeppart+{codec} {dp / dpz:5.2f}x"
+                )
+            else:
+                bc, dpz_read = t["load deeppart/bcast"], t[f"load deeppart+{codec}/read"]
+                line += (
+                    f"raw-read-all/deeppart {t['load raw read all'] / dp:5.2f}  "
+                    f"raw-read+bcast/deeppart-bcast {t['load raw read+bcast'] / bc:5.2f}  "
+                    f"deeppart+{codec}: /read over decompress-once {dpz_read / dpz:5.2f}x"
+                )
+            print(line)
         print(f"{op} ratios within each round, median over the rounds (noise-robust)")
         for r in results:
-            med = [_median_ratio(r["rounds"], f"{op} {o}", f"{op} deeppart") for o in OTHERS]
-            print(
+            med = [_median_ratio(r["rounds"], f"{op} {o}", f"{op} deeppart") for o in OTHERS[op]]
+            ceiling = "raw" if op == "save" else "raw-read-all"
+            line = (
                 f"  {r['ranks']} rank(s): torch/deeppart {med[0]:5.2f}x  "
-                f"dcp/deeppart {med[1]:5.2f}x  raw/deeppart {med[2]:5.2f}"
+                f"dcp/deeppart {med[1]:5.2f}x  {ceiling}/deeppart {med[2]:5.2f}"
             )
+            if op == "load":
+                rr = r["rounds"]
+                bcast = _median_ratio(rr, "load raw read+bcast", "load deeppart/bcast")
+                once = _median_ratio(rr, f"load deeppart+{codec}/read", f"load deeppart+{codec}")
+                line += (
+                    f"  raw-read+bcast/deeppart-bcast {bcast:5.2f}"
+                    f"  deeppart+{codec} /read over decompress-once {once:5.2f}x"
+                )
+            print(line)
     print(
         f"\n{codec} compression ratio (raw/stored): "
         + ", ".join(f"{r['ratio']:.3f}" for r in results[:1])

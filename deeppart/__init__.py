@@ -46,7 +46,7 @@ from deeppart.restore import IncompatibleKeys
 from deeppart.state import StateError
 
 if TYPE_CHECKING:
-    from deeppart.service import plan_with, resolve_planner
+    from deeppart.service import PlannerServiceError, plan_with, resolve_planner
     from deeppart.service.client import PlannerClient
 
 __version__ = "0.1.0"
@@ -76,6 +76,7 @@ __all__ = [
     "PlanError",
     "PlanStats",
     "PlannerClient",
+    "PlannerServiceError",
     "RecoveryReport",
     "StateError",
     "StateMismatchError",
@@ -107,7 +108,7 @@ def __getattr__(name: str) -> Any:
 
             return missing_client(e)
         return PlannerClient
-    if name in ("plan_with", "resolve_planner"):
+    if name in ("plan_with", "resolve_planner", "PlannerServiceError"):
         import deeppart.service
 
         return getattr(deeppart.service, name)

@@ -32,7 +32,7 @@ import numpy.typing as npt
 
 from deeppart import staging as _staging
 from deeppart._planner import DeepPartError, Manifest, ManifestError, Plan
-from deeppart.comm import Comm, resolve
+from deeppart.comm import Comm, node_shared, resolve
 from deeppart.compression import CODECS, CodecError, check_codec, compress, decompress
 from deeppart.format import (
     FORMAT_NAME,
@@ -896,9 +896,10 @@ def load(
     MPI traffic (right when all ranks share one node's page cache, or the
     interconnect or the CPUs are the bottleneck, e.g. oversubscribed ranks).
     ``exchange="auto"`` (default): ``"read"`` when every rank runs on the same
-    host and no piece is compressed, else ``"bcast"`` (so that each compressed
-    piece is decompressed once, by the rank that read it, and its raw bytes
-    exchanged); all ranks take the same decision.
+    host and no piece is compressed, else ``"bcast"``; all ranks take the
+    same decision. A compressed piece is then decompressed once, by the rank
+    that read it, and its raw bytes exchanged: on one host (MPI) through
+    memory all its ranks map (a shared window), else by broadcast.
 
     With ``into`` (a state of the same structure, e.g. ``model.state_dict()``),
     tensors are filled in place (``copy_`` semantics, no second full copy)
@@ -933,6 +934,9 @@ def load(
         hosts = c.allgather_varbytes(socket.gethostname().encode())
         one_host = len(set(hosts)) == 1
     read_all = False
+    # One host, compressed pieces: the readers decompress into memory that
+    # every rank of the host maps (an MPI shared window), not a broadcast.
+    via_shared = False
     try:
         try:
             meta, digest = _read_metadata(path)
@@ -955,6 +959,7 @@ def load(
             # decompress everything.
             compressed = any(p.codec != "none" for p in meta.pieces)
             exchange = "read" if one_host and not compressed else "bcast"
+            via_shared = one_host and compressed
         if exchange not in ("bcast", "read"):
             raise ValueError(f"exchange must be 'auto', 'bcast' or 'read', not {exchange!r}")
         read_all = exchange == "read" or c.size == 1
@@ -1003,34 +1008,51 @@ def load(
             return _staging.DeviceSink(tgt.sink, p.start * isz, p.length)
         return tgt.buf[p.start * isz : p.stop * isz]
 
+    shared = None
+    if via_shared and not read_all:
+        shared = node_shared(c, sum(file_raw[f] for f in mine))
     try:
-        for f in mine:
-            if read_all:
-                nread += _read_file(path, meta, f, by_file[f], direct, prog, stage)
-            else:
-                buf = np.empty(file_raw[f], dtype=np.uint8)
-                buffers[f] = buf
-                nread += _read_file(path, meta, f, by_file[f], place(buf, by_file[f]), prog)
-    except Exception as e:
-        err = e
-    finally:
-        prog.close()
-    _agree(c, err)
-
-    if not read_all:
-        for f in range(meta.world_size):
-            if file_raw[f] == 0:
-                continue
-            buf = buffers.pop(f) if f in buffers else np.empty(file_raw[f], dtype=np.uint8)
-            c.bcast_u8(buf, root=owner[f])
-            src = place(buf, by_file[f])
-            for p in by_file[f]:
-                out = direct(p)
-                if isinstance(out, _staging.DeviceSink):
-                    stage.put(out, src(p))
+        if shared is not None:
+            # File f's raw bytes: in its reader's segment, after that
+            # reader's earlier files.
+            ends = [0] * c.size
+            for f in range(meta.world_size):
+                seg = shared.segments[owner[f]]
+                buffers[f] = seg[ends[owner[f]] : ends[owner[f]] + file_raw[f]]
+                ends[owner[f]] += file_raw[f]
+        try:
+            for f in mine:
+                if read_all:
+                    nread += _read_file(path, meta, f, by_file[f], direct, prog, stage)
                 else:
-                    out[:] = src(p)
-            del buf
+                    buf = buffers.setdefault(f, np.empty(file_raw[f], dtype=np.uint8))
+                    nread += _read_file(path, meta, f, by_file[f], place(buf, by_file[f]), prog)
+        except Exception as e:
+            err = e
+        finally:
+            prog.close()
+        _agree(c, err)  # also: every reader has filled its shared segment
+
+        if not read_all:
+            for f in range(meta.world_size):
+                if file_raw[f] == 0:
+                    continue
+                buf = buffers.pop(f) if f in buffers else np.empty(file_raw[f], dtype=np.uint8)
+                if shared is None:
+                    c.bcast_u8(buf, root=owner[f])
+                src = place(buf, by_file[f])
+                for p in by_file[f]:
+                    out = direct(p)
+                    if isinstance(out, _staging.DeviceSink):
+                        stage.put(out, src(p))
+                    else:
+                        out[:] = src(p)
+                del buf
+    finally:
+        if shared is not None:
+            buffers.clear()
+            c.barrier()  # nobody still copies out of another rank's segment
+            shared.close()
 
     state = _assemble(meta, targets, path, matched, keys is not None)
     if matched is not None:

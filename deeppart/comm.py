@@ -353,6 +353,41 @@ class TorchDistComm(_Ranked):
 _LAUNCHER_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "PMIX_SIZE")
 
 
+class NodeShared:
+    """Memory shared by all ranks of one host (an MPI shared window): each
+    rank owns one segment and sees every rank's. Collective to make and to
+    :meth:`close`."""
+
+    def __init__(self, win: Any, node: Any, segments: list[U8]) -> None:
+        self._win, self._node = win, node
+        #: Every rank's segment, writable only by its owner by convention.
+        self.segments = segments
+
+    def close(self) -> None:
+        self.segments = []
+        self._win.Free()
+        self._node.Free()
+
+
+def node_shared(c: Comm, nbytes: int) -> NodeShared | None:
+    """A :class:`NodeShared` with ``nbytes`` in this rank's segment, when
+    ``c`` is an MPI communicator whose ranks all run on one host; else None
+    (the caller exchanges another way). Collective over ``c``."""
+    if not isinstance(c, MPIComm):
+        return None
+    MPI = c._MPI
+    node = c.comm.Split_type(MPI.COMM_TYPE_SHARED, key=c.rank)
+    if node.Get_size() != c.size:
+        node.Free()
+        return None
+    win = MPI.Win.Allocate_shared(max(nbytes, 1), 1, comm=node)
+    segments = []
+    for r in range(c.size):
+        buf, _ = win.Shared_query(r)
+        segments.append(np.frombuffer(buf, dtype=np.uint8))
+    return NodeShared(win, node, segments)
+
+
 def _launched_by_mpiexec() -> bool:
     for var in _LAUNCHER_SIZE_VARS:
         try:

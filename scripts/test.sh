@@ -2,8 +2,17 @@
 # Runs every test: Rust (cargo test, property tests), lint and types
 # (ruff, mypy), and Python (pytest, including multi-rank MPI tests).
 # Sets up .venv and the extension first; skips what is already done.
+# --quick: lint, types and the single-process tests only (no Rust tests, no
+# multi-rank or slow tests), for a change that touches one part.
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 setup
+if [ "${1:-}" = "--quick" ]; then
+  shift
+  log "quick subset: ruff, mypy, pytest -m 'not mpi and not slow' (the whole suite: without --quick)"
+  ruff check deeppart tests bench
+  mypy
+  exec pytest -q -m "not mpi and not slow" "$@"
+fi
 log "Rust format and tests"
 cargo fmt --all --check
 cargo test -p deeppart-planner --release --quiet

@@ -287,7 +287,7 @@ def test_client_local_cache_is_asked_first(
     with _client(server, cache=local) as client:
         first = client.plan(m, 4)
         again = client.plan(m, 4)
-    assert first.stats.source == "computed" and again.stats.source == "memory"
+    assert first.stats.source == "service" and again.stats.source == "memory"
     assert _pieces(again) == _pieces(first)
     assert server.stats().plan_requests == 2  # NEED_MANIFEST and the upload; not the repeat
 
@@ -368,13 +368,12 @@ def test_token(make_server: Callable[..., Server], caplog: pytest.LogCaptureFixt
     m = _manifest()
     with _client(server, token="s3cret-token") as client:
         assert _pieces(client.plan(m, 4)) == _pieces(deeppart.plan(m, 4))
-    # A wrong token: the job still gets its plan, planned in process.
-    with (
-        caplog.at_level(logging.WARNING, "deeppart.service"),
-        PlannerClient(server.url, token="nope", timeout_s=WAIT_S) as client,
-    ):
-        assert _pieces(client.plan(m, 2)) == _pieces(deeppart.plan(m, 2))
-    assert "UNAUTHENTICATED" in caplog.text
+    # A wrong token is a configuration error: it raises (planning in process
+    # would hide it), even with fallback on; nothing is counted as a fallback.
+    with PlannerClient(server.url, token="nope", timeout_s=WAIT_S) as client:
+        with pytest.raises(deeppart.PlannerServiceError, match=r"UNAUTHENTICATED.*check the token"):
+            client.plan(m, 2)
+        assert client.sources["local-fallback"] == 0
     s = server.stats((("authorization", "Bearer s3cret-token"),))
     assert s.errors_by_code["UNAUTHENTICATED"] == 4
 
@@ -586,10 +585,12 @@ def test_fallback_when_the_service_is_down(caplog: pytest.LogCaptureFixture) -> 
         plan = client.plan(m, 4)
         assert _pieces(plan) == _pieces(deeppart.plan(m, 4))
         assert "planning in process" in caplog.text and "UNAVAILABLE" in caplog.text
+        assert plan.stats.source == "local-fallback"
         # Within the cooldown the service is not asked again (no second warning).
         caplog.clear()
-        client.plan(m, 4)
+        assert client.plan(m, 4).stats.source == "local-fallback"
         assert caplog.text == ""
+    assert client.sources["local-fallback"] == 2
     client.close()
     with pytest.raises(Exception, match="UNAVAILABLE"):
         PlannerClient(f"127.0.0.1:{_free_port()}", retries=0, fallback=False).plan(m, 4)
@@ -615,13 +616,14 @@ def test_fallback_when_the_service_stops_mid_request(
         server.server.stop()  # cancels the request in flight
         t.join(WAIT_S)
     assert result and _pieces(result[0]) == _pieces(deeppart.plan(m, 4))
+    assert result[0].stats.source == "local-fallback"
     assert "planning in process" in caplog.text
     client.close()
 
 
-def test_fallback_when_the_plan_does_not_check_out(
-    make_server: Callable[..., Server], caplog: pytest.LogCaptureFixture
-) -> None:
+def test_a_plan_that_does_not_check_out_raises(make_server: Callable[..., Server]) -> None:
+    """A reachable service that sends a wrong plan is broken: the client
+    raises rather than hide it behind an in-process plan."""
     server = make_server()
     m = _manifest()
     with _client(server) as client:
@@ -643,13 +645,64 @@ def test_fallback_when_the_plan_does_not_check_out(
         ("balanced", "the plan received is invalid"),
         ("greedy", "the service answered for plan"),
     ]:
-        caplog.clear()
-        client = PlannerClient(server.url, timeout_s=WAIT_S)
-        with caplog.at_level(logging.WARNING, "deeppart.service"):
-            plan = client.plan(m, 4, algorithm=algorithm)
-        assert _pieces(plan) == _pieces(deeppart.plan(m, 4, algorithm=algorithm))
-        assert reason in caplog.text
-        client.close()
+        with (
+            PlannerClient(server.url, timeout_s=WAIT_S) as client,
+            pytest.raises(deeppart.PlannerServiceError, match=reason),
+        ):
+            client.plan(m, 4, algorithm=algorithm)
+
+
+def test_plan_source_says_service_or_service_cache(make_server: Callable[..., Server]) -> None:
+    """The first request is planned by the service ("service"); the same
+    request again, from a new client, is served from the service's cache
+    ("service-cache"), where it used to say "computed"."""
+    server = make_server()
+    m = _manifest()
+    with _client(server) as client:
+        first = client.plan(m, 8)
+    with _client(server) as client:
+        second = client.plan(m, 8)
+        again = client.plan(m, 8)
+        assert client.sources == {"service-cache": 2}
+    assert (first.stats.source, second.stats.source, again.stats.source) == (
+        "service", "service-cache", "service-cache"
+    )  # fmt: skip
+    assert _pieces(first) == _pieces(second) == _pieces(deeppart.plan(m, 8))
+    with pytest.raises(ValueError, match="unknown plan source"):
+        first.with_source("somewhere")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("code", "hint"),
+    [("PERMISSION_DENIED", "permissions"), ("UNIMPLEMENTED", "DeepPart planner service")],
+)
+def test_configuration_errors_raise(code: str, hint: str) -> None:
+    """A real gRPC server that denies permission, or that is not a DeepPart
+    service at all (no handlers: UNIMPLEMENTED): the client raises a
+    DeepPart error naming the code, and does not plan in process."""
+    from concurrent import futures
+
+    from deeppart.service.options import SERVICE_NAME
+
+    def deny(request: bytes, context: Any) -> bytes:
+        context.abort(grpc.StatusCode.PERMISSION_DENIED, "job not allowed")
+        return b""
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    if code == "PERMISSION_DENIED":
+        handler = grpc.unary_unary_rpc_method_handler(deny)
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE_NAME, {"Plan": handler}),)
+        )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with PlannerClient(f"grpc://127.0.0.1:{port}", timeout_s=WAIT_S) as client:
+            with pytest.raises(deeppart.PlannerServiceError, match=f"{code}.*{hint}"):
+                client.plan(_manifest(), 4)
+            assert not client.sources
+    finally:
+        server.stop(None)
 
 
 def test_invalid_arguments_raise_as_in_process(make_server: Callable[..., Server]) -> None:

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use deeppart_planner as core;
 use pyo3::create_exception;
-use pyo3::exceptions::PyException;
+use pyo3::exceptions::{PyException, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 use serde_json::{Map, Number, Value};
@@ -164,6 +164,10 @@ impl Manifest {
 
     /// Walks nested dicts, lists and tuples of torch tensors and plain values
     /// (e.g. a model and an optimizer state_dict) without copying tensor data.
+    ///
+    /// This is how to make a manifest for `deeppart plan` / `deeppart simulate`:
+    /// `Path("m.json").write_text(Manifest.from_state_dict(state).to_json())`,
+    /// or on the command line `deeppart manifest CHECKPOINT|FILE.safetensors|MODEL`.
     #[staticmethod]
     fn from_state_dict(py: Python<'_>, state: &Bound<'_, PyAny>) -> PyResult<Manifest> {
         let walker = py.import("deeppart.state")?;
@@ -171,6 +175,10 @@ impl Manifest {
         Manifest::from_leaves(&leaves)
     }
 
+    /// The JSON interchange form (docs/PLANNER.md): `{"version": 1, "leaves":
+    /// [{"path": [...], "dtype": ..., "shape": [...]}, ...]}`, what `deeppart
+    /// plan` and `deeppart simulate --model FILE` read and `Manifest.from_json`
+    /// parses. E.g. `Manifest.from_state_dict(state).to_json()`.
     fn to_json(&self) -> String {
         self.inner.to_json()
     }
@@ -399,7 +407,8 @@ impl PlanStats {
     fn plan_ms(&self) -> f64 {
         self.inner.plan_ms
     }
-    /// "computed", "memory" or "disk".
+    /// "computed", "memory" or "disk"; through the planner service client
+    /// "service", "service-cache" or "local-fallback".
     #[getter]
     fn source(&self) -> &'static str {
         self.inner.source.name()
@@ -449,6 +458,21 @@ impl Plan {
 
 #[pymethods]
 impl Plan {
+    /// The same plan with `stats.source` set to `source` ("computed",
+    /// "memory", "disk", "service", "service-cache" or "local-fallback"):
+    /// how the planner service client says where a plan came from.
+    fn with_source(&self, source: &str) -> PyResult<Plan> {
+        let src = core::PlanSource::from_name(source).ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "unknown plan source {source:?}; expected one of {}",
+                core::PlanSource::ALL.map(|s| s.name()).join(", ")
+            ))
+        })?;
+        let mut p = (*self.inner).clone();
+        p.stats.source = src;
+        Ok(Plan { inner: Arc::new(p) })
+    }
+
     #[getter]
     fn world_size(&self) -> u32 {
         self.inner.world_size

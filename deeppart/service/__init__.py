@@ -15,11 +15,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import deeppart
+from deeppart._planner import DeepPartError
 
 if TYPE_CHECKING:
     from deeppart.service.client import PlannerClient
 
-__all__ = ["plan_with", "resolve_planner"]
+__all__ = ["PlannerServiceError", "plan_with", "resolve_planner"]
+
+
+class PlannerServiceError(DeepPartError):
+    """The planner service refused or failed a request in a way that
+    planning in process would hide: a wrong or missing token, no permission,
+    another planner version, a target that is not a DeepPart service, or a
+    plan that does not check out. (An unreachable service is planned around.)"""
+
 
 TOKEN_ENV = "DEEPPART_TOKEN"
 TOKEN_FILE_ENV = "DEEPPART_TOKEN_FILE"
@@ -108,7 +117,8 @@ def plan_with(
     topology: deeppart.Topology | None = None,
 ) -> deeppart.Plan:
     """Plans through the service ``planner`` names (see :func:`resolve_planner`),
-    or in process; a failing service means a warning and an in-process plan."""
+    or in process; an unreachable service means a warning and an in-process
+    plan, any other failure :class:`PlannerServiceError`."""
     client = resolve_planner(planner)
     if client is None:
         return deeppart.plan(

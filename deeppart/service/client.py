@@ -4,9 +4,17 @@
 first: the manifest is uploaded only when the service does not know it. Every
 plan received is rebuilt with ``Plan.from_pieces`` (which validates each piece
 and recomputes the stats) and its fingerprint compared with the one the
-request asked for. Whenever the service cannot be reached, errors, or sends a
-plan that does not check out, the client logs a warning and plans in process:
-a job never fails because of the service.
+request asked for.
+
+Only an unreachable service (down, restarting, too slow: ``UNAVAILABLE``,
+``DEADLINE_EXCEEDED``, ``CANCELLED``, ``ABORTED``) makes the client plan in
+process, after one warning; such plans say ``stats.source ==
+"local-fallback"`` and :attr:`PlannerClient.sources` counts them. Anything
+else is a configuration error that falling back would hide (a wrong token:
+``UNAUTHENTICATED``; ``PERMISSION_DENIED``; another planner version; not a
+DeepPart service; a plan that does not check out) and raises
+:class:`PlannerServiceError`. A plan from the service says ``"service"``, or
+``"service-cache"`` when the service served it from its caches.
 """
 
 from __future__ import annotations
@@ -16,21 +24,37 @@ import logging
 import random
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import grpc
 
 import deeppart
 from deeppart.planning import resolve_cache
 from deeppart.proto import planner_pb2 as pb
-from deeppart.service import wire
+from deeppart.service import PlannerServiceError, wire
 from deeppart.service.options import JOB_METADATA_KEY, SERVICE_NAME
 
 log = logging.getLogger("deeppart.service")
 
 _RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED})
+#: The codes of a service that cannot be reached (or stopped mid-request):
+#: the only failures planned around in process.
+UNREACHABLE = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.ABORTED,
+    }
+)
+_HINTS = {
+    grpc.StatusCode.UNAUTHENTICATED: "check the token: $DEEPPART_TOKEN or token=",
+    grpc.StatusCode.PERMISSION_DENIED: "check the token's permissions",
+    grpc.StatusCode.UNIMPLEMENTED: "is the target a DeepPart planner service?",
+    grpc.StatusCode.FAILED_PRECONDITION: "client and service versions differ",
+}
 
 
 def _exact(values: dict[str, float | int]) -> tuple[tuple[str, str], ...]:
@@ -41,7 +65,7 @@ def _exact(values: dict[str, float | int]) -> tuple[tuple[str, str], ...]:
 
 
 class ServiceUnavailable(RuntimeError):
-    """The service could not give a usable plan (the caller plans locally)."""
+    """The service could not give a usable plan (with ``fallback=False``)."""
 
 
 def parse_target(target: str) -> tuple[str, bool]:
@@ -65,8 +89,12 @@ class PlannerClient:
     ``authorization`` metadata. ``timeout_s`` is each RPC's deadline,
     ``retries`` how often an unavailable service is tried again (with
     exponential backoff from ``backoff_s``, jittered, at most
-    ``max_backoff_s``). After a failure the service is not asked again for
-    ``cooldown_s``: requests are planned locally at once.
+    ``max_backoff_s``). After the service was found unreachable it is not
+    asked again for ``cooldown_s``: requests are planned locally at once
+    (``fallback=False``: :class:`ServiceUnavailable` instead).
+    ``sources`` counts where this client's plans came from (``service``,
+    ``service-cache``, ``local-fallback``, and the local cache's ``memory``
+    and ``disk``).
     """
 
     def __init__(
@@ -104,6 +132,7 @@ class PlannerClient:
         self._get_plan_rpc: Any = None
         self._stats_rpc: Any = None
         self._down_until = 0.0
+        self.sources: Counter[str] = Counter()
         self._manifest_wire: OrderedDict[str, pb.Manifest] = OrderedDict()
         # Small memos, so that asking again for a plan costs little: manifest
         # fingerprints by manifest object, and the plans already rebuilt and
@@ -285,11 +314,15 @@ class PlannerClient:
             raise ServiceUnavailable(
                 f"the service answered for plan {resp.plan_fingerprint}, not {expected}"
             )
+        source: Literal["service", "service-cache"] = (
+            "service" if resp.served_from in ("", "computed") else "service-cache"
+        )
         pieces = resp.pieces.SerializeToString()
         with self._memo_lock:
             seen = self._verified.get(expected)
         if seen is not None and seen[0] == pieces:
-            return seen[1]  # the very pieces already rebuilt and checked for this plan
+            # The very pieces already rebuilt and checked for this plan.
+            return seen[1].with_source(source)
         try:
             plan = wire.plan_from_response(
                 resp, manifest, algorithm=algorithm, cost=cost, topology=topology
@@ -301,7 +334,7 @@ class PlannerClient:
                 f"the plan received has fingerprint {plan.fingerprint}, expected {expected}"
             )
         self._remember(self._verified, expected, (pieces, plan))
-        return plan
+        return plan.with_source(source)
 
     def plan(
         self,
@@ -312,7 +345,9 @@ class PlannerClient:
         cost: deeppart.CostModel | None = None,
         topology: deeppart.Topology | None = None,
     ) -> deeppart.Plan:
-        """A plan from the service; on any failure a warning and a local plan.
+        """A plan from the service; if the service is unreachable, a warning
+        and a local plan (``stats.source == "local-fallback"``). Any other
+        failure raises :class:`PlannerServiceError`.
 
         With ``cache`` (as ``deeppart.plan``'s: ``True``, a directory or a
         ``PlanCache``), that local cache is asked first and keeps what the
@@ -326,34 +361,46 @@ class PlannerClient:
                     manifest, world_size, algorithm=algorithm, cost=cost, topology=topology
                 )
                 if found is not None:
+                    self.sources[found.stats.source] += 1
                     return found
         if time.monotonic() >= self._down_until:
             try:
                 plan = self._request_plan(manifest, world_size, expected, algorithm, cost, topology)
+            except grpc.RpcError as e:
+                reason = f"{e.code().name}: {e.details()}"
+                if e.code() not in UNREACHABLE:
+                    hint = _HINTS.get(e.code())
+                    raise PlannerServiceError(
+                        f"planner service {self.target}: {reason}" + (f" ({hint})" if hint else "")
+                    ) from e
+            except ServiceUnavailable as e:
+                raise PlannerServiceError(f"planner service {self.target}: {e}") from e
+            else:
                 if local is not None:
                     with contextlib.suppress(Exception):
                         local.put(plan)
+                self.sources[plan.stats.source] += 1
                 return plan
-            except grpc.RpcError as e:
-                reason = f"{e.code().name}: {e.details()}"
-            except ServiceUnavailable as e:
-                reason = str(e)
-            except Exception as e:  # never fail a job because of the service
-                reason = f"{type(e).__name__}: {e}"
             if not self.fallback:
                 raise ServiceUnavailable(reason)
             self._down_until = time.monotonic() + self.cooldown_s
             log.warning(
-                "deeppart planner service %s failed (%s); planning in process", self.target, reason
+                "deeppart planner service %s unreachable (%s); planning in process",
+                self.target,
+                reason,
             )
-        return deeppart.plan(
+        elif not self.fallback:
+            raise ServiceUnavailable(f"planner service {self.target}: unreachable (cooling down)")
+        plan = deeppart.plan(
             manifest,
             world_size,
             algorithm=algorithm,
             cost=cost,
             topology=topology,
             cache=local,
-        )
+        ).with_source("local-fallback")
+        self.sources["local-fallback"] += 1
+        return plan
 
     def get_plan(self, fingerprint: str, manifest: deeppart.Manifest) -> deeppart.Plan | None:
         """The plan the service knows by ``fingerprint`` (rebuilt against

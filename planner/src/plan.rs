@@ -74,18 +74,44 @@ pub struct Piece {
 /// Where a plan came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum PlanSource {
+    /// Planned in this process.
     Computed,
+    /// From the plan cache's memory tier.
     Memory,
+    /// From the plan cache's disk tier.
     Disk,
+    /// Planned by a planner service for this request.
+    Service,
+    /// Served by a planner service from its caches.
+    ServiceCache,
+    /// Planned in this process because the planner service was unreachable.
+    LocalFallback,
 }
 
 impl PlanSource {
+    pub const ALL: [PlanSource; 6] = [
+        PlanSource::Computed,
+        PlanSource::Memory,
+        PlanSource::Disk,
+        PlanSource::Service,
+        PlanSource::ServiceCache,
+        PlanSource::LocalFallback,
+    ];
+
     pub fn name(self) -> &'static str {
         match self {
             PlanSource::Computed => "computed",
             PlanSource::Memory => "memory",
             PlanSource::Disk => "disk",
+            PlanSource::Service => "service",
+            PlanSource::ServiceCache => "service-cache",
+            PlanSource::LocalFallback => "local-fallback",
         }
+    }
+
+    /// The source named `name` (as [`PlanSource::name`] gives it).
+    pub fn from_name(name: &str) -> Option<PlanSource> {
+        PlanSource::ALL.into_iter().find(|s| s.name() == name)
     }
 }
 
@@ -445,5 +471,22 @@ impl Plan {
             });
         }
         Ok(plan)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PlanSource;
+
+    #[test]
+    fn plan_source_names_round_trip() {
+        for s in PlanSource::ALL {
+            assert_eq!(PlanSource::from_name(s.name()), Some(s));
+        }
+        assert_eq!(
+            PlanSource::from_name("service-cache"),
+            Some(PlanSource::ServiceCache)
+        );
+        assert_eq!(PlanSource::from_name("somewhere"), None);
     }
 }
