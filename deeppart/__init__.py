@@ -26,7 +26,12 @@ from deeppart._planner import (
     plan_fingerprint,
 )
 from deeppart.async_save import AsyncSave, AsyncSaveWarning, async_save
-from deeppart.checkpoint import Checkpointer, load, save
+from deeppart.checkpoint import (
+    Checkpointer,
+    last_incompatible_keys,
+    load,
+    save,
+)
 from deeppart.format import CheckpointError, CorruptCheckpointError, StateMismatchError
 from deeppart.levels import (
     LevelConfig,
@@ -37,6 +42,7 @@ from deeppart.levels import (
 )
 from deeppart.planning import plan
 from deeppart.progress import Stats as CheckpointStats
+from deeppart.restore import IncompatibleKeys
 from deeppart.state import StateError
 
 if TYPE_CHECKING:
@@ -59,6 +65,7 @@ __all__ = [
     "CostModel",
     "DeepPartError",
     "ErasureError",
+    "IncompatibleKeys",
     "LevelConfig",
     "LevelConfigError",
     "LevelSaveStats",
@@ -76,6 +83,7 @@ __all__ = [
     "__version__",
     "async_save",
     "default_cache_dir",
+    "last_incompatible_keys",
     "load",
     "open_backend",
     "plan",

@@ -22,7 +22,7 @@ import socket
 import struct
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -62,6 +62,7 @@ from deeppart.format import (
     write_durable,
 )
 from deeppart.progress import Progress, Stats
+from deeppart.restore import ABSENT, IncompatibleKeys, match, prune, select
 from deeppart.state import FlatLeaf, StateError, decode_plain, describe_leaf, flatten, unflatten
 
 if TYPE_CHECKING:
@@ -71,11 +72,19 @@ if TYPE_CHECKING:
 U8 = npt.NDArray[np.uint8]
 
 _last_stats: dict[str, Stats] = {}
+_last_keys: list[IncompatibleKeys] = []
 
 
 def last_stats(op: str = "save") -> Stats | None:
     """The :class:`Stats` of this process's latest ``"save"`` or ``"load"``."""
     return _last_stats.get(op)
+
+
+def last_incompatible_keys() -> IncompatibleKeys | None:
+    """The missing and unexpected keys of this process's latest
+    ``load(into=...)`` (empty lists when everything matched), like the
+    value of ``torch.nn.Module.load_state_dict``; None before any."""
+    return _last_keys[-1] if _last_keys else None
 
 
 # ----------------------------------------------------------------------------
@@ -627,37 +636,59 @@ def _read_metadata(directory: Path) -> tuple[Metadata, bytes]:
     return parse_metadata(raw, _dtype_sizes()), hashlib.sha256(text).digest()
 
 
-def _targets(meta: Metadata, into: Any) -> tuple[list[_Target], Any]:
-    torch = _torch()
-    dtypes = _dtypes()
-    targets: list[_Target] = []
-    into_leaves: list[FlatLeaf] | None = None
+@dataclass
+class _Into:
+    """How the checkpoint's leaves map onto an ``into=`` state."""
+
+    leaves: list[FlatLeaf]
+    skeleton: Any
+    #: checkpoint leaf index -> into leaf index
+    pairs: dict[int, int]
+    keys: IncompatibleKeys
+
+
+def _targets(meta: Metadata, into: Any) -> tuple[list[_Target], _Into | None]:
+    """Targets of every leaf, ``into`` (if any) matching the checkpoint exactly."""
+    targets, matched = _partial_targets(meta, into)
+    full = [t for t in targets if t is not None]
+    assert len(full) == len(targets)
+    return full, matched
+
+
+def _partial_targets(
+    meta: Metadata, into: Any, selected: list[bool] | None = None, strict: bool = True
+) -> tuple[list[_Target | None], _Into | None]:
+    """Where each selected leaf's bytes go (None: not read; all leaves are
+    selected by default). With ``into``, its leaves are matched with the
+    checkpoint's by path."""
+    if selected is None:
+        selected = [True] * len(meta.leaves)
+    dtypes = _dtypes() if any(lf.kind == "tensor" for lf in meta.leaves) else {}
+    targets: list[_Target | None] = [None] * len(meta.leaves)
+    matched: _Into | None = None
     if into is not None:
-        into_leaves, _ = flatten(into)
-        if len(into_leaves) != len(meta.leaves):
-            raise StateMismatchError(
-                f"into= has {len(into_leaves)} leaves, the checkpoint {len(meta.leaves)}"
-            )
+        into_leaves, skeleton = flatten(into)
+        pairs, keys = match(
+            [lf.path for lf in meta.leaves], selected, [lf.path for lf in into_leaves], strict
+        )
+        matched = _Into(into_leaves, skeleton, pairs, keys)
     for i, info in enumerate(meta.leaves):
+        if not selected[i] or (matched is not None and i not in matched.pairs):
+            continue
+        where = "/".join(map(str, info.path))
         if info.kind == "object":
-            if into_leaves is not None and into_leaves[i].tensor is not None:
-                raise StateMismatchError(
-                    f"into= has a tensor at {'/'.join(map(str, info.path))}, the checkpoint a value"
-                )
-            targets.append(_Target(np.empty(info.nbytes, dtype=np.uint8), None, None))
+            if matched is not None and matched.leaves[matched.pairs[i]].tensor is not None:
+                raise StateMismatchError(f"into= has a tensor at {where}, the checkpoint a value")
+            targets[i] = _Target(np.empty(info.nbytes, dtype=np.uint8), None, None)
             continue
         dtype = dtypes[str(info.dtype)]
-        if into_leaves is None:
-            t = torch.empty(info.shape, dtype=dtype)
-            targets.append(_Target(_u8_view(t), t, None))
+        if matched is None:
+            t = _torch().empty(info.shape, dtype=dtype)
+            targets[i] = _Target(_u8_view(t), t, None)
             continue
-        leaf = into_leaves[i]
-        where = "/".join(map(str, info.path))
-        if list(leaf.path) != list(info.path) or leaf.tensor is None:
-            raise StateMismatchError(
-                f"into= leaf {i} is {'/'.join(map(str, leaf.path))}, the checkpoint's {where}"
-            )
-        t = leaf.tensor
+        t = matched.leaves[matched.pairs[i]].tensor
+        if t is None:
+            raise StateMismatchError(f"into= has a value at {where}, the checkpoint a tensor")
         if t.dtype != dtype or list(t.shape) != list(info.shape):
             raise StateMismatchError(
                 f"{where}: into= has {t.dtype} {list(t.shape)}, the checkpoint "
@@ -666,13 +697,13 @@ def _targets(meta: Metadata, into: Any) -> tuple[list[_Target], Any]:
         plain = t.is_contiguous() and not t.is_conj() and not t.is_neg()
         if plain and _staging.needs_staging(t):
             sink = _staging.device_bytes(t)
-            targets.append(_Target(np.empty(0, dtype=np.uint8), t, None, sink))
+            targets[i] = _Target(np.empty(0, dtype=np.uint8), t, None, sink)
         elif t.device.type == "cpu" and plain:
-            targets.append(_Target(_u8_view(t), t, None))
+            targets[i] = _Target(_u8_view(t), t, None)
         else:
-            stage = torch.empty(info.shape, dtype=dtype)
-            targets.append(_Target(_u8_view(stage), t, stage))
-    return targets, into_leaves
+            stage = _torch().empty(info.shape, dtype=dtype)
+            targets[i] = _Target(_u8_view(stage), t, stage)
+    return targets, matched
 
 
 def _read_file(
@@ -770,14 +801,24 @@ def _read_staged(
     staging.put(sink, np.frombuffer(raw, dtype=np.uint8))
 
 
-def _assemble(meta: Metadata, targets: list[_Target], path: Path) -> Any:
+def _assemble(
+    meta: Metadata,
+    targets: Sequence[_Target | None],
+    path: Path,
+    into: _Into | None = None,
+    pruned: bool = False,
+) -> Any:
     """The state from the filled targets: object leaves decoded, staged
-    tensors copied into ``into``'s, the containers rebuilt."""
+    tensors copied into ``into``'s, the containers rebuilt (``into``'s
+    when given, its own values kept at its missing leaves; else the
+    checkpoint's, without the leaves not read when ``pruned``)."""
     values: list[Any] = []
     try:
         for i, info in enumerate(meta.leaves):
             tgt = targets[i]
-            if info.kind == "object":
+            if tgt is None:
+                values.append(ABSENT)
+            elif info.kind == "object":
                 try:
                     values.append(decode_plain(tgt.buf.tobytes()))
                 except ValueError as e:
@@ -790,7 +831,16 @@ def _assemble(meta: Metadata, targets: list[_Target], path: Path) -> Any:
                     with _torch().no_grad():
                         tgt.tensor.copy_(tgt.copy_into)
                 values.append(tgt.tensor)
-        return unflatten(meta.skeleton, values)
+        if into is not None:
+            mine: list[Any] = [
+                lf.tensor if lf.tensor is not None else decode_plain(lf.encoded or b"null")
+                for lf in into.leaves
+            ]
+            for i, j in into.pairs.items():
+                mine[j] = values[i]
+            return unflatten(into.skeleton, mine)
+        state = unflatten(meta.skeleton, values, absent=ABSENT)
+        return prune(state) if pruned else state
     except ValueError as e:
         raise CorruptCheckpointError(f"{path}: {e}") from e
 
@@ -826,6 +876,8 @@ def load(
     progress: bool | None = None,
     verbose: bool = False,
     staging_bytes: int | None = None,
+    keys: Any = None,
+    strict: bool = True,
 ) -> Any:
     """Loads a committed checkpoint on every rank of ``comm`` (any number of
     ranks, also one process without MPI). Collective.
@@ -848,6 +900,15 @@ def load(
     :class:`StateMismatchError` (``into`` differs), on every rank.
     ``into`` tensors on a device (e.g. CUDA) are filled through a host
     buffer of ``staging_bytes`` (default 64 MiB), in chunks.
+
+    ``keys``: read only these parts, e.g. ``keys=["model"]`` or
+    ``keys=[("optim", "state")]`` (top-level keys or path prefixes): only
+    their bytes are read, and the returned tree holds only them.
+    ``into`` is matched with the checkpoint by leaf path: with ``strict``
+    (default) any missing or extra leaf raises StateMismatchError naming
+    them; with ``strict=False`` the common leaves are filled, and
+    :func:`last_incompatible_keys` reports the others (as
+    ``load_state_dict`` does).
     """
     c = resolve(comm)
     t0 = time.perf_counter()
@@ -856,7 +917,8 @@ def load(
     meta: Metadata | None = None
     digest = b""
     owner: list[int] = []
-    targets: list[_Target] = []
+    targets: list[_Target | None] = []
+    matched: _Into | None = None
     if exchange == "auto":
         hosts = c.allgather_varbytes(socket.gethostname().encode())
         exchange = "read" if len(set(hosts)) == 1 else "bcast"
@@ -871,14 +933,16 @@ def load(
                 raise
             path = previous
             meta, digest = _read_metadata(path)
+        selected = select([lf.path for lf in meta.leaves], keys)
+        targets, matched = _partial_targets(meta, into, selected, strict)
         raw_per_file = [0] * meta.world_size
         for p in meta.pieces:
-            raw_per_file[p.rank] += p.length
+            if targets[p.leaf] is not None:
+                raw_per_file[p.rank] += p.length
         if exchange not in ("bcast", "read"):
             raise ValueError(f"exchange must be 'auto', 'bcast' or 'read', not {exchange!r}")
         owner = [c.rank] * meta.world_size if read_all else _assign_readers(raw_per_file, c.size)
         check_file_sizes(path, meta, [f for f in range(meta.world_size) if owner[f] == c.rank])
-        targets, _ = _targets(meta, into)
     except Exception as e:
         err = e
     digests = _agree(c, err, digest)
@@ -888,9 +952,14 @@ def load(
 
     by_file: list[list[Piece]] = [[] for _ in range(meta.world_size)]
     for p in meta.pieces:
-        by_file[p.rank].append(p)
+        if targets[p.leaf] is not None:
+            by_file[p.rank].append(p)
     file_raw = [sum(p.length for p in ps) for ps in by_file]
-    mine = [f for f in range(meta.world_size) if owner[f] == c.rank]
+    # A partial load opens only the files holding what it reads.
+    partial = keys is not None or (matched is not None and len(matched.pairs) < len(meta.leaves))
+    mine = [
+        f for f in range(meta.world_size) if owner[f] == c.rank and (by_file[f] or not partial)
+    ]
     prog = Progress(
         "load", sum(file_raw[f] for f in mine), enabled=progress if c.rank == 0 else False
     )
@@ -909,11 +978,13 @@ def load(
 
     def direct(p: Piece) -> U8 | _staging.DeviceSink:
         isz = meta.leaves[p.leaf].itemsize if meta.leaves[p.leaf].kind == "tensor" else 0
+        tgt = targets[p.leaf]
+        assert tgt is not None
         if isz == 0:
-            return targets[p.leaf].buf
-        if targets[p.leaf].sink is not None:
-            return _staging.DeviceSink(targets[p.leaf].sink, p.start * isz, p.length)
-        return targets[p.leaf].buf[p.start * isz : p.stop * isz]
+            return tgt.buf
+        if tgt.sink is not None:
+            return _staging.DeviceSink(tgt.sink, p.start * isz, p.length)
+        return tgt.buf[p.start * isz : p.stop * isz]
 
     try:
         for f in mine:
@@ -944,7 +1015,9 @@ def load(
                     out[:] = src(p)
             del buf
 
-    state = _assemble(meta, targets, path)
+    state = _assemble(meta, targets, path, matched, keys is not None)
+    if matched is not None:
+        _last_keys[:] = [matched.keys]
     t_local = time.perf_counter() - t0
     rows = c.allgather_f64(np.array([t_local, float(nread)], dtype=np.float64))
     raw_total = sum(file_raw)
@@ -1142,9 +1215,14 @@ class Checkpointer:
         if self.levels is not None:
             self.levels.close()
 
-    def load(self, step: int | None = None, *, into: Any = None) -> Any:
+    def load(
+        self, step: int | None = None, *, into: Any = None, keys: Any = None, strict: bool = True
+    ) -> Any:
+        """Loads ``step`` (default: the latest); ``keys``/``strict`` as in :func:`load`."""
         self.wait()
         if self.levels is not None:
+            if keys is not None or not strict:
+                raise ValueError("keys= and strict=False are not supported with config=")
             state, self.last_recovery = self.levels.load(step, into=into)
             return state
         if step is None:
@@ -1159,4 +1237,6 @@ class Checkpointer:
             progress=self.progress,
             verbose=self.verbose,
             staging_bytes=self.staging_bytes,
+            keys=keys,
+            strict=strict,
         )

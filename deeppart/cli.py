@@ -158,6 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
     from deeppart.demo import add_parser as add_demo_parser
 
     add_demo_parser(sub)
+
+    # Export to safetensors / torch.save and import (issue 16); torch and
+    # safetensors are imported only when they run.
+    from deeppart.export import add_parsers as add_export_parsers
+
+    add_export_parsers(sub)
     return parser
 
 

@@ -18,16 +18,24 @@ from __future__ import annotations
 import base64
 import json
 import math
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from deeppart import values as _values
 
 PathKey = str | int
 Path = tuple[PathKey, ...]
 
 # Tags of the plain encoding. A JSON object is only ever a tag, never a dict.
+# Typed values (numpy, torch dtypes, ordered dicts, sets) have the tags of
+# deeppart.values.
 _DICT, _TUPLE, _BYTES, _FLOAT = "d", "t", "b", "f"
 _MAX_DEPTH = 200
+#: Types encoded here directly; any other type is first offered to
+#: deeppart.values (numpy scalars subclass float, torch.Size tuple, ...).
+_BUILTIN = frozenset({type(None), bool, int, float, str, bytes, bytearray, list, tuple, dict})
 
 
 class StateError(TypeError):
@@ -65,7 +73,7 @@ def _torch_if_loaded() -> Any:
 def _holds_tensor(value: Any, depth: int = 0) -> bool:
     if depth > _MAX_DEPTH:
         raise StateError("state tree is nested more than 200 levels deep")
-    if _is_tensor(value):
+    if _is_tensor(value) or _values.is_array_leaf(value):
         return True
     if isinstance(value, Mapping):
         return any(_holds_tensor(v, depth + 1) for v in value.values())
@@ -81,6 +89,13 @@ def _holds_tensor(value: Any, depth: int = 0) -> bool:
 def _encode(value: Any, path: Path, depth: int) -> Any:
     if depth > _MAX_DEPTH:
         raise StateError(f"{_describe_path(path)}: value is nested more than 200 levels deep")
+    if type(value) not in _BUILTIN:
+        try:
+            typed = _values.encode_typed(value, lambda v, i: _encode(v, (*path, i), depth + 1))
+        except _values.ValueEncodeError as e:
+            raise StateError(f"{_describe_path(path)}: {e}") from e
+        if typed is not None:
+            return typed
     if value is None or isinstance(value, bool | str):
         return value
     if isinstance(value, int):
@@ -104,7 +119,8 @@ def _encode(value: Any, path: Path, depth: int) -> Any:
     raise StateError(
         f"{_describe_path(path)}: cannot save a value of type {type(value).__module__}."
         f"{type(value).__qualname__}; only tensors and plain values (numbers, strings, bools, "
-        "None, bytes, and lists, tuples and dicts of those) are supported"
+        "None, bytes, numpy arrays and scalars, torch dtypes, sizes and devices, and lists, "
+        "tuples, dicts, ordered dicts and sets of those) are supported"
     )
 
 
@@ -134,6 +150,8 @@ def _decode(value: Any, depth: int = 0) -> Any:
             return base64.b64decode(body.encode("ascii"), validate=True)
         if tag == _FLOAT and body in ("nan", "inf", "-inf"):
             return float(body)
+        if tag in _values.TAGS:
+            return _values.decode_typed(tag, body, lambda v: _decode(v, depth + 1))
     raise ValueError(f"malformed encoded value: {str(value)[:80]}")
 
 
@@ -208,6 +226,9 @@ def _walk(
         if alias is not None:
             seen[alias] = len(leaves) - 1
         return {"leaf": len(leaves) - 1}
+    if _values.is_array_leaf(value):
+        node = _walk(_values.array_as_tensor(value), path, depth, leaves, seen)
+        return {"ndarray": node["leaf"]}
     if not _holds_tensor(value):
         leaves.append(FlatLeaf(path, None, encode_plain(value, path)))
         return {"leaf": len(leaves) - 1}
@@ -216,7 +237,7 @@ def _walk(
         for k, v in value.items():
             key = _path_key(k, path)
             entries.append([_encode(k, path, 0), _walk(v, (*path, key), depth + 1, leaves, seen)])
-        return {"dict": entries}
+        return {"odict" if isinstance(value, OrderedDict) else "dict": entries}
     kind = "list" if isinstance(value, list) else "tuple"
     return {kind: [_walk(v, (*path, i), depth + 1, leaves, seen) for i, v in enumerate(value)]}
 
@@ -234,20 +255,25 @@ def flatten(state: Any) -> tuple[list[FlatLeaf], Any]:
     return leaves, skeleton
 
 
-def unflatten(skeleton: Any, values: list[Any]) -> Any:
+def unflatten(skeleton: Any, values: list[Any], absent: Any = None) -> Any:
     """Rebuilds a state tree from a skeleton and its leaf values (tensors, or
-    decoded plain values)."""
+    decoded plain values). ``absent`` (when not None) marks a leaf that was
+    not read: it is placed as it is, whatever the leaf's kind."""
 
     def build(node: Any, depth: int) -> Any:
         if depth > _MAX_DEPTH or not isinstance(node, dict) or len(node) != 1:
             raise ValueError("malformed state skeleton")
         ((kind, body),) = node.items()
-        if kind == "leaf":
+        if kind in ("leaf", "ndarray"):
             if not isinstance(body, int) or not 0 <= body < len(values):
                 raise ValueError(f"state skeleton names leaf {body!r} of {len(values)}")
+            if kind == "ndarray" and values[body] is not absent:
+                if not _is_tensor(values[body]):
+                    raise ValueError(f"state skeleton: leaf {body} is not an array")
+                return _values.tensor_as_array(values[body])
             return values[body]
-        if kind == "dict" and isinstance(body, list):
-            out: dict[Any, Any] = {}
+        if kind in ("dict", "odict") and isinstance(body, list):
+            out: dict[Any, Any] = {} if kind == "dict" else OrderedDict()
             for pair in body:
                 if not (isinstance(pair, list) and len(pair) == 2):
                     raise ValueError("malformed dict entry in state skeleton")
@@ -286,3 +312,30 @@ def iter_paths(state: Any) -> Iterator[Path]:
     """The leaf paths of a state tree, in order."""
     leaves, _ = flatten(state)
     return (leaf.path for leaf in leaves)
+
+
+def skeleton_paths(skeleton: Any) -> list[tuple[Path, int]]:
+    """Every path of a skeleton that holds a leaf, with the leaf's index, in
+    order; a leaf held at several paths (tied weights) appears at each.
+    Raises ValueError on a malformed skeleton."""
+    out: list[tuple[Path, int]] = []
+
+    def walk(node: Any, path: Path, depth: int) -> None:
+        if depth > _MAX_DEPTH or not isinstance(node, dict) or len(node) != 1:
+            raise ValueError("malformed state skeleton")
+        ((kind, body),) = node.items()
+        if kind in ("leaf", "ndarray") and isinstance(body, int):
+            out.append((path or ("<root>",), body))
+        elif kind in ("dict", "odict") and isinstance(body, list):
+            for pair in body:
+                if not (isinstance(pair, list) and len(pair) == 2):
+                    raise ValueError("malformed dict entry in state skeleton")
+                walk(pair[1], (*path, _path_key(_decode(pair[0]), path)), depth + 1)
+        elif kind in ("list", "tuple") and isinstance(body, list):
+            for i, v in enumerate(body):
+                walk(v, (*path, i), depth + 1)
+        else:
+            raise ValueError(f"malformed state skeleton node {kind!r}")
+
+    walk(skeleton, (), 0)
+    return out

@@ -1,0 +1,302 @@
+"""Export a checkpoint to the formats the ecosystem loads, and import them.
+
+- :func:`export_safetensors`: the model's tensors as safetensors shards,
+  with ``model.safetensors.index.json`` when there are several (the layout
+  ``transformers``' ``save_pretrained`` writes and ``from_pretrained``
+  reads). One shard is read (``load(keys=...)``: only its bytes) and
+  written at a time, so at most one shard is in memory.
+- :func:`export_torch`: the whole state as one ``torch.save`` file.
+- :func:`import_checkpoint`: a ``.pt`` file (``torch.load(weights_only=True,
+  mmap=True)``: nothing unpickled beyond tensors and plain values, tensors
+  read from the file on demand) or a safetensors file or directory, saved
+  as a DeepPart checkpoint (on every rank when run under mpiexec).
+
+Command line: ``deeppart export CKPT --to safetensors OUT/``,
+``deeppart export CKPT --to torch FILE.pt``, ``deeppart import SRC CKPT``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from deeppart.comm import SingleComm
+from deeppart.format import CheckpointError, decode_metadata, read_checked_metadata
+from deeppart.state import skeleton_paths
+
+#: Hugging Face's names of the files in a safetensors model directory.
+SAFETENSORS_SINGLE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+#: Default largest shard (transformers' ``save_pretrained`` uses 5 GB too).
+DEFAULT_SHARD_BYTES = 5 * 10**9
+
+_ELEMENT_SIZES = {
+    "bool": 1, "uint8": 1, "int8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "int16": 2, "uint16": 2, "float16": 2, "bfloat16": 2,
+    "int32": 4, "uint32": 4, "float32": 4, "complex32": 4,
+    "int64": 8, "uint64": 8, "float64": 8, "complex64": 8, "complex128": 16,
+}  # fmt: skip
+
+
+class ExportError(CheckpointError):
+    """A checkpoint cannot be exported, or a file cannot be imported."""
+
+
+def _tensor_leaves(
+    directory: Path, key: str | None
+) -> tuple[list[tuple[Any, ...]], list[int], dict[int, list[tuple[Any, ...]]]]:
+    """The tensor leaves under ``key`` (the whole state when None), from the
+    metadata alone: their manifest paths, byte sizes, and every path that
+    holds each (tied weights: more than one)."""
+    meta = decode_metadata(read_checked_metadata(directory))
+    leaves = meta.get("manifest", {}).get("leaves", [])
+    wanted: dict[int, list[tuple[Any, ...]]] = {}
+    try:
+        for path, index in skeleton_paths(meta.get("skeleton")):
+            if key is None or (path and path[0] == key):
+                wanted.setdefault(index, []).append(path)
+    except ValueError as e:
+        raise ExportError(f"{directory}: bad skeleton: {e}") from e
+    paths: list[tuple[Any, ...]] = []
+    sizes: list[int] = []
+    for i, leaf in enumerate(leaves):
+        if i not in wanted or leaf.get("kind", "tensor") != "tensor" or "dtype" not in leaf:
+            continue
+        numel = 1
+        for n in leaf.get("shape", []):
+            numel *= int(n)
+        paths.append(tuple(leaf.get("path", [])))
+        sizes.append(numel * _ELEMENT_SIZES.get(str(leaf["dtype"]), 8))
+    by_path = {p: i for i, p in enumerate(paths)}
+    aliases = {
+        by_path[tuple(leaves[i]["path"])]: ps
+        for i, ps in wanted.items()
+        if tuple(leaves[i]["path"]) in by_path
+    }
+    return paths, sizes, aliases
+
+
+def _model_key(directory: Path, key: str | None) -> str | None:
+    """``key`` if given; else ``"model"`` when the checkpoint has it, else
+    None (the whole state is the model)."""
+    if key is not None:
+        return key
+    meta = decode_metadata(read_checked_metadata(directory))
+    tops = {lf.get("path", [None])[0] for lf in meta.get("manifest", {}).get("leaves", [])}
+    return "model" if "model" in tops else None
+
+
+def _get(tree: Any, path: tuple[Any, ...]) -> Any:
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def export_safetensors(
+    checkpoint: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    key: str | None = None,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> list[Path]:
+    """Writes the tensors under ``key`` (default ``"model"`` if the
+    checkpoint has it, else all) to ``out_dir`` as safetensors: one
+    ``model.safetensors``, or shards ``model-0000i-of-0000n.safetensors``
+    of at most ``max_shard_bytes`` (a larger tensor gets a shard of its own)
+    with ``model.safetensors.index.json``. Tensor names are the paths below
+    ``key`` joined with ``"."`` (a state_dict's own keys). Tensors saved as
+    one (tied weights) are written under every name. Returns the files."""
+    from safetensors.torch import save_file
+
+    import deeppart
+
+    src = Path(checkpoint)
+    key = _model_key(src, key)
+    paths, sizes, aliases = _tensor_leaves(src, key)
+    if not paths:
+        raise ExportError(f"{src}: no tensors under {key or 'the root'!r} to export")
+    skip = 1 if key is not None else 0
+
+    def name(path: tuple[Any, ...]) -> str:
+        return ".".join(str(k) for k in path[skip:]) or str(path[-1])
+
+    all_names = [name(p) for ps in aliases.values() for p in ps]
+    if len(set(all_names)) != len(all_names):
+        raise ExportError(f"{src}: two tensors have the same name once joined with '.'")
+    shards: list[list[int]] = [[]]
+    used = 0
+    for i, size in enumerate(sizes):
+        if shards[-1] and used + size > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(i)
+        used += size
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    count = len(shards)
+    files: list[Path] = []
+    weight_map: dict[str, str] = {}
+    total = 0
+    for n, shard in enumerate(shards, 1):
+        fname = SAFETENSORS_SINGLE if count == 1 else f"model-{n:05d}-of-{count:05d}.safetensors"
+        part = deeppart.load(src, keys=[paths[i] for i in shard], comm=SingleComm())
+        tensors: dict[str, Any] = {}
+        for i in shard:
+            t = _get(part, paths[i]).contiguous()
+            for k, path in enumerate(aliases[i]):
+                # safetensors refuses two names over one storage: a tied
+                # weight's other names get their own copy.
+                tensors[name(path)] = t if k == 0 else t.clone()
+                weight_map[name(path)] = fname
+                total += t.numel() * t.element_size()
+        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        files.append(out / fname)
+        del part, tensors
+    if count > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        files.append(out / SAFETENSORS_INDEX)
+    return files
+
+
+def export_torch(checkpoint: str | os.PathLike[str], out_file: str | os.PathLike[str]) -> Path:
+    """Writes the whole state to one ``torch.save`` file (loadable with
+    ``torch.load(..., weights_only=True)`` when the state holds tensors and
+    plain Python values). The state is in memory once."""
+    import torch
+
+    import deeppart
+
+    state = deeppart.load(checkpoint, comm=SingleComm())
+    out = Path(out_file)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    torch.save(state, tmp)
+    tmp.replace(out)
+    return out
+
+
+def _read_safetensors(src: Path) -> dict[str, Any]:
+    from safetensors import safe_open
+
+    if src.is_dir():
+        index = src / SAFETENSORS_INDEX
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                files = sorted({str(v) for v in weight_map.values()})
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ExportError(f"{index}: not a safetensors index: {e}") from e
+            if any(Path(f).name != f for f in files):
+                raise ExportError(f"{index}: shard names must be plain file names")
+        elif (src / SAFETENSORS_SINGLE).exists():
+            files = [SAFETENSORS_SINGLE]
+        else:
+            raise ExportError(f"{src}: no {SAFETENSORS_INDEX} or {SAFETENSORS_SINGLE}")
+        paths = [src / f for f in files]
+    else:
+        paths = [src]
+    tensors: dict[str, Any] = {}
+    for p in paths:
+        try:
+            with safe_open(str(p), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is no mapping)
+                    tensors[name] = f.get_tensor(name)
+        except (OSError, Exception) as e:
+            raise ExportError(f"{p}: cannot read safetensors: {e}") from e
+    return tensors
+
+
+def import_checkpoint(
+    source: str | os.PathLike[str],
+    checkpoint: str | os.PathLike[str],
+    *,
+    key: str = "model",
+    comm: Any = None,
+    overwrite: bool = False,
+) -> Any:
+    """Saves ``source`` as a DeepPart checkpoint at ``checkpoint`` (every
+    rank of ``comm`` writes its part: run it under mpiexec on all ranks).
+    A ``.pt``/``.pth``/``.bin`` file is read with ``torch.load(...,
+    weights_only=True, mmap=True)`` and saved as it is; safetensors (a
+    ``.safetensors`` file or a directory with ``model.safetensors`` or an
+    index) are saved as ``{key: {name: tensor}}``, so that
+    :func:`export_safetensors` gives the same files back. Returns the
+    save's Stats."""
+    import torch
+
+    import deeppart
+
+    src = Path(source)
+    if src.is_dir() or src.suffix == ".safetensors":
+        state: Any = {key: _read_safetensors(src)}
+    else:
+        try:
+            state = torch.load(src, weights_only=True, mmap=True, map_location="cpu")
+        except RuntimeError as e:
+            # Files of the legacy (non-zip) format cannot be mapped.
+            if "mmap" not in str(e):
+                raise ExportError(f"{src}: cannot load with weights_only=True: {e}") from e
+            state = torch.load(src, weights_only=True, map_location="cpu")
+        except (OSError, Exception) as e:
+            raise ExportError(f"{src}: cannot load with weights_only=True: {e}") from e
+    return deeppart.save(state, checkpoint, comm=comm, overwrite=overwrite)
+
+
+# ----------------------------------------------------------------------------
+# Command line.
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    try:
+        if args.to == "safetensors":
+            files = export_safetensors(
+                args.checkpoint, args.out, key=args.key, max_shard_bytes=args.max_shard_bytes
+            )
+        else:
+            files = [export_torch(args.checkpoint, args.out)]
+    except (CheckpointError, OSError) as e:
+        print(f"deeppart export: error: {e}", file=sys.stderr)
+        return 2
+    for f in files:
+        print(f)
+    return 0
+
+
+def _cmd_import(args: argparse.Namespace) -> int:
+    try:
+        stats = import_checkpoint(
+            args.source, args.checkpoint, key=args.key, overwrite=args.overwrite
+        )
+    except (CheckpointError, OSError) as e:
+        print(f"deeppart import: error: {e}", file=sys.stderr)
+        return 2
+    print(stats.summary())
+    return 0
+
+
+def add_parsers(sub: Any) -> None:
+    """Adds ``export`` and ``import`` to the ``deeppart`` command line."""
+    p = sub.add_parser("export", help="write a checkpoint as safetensors or one torch.save file")
+    p.add_argument("checkpoint", help="a committed DeepPart checkpoint directory")
+    p.add_argument("--to", required=True, choices=["safetensors", "torch"])
+    p.add_argument("out", help="the output directory (safetensors) or file (torch)")
+    p.add_argument(
+        "--key",
+        default=None,
+        help="the model's top-level key (default: 'model' if present, else all)",
+    )
+    p.add_argument(
+        "--max-shard-bytes", type=int, default=DEFAULT_SHARD_BYTES, help="largest safetensors shard"
+    )
+    p.set_defaults(func=_cmd_export)
+    p = sub.add_parser("import", help="save a .pt file or safetensors as a DeepPart checkpoint")
+    p.add_argument("source", help="a torch.save file, a .safetensors file or a model directory")
+    p.add_argument("checkpoint", help="the checkpoint directory to write")
+    p.add_argument("--key", default="model", help="the top-level key of imported safetensors")
+    p.add_argument("--overwrite", action="store_true")
+    p.set_defaults(func=_cmd_import)

@@ -1,0 +1,176 @@
+"""Flexible restore: reading a part of a checkpoint (keys=), filling an
+into= state that differs (strict=False), the mismatch error, and an
+optimizer state restored into a fresh optimizer."""
+
+from __future__ import annotations
+
+import builtins
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import deeppart
+from deeppart import checkpoint as ck
+from deeppart.format import HEADER_SIZE
+
+
+def _trained(steps: int = 3) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for i in range(steps):
+        _step(model, opt, i)
+    return model, opt
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) -> float:
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(seed))
+    loss = model(x).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return float(loss.detach())
+
+
+class _CountingFile:
+    def __init__(self, f: Any, counter: list[int]) -> None:
+        self._f, self._counter = f, counter
+
+    def read(self, n: int = -1) -> bytes:
+        data: bytes = self._f.read(n)
+        self._counter[0] += len(data)
+        return data
+
+    def readinto(self, buf: Any) -> int:
+        got: int = self._f.readinto(buf)
+        self._counter[0] += got or 0
+        return got
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+    def __enter__(self) -> _CountingFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._f.close()
+
+
+@pytest.fixture
+def read_bytes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the bytes load() reads from data files."""
+    counter = [0]
+
+    def counting_open(path: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        f = builtins.open(path, mode, *args, **kwargs)  # noqa: SIM115 (closed by the wrapper)
+        return _CountingFile(f, counter) if "rb" in mode else f
+
+    monkeypatch.setattr(ck, "open", counting_open, raising=False)
+    return counter
+
+
+def test_keys_reads_only_the_model_bytes(tmp_path: Path, read_bytes: list[int]) -> None:
+    model, opt = _trained()
+    state: dict[str, Any] = {"model": model.state_dict(), "optim": opt.state_dict(), "step": 3}
+    deeppart.save(state, tmp_path / "ck")
+    read_bytes[0] = 0
+    full = deeppart.load(tmp_path / "ck")
+    all_bytes = read_bytes[0]
+    model_bytes = sum(t.numel() * t.element_size() for t in state["model"].values())
+
+    read_bytes[0] = 0
+    got = deeppart.load(tmp_path / "ck", keys=["model"])
+    assert list(got) == ["model"]
+    assert type(got["model"]) is OrderedDict
+    for k, v in state["model"].items():
+        assert torch.equal(got["model"][k], v)
+    # The model's bytes and the file's header, nothing of the optimizer.
+    assert model_bytes <= read_bytes[0] <= model_bytes + HEADER_SIZE
+    assert all_bytes > 3 * model_bytes, "the optimizer holds twice the model again"
+    assert torch.equal(full["optim"]["state"][0]["exp_avg"], state["optim"]["state"][0]["exp_avg"])
+
+    read_bytes[0] = 0
+    part = deeppart.load(tmp_path / "ck", keys=[("optim", "param_groups"), "step"])
+    assert part == {"optim": {"param_groups": state["optim"]["param_groups"]}, "step": 3}
+    assert read_bytes[0] < HEADER_SIZE + 4096
+
+
+def test_keys_naming_nothing_lists_the_top_level_keys(tmp_path: Path) -> None:
+    deeppart.save({"model": {"w": torch.zeros(2)}, "step": 1}, tmp_path / "ck")
+    with pytest.raises(deeppart.StateMismatchError, match=r"no 'modle'.*model, step"):
+        deeppart.load(tmp_path / "ck", keys=["modle"])
+    with pytest.raises(TypeError, match="list of keys"):
+        deeppart.load(tmp_path / "ck", keys="model")
+
+
+def test_strict_mismatch_names_the_leaves_and_the_fix(tmp_path: Path) -> None:
+    model, opt = _trained(1)
+    deeppart.save({"model": model.state_dict(), "optim": opt.state_dict()}, tmp_path / "ck")
+    fresh = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+    with pytest.raises(deeppart.StateMismatchError) as e:
+        deeppart.load(tmp_path / "ck", into={"model": fresh.state_dict()})
+    msg = str(e.value)
+    assert "in the checkpoint but not in into= (first: optim/state/0/step" in msg
+    assert "strict=False" in msg and "keys=" in msg
+
+
+def test_strict_false_reports_missing_and_unexpected(tmp_path: Path) -> None:
+    saved: dict[str, Any] = {"model": {"a": torch.arange(4.0), "b": torch.ones(2)}, "step": 7}
+    deeppart.save(saved, tmp_path / "ck")
+    into: dict[str, Any] = {"model": {"a": torch.zeros(4), "new": torch.full((3,), 5.0)}, "step": 0}
+    got = deeppart.load(tmp_path / "ck", into=into, strict=False)
+    keys = deeppart.last_incompatible_keys()
+    assert keys == deeppart.IncompatibleKeys(["model/new"], ["model/b"])
+    assert got["model"]["a"] is into["model"]["a"] and torch.equal(
+        into["model"]["a"], torch.arange(4.0)
+    )
+    assert torch.equal(got["model"]["new"], torch.full((3,), 5.0)), (
+        "missing leaves keep their value"
+    )
+    assert got["step"] == 7 and "b" not in got["model"]
+    # A shape mismatch is an error even with strict=False, as in load_state_dict.
+    with pytest.raises(
+        deeppart.StateMismatchError, match=r"model/a: into= has torch\.float32 \[5\]"
+    ):
+        deeppart.load(tmp_path / "ck", into={"model": {"a": torch.zeros(5)}}, strict=False)
+    # Matching everything reports empty lists.
+    deeppart.load(
+        tmp_path / "ck", into={"model": {"b": torch.zeros(2), "a": torch.zeros(4)}, "step": 1}
+    )
+    assert deeppart.last_incompatible_keys() == deeppart.IncompatibleKeys([], [])
+
+
+def test_keys_with_into(tmp_path: Path, read_bytes: list[int]) -> None:
+    model, opt = _trained(1)
+    deeppart.save({"model": model.state_dict(), "optim": opt.state_dict()}, tmp_path / "ck")
+    fresh = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+    read_bytes[0] = 0
+    deeppart.load(tmp_path / "ck", keys=["model"], into={"model": fresh.state_dict()})
+    for a, b in zip(fresh.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    model_bytes = sum(p.numel() * 4 for p in model.parameters())
+    assert read_bytes[0] <= model_bytes + HEADER_SIZE
+
+
+def test_optimizer_state_into_a_fresh_optimizer(tmp_path: Path) -> None:
+    """The recipe: load the optimizer's part (no into=, its state is empty)
+    and hand it to the fresh optimizer's load_state_dict."""
+    model, opt = _trained(3)
+    deeppart.save({"model": model.state_dict(), "optim": opt.state_dict()}, tmp_path / "ck")
+
+    torch.manual_seed(123)
+    model2 = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=0.5)
+    assert opt2.state_dict()["state"] == {}
+    deeppart.load(tmp_path / "ck", keys=["model"], into={"model": model2.state_dict()})
+    opt2.load_state_dict(deeppart.load(tmp_path / "ck", keys=["optim"])["optim"])
+    assert opt2.param_groups[0]["lr"] == 1e-2
+
+    # Both continue identically, bit for bit.
+    for i in range(10, 13):
+        assert _step(model, opt, i) == _step(model2, opt2, i)
+    for a, b in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(a, b)
