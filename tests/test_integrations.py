@@ -275,6 +275,9 @@ def test_accelerate_in_one_process_naming_and_mismatches(tmp_path: Path) -> None
         model.weight.fill_(-1.0)
     assert load_state(accelerator).name == "checkpoint_2"
     assert torch.equal(model.weight, torch.full((3, 4), 2.0))
+    accelerator.project_configuration.iteration = 2
+    with pytest.raises(ValueError, match="checkpoint_2 exists"):
+        save_state(accelerator)
 
     extra = Accelerator(cpu=True)
     _model, o2 = extra.prepare(torch.nn.Linear(4, 3), torch.optim.SGD([torch.zeros(1)], lr=0.1))

@@ -129,6 +129,12 @@ def save_state(
     if automatic:
         root = Path(accelerator.project_dir) / "checkpoints"
         path = root / f"checkpoint_{accelerator.save_iteration}"
+        if path.exists():
+            # As accelerate: never replace a numbered checkpoint silently.
+            raise ValueError(
+                f"checkpoint directory {path} exists: set "
+                "accelerator.project_configuration.iteration to the number to save next"
+            )
     elif output_dir is None:
         raise ValueError("no output_dir given and automatic checkpoint naming is off")
     else:
