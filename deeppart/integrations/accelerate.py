@@ -22,6 +22,10 @@ With ``ProjectConfiguration(automatic_checkpoint_naming=True)`` and no
 directory, checkpoints go to ``project_dir/checkpoints/checkpoint_<i>``,
 ``total_limit`` is honoured, and ``load_state`` picks the newest committed one.
 
+As with ``accelerator.save_state``, the position inside an epoch is not
+saved: resume at an epoch boundary, or skip the batches already seen with
+``accelerator.skip_first_batches``.
+
 Plain data parallelism (DDP, multi-CPU, one process) is supported; FSDP,
 DeepSpeed, Megatron-LM and XLA shard or save their state themselves:
 use ``accelerator.save_state`` there.

@@ -21,7 +21,9 @@ A checkpoint path (``epoch=3-step=400.ckpt``) is a DeepPart checkpoint
 *directory*; ``ModelCheckpoint`` names, keeps and removes them as it does
 files. The strategy is registered as ``strategy="deeppart_ddp"`` too.
 Lightning itself stores no RNG state in its checkpoints; seed and order
-data the usual way (``seed_everything``, ``DistributedSampler``).
+data the usual way (``seed_everything``, ``DistributedSampler``). As with
+Lightning's own files, a mid-epoch checkpoint resumes exactly only with a
+resumable dataloader (one with ``state_dict``/``load_state_dict``).
 """
 
 from __future__ import annotations
