@@ -109,6 +109,7 @@ def test_lightning_ddp_strategy_resumes_exactly(tmp_path: Path) -> None:
     optimizer's state, and the loss curve and final weights equal the
     uninterrupted run's (4 steps per epoch, 3 epochs; killed at step 6,
     after the epoch-0 checkpoint at step 4)."""
+    pytest.importorskip("lightning")
     d = tmp_path
     train_and_interrupt("lightning_worker.py", "lightning", d, kill_at=6)
     ckpts = sorted(p.name for p in (d / "cut-ckpts").iterdir())
@@ -131,6 +132,7 @@ def test_accelerate_save_state_resumes_exactly(tmp_path: Path) -> None:
     scheduler, registered object, sampler epoch and both ranks' RNG states
     (the model has dropout), and every loss and final tensor is the
     uninterrupted run's."""
+    pytest.importorskip("accelerate")
     d = tmp_path
     train_and_interrupt("accelerate_worker.py", "accelerate", d, kill_at=6)
     ckpts = sorted(p.name for p in (d / "cut-ckpts").iterdir())
@@ -153,6 +155,7 @@ def test_hf_trainer_resumes_exactly(tmp_path: Path) -> None:
     rng_state files; killed at step 7, ``resume_from_checkpoint`` continues
     at step 5 and every loss and final tensor equals the uninterrupted
     run's."""
+    pytest.importorskip("transformers")
     d = tmp_path
     train_and_interrupt("hf_trainer_worker.py", "trainer", d, kill_at=7)
     ckpt = d / "cut-out" / "checkpoint-5"
@@ -165,3 +168,164 @@ def test_hf_trainer_resumes_exactly(tmp_path: Path) -> None:
     for r in range(RANKS):
         assert facts(d, "resumed", r)["start"][0] == 5
         assert facts(d, "resumed", r)["end"] == facts(d, "full", r)["end"]
+
+
+# ----------------------------------------------------------------------------
+# In one process: the pieces, and their errors.
+
+
+def test_rng_states_round_trip_and_refuse_another_world_size(tmp_path: Path) -> None:
+    """Every generator (random, numpy, torch) continues after a restore as
+    it did after the capture; states of 2 ranks are not applied on 1, with
+    an RngStateWarning, and leave the generators alone."""
+    import random
+
+    import numpy as np
+
+    import deeppart
+    from deeppart.comm import SingleComm
+    from deeppart.integrations.rng import (
+        RngStateWarning,
+        gather_rng_states,
+        restore_rng_states,
+    )
+
+    random.seed(3)
+    np.random.seed(4)
+    torch.manual_seed(5)
+    np.random.standard_normal()  # a cached Gaussian is part of numpy's state
+    states = gather_rng_states(SingleComm())
+    deeppart.save({"rng": states}, tmp_path / "ck", comm=SingleComm())
+
+    def draws() -> list[float]:
+        return [random.random(), float(np.random.standard_normal()), float(torch.rand(()))]
+
+    want = draws()
+    loaded = deeppart.load(tmp_path / "ck", comm=SingleComm())["rng"]
+    assert restore_rng_states(loaded, 0, 1)
+    assert draws() == want
+    after = draws()
+    with pytest.warns(RngStateWarning, match="2 rank"):
+        assert not restore_rng_states(loaded * 2, 0, 1)
+    with pytest.warns(RngStateWarning, match="unusable"):
+        assert not restore_rng_states([{"python": "junk"}], 0, 1)
+    assert draws() != after  # the generators went on, not back
+
+
+def test_lightning_checkpoint_io_in_one_process(tmp_path: Path) -> None:
+    pytest.importorskip("lightning")
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    import deeppart
+    from deeppart.integrations.lightning import DeepPartCheckpointIO, DeepPartDDPStrategy
+
+    assert "deeppart_ddp" in StrategyRegistry
+    assert isinstance(DeepPartDDPStrategy().checkpoint_io, DeepPartCheckpointIO)
+    io = DeepPartCheckpointIO()
+    ckpt = {"state_dict": {"w": torch.arange(6.0)}, "epoch": 2, "loops": {"fit_loop": {}}}
+    path = tmp_path / "epoch=2-step=9.ckpt"
+    io.save_checkpoint(ckpt, path)
+    io.save_checkpoint(ckpt, path)  # replaced, as Lightning does with last.ckpt
+    got = io.load_checkpoint(path, map_location="cpu")
+    assert got["epoch"] == 2 and torch.equal(got["state_dict"]["w"], torch.arange(6.0))
+    with pytest.raises(TypeError, match="storage_options"):
+        io.save_checkpoint(ckpt, tmp_path / "other", storage_options={"x": 1})
+    deeppart.save([torch.ones(2)], tmp_path / "a-list")
+    with pytest.raises(deeppart.CheckpointError, match="not a Lightning checkpoint"):
+        io.load_checkpoint(tmp_path / "a-list")
+    with pytest.raises(deeppart.CheckpointError):
+        io.load_checkpoint(tmp_path / "missing")
+    io.remove_checkpoint(path)
+    assert not path.exists()
+    # Another plugin replaced DeepPart's: Lightning's rank-0 save, with a warning.
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+    strategy = DeepPartDDPStrategy()
+    strategy.checkpoint_io = TorchCheckpointIO()
+    with pytest.warns(UserWarning, match="rank 0 saves the checkpoint alone"):
+        strategy.save_checkpoint(ckpt, tmp_path / "stock.ckpt")
+    assert (tmp_path / "stock.ckpt").is_file()
+
+
+def test_accelerate_in_one_process_naming_and_mismatches(tmp_path: Path) -> None:
+    """save_state/load_state without torchrun: automatic naming keeps
+    total_limit checkpoints and loads the newest; a checkpoint of other
+    objects, or not of save_state, is refused with a clear error."""
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    import deeppart
+    from deeppart.integrations.accelerate import load_state, save_state
+
+    config = ProjectConfiguration(
+        project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=2
+    )
+    accelerator = Accelerator(cpu=True, project_config=config)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = accelerator.prepare(model, opt)
+    for i in range(3):
+        with torch.no_grad():
+            model.weight.fill_(float(i))
+        save_state(accelerator)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["checkpoint_1", "checkpoint_2"], names
+    with torch.no_grad():
+        model.weight.fill_(-1.0)
+    assert load_state(accelerator).name == "checkpoint_2"
+    assert torch.equal(model.weight, torch.full((3, 4), 2.0))
+    accelerator.project_configuration.iteration = 2
+    with pytest.raises(ValueError, match="checkpoint_2 exists"):
+        save_state(accelerator)
+
+    extra = Accelerator(cpu=True)
+    _model, o2 = extra.prepare(torch.nn.Linear(4, 3), torch.optim.SGD([torch.zeros(1)], lr=0.1))
+    extra.register_for_checkpointing(torch.optim.lr_scheduler.StepLR(o2, 1))
+    with pytest.raises(deeppart.StateMismatchError, match="registered objects"):
+        load_state(extra, tmp_path / "checkpoints" / "checkpoint_2")
+    deeppart.save({"state_dict": {}}, tmp_path / "not-accelerate")
+    with pytest.raises(deeppart.CheckpointError, match="not a checkpoint of"):
+        load_state(accelerator, tmp_path / "not-accelerate")
+
+
+def test_hf_trainer_in_one_process_loads_the_best_model(tmp_path: Path) -> None:
+    """DeepPartTrainer without torchrun: with ``load_best_model_at_end``
+    the model ends as the best checkpoint's, read from its DeepPart
+    checkpoint as no weights file exists ("best" is the highest eval loss,
+    so the first checkpoint, not the final weights); and a checkpoint directory
+    without ``deeppart/`` is loaded the Trainer's own way (here: refused,
+    as it holds no weights)."""
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    import deeppart
+    from deeppart.integrations.transformers import SUBDIR, DeepPartTrainer
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2,
+        bos_token_id=0, eos_token_id=0,
+    ))
+    ids = torch.randint(0, 64, (16, 8), generator=torch.Generator().manual_seed(1))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=6,
+        eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
+        load_best_model_at_end=True, metric_for_best_model="eval_loss", greater_is_better=True,
+        learning_rate=0.05,
+        report_to=[], use_cpu=True, disable_tqdm=True,
+    )
+    trainer = DeepPartTrainer(model=model, args=args, train_dataset=data, eval_dataset=data[:4])
+    trainer.train()
+    best = trainer.state.best_model_checkpoint
+    assert best is not None and Path(best).name == "checkpoint-2", best
+    saved = deeppart.load(Path(best) / SUBDIR)["model"]
+    last = deeppart.load(Path(best).parent / "checkpoint-6" / SUBDIR)["model"]
+    assert not torch.equal(saved["lm_head.weight"], last["lm_head.weight"])
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, saved[key]), key
+    empty = tmp_path / "stock" / "checkpoint-1"
+    empty.mkdir(parents=True)
+    with pytest.raises(ValueError, match="Can't find a valid checkpoint"):
+        trainer.train(resume_from_checkpoint=str(empty))

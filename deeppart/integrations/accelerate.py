@@ -22,6 +22,10 @@ With ``ProjectConfiguration(automatic_checkpoint_naming=True)`` and no
 directory, checkpoints go to ``project_dir/checkpoints/checkpoint_<i>``,
 ``total_limit`` is honoured, and ``load_state`` picks the newest committed one.
 
+As with ``accelerator.save_state``, the position inside an epoch is not
+saved: resume at an epoch boundary, or skip the batches already seen with
+``accelerator.skip_first_batches``.
+
 Plain data parallelism (DDP, multi-CPU, one process) is supported; FSDP,
 DeepSpeed, Megatron-LM and XLA shard or save their state themselves:
 use ``accelerator.save_state`` there.
@@ -129,6 +133,12 @@ def save_state(
     if automatic:
         root = Path(accelerator.project_dir) / "checkpoints"
         path = root / f"checkpoint_{accelerator.save_iteration}"
+        if path.exists():
+            # As accelerate: never replace a numbered checkpoint silently.
+            raise ValueError(
+                f"checkpoint directory {path} exists: set "
+                "accelerator.project_configuration.iteration to the number to save next"
+            )
     elif output_dir is None:
         raise ValueError("no output_dir given and automatic checkpoint naming is off")
     else:

@@ -21,7 +21,9 @@ A checkpoint path (``epoch=3-step=400.ckpt``) is a DeepPart checkpoint
 *directory*; ``ModelCheckpoint`` names, keeps and removes them as it does
 files. The strategy is registered as ``strategy="deeppart_ddp"`` too.
 Lightning itself stores no RNG state in its checkpoints; seed and order
-data the usual way (``seed_everything``, ``DistributedSampler``).
+data the usual way (``seed_everything``, ``DistributedSampler``). As with
+Lightning's own files, a mid-epoch checkpoint resumes exactly only with a
+resumable dataloader (one with ``state_dict``/``load_state_dict``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.utilities import rank_zero_warn
 
 import deeppart
 from deeppart.format import remove_tree
@@ -146,8 +149,10 @@ class DeepPartDDPStrategy(DDPStrategy):
 
     Takes ``DDPStrategy``'s arguments (by keyword), plus :class:`DeepPartCheckpointIO`'s
     options (``compression=``, ...) when no ``checkpoint_io`` is given. With
-    another ``CheckpointIO`` (e.g. one passed in ``plugins=``), saving falls
-    back to Lightning's rank-0 behaviour.
+    another ``CheckpointIO`` (e.g. one passed in ``plugins=``, which
+    replaces this one), saving falls back to Lightning's rank-0 behaviour,
+    with a warning. ``trainer.save_checkpoint`` must be called on every
+    rank, as Lightning requires anyway.
     """
 
     strategy_name = "deeppart_ddp"
@@ -166,6 +171,7 @@ class DeepPartDDPStrategy(DDPStrategy):
                 compression=compression, algorithm=algorithm, planner=planner
             )
         super().__init__(checkpoint_io=checkpoint_io, **kwargs)
+        self._warned_fallback = False
 
     def save_checkpoint(
         self,
@@ -176,8 +182,14 @@ class DeepPartDDPStrategy(DDPStrategy):
         io = self.checkpoint_io
         if isinstance(io, DeepPartCheckpointIO):
             io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        else:
-            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            return
+        if not self._warned_fallback:
+            self._warned_fallback = True
+            rank_zero_warn(
+                f"DeepPartDDPStrategy: the checkpoint plugin is {type(io).__name__} (e.g. from "
+                "plugins=), not DeepPartCheckpointIO: rank 0 saves the checkpoint alone"
+            )
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
 
 if DeepPartDDPStrategy.strategy_name not in StrategyRegistry:

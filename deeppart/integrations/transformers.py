@@ -128,18 +128,38 @@ class DeepPartTrainer(Trainer):
 
     # -- resuming -------------------------------------------------------------
 
+    def _deeppart_load(self, path: Path, keys: list[str] | None = None) -> dict[str, Any]:
+        """The checkpoint at ``path`` (only ``keys`` and its format entry,
+        reading only their bytes, when given), checked to be one of ours."""
+        if keys is not None:
+            keys = ["format", *keys]
+        state = deeppart.load(path, comm=self._deeppart_comm(), keys=keys)
+        if not isinstance(state, dict) or state.get("format") != FORMAT:
+            raise deeppart.CheckpointError(f"{path}: not a checkpoint of DeepPartTrainer")
+        return state
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         path = Path(resume_from_checkpoint) / SUBDIR
         if not (self._deeppart_applies() and path.is_dir()):
             super()._load_from_checkpoint(resume_from_checkpoint, model)
             return
-        state = deeppart.load(path, comm=self._deeppart_comm())
-        if not isinstance(state, dict) or state.get("format") != FORMAT:
-            raise deeppart.CheckpointError(f"{path}: not a checkpoint of DeepPartTrainer")
+        state = self._deeppart_load(path)
         target = self.model if model is None else model
         assert target is not None
         target.load_state_dict(state.pop("model"))
         self._deeppart_resumed = state
+
+    def _load_best_model(self) -> None:
+        """``load_best_model_at_end``: the model of the best checkpoint,
+        from its DeepPart checkpoint (on every rank; only the model's bytes
+        are read)."""
+        best = self.state.best_model_checkpoint
+        path = Path(best) / SUBDIR if best is not None else None
+        if path is None or not (self._deeppart_applies() and path.is_dir()):
+            super()._load_best_model()
+            return
+        assert self.model is not None
+        self.model.load_state_dict(self._deeppart_load(path, keys=["model"])["model"])
 
     def _resumed(self, checkpoint: str | None, key: str) -> tuple[bool, Any]:
         """(True, the entry) when ``checkpoint`` was loaded by DeepPart."""
