@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,6 +39,23 @@ def _cost_from_args(args: argparse.Namespace) -> _planner.CostModel:
     )
 
 
+#: Largest manifest file ``deeppart plan`` reads.
+MAX_MANIFEST_FILE_BYTES = 1 << 30
+#: Largest --world-size / --ranks-per-node (the planner's ranks are u32).
+MAX_RANKS = (1 << 32) - 1
+
+
+def _rank_count(text: str) -> int:
+    """An argparse type: an integer from 1 to :data:`MAX_RANKS`."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 1 <= value <= MAX_RANKS:
+        raise argparse.ArgumentTypeError(f"{value} is not in [1, {MAX_RANKS}]")
+    return value
+
+
 def _human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -47,10 +65,16 @@ def _human_bytes(n: float) -> str:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    from deeppart.format import CheckpointError, read_regular
+
     try:
-        text = Path(args.manifest).read_text()
+        text = read_regular(Path(args.manifest), MAX_MANIFEST_FILE_BYTES).decode("utf-8")
     except OSError as e:
         return _fail(f"cannot read {args.manifest}: {e.strerror}")
+    except CheckpointError as e:  # not a regular file, or too large
+        return _fail(f"cannot read {args.manifest}: {e}")
+    except UnicodeDecodeError as e:
+        return _fail(f"{args.manifest} is not UTF-8 text: {e}")
     try:
         manifest = _planner.Manifest.from_json(text)
         plan = _planner.plan(
@@ -60,7 +84,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             cost=_cost_from_args(args),
             topology=_planner.Topology(args.ranks_per_node),
         )
-    except (_planner.DeepPartError, ValueError) as e:
+    except (_planner.DeepPartError, ValueError, OverflowError) as e:
         return _fail(f"{type(e).__name__}: {e}")
     stats = plan.stats.to_dict()
     if args.json:
@@ -115,9 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="plan a manifest and print the plan's quality")
     p.add_argument("manifest", help="manifest JSON file")
-    p.add_argument("--world-size", "-p", type=int, required=True, help="number of ranks")
+    p.add_argument(
+        "--world-size", "-p", type=_rank_count, required=True, help="number of ranks"
+    )
     p.add_argument("--algorithm", "-a", default="balanced", choices=_planner.ALGORITHMS)
-    p.add_argument("--ranks-per-node", type=int, default=1)
+    p.add_argument("--ranks-per-node", type=_rank_count, default=1)
     p.add_argument("--json", action="store_true", help="print the stats as one JSON object")
     p.add_argument("--output", "-o", help="also write the whole plan as JSON to this file")
     p.add_argument(
@@ -172,7 +198,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    result: int = args.func(args)
+    try:
+        result: int = args.func(args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (``deeppart ... | head``): not an error of
+        # ours. Point stdout at /dev/null so the exit flush cannot fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141  # 128 + SIGPIPE, as a shell reports it
     return result
 
 
