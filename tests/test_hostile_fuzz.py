@@ -12,9 +12,13 @@ The suite runs a few dozen examples each; a long run (issue 13) sets
 
 from __future__ import annotations
 
+import atexit
+import collections
 import contextlib
+import io
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +29,17 @@ from hypothesis import strategies as st
 
 import deeppart
 from deeppart._planner import DeepPartError
+from deeppart.cli import main as cli_main
 from deeppart.format import MARKER, METADATA, CheckpointError, marker_text
 from deeppart.proto import planner_pb2 as pb
 from deeppart.service import wire
 from deeppart.state import StateError
 
 EXAMPLES = int(os.environ.get("DEEPPART_FUZZ_EXAMPLES", "20"))
+#: Examples run per test, printed at exit in a long run.
+RUNS: collections.Counter[str] = collections.Counter()
+if "DEEPPART_FUZZ_EXAMPLES" in os.environ:
+    atexit.register(lambda: print(f"fuzz examples run: {dict(RUNS)}", file=sys.stderr))
 FUZZ = settings(
     max_examples=EXAMPLES,
     deadline=None,
@@ -96,8 +105,14 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def _load_or_deeppart_error(d: Path) -> None:
+    """A load returns or raises a DeepPart error; ``deeppart inspect
+    --verify`` (in process) exits 0, 1 or 2, printing no traceback."""
     with contextlib.suppress(DeepPartError, CheckpointError, StateError):
         deeppart.load(d)
+    sink = io.StringIO()
+    with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+        rc = cli_main(["inspect", str(d), "--verify"])
+    assert rc in (0, 1, 2), sink.getvalue()
 
 
 @FUZZ
@@ -106,6 +121,7 @@ def test_fuzz_metadata_fields(
     saved: dict[str, Any], tmp_path: Path, data: st.DataObject, codec: str
 ) -> None:
     """Random subtrees of a real metadata.json replaced by random JSON."""
+    RUNS["test_fuzz_metadata_fields"] += 1
     meta = json.loads(saved[codec][METADATA])
     for _ in range(data.draw(st.integers(1, 3))):
         path = data.draw(st.sampled_from(_paths(meta)))
@@ -120,6 +136,7 @@ def test_fuzz_metadata_bytes(
     saved: dict[str, Any], tmp_path: Path, data: st.DataObject, codec: str
 ) -> None:
     """Random byte edits of a real metadata.json (the marker re-signed)."""
+    RUNS["test_fuzz_metadata_bytes"] += 1
     text = bytearray(saved[codec][METADATA])
     for _ in range(data.draw(st.integers(1, 4))):
         at = data.draw(st.integers(0, len(text)))
@@ -173,6 +190,7 @@ def test_fuzz_wire_manifest(
     ints: list[int],
     dtypes: list[str],
 ) -> None:
+    RUNS["test_fuzz_wire_manifest"] += 1
     msg = pb.Manifest(
         version=1,
         string_keys=strings,
@@ -199,6 +217,7 @@ def test_fuzz_wire_manifest(
 @given(data=st.data())
 def test_fuzz_wire_manifest_bytes(data: st.DataObject) -> None:
     """Byte edits of a real serialized manifest."""
+    RUNS["test_fuzz_wire_manifest_bytes"] += 1
     leaves: list[dict[str, Any]] = [
         {"path": ["m", i % 3, f"p{i}"], "dtype": "float32", "shape": [i + 1, 2]} for i in range(6)
     ]
