@@ -12,7 +12,6 @@ The suite runs a few dozen examples each; a long run (issue 13) sets
 
 from __future__ import annotations
 
-import atexit
 import collections
 import contextlib
 import io
@@ -38,8 +37,16 @@ from deeppart.state import StateError
 EXAMPLES = int(os.environ.get("DEEPPART_FUZZ_EXAMPLES", "20"))
 #: Examples run per test, printed at exit in a long run.
 RUNS: collections.Counter[str] = collections.Counter()
-if "DEEPPART_FUZZ_EXAMPLES" in os.environ:
-    atexit.register(lambda: print(f"fuzz examples run: {dict(RUNS)}", file=sys.stderr))
+LONG_RUN = "DEEPPART_FUZZ_EXAMPLES" in os.environ
+
+
+def _count(test: str) -> None:
+    """Counts an example; a long run prints the count every 200 examples."""
+    RUNS[test] += 1
+    if LONG_RUN and RUNS[test] % 200 == 0:
+        print(f"fuzz examples run: {test} {RUNS[test]}", file=sys.stderr, flush=True)
+
+
 FUZZ = settings(
     max_examples=EXAMPLES,
     deadline=None,
@@ -121,7 +128,7 @@ def test_fuzz_metadata_fields(
     saved: dict[str, Any], tmp_path: Path, data: st.DataObject, codec: str
 ) -> None:
     """Random subtrees of a real metadata.json replaced by random JSON."""
-    RUNS["test_fuzz_metadata_fields"] += 1
+    _count("test_fuzz_metadata_fields")
     meta = json.loads(saved[codec][METADATA])
     for _ in range(data.draw(st.integers(1, 3))):
         path = data.draw(st.sampled_from(_paths(meta)))
@@ -136,7 +143,7 @@ def test_fuzz_metadata_bytes(
     saved: dict[str, Any], tmp_path: Path, data: st.DataObject, codec: str
 ) -> None:
     """Random byte edits of a real metadata.json (the marker re-signed)."""
-    RUNS["test_fuzz_metadata_bytes"] += 1
+    _count("test_fuzz_metadata_bytes")
     text = bytearray(saved[codec][METADATA])
     for _ in range(data.draw(st.integers(1, 4))):
         at = data.draw(st.integers(0, len(text)))
@@ -190,7 +197,7 @@ def test_fuzz_wire_manifest(
     ints: list[int],
     dtypes: list[str],
 ) -> None:
-    RUNS["test_fuzz_wire_manifest"] += 1
+    _count("test_fuzz_wire_manifest")
     msg = pb.Manifest(
         version=1,
         string_keys=strings,
@@ -217,7 +224,7 @@ def test_fuzz_wire_manifest(
 @given(data=st.data())
 def test_fuzz_wire_manifest_bytes(data: st.DataObject) -> None:
     """Byte edits of a real serialized manifest."""
-    RUNS["test_fuzz_wire_manifest_bytes"] += 1
+    _count("test_fuzz_wire_manifest_bytes")
     leaves: list[dict[str, Any]] = [
         {"path": ["m", i % 3, f"p{i}"], "dtype": "float32", "shape": [i + 1, 2]} for i in range(6)
     ]
