@@ -378,7 +378,7 @@ class AsyncCheckpointer:
 
         def cleanup() -> None:
             if cp.comm.rank == 0:
-                cp._cleanup(step)
+                cp._cleanup_or_warn(step)
 
         self.pending = start(
             cp.comm,

@@ -33,7 +33,14 @@ import numpy.typing as npt
 from deeppart import staging as _staging
 from deeppart._planner import DeepPartError, Manifest, ManifestError, Plan
 from deeppart.comm import Comm, node_shared, resolve
-from deeppart.compression import CODECS, CodecError, check_codec, compress, decompress
+from deeppart.compression import (
+    CODECS,
+    CodecError,
+    check_codec,
+    compress,
+    decompress,
+    decompress_into,
+)
 from deeppart.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -56,9 +63,12 @@ from deeppart.format import (
     header_bytes,
     is_committed,
     marker_text,
+    max_expansion,
+    open_regular,
     parse_metadata,
     read_checked_metadata,
     remove_tree,
+    step_number,
     write_durable,
 )
 from deeppart.progress import Progress, Stats
@@ -364,7 +374,8 @@ def _write_pieces(
             data: bytes | memoryview = raw
             used = 0
             if codec_index and len(raw):
-                packed = compress(prep.codec, raw, itemsize, level)
+                limit = max_expansion("tensor" if leaf.tensor is not None else "object")
+                packed = compress(prep.codec, raw, itemsize, level, limit)
                 if len(packed) < len(raw):
                     data, used = packed, codec_index
             if len(data):
@@ -725,7 +736,11 @@ def _read_file(
     """Reads, verifies and decodes the pieces of one data file into
     ``dest(piece)``; returns the bytes read."""
     path = directory / data_file_name(rank)
-    with open(path, "rb", buffering=0) as f:
+    try:
+        f = open_regular(path)
+    except OSError as e:
+        raise CorruptCheckpointError(f"{path}: cannot open ({e.strerror})") from e
+    with f:
         return _read_pieces(f, path, directory, meta, rank, pieces, dest, progress, staging)
 
 
@@ -768,9 +783,8 @@ def _read_pieces(
             )
         if p.codec != "none":
             try:
-                out[:] = np.frombuffer(
-                    decompress(p.codec, stored, p.length, sizes[p.leaf]), dtype=np.uint8
-                )
+                limit = max_expansion(meta.leaves[p.leaf].kind)
+                decompress_into(p.codec, stored, out, sizes[p.leaf], limit)
             except CodecError as e:
                 raise CorruptCheckpointError(f"{p.describe(directory)}: {e}") from e
         n += p.stored
@@ -1170,16 +1184,24 @@ class Checkpointer:
     def path(self, step: int) -> Path:
         return self.root / f"{self.PREFIX}{step:08d}"
 
+    def _step_of(self, name: str) -> int | None:
+        """The step a directory name holds: ``step-N`` or ``.old-step-N-<hex>``
+        (a committed checkpoint moved aside by an interrupted overwrite)."""
+        if name.startswith(".old-") and len(name) > len(".old--") + 12 and name[-13] == "-":
+            name = name[len(".old-") : -13]
+        return step_number(name, self.PREFIX)
+
     def steps(self) -> list[int]:
-        """Committed steps, oldest first."""
-        out: list[int] = []
+        """Committed steps, oldest first: also a step whose committed copy
+        sits in ``.old-step-N-*`` because a save replacing it was
+        interrupted (:meth:`load` serves that copy)."""
+        out: set[int] = set()
         if not self.root.is_dir():
-            return out
+            return []
         for child in self.root.iterdir():
-            name = child.name
-            digits = name[len(self.PREFIX) :]
-            if name.startswith(self.PREFIX) and digits.isdigit() and is_committed(child):
-                out.append(int(digits))
+            step = self._step_of(child.name)
+            if step is not None and step not in out and is_committed(child):
+                out.add(step)
         return sorted(out)
 
     def latest(self) -> int | None:
@@ -1216,26 +1238,58 @@ class Checkpointer:
         if self._async is not None:
             return self._async.save(step, state, kwargs)
         stats = save(state, self.path(step), comm=self.comm, **kwargs)
-        if self.comm.rank == 0:
-            self._cleanup(step)
+        # The save succeeded everywhere: a failed cleanup is a warning on
+        # every rank (one small collective), never one rank's exception.
+        problem = self._cleanup_or_warn(step, warn=False) if self.comm.rank == 0 else ""
+        message = self.comm.allgather_varbytes(problem.encode())[0].decode()
+        if message:
+            warnings.warn(message, stacklevel=2)
         return stats
 
-    def _cleanup(self, newest: int) -> None:
+    def _cleanup_or_warn(self, newest: int, *, warn: bool = True) -> str:
+        """Runs :meth:`_cleanup`; returns what failed ("" if nothing), and
+        also warns with it if ``warn``."""
+        try:
+            failures = self._cleanup(newest)
+        except OSError as e:
+            failures = [f"{self.root}: cannot list ({e})"]
+        if not failures:
+            return ""
+        message = (
+            f"{self.root}: step {newest} is committed, but removing old checkpoints failed: "
+            + "; ".join(failures)
+        )
+        if warn:
+            warnings.warn(message, stacklevel=2)
+        return message
+
+    def _cleanup(self, newest: int) -> list[str]:
+        """Removes the steps beyond ``keep_last`` and leftovers of
+        interrupted saves; returns one line per directory it failed to
+        remove. A committed ``.old-step-N-*`` stays while it is the only
+        committed copy of step N (unless step N itself is pruned)."""
         committed = self.steps()
+        pruned = set(committed[: -self.keep_last]) if self.keep_last is not None else set()
         doomed: list[Path] = []
-        if self.keep_last is not None:
-            doomed += [self.path(s) for s in committed[: -self.keep_last]]
         for child in self.root.iterdir():
-            # Leftovers of interrupted saves older than the committed one.
-            if child.name.startswith(".tmp-") or self._superseded(child) or (
-                child.name.startswith(self.PREFIX)
-                and child.name[len(self.PREFIX) :].isdigit()
-                and int(child.name[len(self.PREFIX) :]) < newest
-                and not is_committed(child)
+            name = child.name
+            step = self._step_of(name)
+            if name.startswith(".tmp-"):
+                doomed.append(child)
+            elif name.startswith(".old-"):
+                if (step is not None and step in pruned) or self._superseded(child):
+                    doomed.append(child)
+            elif step is not None and (
+                step in pruned or (step < newest and not is_committed(child))
             ):
                 doomed.append(child)
+        failures: list[str] = []
         for d in doomed:
-            remove_tree(d)
+            try:
+                remove_tree(d)
+            except OSError as e:
+                failures.append(f"{d}: {e.strerror or e}")
+        return failures
 
     def _superseded(self, child: Path) -> bool:
         """Whether ``child`` is a ``.old-NAME-<12 hex>`` directory that may

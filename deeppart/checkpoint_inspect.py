@@ -18,6 +18,7 @@ from typing import Any
 from deeppart import _planner
 from deeppart.format import (
     HEADER_SIZE,
+    MAX_METADATA_BYTES,
     METADATA,
     CheckpointError,
     CorruptCheckpointError,
@@ -28,8 +29,10 @@ from deeppart.format import (
     data_file_name,
     decode_metadata,
     is_committed,
+    open_regular,
     parse_metadata,
     read_checked_metadata,
+    read_regular,
 )
 from deeppart.progress import Progress, human_bytes
 
@@ -41,7 +44,7 @@ def _load_metadata(directory: Path, *, allow_uncommitted: bool) -> tuple[Metadat
         text = read_checked_metadata(directory)
     else:
         try:
-            text = (directory / METADATA).read_bytes()
+            text = read_regular(directory / METADATA, MAX_METADATA_BYTES)
         except OSError as e:
             raise CheckpointError(f"{directory / METADATA}: cannot read ({e.strerror})") from e
     raw = decode_metadata(text)
@@ -226,8 +229,15 @@ def verify(
                 fail(f"missing ({e.strerror})")
                 continue
             if size != meta.file_sizes[rank]:
+                # Its pieces are not where the metadata says: not read.
                 fail(f"{size} bytes, metadata says {meta.file_sizes[rank]}")
-            with open(path, "rb", buffering=0) as f:
+                continue
+            try:
+                f = open_regular(path)
+            except (OSError, CorruptCheckpointError) as e:
+                fail(str(e) if isinstance(e, CorruptCheckpointError) else f"cannot open ({e})")
+                continue
+            with f:
                 try:
                     check_header(
                         path, f.read(HEADER_SIZE), rank, meta.world_size, meta.plan_fingerprint

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,6 +39,21 @@ def _cost_from_args(args: argparse.Namespace) -> _planner.CostModel:
     )
 
 
+#: Largest --world-size / --ranks-per-node (the planner's ranks are u32).
+MAX_RANKS = (1 << 32) - 1
+
+
+def _rank_count(text: str) -> int:
+    """An argparse type: an integer from 1 to :data:`MAX_RANKS`."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 1 <= value <= MAX_RANKS:
+        raise argparse.ArgumentTypeError(f"{value} is not in [1, {MAX_RANKS}]")
+    return value
+
+
 def _human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -47,12 +63,15 @@ def _human_bytes(n: float) -> str:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    from deeppart.format import CheckpointError
     from deeppart.manifest_source import read_manifest
 
     try:
         manifest = read_manifest(args.manifest)
     except OSError as e:
         return _fail(f"cannot read {args.manifest}: {e.strerror}")
+    except CheckpointError as e:  # not a regular file, too large, or bad metadata
+        return _fail(f"cannot read {args.manifest}: {e}")
     except (_planner.DeepPartError, ValueError) as e:
         return _fail(f"{type(e).__name__}: {e}")
     try:
@@ -63,7 +82,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             cost=_cost_from_args(args),
             topology=_planner.Topology(args.ranks_per_node),
         )
-    except (_planner.DeepPartError, ValueError) as e:
+    except (_planner.DeepPartError, ValueError, OverflowError) as e:
         return _fail(f"{type(e).__name__}: {e}")
     stats = plan.stats.to_dict()
     if args.json:
@@ -121,9 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
         "manifest", help="manifest JSON file (deeppart manifest makes one), a checkpoint "
         "directory or its metadata.json, a .safetensors file, or a built-in model name"
     )  # fmt: skip
-    p.add_argument("--world-size", "-p", type=int, required=True, help="number of ranks")
+    p.add_argument(
+        "--world-size", "-p", type=_rank_count, required=True, help="number of ranks"
+    )
     p.add_argument("--algorithm", "-a", default="balanced", choices=_planner.ALGORITHMS)
-    p.add_argument("--ranks-per-node", type=int, default=1)
+    p.add_argument("--ranks-per-node", type=_rank_count, default=1)
     p.add_argument("--json", action="store_true", help="print the stats as one JSON object")
     p.add_argument("--output", "-o", help="also write the whole plan as JSON to this file")
     p.add_argument(
@@ -189,7 +210,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    result: int = args.func(args)
+    try:
+        result: int = args.func(args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (``deeppart ... | head``): not an error of
+        # ours. Point stdout at /dev/null so the exit flush cannot fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141  # 128 + SIGPIPE, as a shell reports it
     return result
 
 

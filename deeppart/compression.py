@@ -2,7 +2,8 @@
 
 A checkpoint picks one codec; each piece is then stored either compressed
 with it or, when compressing does not make the piece smaller, raw (codec
-``"none"`` for that piece). Decoding always checks the decoded length.
+``"none"`` for that piece). Decoding streams, bounded: it stops at the declared length, whatever a
+frame claims, and refuses pieces that expand more than :data:`MAX_EXPANSION`.
 
 - ``none``: the raw bytes;
 - ``zstd``: Zstandard (level 1 by default);
@@ -14,9 +15,12 @@ with it or, when compressing does not make the piece smaller, raw (codec
 
 from __future__ import annotations
 
+import struct
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 CODECS = ("none", "zstd", "lz4", "shuffle-zstd")
 
@@ -51,41 +55,183 @@ def _shuffle(data: memoryview, itemsize: int) -> bytes:
     return np.ascontiguousarray(arr.reshape(-1, itemsize).T).tobytes()
 
 
-def _unshuffle(data: bytes, itemsize: int) -> bytes:
-    arr = np.frombuffer(data, dtype=np.uint8)
-    if itemsize <= 1 or arr.size % itemsize:
-        return arr.tobytes()
-    return np.ascontiguousarray(arr.reshape(itemsize, -1).T).tobytes()
+#: The most bytes one stored byte of a tensor piece may decode to. Bounds
+#: what a small (hostile) file can make a load allocate: ``length`` is
+#: refused unless ``length <= MAX_EXPANSION * stored``. :func:`compress`
+#: pads a frame that compresses better (all-zero data reaches ~32000:1 with
+#: zstd) with a skippable frame, so a DeepPart writer always stays within it.
+MAX_EXPANSION = 256
+#: The same for object (plain value) pieces, whose JSON decodes to Python
+#: objects up to ~20 times its size.
+MAX_OBJECT_EXPANSION = 4
+
+#: Skippable frame (the same format in zstd and LZ4 frames): magic, length.
+_SKIPPABLE = struct.Struct("<II")
+_SKIPPABLE_MAGIC = 0x184D2A50
 
 
-def compress(codec: str, data: memoryview, itemsize: int = 1, level: int = 1) -> bytes:
-    """``data`` encoded with ``codec`` (not ``"none"``)."""
+def _pad_to_ratio(packed: bytes, raw_len: int, max_expansion: int) -> bytes:
+    """``packed`` followed by a skippable frame long enough that
+    ``raw_len <= max_expansion * len(result)`` (``packed`` when it already is)."""
+    least = -(-raw_len // max_expansion)
+    if len(packed) >= least:
+        return packed
+    body = max(0, least - len(packed) - _SKIPPABLE.size)
+    return packed + _SKIPPABLE.pack(_SKIPPABLE_MAGIC, body) + bytes(body)
+
+
+def compress(
+    codec: str,
+    data: memoryview,
+    itemsize: int = 1,
+    level: int = 1,
+    max_expansion: int = MAX_EXPANSION,
+) -> bytes:
+    """``data`` encoded with ``codec`` (not ``"none"``), at most
+    ``max_expansion`` times smaller (padded with a skippable frame)."""
     if codec == "zstd":
-        return bytes(_zstd().ZstdCompressor(level=level).compress(data))
-    if codec == "lz4":
-        return bytes(_lz4().compress(data))
-    if codec == "shuffle-zstd":
-        return bytes(_zstd().ZstdCompressor(level=level).compress(_shuffle(data, itemsize)))
-    raise CodecError(f"cannot compress with {codec!r}")
+        packed = bytes(_zstd().ZstdCompressor(level=level).compress(data))
+    elif codec == "lz4":
+        packed = bytes(_lz4().compress(data))
+    elif codec == "shuffle-zstd":
+        packed = bytes(_zstd().ZstdCompressor(level=level).compress(_shuffle(data, itemsize)))
+    else:
+        raise CodecError(f"cannot compress with {codec!r}")
+    return _pad_to_ratio(packed, len(data), max_expansion)
 
 
-def decompress(codec: str, data: bytes | memoryview, length: int, itemsize: int = 1) -> bytes:
-    """The ``length`` bytes that ``data`` encodes; CodecError when it does
-    not decode to exactly that many."""
+def check_expansion(length: int, stored: int, max_expansion: int = MAX_EXPANSION) -> None:
+    """CodecError unless ``stored`` bytes may decode to ``length``."""
+    if length > max_expansion * stored:
+        raise CodecError(
+            f"{stored} stored bytes cannot decode to {length} (more than {max_expansion}:1)"
+        )
+
+
+def _zstd_frame(data: bytes | memoryview, length: int) -> Any:
+    """A bounded streaming reader of the zstd frame at the start of ``data``,
+    after checking the content size its header declares (if any)."""
+    zstandard = _zstd()
+    declared = zstandard.frame_content_size(data)
+    if declared not in (-1, length):
+        raise CodecError(f"zstd frame declares {declared} bytes, expected {length}")
+    # The window never needs to exceed the content: a frame asking for more
+    # is refused instead of allocating it.
+    window = max(1 << 10, 1 << max(0, length - 1).bit_length())
+    dctx = zstandard.ZstdDecompressor(max_window_size=min(window, 1 << 31))
+    return dctx.stream_reader(data, read_across_frames=False)
+
+
+#: Decoded bytes held at a time beyond the destination (LZ4 output,
+#: shuffle-zstd planes): decoding needs the destination plus this much.
+DECODE_CHUNK = 8 << 20
+
+
+def _chunks_lz4(data: bytes | memoryview, length: int) -> Iterator[bytes]:
+    """The decoded bytes of the first LZ4 frame of ``data``, in chunks of at
+    most :data:`DECODE_CHUNK`, stopping after ``length + 1`` bytes."""
+    lz4 = _lz4()
+    declared = int(lz4.get_frame_info(data)["content_size"])
+    if declared not in (0, length):  # 0: not declared
+        raise CodecError(f"lz4 frame declares {declared} bytes, expected {length}")
+    dec = lz4.LZ4FrameDecompressor()
+    chunk: bytes | memoryview = data
+    got = 0
+    while got <= length and not dec.eof:
+        part = dec.decompress(chunk, max_length=min(DECODE_CHUNK, length + 1 - got))
+        chunk = b""
+        if part:
+            got += len(part)
+            yield part
+        elif dec.needs_input:
+            raise CodecError("lz4 frame is truncated")
+
+
+def _chunks_zstd(
+    data: bytes | memoryview, length: int, into: memoryview | None
+) -> Iterator[memoryview]:
+    """The decoded bytes of the first zstd frame of ``data``: read straight
+    into ``into`` (``length`` bytes) when given, else in chunks of at most
+    :data:`DECODE_CHUNK`; at most one byte beyond ``length``."""
+    reader = _zstd_frame(data, length)
+    got = 0
+    scratch = memoryview(bytearray(min(DECODE_CHUNK, length) or 1)) if into is None else None
+    while got < length:
+        if into is not None:
+            buf = into[got:]
+        else:
+            assert scratch is not None
+            buf = scratch[: min(len(scratch), length - got)]
+        n = reader.readinto(buf)
+        if not n:
+            break
+        got += n
+        yield buf[:n]
+    if reader.read(1):
+        yield memoryview(b"?")  # one byte too many: the caller's count says so
+
+
+def decompress_into(
+    codec: str,
+    data: bytes | memoryview,
+    out: npt.NDArray[np.uint8],
+    itemsize: int = 1,
+    max_expansion: int = MAX_EXPANSION,
+) -> None:
+    """Decodes ``data`` into ``out`` (a flat, writable uint8 array of the
+    declared length), streaming: a zstd frame is read straight into ``out``,
+    LZ4 output and shuffle-zstd planes pass through at most
+    :data:`DECODE_CHUNK` bytes. CodecError when ``data`` does not decode to
+    exactly ``len(out)`` bytes, whatever its frame claims, or when
+    ``len(out)`` exceeds ``max_expansion`` times ``len(data)`` (checked
+    before decoding anything)."""
+    length = int(out.size)
+    check_expansion(length, len(data), max_expansion)
+    shuffled = codec == "shuffle-zstd" and itemsize > 1 and length % itemsize == 0
     try:
-        if codec == "zstd":
-            out = _zstd().ZstdDecompressor().decompress(data, max_output_size=length)
+        if codec in ("zstd", "shuffle-zstd"):
+            direct = None if shuffled else out.data
+            chunks: Iterator[bytes | memoryview] = _chunks_zstd(data, length, direct)
         elif codec == "lz4":
-            out = _lz4().decompress(data)
-        elif codec == "shuffle-zstd":
-            raw = _zstd().ZstdDecompressor().decompress(data, max_output_size=length)
-            out = _unshuffle(raw, itemsize)
+            chunks = _chunks_lz4(data, length)
         else:
             raise CodecError(f"cannot decompress {codec!r}")
+        # A shuffled stream holds plane k (byte k of every element) at
+        # [k * n, (k + 1) * n): each chunk goes to its column(s) of ``out``.
+        planes = out.reshape(-1, itemsize) if shuffled else None
+        n = length // itemsize if shuffled else length
+        got = 0
+        for chunk in chunks:
+            if got + len(chunk) > length:
+                raise CodecError(f"{codec} data decodes to more than {length} bytes")
+            if codec == "lz4":
+                out[got : got + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
+            elif planes is not None:
+                src = np.frombuffer(chunk, dtype=np.uint8)
+                at = 0
+                while at < src.size:
+                    k, i = divmod(got + at, n)
+                    take = min(src.size - at, n - i)
+                    planes[i : i + take, k] = src[at : at + take]
+                    at += take
+            got += len(chunk)
     except CodecError:
         raise
     except Exception as e:  # the codecs' own error types
         raise CodecError(f"{codec} data does not decode: {e}") from e
-    if len(out) != length:
-        raise CodecError(f"{codec} data decodes to {len(out)} bytes, expected {length}")
-    return bytes(out)
+    if got != length:
+        raise CodecError(f"{codec} data decodes to {got} bytes, expected {length}")
+
+
+def decompress(
+    codec: str,
+    data: bytes | memoryview,
+    length: int,
+    itemsize: int = 1,
+    max_expansion: int = MAX_EXPANSION,
+) -> bytes:
+    """The ``length`` bytes that ``data`` encodes (see :func:`decompress_into`)."""
+    check_expansion(length, len(data), max_expansion)
+    out = np.empty(length, dtype=np.uint8)
+    decompress_into(codec, data, out, itemsize, max_expansion)
+    return out.tobytes()

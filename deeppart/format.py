@@ -18,13 +18,14 @@ import contextlib
 import hashlib
 import json
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from deeppart._planner import DeepPartError
-from deeppart.compression import CODECS
+from deeppart.compression import CODECS, MAX_EXPANSION, MAX_OBJECT_EXPANSION
 
 FORMAT_NAME = "deeppart-checkpoint"
 FORMAT_VERSION = 1
@@ -37,7 +38,15 @@ MAGIC = b"DPCKPT01"
 _HEADER = struct.Struct("<8sIII64s")
 #: Largest object (plain value) leaf accepted on load.
 MAX_OBJECT_BYTES = 1 << 30
-MAX_METADATA_BYTES = 1 << 31
+#: Largest metadata.json accepted on load. Its parse takes memory and time
+#: proportional to its size (up to ~20 times it in Python objects); real
+#: metadata takes ~100-300 bytes per leaf and piece, so 64 MiB is several
+#: hundred thousand of them.
+MAX_METADATA_BYTES = 64 << 20
+#: Largest COMMITTED marker (a real one is ~100 bytes).
+MAX_MARKER_BYTES = 4096
+#: Largest world size accepted on load: every rank writes one data file.
+MAX_WORLD_SIZE = 1 << 20
 
 #: Fields of one piece record, in metadata.json's "pieces" rows.
 PIECE_FIELDS = ("leaf", "start", "stop", "rank", "offset", "length", "stored", "codec", "xxh3")
@@ -59,6 +68,16 @@ class StateMismatchError(CheckpointError):
 
 def data_file_name(rank: int) -> str:
     return f"rank-{rank:05d}.bin"
+
+
+def step_number(name: str, prefix: str) -> int | None:
+    """N for a directory name ``prefix + N`` of ASCII digits, else None
+    (also for names such as ``step-²``, whose ``isdigit()`` is true but
+    which ``int()`` refuses)."""
+    digits = name[len(prefix) :]
+    if name.startswith(prefix) and digits.isascii() and digits.isdigit():
+        return int(digits)
+    return None
 
 
 def align_up(n: int, align: int = ALIGN) -> int:
@@ -90,6 +109,65 @@ def check_header(path: Path, data: bytes, rank: int, world_size: int, fingerprin
         )
     if fp.rstrip(b"\0").decode("ascii", "replace") != fingerprint:
         raise CorruptCheckpointError(f"{path}: written for another plan")
+
+
+def max_expansion(kind: str) -> int:
+    """How many bytes one stored byte of a compressed piece of a leaf of
+    ``kind`` ("tensor" or "object") may decode to."""
+    return MAX_OBJECT_EXPANSION if kind == "object" else MAX_EXPANSION
+
+
+# ----------------------------------------------------------------------------
+# Reading files that anyone could have replaced: regular files only, capped.
+
+
+def open_regular(path: Path) -> Any:
+    """``path`` opened for unbuffered binary reading, after checking (on the
+    open descriptor) that it is a regular file: a FIFO, a device (e.g. a
+    symlink to /dev/zero), a socket or a directory raises
+    :class:`CorruptCheckpointError` at once instead of hanging or reading
+    without end. Opened non-blocking, so that opening a FIFO cannot block.
+    ``OSError`` (e.g. a missing file) propagates."""
+    mode = os.stat(path).st_mode  # a socket cannot even be opened: say what it is
+    if not stat.S_ISREG(mode):
+        raise CorruptCheckpointError(f"{path}: not a regular file ({_file_kind(mode)})")
+    # Checked again on the descriptor: the file may have been replaced since.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise CorruptCheckpointError(f"{path}: not a regular file ({_file_kind(mode)})")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return kind
+    return "a special file"
+
+
+def read_regular(path: Path, limit: int) -> bytes:
+    """The contents of the regular file ``path`` (see :func:`open_regular`),
+    :class:`CorruptCheckpointError` if it holds more than ``limit`` bytes
+    (never reads more than ``limit + 1``)."""
+    with open_regular(path) as f:
+        if os.fstat(f.fileno()).st_size > limit:
+            raise CorruptCheckpointError(f"{path}: larger than the limit of {limit} bytes")
+        data: bytes = f.read(limit + 1)
+        if len(data) > limit:
+            raise CorruptCheckpointError(f"{path}: larger than the limit of {limit} bytes")
+        return data
 
 
 # ----------------------------------------------------------------------------
@@ -129,9 +207,9 @@ def is_committed(directory: Path) -> bool:
     """Whether ``directory`` holds a marker matching its metadata (cheap:
     reads two small files, not the data)."""
     try:
-        marker = (directory / MARKER).read_bytes()
-        meta = (directory / METADATA).read_bytes()
-    except OSError:
+        marker = read_regular(directory / MARKER, MAX_MARKER_BYTES)
+        meta = read_regular(directory / METADATA, MAX_METADATA_BYTES)
+    except (OSError, CheckpointError):
         return False
     return marker == marker_text(meta)
 
@@ -193,7 +271,7 @@ def decode_metadata(text: bytes) -> dict[str, Any]:
     """metadata.json as a dict (no checks beyond its being a DeepPart one)."""
     try:
         raw = json.loads(text.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:  # also UnicodeDecodeError, over-long integers
         raise CorruptCheckpointError(f"metadata.json is not valid JSON: {e}") from e
     if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError("metadata.json is not DeepPart checkpoint metadata")
@@ -207,7 +285,7 @@ def parse_metadata(raw: dict[str, Any], dtype_sizes: dict[str, int]) -> Metadata
     checked separately by :func:`check_file_sizes`."""
     if raw.get("version") != FORMAT_VERSION:
         raise CheckpointError(f"unsupported checkpoint format version {raw.get('version')!r}")
-    world = _int(raw.get("world_size"), "world_size", 1, 1 << 24)
+    world = _int(raw.get("world_size"), "world_size", 1, MAX_WORLD_SIZE)
     fingerprint = raw.get("plan_fingerprint")
     if not isinstance(fingerprint, str) or len(fingerprint) > 64:
         raise CorruptCheckpointError("metadata: bad plan_fingerprint")
@@ -255,6 +333,11 @@ def parse_metadata(raw: dict[str, Any], dtype_sizes: dict[str, int]) -> Metadata
         expect = info.nbytes if info.kind == "object" else (stop - start) * info.itemsize
         if length != expect or (codec == "none" and stored != length):
             raise CorruptCheckpointError(f"metadata: piece {j} has inconsistent lengths")
+        if codec != "none" and length > max_expansion(info.kind) * stored:
+            raise CorruptCheckpointError(
+                f"metadata: piece {j} claims {stored} stored bytes decode to {length}, "
+                f"more than {max_expansion(info.kind)}:1 (a decompression bomb?)"
+            )
         pieces.append(Piece(leaf, start, stop, rank, offset, length, stored, codec, xxh))
     # Coverage: every leaf exactly once.
     by_leaf: list[list[tuple[int, int]]] = [[] for _ in leaves]
@@ -320,16 +403,14 @@ def read_checked_metadata(directory: Path) -> bytes:
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: no such checkpoint directory")
     try:
-        marker = (directory / MARKER).read_bytes()
+        marker = read_regular(directory / MARKER, MAX_MARKER_BYTES)
     except OSError as e:
         raise CheckpointError(
             f"{directory}: no {MARKER} marker; the checkpoint was never committed "
             "(a save was interrupted)"
         ) from e
     try:
-        if mpath.stat().st_size > MAX_METADATA_BYTES:
-            raise CorruptCheckpointError(f"{mpath}: too large")
-        text = mpath.read_bytes()
+        text = read_regular(mpath, MAX_METADATA_BYTES)
     except OSError as e:
         raise CorruptCheckpointError(f"{mpath}: cannot read ({e.strerror})") from e
     if marker != marker_text(text):
@@ -341,6 +422,10 @@ def remove_tree(path: Path) -> None:
     """Removes a checkpoint directory (files, then the directory), ignoring
     what is already gone."""
     if not path.exists():
+        return
+    if path.is_symlink() or not path.is_dir():  # a stray file of that name
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
         return
     with contextlib.suppress(FileNotFoundError):
         (path / MARKER).unlink()  # first: a half-removed checkpoint is never "committed"

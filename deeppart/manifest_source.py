@@ -23,7 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from deeppart._planner import DeepPartError, Manifest, ManifestError
-from deeppart.format import METADATA, CheckpointError, decode_metadata
+from deeppart.format import (
+    MAX_METADATA_BYTES,
+    METADATA,
+    CheckpointError,
+    decode_metadata,
+    open_regular,
+    read_regular,
+)
 
 #: safetensors' dtype names -> DeepPart's (torch's) names.
 _SAFETENSORS_DTYPES = {
@@ -32,6 +39,9 @@ _SAFETENSORS_DTYPES = {
     "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
     "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
 }  # fmt: skip
+
+#: Largest manifest JSON file read.
+MAX_MANIFEST_FILE_BYTES = 1 << 30
 
 #: A safetensors header larger than this is refused (the format's own limit).
 MAX_SAFETENSORS_HEADER = 100_000_000
@@ -42,7 +52,7 @@ def from_checkpoint(path: Path) -> Manifest:
     checkpoint directory or that file)."""
     meta = path / METADATA if path.is_dir() else path
     try:
-        text = meta.read_bytes()
+        text = read_regular(meta, MAX_METADATA_BYTES)  # no FIFOs, devices or huge files
     except OSError as e:
         raise CheckpointError(f"{meta}: cannot read ({e.strerror})") from e
     raw = decode_metadata(text)
@@ -57,7 +67,7 @@ def safetensors_leaves(path: Path) -> list[tuple[str, str, list[int]]]:
     header only, in the file's order (a state_dict's own order is not
     recorded there, so a manifest from it may order leaves differently)."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:  # no FIFOs or devices
             head = f.read(8)
             if len(head) != 8:
                 raise ManifestError(f"{path}: not a safetensors file (shorter than 8 bytes)")
@@ -134,7 +144,9 @@ def read_manifest(source: str, *, adamw: bool = False) -> Manifest:
     if path.suffix == ".safetensors":
         return from_safetensors(path, adamw=adamw)
     try:
-        text = path.read_text()  # OSError propagates: the caller names the file
+        # OSError and CheckpointError (not a regular file, too large)
+        # propagate: the caller names the file.
+        text = read_regular(path, MAX_MANIFEST_FILE_BYTES).decode("utf-8")
     except UnicodeDecodeError as e:
         raise ManifestError(f"{source}: not a JSON file ({e.reason})") from e
     try:

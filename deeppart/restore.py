@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 from deeppart.format import StateMismatchError
+from deeppart.state import legacy_path, path_key
 
 PathLike = tuple[Any, ...]
 
@@ -36,7 +37,10 @@ def describe(path: Iterable[Any]) -> str:
 
 
 def _as_path(key: Any) -> PathLike:
-    return tuple(key) if isinstance(key, tuple | list) else (key,)
+    """A key or a tuple of keys as a path prefix, each key as leaf paths
+    spell it (``True`` -> ``"!True"``; integer keys stay integers)."""
+    keys = tuple(key) if isinstance(key, tuple | list) else (key,)
+    return tuple(path_key(k) for k in keys)
 
 
 def select(paths: Sequence[Sequence[Any]], keys: Sequence[Any] | None) -> list[bool]:
@@ -75,17 +79,23 @@ def match(
     into index, and what did not match. With ``strict``, any difference
     raises StateMismatchError naming the first differing leaves and the fix."""
     where = {tuple(p): j for j, p in enumerate(wanted)}
+    # A checkpoint written before typed keys spells non-string keys bare.
+    legacy = {tuple(legacy_path(p)): j for j, p in enumerate(wanted)}
     pairs: dict[int, int] = {}
+    used: set[int] = set()
     unexpected: list[str] = []
     for i, p in enumerate(saved):
         if not selected[i]:
             continue
-        j = where.pop(tuple(p), None)
-        if j is None:
+        j = where.get(tuple(p))
+        if j is None or j in used:
+            j = legacy.get(tuple(p))
+        if j is None or j in used:
             unexpected.append(describe(p))
         else:
             pairs[i] = j
-    missing = [describe(wanted[j]) for j in sorted(where.values())]
+            used.add(j)
+    missing = [describe(wanted[j]) for j in range(len(wanted)) if j not in used]
     keys = IncompatibleKeys(missing, unexpected)
     if strict and (missing or unexpected):
         raise StateMismatchError(

@@ -46,17 +46,40 @@ def _describe_path(path: Path) -> str:
     return "/".join(str(k) for k in path) if path else "<root>"
 
 
+#: Marks a path key that stands for a dict key other than a string or an
+#: integer (``!True``, ``!None``, ``!1.5``, ``!(1, 2)``); a string key that
+#: starts with it is escaped by doubling it (``"!x"`` -> ``"!!x"``), so keys
+#: ``True`` and ``"True"`` of one dict are different paths.
+_TYPED_KEY = "!"
+_I64 = 1 << 63
+
+
 def _path_key(key: Any, path: Path) -> PathKey:
-    if isinstance(key, bool):
-        return repr(key)
-    if isinstance(key, int | str):
-        return key
-    if isinstance(key, float | tuple) or key is None:
-        return repr(key)
+    if isinstance(key, str):
+        return _TYPED_KEY + key if key.startswith(_TYPED_KEY) else key
+    if isinstance(key, int) and not isinstance(key, bool) and -_I64 <= key < _I64:
+        return int(key)
+    if isinstance(key, bool | int | float | tuple) or key is None:
+        try:
+            return _TYPED_KEY + repr(key)
+        except ValueError as e:  # an integer over sys.get_int_max_str_digits() digits
+            raise StateError(f"{_describe_path(path)}: dict key: {e}") from e
     raise StateError(
         f"{_describe_path(path)}: dict key {key!r} of type {type(key).__name__} "
         "is not a plain value"
     )
+
+
+def path_key(key: Any) -> PathKey:
+    """How a dict key appears in a leaf's path (see :data:`_TYPED_KEY`)."""
+    return _path_key(key, ())
+
+
+def legacy_path(path: Any) -> list[Any]:
+    """A path as checkpoints written before typed keys recorded it (a
+    non-string key as its bare ``repr``, strings unescaped): what a leaf of
+    such a checkpoint matches."""
+    return [k[1:] if isinstance(k, str) and k.startswith(_TYPED_KEY) else k for k in path]
 
 
 def _is_tensor(value: Any) -> bool:
@@ -158,14 +181,18 @@ def _decode(value: Any, depth: int = 0) -> Any:
 def encode_plain(value: Any, path: Path = ()) -> bytes:
     """Encodes a plain value as UTF-8 tagged JSON. Raises StateError, naming
     the path, for anything that is not plain."""
-    return json.dumps(_encode(value, path, 0), separators=(",", ":"), allow_nan=False).encode()
+    try:
+        text = json.dumps(_encode(value, path, 0), separators=(",", ":"), allow_nan=False)
+    except ValueError as e:  # an integer over sys.get_int_max_str_digits() digits
+        raise StateError(f"{_describe_path(path)}: cannot encode: {e}") from e
+    return text.encode()
 
 
 def decode_plain(data: bytes) -> Any:
     """Inverse of :func:`encode_plain`. Raises ValueError on malformed input."""
     try:
         raw = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:  # also over-long integers
         raise ValueError(f"malformed encoded value: {e}") from e
     return _decode(raw)
 
@@ -190,6 +217,10 @@ def _check_tensor(t: Any, path: Path) -> None:
         )
     if t.is_quantized:
         raise StateError(f"{_describe_path(path)}: quantized tensors are not supported")
+    if t.is_nested:
+        raise StateError(f"{_describe_path(path)}: nested tensors are not supported")
+    if t.device.type == "meta":
+        raise StateError(f"{_describe_path(path)}: a meta tensor holds no data to save")
 
 
 def _alias_key(t: Any) -> tuple[Any, ...] | None:
@@ -206,6 +237,9 @@ def _alias_key(t: Any) -> tuple[Any, ...] | None:
         tuple(t.shape),
         tuple(t.stride()),
         t.dtype,
+        # Lazy conjugation and negation change the values a view shows.
+        t.is_conj(),
+        t.is_neg(),
     )
 
 
@@ -277,7 +311,10 @@ def unflatten(skeleton: Any, values: list[Any], absent: Any = None) -> Any:
             for pair in body:
                 if not (isinstance(pair, list) and len(pair) == 2):
                     raise ValueError("malformed dict entry in state skeleton")
-                out[_decode(pair[0])] = build(pair[1], depth + 1)
+                try:
+                    out[_decode(pair[0])] = build(pair[1], depth + 1)
+                except TypeError as e:  # an unhashable key, e.g. a list
+                    raise ValueError(f"unhashable dict key in state skeleton: {e}") from e
             return out
         if kind in ("list", "tuple") and isinstance(body, list):
             items = [build(v, depth + 1) for v in body]

@@ -96,6 +96,7 @@ def _steps_in(root: Path, committed: bool) -> list[int]:
         digits = child.name[len(PREFIX) :]
         if (
             child.name.startswith(PREFIX)
+            and digits.isascii()
             and digits.isdigit()
             and (not committed or is_committed(child))
         ):

@@ -802,7 +802,7 @@ class FTIBackend:
         steps: list[int] = []
         for p in self._dir.glob(f"{INDEX_PREFIX}*.json"):
             digits = p.stem[len(INDEX_PREFIX) :]
-            if digits.isdigit():
+            if digits.isascii() and digits.isdigit():
                 steps.append(int(digits))
         return sorted(steps)
 

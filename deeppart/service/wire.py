@@ -26,6 +26,18 @@ class WireError(ValueError):
     """A message is inconsistent or names something that does not exist."""
 
 
+#: The planner's limit on the keys of one path (``MAX_PATH_DEPTH`` in
+#: planner/src/manifest.rs), checked here before any path is built.
+MAX_PATH_DEPTH = 256
+#: Every path is expanded in full (the planner holds each leaf's own path),
+#: so front coding lets a small message describe huge paths. Their total
+#: size, counted as :data:`KEY_OVERHEAD` per key plus string lengths, may be
+#: at most this many times the message's size (or :data:`MIN_PATH_BUDGET`).
+PATH_EXPANSION = 64
+MIN_PATH_BUDGET = 16 << 20
+KEY_OVERHEAD = 16
+
+
 # ----------------------------------------------------------------------------
 # Manifest.
 
@@ -144,6 +156,7 @@ def manifest_leaves_from_proto(msg: pb.Manifest) -> list[dict[str, Any]]:
     for i, dt in enumerate(dtype):
         if dt > len(dtypes):
             raise WireError(f"manifest: leaf {i}: dtype {dt} out of range")
+    _check_path_sizes(msg, shared, suffix_len, refs, strings)
     key_table: list[str | int] = []
     for j in range(max(len(strings), len(ints))):
         key_table.append(strings[j] if j < len(strings) else "")
@@ -187,6 +200,46 @@ def manifest_leaves_from_proto(msg: pb.Manifest) -> list[dict[str, Any]]:
         leaves.append(desc)
         prev = path
     return leaves
+
+
+def _check_path_sizes(
+    msg: pb.Manifest,
+    shared: list[int],
+    suffix_len: list[int],
+    refs: np.ndarray[Any, Any],
+    strings: list[str],
+) -> None:
+    """Every path's depth and the total size of all expanded paths, from the
+    front-coded arrays alone, before any path is built (time linear in the
+    message: each key is added once and dropped at most once)."""
+    key_cost = np.full(len(refs), KEY_OVERHEAD, dtype=np.int64)
+    if strings and len(refs):
+        lengths = np.array([len(k) for k in strings], dtype=np.int64)
+        is_str = (refs & 1) == 0
+        key_cost[is_str] += lengths[refs[is_str] >> 1]
+    cum_suffix = np.concatenate([[0], np.cumsum(key_cost)]).tolist()
+    budget = max(MIN_PATH_BUDGET, PATH_EXPANSION * msg.ByteSize())
+    prefix = [0]  # prefix[d]: the size of the current path's first d keys
+    total = k = 0
+    for i, (share, extra) in enumerate(zip(shared, suffix_len, strict=True)):
+        if share >= len(prefix):
+            raise WireError(
+                f"manifest: leaf {i} shares {share} keys with a previous path of {len(prefix) - 1}"
+            )
+        if share + extra > MAX_PATH_DEPTH:
+            raise WireError(
+                f"manifest: leaf {i}: path has {share + extra} keys, more than {MAX_PATH_DEPTH}"
+            )
+        del prefix[share + 1 :]
+        base = prefix[share] - cum_suffix[k]
+        prefix.extend(base + c for c in cum_suffix[k + 1 : k + extra + 1])
+        k += extra
+        total += prefix[-1]
+        if total > budget:
+            raise WireError(
+                f"manifest: its paths expand to more than {budget} bytes "
+                f"({PATH_EXPANSION} times the message)"
+            )
 
 
 def _ints(field: Any) -> list[int]:
