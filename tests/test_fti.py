@@ -2,9 +2,11 @@
 
 Tests marked ``needs_fti`` run the real library, found by
 :func:`deeppart.levels.fti.find_libfti` (``FTI_LIBRARY`` or the linker's
-path), on 4 ranks (2 fake nodes, local_test) through ``mpiexec`` with a
-timeout; they are skipped when no libfti is found (docs/FTI.md says how to
-build one). The others run without libfti.
+path; scripts/test.sh sets it to ``.fti/lib/libfti.so`` built by
+scripts/build-fti.sh), on 4 and 8 ranks (fake nodes of 2, local_test)
+through ``mpiexec`` with a timeout, every restore in a new job; they are
+skipped when no libfti is found (docs/FTI.md). The others run without
+libfti.
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ LIBFTI = find_libfti()
 
 needs_fti = pytest.mark.skipif(
     LIBFTI is None,
-    reason="libfti not found: set FTI_LIBRARY=/path/to/libfti.so to run the real-FTI tests "
-    "(docs/FTI.md)",
+    reason="libfti not found: build it with scripts/build-fti.sh FTI_SOURCE_DIR, or set "
+    "FTI_LIBRARY=/path/to/libfti.so, to run the real-FTI tests (docs/FTI.md)",
 )
 
 
