@@ -403,6 +403,8 @@ def test_special_file_in_a_checkpoint(tmp_path: Path, name: str, kind: str) -> N
         out = measure("inspect", str(d), *flags)
         if name == data_file_name(0) and not flags:
             assert out["result"] == 0, out  # describes the metadata only
+        elif name == MARKER:  # inspect shows uncommitted checkpoints too
+            assert out["result"] == 1 and "NO (no matching COMMITTED" in out["stdout"], out
         else:
             assert out["result"] not in (0, None), out
             assert "error" in out["stderr"] or "FAIL" in out["stdout"], out
