@@ -91,6 +91,7 @@ def saved_by_4(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dic
     return ck, [r | {"ck": str(ck), "again": str(again)} for r in results]
 
 
+@pytest.mark.multirank
 def test_save_4_load_4_bitwise(saved_by_4: tuple[Path, list[dict[str, Any]]]) -> None:
     ck, results = saved_by_4
     for r in results:
@@ -99,12 +100,14 @@ def test_save_4_load_4_bitwise(saved_by_4: tuple[Path, list[dict[str, Any]]]) ->
     assert all(r[f"save:{ck}"]["items"] > 0 for r in results)
 
 
+@pytest.mark.multirank
 def test_second_save_uses_plan_cache(saved_by_4: tuple[Path, list[dict[str, Any]]]) -> None:
     _, results = saved_by_4
     for r in results:
         assert r[f"save:{r['again']}"]["source"] == "memory"
 
 
+@pytest.mark.multirank
 def test_large_replicated_tensors_are_split(
     saved_by_4: tuple[Path, list[dict[str, Any]]],
 ) -> None:
@@ -141,6 +144,7 @@ def test_large_replicated_tensors_are_split(
     assert len(writers) >= 2
 
 
+@pytest.mark.multirank
 def test_load_at_2_and_1(saved_by_4: tuple[Path, list[dict[str, Any]]], tmp_path: Path) -> None:
     ck, _ = saved_by_4
     own, dt = tmp_path / "ck2", tmp_path / "dt2"
