@@ -8,10 +8,10 @@ source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 setup
 if [ "${1:-}" = "--quick" ]; then
   shift
-  log "quick subset: ruff, mypy, pytest -m 'not mpi and not slow' (the whole suite: without --quick)"
+  log "quick subset: ruff, mypy, single-process pytest (the whole suite: without --quick)"
   ruff check deeppart tests bench
   mypy
-  exec pytest -q -m "not mpi and not slow" "$@"
+  exec pytest -q -m "not mpi and not multirank and not slow" "$@"
 fi
 log "Rust format and tests"
 cargo fmt --all --check

@@ -94,6 +94,7 @@ def saved_by_4(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dic
     return ck, [r | {"ck": str(ck), "again": str(again)} for r in results]
 
 
+@pytest.mark.multirank
 def test_save_4_load_4_bitwise(saved_by_4: tuple[Path, list[dict[str, Any]]]) -> None:
     ck, results = saved_by_4
     for r in results:
@@ -102,12 +103,14 @@ def test_save_4_load_4_bitwise(saved_by_4: tuple[Path, list[dict[str, Any]]]) ->
     assert all(r[f"save:{ck}"]["items"] > 0 for r in results)
 
 
+@pytest.mark.multirank
 def test_second_save_uses_plan_cache(saved_by_4: tuple[Path, list[dict[str, Any]]]) -> None:
     _, results = saved_by_4
     for r in results:
         assert r[f"save:{r['again']}"]["source"] == "memory"
 
 
+@pytest.mark.multirank
 def test_large_replicated_tensors_are_split(
     saved_by_4: tuple[Path, list[dict[str, Any]]],
 ) -> None:
@@ -163,6 +166,7 @@ def payload_bytes_per_file(md: Any) -> dict[str, int]:
     return out
 
 
+@pytest.mark.multirank
 def test_moe_experts_cut_below_rows_balance_within_one_percent(tmp_path: Path) -> None:
     """A scaled-down Mixtral (transformers, stacked experts) with AdamW saved
     by 4 gloo ranks: the slowest rank's bytes are within 1% of the ideal
@@ -212,6 +216,7 @@ def test_moe_experts_cut_below_rows_balance_within_one_percent(tmp_path: Path) -
         assert r[f"load:{ck}"] == [], f"rank {r['rank']} differs at {r[f'load:{ck}']}"
 
 
+@pytest.mark.multirank
 def test_load_at_2_and_1(saved_by_4: tuple[Path, list[dict[str, Any]]], tmp_path: Path) -> None:
     ck, _ = saved_by_4
     own, dt = tmp_path / "ck2", tmp_path / "dt2"

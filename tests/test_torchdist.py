@@ -30,7 +30,10 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "torchdist_worker.py"
 TIMEOUT_S = 240
 
-pytestmark = pytest.mark.skipif(not dist.is_available(), reason="no torch.distributed")
+pytestmark = [
+    pytest.mark.skipif(not dist.is_available(), reason="no torch.distributed"),
+    pytest.mark.multirank,
+]
 
 
 def run(n: int, *args: str) -> str:
