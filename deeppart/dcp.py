@@ -275,7 +275,9 @@ class BalancedSavePlanner(DefaultSavePlanner):
 
     ``algorithm``, ``cost`` and ``topology`` go to :func:`deeppart.plan`
     (with the cost model's ``grain`` set to ``"row"``: a DCP chunk must be a
-    box, so cuts fall on rows of the manifest's tensors); ``cache`` selects
+    box, so cuts fall on rows of the manifest's ``uint8[units, unit_bytes]``
+    leaves: between units, which :func:`flat_range_boxes` maps to boxes);
+    ``cache`` selects
     the plan cache (default: DeepPart's default cache, in memory and on
     disk). ``process_group`` must be the group passed to
     ``dcp.save`` when that is not the default group.
