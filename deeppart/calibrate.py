@@ -11,6 +11,15 @@ page cache), and fits by least squares
 for writes and for reads; with torch installed it also times ``torch.save``
 of tensor dicts (to memory) and fits ``t = a + tensors * tensor_s + bytes /
 serialize_bw``. Each fit reports R² and its relative RMS error.
+
+It also measures what writers share (the planner's storage model,
+docs/PLANNER.md): ``node_bw``, the bandwidth of several streams writing at
+once, and ``writer_s``, the per-file metadata cost (creating, syncing and
+closing many files from several threads at once, per file). On one machine the
+node and the aggregate bandwidth coincide: every writer shares the same
+storage, so ``aggregate_bw`` is ``node_bw``. For a parallel file system,
+calibrate on each kind of node and set ``aggregate_bandwidth`` from the file
+system's specification or a multi-node run.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ import platform
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -139,12 +148,23 @@ def measure_io(
     return writes, reads
 
 
+def _time_threads(work: Callable[[int], None], streams: int) -> float:
+    """Seconds for ``streams`` threads to run ``work(0)`` ... ``work(streams - 1)`` at once."""
+    import threading
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(streams)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
 def measure_node_bw(directory: Path, streams: int, size: int, repeats: int) -> float:
     """Aggregate write bandwidth of ``streams`` threads writing (and fsyncing)
     ``size`` bytes each to their own file at once (os.pwrite releases the
     GIL): the node's storage limit. Median of ``repeats``."""
-    import threading
-
     payload = memoryview(np.full(size, 7, dtype=np.uint8).tobytes())
     rates: list[float] = []
     with tempfile.TemporaryDirectory(prefix=".deeppart-calibrate-", dir=directory) as tmp:
@@ -158,16 +178,43 @@ def measure_node_bw(directory: Path, streams: int, size: int, repeats: int) -> f
                 finally:
                     os.close(fd)
 
-            threads = [threading.Thread(target=write, args=(i,)) for i in range(streams)]
-            t0 = time.perf_counter()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            rates.append(streams * size / (time.perf_counter() - t0))
+            rates.append(streams * size / _time_threads(write, streams))
             for f in Path(tmp).iterdir():
                 f.unlink()
     return float(np.median(rates))
+
+
+def measure_writer_s(directory: Path, streams: int, files: int, repeats: int) -> float:
+    """The per-file metadata cost: ``streams`` threads together create,
+    fsync and close ``files`` empty files (then the directory is synced);
+    the elapsed time per file is what the storage serialises per writer.
+    Median of ``repeats``."""
+    per_file: list[float] = []
+    with tempfile.TemporaryDirectory(prefix=".deeppart-calibrate-", dir=directory) as tmp:
+        for rep in range(repeats):
+            share = [files // streams + (1 if i < files % streams else 0) for i in range(streams)]
+
+            def create(i: int, rep: int = rep, share: list[int] = share) -> None:
+                for j in range(share[i]):
+                    fd = os.open(
+                        Path(tmp) / f"m{rep}-{i}-{j}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644
+                    )
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+
+            t0 = time.perf_counter()
+            _time_threads(create, streams)
+            dfd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+            per_file.append((time.perf_counter() - t0) / files)
+            for f in Path(tmp).iterdir():
+                f.unlink()
+    return float(np.median(per_file))
 
 
 def measure_serialization(
@@ -233,6 +280,8 @@ def cost_model_from_profile(profile: dict[str, Any], **overrides: Any) -> _plann
         "piece_s": params.get("piece_s"),
         "bandwidth": params.get("write_bw"),
         "writer_s": params.get("writer_s"),
+        "node_bandwidth": params.get("node_bw"),
+        "aggregate_bandwidth": params.get("aggregate_bw"),
     }
     kw.update({k: v for k, v in overrides.items() if v is not None})
     kw = {k: v for k, v in kw.items() if v is None or math.isfinite(v)}
@@ -247,6 +296,10 @@ def _finite(x: float) -> float | None:
 
 def _gbps(x: float | None) -> str:
     return f"{x / 1e9:.3f} GB/s" if x else "not resolved (per-byte cost ~0; default kept)"
+
+
+def _us(x: float | None) -> str:
+    return f"{x * 1e6:.1f} us" if x is not None else "not measured (default kept)"
 
 
 def _fit_dict(fit: Fit) -> dict[str, float | int]:
@@ -268,6 +321,7 @@ def calibrate(
     writes, reads = measure_io(directory, sizes, pieces, repeats)
     nstreams = streams or max(2, os.cpu_count() or 2)
     node_bw = measure_node_bw(directory, nstreams, max(sizes), repeats)
+    writer_s = measure_writer_s(directory, nstreams, 16 * nstreams, repeats)
     w, wfit = fit_io(median_samples(writes))
     r, rfit = fit_io(median_samples(reads))
     params: dict[str, Any] = {
@@ -277,8 +331,11 @@ def calibrate(
         "read_fixed_s": r["fixed_s"],
         "read_piece_s": r["piece_s"],
         "read_bw": _finite(r["bandwidth"]),
-        "writer_s": None,  # not measurable from one process: the planner's default
+        "writer_s": writer_s,
         "node_bw": node_bw,
+        # One machine: all writers share one storage, so the aggregate is the node's.
+        "aggregate_bw": node_bw,
+        "aggregate_source": "node_bw (one machine: node and aggregate coincide)",
         "node_streams": nstreams,
     }
     fits: dict[str, Any] = {"write": _fit_dict(wfit), "read": _fit_dict(rfit)}
@@ -341,6 +398,9 @@ def run(args: argparse.Namespace) -> int:
         ("write bandwidth", _gbps(p["write_bw"])),
         ("write fit", f"R2 {f['write']['r2']:.4f}, rel. RMS error {f['write']['rel_rms']:.1%}"),
         ("node bandwidth", f"{_gbps(p['node_bw'])} ({p['node_streams']} parallel streams)"),
+        ("aggregate bandwidth", f"{_gbps(p.get('aggregate_bw'))} (one machine: node and "
+                                "aggregate coincide; set it for a parallel file system)"),
+        ("writer_s (per-file metadata)", _us(p.get("writer_s"))),
         ("read fixed / piece",
          f"{p['read_fixed_s'] * 1e3:.3f} ms / {p['read_piece_s'] * 1e6:.1f} us"),
         ("read bandwidth", _gbps(p["read_bw"])),

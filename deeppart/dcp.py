@@ -262,13 +262,24 @@ def _assign(plan: Plan, leaves: list[_Leaf]) -> list[list[WriteItem]]:
     return out
 
 
+def row_grain(cost: CostModel | None) -> CostModel:
+    """``cost`` (default: the default model) with cuts on whole rows only."""
+    fields = {} if cost is None else cost.to_dict()
+    fields["grain"] = "row"
+    return CostModel(**fields)
+
+
 class BalancedSavePlanner(DefaultSavePlanner):
     """A ``SavePlanner`` for ``torch.distributed.checkpoint.save`` that splits
     and balances replicated state with DeepPart (see the module docstring).
 
-    ``algorithm``, ``cost`` and ``topology`` go to :func:`deeppart.plan`;
-    ``cache`` selects the plan cache (default: DeepPart's default cache, in
-    memory and on disk). ``process_group`` must be the group passed to
+    ``algorithm``, ``cost`` and ``topology`` go to :func:`deeppart.plan`
+    (with the cost model's ``grain`` set to ``"row"``: a DCP chunk must be a
+    box, so cuts fall on rows of the manifest's ``uint8[units, unit_bytes]``
+    leaves: between units, which :func:`flat_range_boxes` maps to boxes);
+    ``cache`` selects
+    the plan cache (default: DeepPart's default cache, in memory and on
+    disk). ``process_group`` must be the group passed to
     ``dcp.save`` when that is not the default group.
 
     After a save, ``plan_seconds`` is the time spent in ``create_local_plan``
@@ -320,7 +331,7 @@ class BalancedSavePlanner(DefaultSavePlanner):
                 _manifest(sized),
                 world_size,
                 algorithm=self.algorithm,
-                cost=self.cost,
+                cost=row_grain(self.cost),
                 topology=self.topology,
                 cache=self.cache,
             )

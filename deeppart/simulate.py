@@ -51,12 +51,23 @@ class StorageModel:
     rs_parity: int = 2  # L3: parity blocks per group
     encode_bw: float = 2.0e9  # L3: parity encoding per node
 
-    def cost_model(self, bandwidth: float | None = None) -> _planner.CostModel:
+    def cost_model(
+        self, bandwidth: float | None = None, level: str | None = None
+    ) -> _planner.CostModel:
+        """The planner's cost model of this machine; with ``level``, the
+        shared bandwidths of the storage that level writes to (a node's
+        storage or link, and the parallel file system) are in it too, so the
+        planner chooses its writers under the same limits as the prediction."""
+        node_bw = shared_bw = math.inf
+        if level is not None:
+            node_bw, shared_bw = _level_limits(self, level, 1)
         return _planner.CostModel(
             fixed_s=self.fixed_s,
             piece_s=self.piece_s,
             bandwidth=bandwidth if bandwidth is not None else self.rank_bw,
             writer_s=self.writer_s,
+            node_bandwidth=node_bw if math.isfinite(node_bw) else None,
+            aggregate_bandwidth=shared_bw if math.isfinite(shared_bw) else None,
         )
 
     @staticmethod
@@ -214,23 +225,11 @@ def _best_plan(
     alg: str,
     lvl: str,
 ) -> Prediction:
-    """Plans with the per-rank bandwidth of the writer count the previous plan
-    used (a fixed point, at most 4 rounds: the shared storage's share per
-    writer depends on how many write), keeping the plan with the lowest
-    predicted time."""
-    writers = p
-    found: Prediction | None = None
-    for _ in range(4):
-        bw = planning_bandwidth(model, p, lvl, writers)
-        plan = _planner.plan(manifest, p, algorithm=alg, cost=model.cost_model(bw), topology=topo)
-        pred = predict_plan(model, plan, lvl, alg)
-        if found is None or pred.seconds < found.seconds:
-            found = pred
-        if pred.writers == writers:
-            break
-        writers = pred.writers
-    assert found is not None
-    return found
+    """Plans with the level's storage model (per-rank, per-node and shared
+    bandwidth in the planner's cost model), and predicts that plan."""
+    cost = model.cost_model(level=lvl)
+    plan = _planner.plan(manifest, p, algorithm=alg, cost=cost, topology=topo)
+    return predict_plan(model, plan, lvl, alg)
 
 
 def simulate(

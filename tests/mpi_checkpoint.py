@@ -112,6 +112,38 @@ def scenario_roundtrip(d: Path, codec: str | None) -> None:
     ok("roundtrip")
 
 
+# A Mixtral-style stacked-experts tensor ([experts, 2 x intermediate, hidden])
+# with its AdamW moments, and a cost model under which the plan must cut it
+# inside rows: rows are 24,000 bytes, cuts fall on 4 KiB.
+EXPERTS_SHAPE = (4, 2 * 3, 1000)
+
+
+def experts_state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(7)
+    return {
+        "model": {"experts.gate_up_proj": torch.randn(EXPERTS_SHAPE, generator=g)},
+        "optim": {
+            "exp_avg": torch.randn(EXPERTS_SHAPE, generator=g),
+            "exp_avg_sq": torch.rand(EXPERTS_SHAPE, generator=g, dtype=torch.float64),
+            "step": torch.tensor(3.0),
+        },
+    }
+
+
+def scenario_experts_save(d: Path) -> None:
+    cost = deeppart.CostModel(
+        fixed_s=0.0, piece_s=0.0, writer_s=0.0, bandwidth=1e6, min_piece_bytes=4096
+    )
+    deeppart.save(experts_state(), d, cost=cost)
+    ok("experts-save")
+
+
+def scenario_experts_load(d: Path) -> None:
+    for exchange in ("bcast", "read"):
+        assert_bitwise_equal(experts_state(), deeppart.load(d, exchange=exchange))
+    ok("experts-load")
+
+
 def scenario_save(d: Path, codec: str | None) -> None:
     deeppart.save(make_state(), d, compression=codec)
     ok("save")
@@ -369,6 +401,8 @@ def main() -> None:
         "nonplain": lambda: scenario_nonplain(args.dir),
         "crash": lambda: scenario_crash(args.dir),
         "async": lambda: scenario_async(args.dir, mpi_allreduce),
+        "experts-save": lambda: scenario_experts_save(args.dir),
+        "experts-load": lambda: scenario_experts_load(args.dir),
     }
     torch.set_num_threads(1)
     if args.max_message:

@@ -92,6 +92,14 @@ def test_calibrate_command_writes_a_usable_profile(
     profile = load_profile("t")
     cost = cost_model_from_profile(profile)
     assert cost.fixed_s == pytest.approx(max(profile["params"]["fixed_s"], 0.0))
+    # The storage model's shared parameters are measured and reach the planner;
+    # on one machine the aggregate bandwidth is the node's.
+    params = profile["params"]
+    assert params["writer_s"] > 0 and params["node_bw"] > 0
+    assert params["aggregate_bw"] == params["node_bw"]
+    assert cost.writer_s == pytest.approx(params["writer_s"])
+    assert cost.node_bandwidth == pytest.approx(params["node_bw"])
+    assert cost.aggregate_bandwidth == pytest.approx(params["node_bw"])
     model = StorageModel.from_profile(profile)
     assert model.fixed_s == pytest.approx(profile["params"]["fixed_s"])
     assert main(["plan", str(Path(__file__).parent.parent / "examples" / "manifest.json"),

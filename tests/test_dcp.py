@@ -208,7 +208,9 @@ def test_moe_experts_cut_below_rows_balance_within_one_percent(tmp_path: Path) -
         shape = list(entry.size) or [1]
         row = itemsize * int(torch.Size(shape[1:]).numel())
         leaves.append({"path": [fqn], "dtype": "uint8", "shape": [shape[0], row]})
-    cost = deeppart.CostModel(fixed_s=0.0, piece_s=0.0, writer_s=1e-6, min_piece_bytes=16384)
+    cost = deeppart.CostModel(
+        fixed_s=0.0, piece_s=0.0, writer_s=1e-6, min_piece_bytes=16384, grain="row"
+    )
     rows_plan = deeppart.plan(deeppart.Manifest.from_leaves(leaves), 4, cost=cost, cache=False)
     assert sum(rows_plan.rank_bytes()) == total
     assert max(rows_plan.rank_bytes()) / (total / 4) > 1.03

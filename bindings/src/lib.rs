@@ -260,29 +260,43 @@ struct CostModel {
 #[pymethods]
 impl CostModel {
     #[new]
-    #[pyo3(signature = (*, fixed_s=None, piece_s=None, bandwidth=None, writer_s=None, min_piece_bytes=None))]
+    #[pyo3(signature = (*, fixed_s=None, piece_s=None, bandwidth=None, writer_s=None, min_piece_bytes=None, align_bytes=None, grain=None, node_bandwidth=None, aggregate_bandwidth=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         fixed_s: Option<f64>,
         piece_s: Option<f64>,
         bandwidth: Option<f64>,
         writer_s: Option<f64>,
         min_piece_bytes: Option<i64>,
+        align_bytes: Option<i64>,
+        grain: Option<&str>,
+        node_bandwidth: Option<f64>,
+        aggregate_bandwidth: Option<f64>,
     ) -> PyResult<CostModel> {
         let d = core::CostModel::default();
-        let min_piece_bytes = match min_piece_bytes {
-            None => None,
-            Some(v) => Some(u64::try_from(v).map_err(|_| {
-                PlanError::new_err(format!(
-                    "invalid cost model: min_piece_bytes must be at least 1, got {v}"
-                ))
-            })?),
+        let bytes = |name: &str, v: Option<i64>, default: u64| -> PyResult<u64> {
+            match v {
+                None => Ok(default),
+                Some(v) => u64::try_from(v).map_err(|_| {
+                    PlanError::new_err(format!(
+                        "invalid cost model: {name} must be at least 1, got {v}"
+                    ))
+                }),
+            }
         };
         let inner = core::CostModel {
             fixed_s: fixed_s.unwrap_or(d.fixed_s),
             piece_s: piece_s.unwrap_or(d.piece_s),
             bandwidth: bandwidth.unwrap_or(d.bandwidth),
             writer_s: writer_s.unwrap_or(d.writer_s),
-            min_piece_bytes: min_piece_bytes.unwrap_or(d.min_piece_bytes),
+            min_piece_bytes: bytes("min_piece_bytes", min_piece_bytes, d.min_piece_bytes)?,
+            align_bytes: bytes("align_bytes", align_bytes, d.align_bytes)?,
+            grain: match grain {
+                None => d.grain,
+                Some(name) => core::Grain::from_name(name).map_err(plan_err)?,
+            },
+            node_bandwidth,
+            aggregate_bandwidth,
         };
         inner.validate().map_err(plan_err)?;
         Ok(CostModel { inner })
@@ -308,22 +322,53 @@ impl CostModel {
     fn min_piece_bytes(&self) -> u64 {
         self.inner.min_piece_bytes
     }
+    #[getter]
+    fn align_bytes(&self) -> u64 {
+        self.inner.align_bytes
+    }
+    #[getter]
+    fn grain(&self) -> &'static str {
+        self.inner.grain.name()
+    }
+    #[getter]
+    fn node_bandwidth(&self) -> Option<f64> {
+        self.inner.node_bandwidth
+    }
+    #[getter]
+    fn aggregate_bandwidth(&self) -> Option<f64> {
+        self.inner.aggregate_bandwidth
+    }
 
     fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let c = &self.inner;
         let d = PyDict::new(py);
-        d.set_item("fixed_s", self.inner.fixed_s)?;
-        d.set_item("piece_s", self.inner.piece_s)?;
-        d.set_item("bandwidth", self.inner.bandwidth)?;
-        d.set_item("writer_s", self.inner.writer_s)?;
-        d.set_item("min_piece_bytes", self.inner.min_piece_bytes)?;
+        d.set_item("fixed_s", c.fixed_s)?;
+        d.set_item("piece_s", c.piece_s)?;
+        d.set_item("bandwidth", c.bandwidth)?;
+        d.set_item("writer_s", c.writer_s)?;
+        d.set_item("min_piece_bytes", c.min_piece_bytes)?;
+        d.set_item("align_bytes", c.align_bytes)?;
+        d.set_item("grain", c.grain.name())?;
+        d.set_item("node_bandwidth", c.node_bandwidth)?;
+        d.set_item("aggregate_bandwidth", c.aggregate_bandwidth)?;
         Ok(d)
     }
 
     fn __repr__(&self) -> String {
         let c = &self.inner;
+        let opt = |v: Option<f64>| v.map_or("None".to_string(), |v| format!("{v:?}"));
         format!(
-            "CostModel(fixed_s={:?}, piece_s={:?}, bandwidth={:?}, writer_s={:?}, min_piece_bytes={})",
-            c.fixed_s, c.piece_s, c.bandwidth, c.writer_s, c.min_piece_bytes
+            "CostModel(fixed_s={:?}, piece_s={:?}, bandwidth={:?}, writer_s={:?}, min_piece_bytes={}, \
+             align_bytes={}, grain={:?}, node_bandwidth={}, aggregate_bandwidth={})",
+            c.fixed_s,
+            c.piece_s,
+            c.bandwidth,
+            c.writer_s,
+            c.min_piece_bytes,
+            c.align_bytes,
+            c.grain.name(),
+            opt(c.node_bandwidth),
+            opt(c.aggregate_bandwidth)
         )
     }
 }
@@ -559,7 +604,13 @@ impl Plan {
 
     /// Modelled write time of each rank, in seconds.
     fn rank_costs(&self) -> Vec<f64> {
-        core::plan::evaluate(&self.inner.manifest, &self.inner.cost, &self.inner.ranks).rank_cost
+        core::plan::evaluate(
+            &self.inner.manifest,
+            &self.inner.topology,
+            &self.inner.cost,
+            &self.inner.ranks,
+        )
+        .rank_cost
     }
 
     fn to_json(&self, py: Python<'_>) -> String {

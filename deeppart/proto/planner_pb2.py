@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!deeppart/planner/v1/planner.proto\x12\x13\x64\x65\x65ppart.planner.v1\"\xf8\x01\n\x08Manifest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x13\n\x0bstring_keys\x18\x02 \x03(\t\x12\x10\n\x08int_keys\x18\x03 \x03(\x12\x12\x0e\n\x06shared\x18\x04 \x03(\r\x12\x12\n\nsuffix_len\x18\x05 \x03(\r\x12\x13\n\x0bsuffix_keys\x18\x06 \x03(\r\x12\x0e\n\x06\x64types\x18\x07 \x03(\t\x12\r\n\x05\x64type\x18\x08 \x03(\r\x12\x0c\n\x04ndim\x18\t \x03(\r\x12\x0c\n\x04\x64ims\x18\n \x03(\x04\x12\x15\n\robject_nbytes\x18\x0b \x03(\x04\x12\x14\n\x0cowned_leaves\x18\x0c \x03(\r\x12\x13\n\x0bowner_ranks\x18\r \x03(\r\"\xcb\x01\n\tCostModel\x12\x14\n\x07\x66ixed_s\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x07piece_s\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x16\n\tbandwidth\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x15\n\x08writer_s\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1c\n\x0fmin_piece_bytes\x18\x05 \x01(\x04H\x04\x88\x01\x01\x42\n\n\x08_fixed_sB\n\n\x08_piece_sB\x0c\n\n_bandwidthB\x0b\n\t_writer_sB\x12\n\x10_min_piece_bytes\"\"\n\x08Topology\x12\x16\n\x0eranks_per_node\x18\x01 \x01(\r\"\xa5\x02\n\x0bPlanRequest\x12\x18\n\x10plan_fingerprint\x18\x01 \x01(\t\x12\x1c\n\x14manifest_fingerprint\x18\x02 \x01(\t\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x11\n\talgorithm\x18\x04 \x01(\t\x12,\n\x04\x63ost\x18\x05 \x01(\x0b\x32\x1e.deeppart.planner.v1.CostModel\x12/\n\x08topology\x18\x06 \x01(\x0b\x32\x1d.deeppart.planner.v1.Topology\x12/\n\x08manifest\x18\x07 \x01(\x0b\x32\x1d.deeppart.planner.v1.Manifest\x12\x0e\n\x06job_id\x18\x08 \x01(\t\x12\x17\n\x0fplanner_version\x18\t \x01(\t\"Q\n\x06Pieces\x12\x13\n\x0brank_counts\x18\x01 \x03(\r\x12\x13\n\x0bleaf_deltas\x18\x02 \x03(\r\x12\x0e\n\x06starts\x18\x03 \x03(\x04\x12\r\n\x05stops\x18\x04 \x03(\x04\"\xa9\x01\n\tPlanStats\x12\x10\n\x08makespan\x18\x01 \x01(\x01\x12\x13\n\x0blower_bound\x18\x02 \x01(\x01\x12\x0b\n\x03gap\x18\x03 \x01(\x01\x12\x0e\n\x06pieces\x18\x04 \x01(\x04\x12\x0e\n\x06splits\x18\x05 \x01(\x04\x12\x0f\n\x07writers\x18\x06 \x01(\x04\x12\x16\n\x0emax_rank_bytes\x18\x07 \x01(\x04\x12\x0f\n\x07plan_ms\x18\x08 \x01(\x01\x12\x0e\n\x06source\x18\t \x01(\t\"\x87\x03\n\x0cPlanResponse\x12/\n\x06status\x18\x01 \x01(\x0e\x32\x1f.deeppart.planner.v1.PlanStatus\x12\x18\n\x10plan_fingerprint\x18\x02 \x01(\t\x12\x1c\n\x14manifest_fingerprint\x18\x03 \x01(\t\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x11\n\talgorithm\x18\x05 \x01(\t\x12+\n\x06pieces\x18\x06 \x01(\x0b\x32\x1b.deeppart.planner.v1.Pieces\x12-\n\x05stats\x18\x07 \x01(\x0b\x32\x1e.deeppart.planner.v1.PlanStats\x12\x17\n\x0fplanner_version\x18\x08 \x01(\t\x12\x13\n\x0bserved_from\x18\t \x01(\t\x12,\n\x04\x63ost\x18\n \x01(\x0b\x32\x1e.deeppart.planner.v1.CostModel\x12/\n\x08topology\x18\x0b \x01(\x0b\x32\x1d.deeppart.planner.v1.Topology\":\n\x0eGetPlanRequest\x12\x18\n\x10plan_fingerprint\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\"\x0e\n\x0cStatsRequest\"}\n\x08JobStats\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08requests\x18\x02 \x01(\x04\x12\x0e\n\x06\x65rrors\x18\x03 \x01(\x04\x12\x0f\n\x07mean_ms\x18\x04 \x01(\x01\x12\x0e\n\x06p50_ms\x18\x05 \x01(\x01\x12\x0e\n\x06p99_ms\x18\x06 \x01(\x01\x12\x0e\n\x06max_ms\x18\x07 \x01(\x01\"\x80\x04\n\rStatsResponse\x12\x17\n\x0fplanner_version\x18\x01 \x01(\t\x12\x10\n\x08uptime_s\x18\x02 \x01(\x01\x12\x10\n\x08requests\x18\x03 \x01(\x04\x12\x15\n\rplan_requests\x18\x04 \x01(\x04\x12\x18\n\x10manifest_uploads\x18\x05 \x01(\x04\x12\x15\n\rneed_manifest\x18\x06 \x01(\x04\x12\x16\n\x0eplans_computed\x18\x07 \x01(\x04\x12\x1b\n\x13response_cache_hits\x18\x08 \x01(\x04\x12\x17\n\x0fplan_cache_hits\x18\t \x01(\x04\x12\x17\n\x0fknown_manifests\x18\n \x01(\x04\x12\x1c\n\x14response_cache_bytes\x18\x0b \x01(\x04\x12\x11\n\tin_flight\x18\x0c \x01(\x04\x12L\n\x0e\x65rrors_by_code\x18\r \x03(\x0b\x32\x34.deeppart.planner.v1.StatsResponse.ErrorsByCodeEntry\x12+\n\x04jobs\x18\x0e \x03(\x0b\x32\x1d.deeppart.planner.v1.JobStats\x12\x11\n\trss_bytes\x18\x0f \x01(\x04\x12\x0f\n\x07serving\x18\x10 \x01(\x08\x1a\x33\n\x11\x45rrorsByCodeEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*\\\n\nPlanStatus\x12\x1b\n\x17PLAN_STATUS_UNSPECIFIED\x10\x00\x12\x12\n\x0ePLAN_STATUS_OK\x10\x01\x12\x1d\n\x19PLAN_STATUS_NEED_MANIFEST\x10\x02\x32\xf9\x01\n\x07Planner\x12K\n\x04Plan\x12 .deeppart.planner.v1.PlanRequest\x1a!.deeppart.planner.v1.PlanResponse\x12Q\n\x07GetPlan\x12#.deeppart.planner.v1.GetPlanRequest\x1a!.deeppart.planner.v1.PlanResponse\x12N\n\x05Stats\x12!.deeppart.planner.v1.StatsRequest\x1a\".deeppart.planner.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!deeppart/planner/v1/planner.proto\x12\x13\x64\x65\x65ppart.planner.v1\"\xf8\x01\n\x08Manifest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x13\n\x0bstring_keys\x18\x02 \x03(\t\x12\x10\n\x08int_keys\x18\x03 \x03(\x12\x12\x0e\n\x06shared\x18\x04 \x03(\r\x12\x12\n\nsuffix_len\x18\x05 \x03(\r\x12\x13\n\x0bsuffix_keys\x18\x06 \x03(\r\x12\x0e\n\x06\x64types\x18\x07 \x03(\t\x12\r\n\x05\x64type\x18\x08 \x03(\r\x12\x0c\n\x04ndim\x18\t \x03(\r\x12\x0c\n\x04\x64ims\x18\n \x03(\x04\x12\x15\n\robject_nbytes\x18\x0b \x03(\x04\x12\x14\n\x0cowned_leaves\x18\x0c \x03(\r\x12\x13\n\x0bowner_ranks\x18\r \x03(\r\"\xfd\x02\n\tCostModel\x12\x14\n\x07\x66ixed_s\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x07piece_s\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x16\n\tbandwidth\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x15\n\x08writer_s\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1c\n\x0fmin_piece_bytes\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x18\n\x0b\x61lign_bytes\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x12\n\x05grain\x18\x07 \x01(\tH\x06\x88\x01\x01\x12\x1b\n\x0enode_bandwidth\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12 \n\x13\x61ggregate_bandwidth\x18\t \x01(\x01H\x08\x88\x01\x01\x42\n\n\x08_fixed_sB\n\n\x08_piece_sB\x0c\n\n_bandwidthB\x0b\n\t_writer_sB\x12\n\x10_min_piece_bytesB\x0e\n\x0c_align_bytesB\x08\n\x06_grainB\x11\n\x0f_node_bandwidthB\x16\n\x14_aggregate_bandwidth\"\"\n\x08Topology\x12\x16\n\x0eranks_per_node\x18\x01 \x01(\r\"\xa5\x02\n\x0bPlanRequest\x12\x18\n\x10plan_fingerprint\x18\x01 \x01(\t\x12\x1c\n\x14manifest_fingerprint\x18\x02 \x01(\t\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x11\n\talgorithm\x18\x04 \x01(\t\x12,\n\x04\x63ost\x18\x05 \x01(\x0b\x32\x1e.deeppart.planner.v1.CostModel\x12/\n\x08topology\x18\x06 \x01(\x0b\x32\x1d.deeppart.planner.v1.Topology\x12/\n\x08manifest\x18\x07 \x01(\x0b\x32\x1d.deeppart.planner.v1.Manifest\x12\x0e\n\x06job_id\x18\x08 \x01(\t\x12\x17\n\x0fplanner_version\x18\t \x01(\t\"Q\n\x06Pieces\x12\x13\n\x0brank_counts\x18\x01 \x03(\r\x12\x13\n\x0bleaf_deltas\x18\x02 \x03(\r\x12\x0e\n\x06starts\x18\x03 \x03(\x04\x12\r\n\x05stops\x18\x04 \x03(\x04\"\xa9\x01\n\tPlanStats\x12\x10\n\x08makespan\x18\x01 \x01(\x01\x12\x13\n\x0blower_bound\x18\x02 \x01(\x01\x12\x0b\n\x03gap\x18\x03 \x01(\x01\x12\x0e\n\x06pieces\x18\x04 \x01(\x04\x12\x0e\n\x06splits\x18\x05 \x01(\x04\x12\x0f\n\x07writers\x18\x06 \x01(\x04\x12\x16\n\x0emax_rank_bytes\x18\x07 \x01(\x04\x12\x0f\n\x07plan_ms\x18\x08 \x01(\x01\x12\x0e\n\x06source\x18\t \x01(\t\"\x87\x03\n\x0cPlanResponse\x12/\n\x06status\x18\x01 \x01(\x0e\x32\x1f.deeppart.planner.v1.PlanStatus\x12\x18\n\x10plan_fingerprint\x18\x02 \x01(\t\x12\x1c\n\x14manifest_fingerprint\x18\x03 \x01(\t\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12\x11\n\talgorithm\x18\x05 \x01(\t\x12+\n\x06pieces\x18\x06 \x01(\x0b\x32\x1b.deeppart.planner.v1.Pieces\x12-\n\x05stats\x18\x07 \x01(\x0b\x32\x1e.deeppart.planner.v1.PlanStats\x12\x17\n\x0fplanner_version\x18\x08 \x01(\t\x12\x13\n\x0bserved_from\x18\t \x01(\t\x12,\n\x04\x63ost\x18\n \x01(\x0b\x32\x1e.deeppart.planner.v1.CostModel\x12/\n\x08topology\x18\x0b \x01(\x0b\x32\x1d.deeppart.planner.v1.Topology\":\n\x0eGetPlanRequest\x12\x18\n\x10plan_fingerprint\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\"\x0e\n\x0cStatsRequest\"}\n\x08JobStats\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08requests\x18\x02 \x01(\x04\x12\x0e\n\x06\x65rrors\x18\x03 \x01(\x04\x12\x0f\n\x07mean_ms\x18\x04 \x01(\x01\x12\x0e\n\x06p50_ms\x18\x05 \x01(\x01\x12\x0e\n\x06p99_ms\x18\x06 \x01(\x01\x12\x0e\n\x06max_ms\x18\x07 \x01(\x01\"\x80\x04\n\rStatsResponse\x12\x17\n\x0fplanner_version\x18\x01 \x01(\t\x12\x10\n\x08uptime_s\x18\x02 \x01(\x01\x12\x10\n\x08requests\x18\x03 \x01(\x04\x12\x15\n\rplan_requests\x18\x04 \x01(\x04\x12\x18\n\x10manifest_uploads\x18\x05 \x01(\x04\x12\x15\n\rneed_manifest\x18\x06 \x01(\x04\x12\x16\n\x0eplans_computed\x18\x07 \x01(\x04\x12\x1b\n\x13response_cache_hits\x18\x08 \x01(\x04\x12\x17\n\x0fplan_cache_hits\x18\t \x01(\x04\x12\x17\n\x0fknown_manifests\x18\n \x01(\x04\x12\x1c\n\x14response_cache_bytes\x18\x0b \x01(\x04\x12\x11\n\tin_flight\x18\x0c \x01(\x04\x12L\n\x0e\x65rrors_by_code\x18\r \x03(\x0b\x32\x34.deeppart.planner.v1.StatsResponse.ErrorsByCodeEntry\x12+\n\x04jobs\x18\x0e \x03(\x0b\x32\x1d.deeppart.planner.v1.JobStats\x12\x11\n\trss_bytes\x18\x0f \x01(\x04\x12\x0f\n\x07serving\x18\x10 \x01(\x08\x1a\x33\n\x11\x45rrorsByCodeEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*\\\n\nPlanStatus\x12\x1b\n\x17PLAN_STATUS_UNSPECIFIED\x10\x00\x12\x12\n\x0ePLAN_STATUS_OK\x10\x01\x12\x1d\n\x19PLAN_STATUS_NEED_MANIFEST\x10\x02\x32\xf9\x01\n\x07Planner\x12K\n\x04Plan\x12 .deeppart.planner.v1.PlanRequest\x1a!.deeppart.planner.v1.PlanResponse\x12Q\n\x07GetPlan\x12#.deeppart.planner.v1.GetPlanRequest\x1a!.deeppart.planner.v1.PlanResponse\x12N\n\x05Stats\x12!.deeppart.planner.v1.StatsRequest\x1a\".deeppart.planner.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,32 +33,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STATSRESPONSE_ERRORSBYCODEENTRY']._loaded_options = None
   _globals['_STATSRESPONSE_ERRORSBYCODEENTRY']._serialized_options = b'8\001'
-  _globals['_PLANSTATUS']._serialized_start=2214
-  _globals['_PLANSTATUS']._serialized_end=2306
+  _globals['_PLANSTATUS']._serialized_start=2392
+  _globals['_PLANSTATUS']._serialized_end=2484
   _globals['_MANIFEST']._serialized_start=59
   _globals['_MANIFEST']._serialized_end=307
   _globals['_COSTMODEL']._serialized_start=310
-  _globals['_COSTMODEL']._serialized_end=513
-  _globals['_TOPOLOGY']._serialized_start=515
-  _globals['_TOPOLOGY']._serialized_end=549
-  _globals['_PLANREQUEST']._serialized_start=552
-  _globals['_PLANREQUEST']._serialized_end=845
-  _globals['_PIECES']._serialized_start=847
-  _globals['_PIECES']._serialized_end=928
-  _globals['_PLANSTATS']._serialized_start=931
-  _globals['_PLANSTATS']._serialized_end=1100
-  _globals['_PLANRESPONSE']._serialized_start=1103
-  _globals['_PLANRESPONSE']._serialized_end=1494
-  _globals['_GETPLANREQUEST']._serialized_start=1496
-  _globals['_GETPLANREQUEST']._serialized_end=1554
-  _globals['_STATSREQUEST']._serialized_start=1556
-  _globals['_STATSREQUEST']._serialized_end=1570
-  _globals['_JOBSTATS']._serialized_start=1572
-  _globals['_JOBSTATS']._serialized_end=1697
-  _globals['_STATSRESPONSE']._serialized_start=1700
-  _globals['_STATSRESPONSE']._serialized_end=2212
-  _globals['_STATSRESPONSE_ERRORSBYCODEENTRY']._serialized_start=2161
-  _globals['_STATSRESPONSE_ERRORSBYCODEENTRY']._serialized_end=2212
-  _globals['_PLANNER']._serialized_start=2309
-  _globals['_PLANNER']._serialized_end=2558
+  _globals['_COSTMODEL']._serialized_end=691
+  _globals['_TOPOLOGY']._serialized_start=693
+  _globals['_TOPOLOGY']._serialized_end=727
+  _globals['_PLANREQUEST']._serialized_start=730
+  _globals['_PLANREQUEST']._serialized_end=1023
+  _globals['_PIECES']._serialized_start=1025
+  _globals['_PIECES']._serialized_end=1106
+  _globals['_PLANSTATS']._serialized_start=1109
+  _globals['_PLANSTATS']._serialized_end=1278
+  _globals['_PLANRESPONSE']._serialized_start=1281
+  _globals['_PLANRESPONSE']._serialized_end=1672
+  _globals['_GETPLANREQUEST']._serialized_start=1674
+  _globals['_GETPLANREQUEST']._serialized_end=1732
+  _globals['_STATSREQUEST']._serialized_start=1734
+  _globals['_STATSREQUEST']._serialized_end=1748
+  _globals['_JOBSTATS']._serialized_start=1750
+  _globals['_JOBSTATS']._serialized_end=1875
+  _globals['_STATSRESPONSE']._serialized_start=1878
+  _globals['_STATSRESPONSE']._serialized_end=2390
+  _globals['_STATSRESPONSE_ERRORSBYCODEENTRY']._serialized_start=2339
+  _globals['_STATSRESPONSE_ERRORSBYCODEENTRY']._serialized_end=2390
+  _globals['_PLANNER']._serialized_start=2487
+  _globals['_PLANNER']._serialized_end=2736
 # @@protoc_insertion_point(module_scope)

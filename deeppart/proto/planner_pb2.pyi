@@ -47,18 +47,26 @@ class Manifest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., string_keys: _Optional[_Iterable[str]] = ..., int_keys: _Optional[_Iterable[int]] = ..., shared: _Optional[_Iterable[int]] = ..., suffix_len: _Optional[_Iterable[int]] = ..., suffix_keys: _Optional[_Iterable[int]] = ..., dtypes: _Optional[_Iterable[str]] = ..., dtype: _Optional[_Iterable[int]] = ..., ndim: _Optional[_Iterable[int]] = ..., dims: _Optional[_Iterable[int]] = ..., object_nbytes: _Optional[_Iterable[int]] = ..., owned_leaves: _Optional[_Iterable[int]] = ..., owner_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CostModel(_message.Message):
-    __slots__ = ("fixed_s", "piece_s", "bandwidth", "writer_s", "min_piece_bytes")
+    __slots__ = ("fixed_s", "piece_s", "bandwidth", "writer_s", "min_piece_bytes", "align_bytes", "grain", "node_bandwidth", "aggregate_bandwidth")
     FIXED_S_FIELD_NUMBER: _ClassVar[int]
     PIECE_S_FIELD_NUMBER: _ClassVar[int]
     BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
     WRITER_S_FIELD_NUMBER: _ClassVar[int]
     MIN_PIECE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ALIGN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GRAIN_FIELD_NUMBER: _ClassVar[int]
+    NODE_BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATE_BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
     fixed_s: float
     piece_s: float
     bandwidth: float
     writer_s: float
     min_piece_bytes: int
-    def __init__(self, fixed_s: _Optional[float] = ..., piece_s: _Optional[float] = ..., bandwidth: _Optional[float] = ..., writer_s: _Optional[float] = ..., min_piece_bytes: _Optional[int] = ...) -> None: ...
+    align_bytes: int
+    grain: str
+    node_bandwidth: float
+    aggregate_bandwidth: float
+    def __init__(self, fixed_s: _Optional[float] = ..., piece_s: _Optional[float] = ..., bandwidth: _Optional[float] = ..., writer_s: _Optional[float] = ..., min_piece_bytes: _Optional[int] = ..., align_bytes: _Optional[int] = ..., grain: _Optional[str] = ..., node_bandwidth: _Optional[float] = ..., aggregate_bandwidth: _Optional[float] = ...) -> None: ...
 
 class Topology(_message.Message):
     __slots__ = ("ranks_per_node",)

@@ -10,7 +10,7 @@ decoder validates what it reads and raises :class:`WireError`, a
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -267,6 +267,10 @@ def cost_to_proto(cost: deeppart.CostModel | None) -> pb.CostModel:
         bandwidth=float(c["bandwidth"]),
         writer_s=float(c["writer_s"]),
         min_piece_bytes=int(c["min_piece_bytes"]),
+        align_bytes=int(c["align_bytes"]),
+        grain=str(c["grain"]),
+        node_bandwidth=c["node_bandwidth"],
+        aggregate_bandwidth=c["aggregate_bandwidth"],
     )
 
 
@@ -278,6 +282,25 @@ def cost_from_proto(msg: pb.CostModel) -> deeppart.CostModel:
         bandwidth=msg.bandwidth if msg.HasField("bandwidth") else None,
         writer_s=msg.writer_s if msg.HasField("writer_s") else None,
         min_piece_bytes=msg.min_piece_bytes if msg.HasField("min_piece_bytes") else None,
+        align_bytes=msg.align_bytes if msg.HasField("align_bytes") else None,
+        grain=_grain_from_proto(msg),
+        node_bandwidth=msg.node_bandwidth if msg.HasField("node_bandwidth") else None,
+        aggregate_bandwidth=(
+            msg.aggregate_bandwidth if msg.HasField("aggregate_bandwidth") else None
+        ),
+    )
+
+
+def _grain_from_proto(msg: pb.CostModel) -> Literal["element", "row"] | None:
+    """The grain a message names; ``PlanError`` for an unknown one."""
+    if not msg.HasField("grain"):
+        return None
+    if msg.grain == "element":
+        return "element"
+    if msg.grain == "row":
+        return "row"
+    raise deeppart.PlanError(
+        f'invalid cost model: grain must be "element" or "row", got {msg.grain!r}'
     )
 
 

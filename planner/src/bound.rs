@@ -1,27 +1,43 @@
-//! A proven lower bound on the makespan of any plan, under the cost model.
+//! A proven lower bound on the makespan of any legal plan, under the cost
+//! model (see [`crate::cost`] for the model and for what a legal piece is).
 //!
-//! Let `F = fixed_s`, `w = writer_s`, and for a leaf `l` let
-//! `c(l) = piece_s + bytes(l) / bandwidth` (its cost as a single piece).
+//! Let `F = fixed_s`, `s = piece_s`, `β = bandwidth`, `ν = node_bandwidth`,
+//! `α = aggregate_bandwidth` (∞ when unset), `w = writer_s`, and for a leaf
+//! `l` of `B_l` bytes let `c(l) = s + B_l / β` (its cost as a single piece)
+//! and `n_l` the most pieces a legal cutting of it has
+//! ([`CostModel::max_pieces`]: 1 for objects and leaves too small to cut).
 //! Let `A` be the set of ranks that own a leaf, `o_a` the summed `c(l)` of
 //! the leaves rank `a` owns, `W` the summed `c(l)` of the replicated leaves,
-//! and `O` the summed `o_a`.
+//! `O` the summed `o_a`, and `B` the bytes of all leaves. The world has
+//! `N` nodes of `R` ranks.
 //!
-//! Take any valid plan and let `S` be its writers, `k = |S|`.
+//! Take any legal plan and let `S` be its writers, `k = |S|`, and
+//! `T = makespan - k w` (the largest of the three maxima of the model).
 //! 1. Every owner is a writer (its leaves must be written by it), so `k >= |A|`;
 //!    if `W > 0` at least one rank writes, so `k >= 1`.
 //! 2. Every leaf is written as at least one piece and the pieces of a leaf
 //!    add up to its bytes, so the writers' costs add up to at least
 //!    `k F + W + O`. The largest cost is at least the mean:
-//!    `max cost >= F + (W + O) / k`.
-//! 3. An owner pays for all it owns: `max cost >= F + max_a o_a`.
-//! 4. A leaf that cannot be split (an object, or a tensor of one element) is
-//!    one piece on one writer: `max cost >= F + max c(u)` over those leaves.
+//!    `T >= F + (W + O) / k`.
+//! 3. An owner pays for all it owns: `T >= F + max_a o_a`.
+//! 4. A replicated leaf lies in at most `min(k, n_l)` pieces on distinct
+//!    writers, so one writer holds at least `B_l / min(k, n_l)` of its bytes
+//!    in at least one piece: `T >= F + s + max_l B_l / (min(k, n_l) β)`.
+//! 5. A writer moves at most `(T - F) β` bytes, the writers of a node
+//!    together at most `(T - F) ν`, and all of them at most `(T - F) α`. If
+//!    node `n` has `k_n` writers, `B <= (T - F) min(α, Σ_n min(ν, k_n β))`.
+//!    The sum is concave in each `k_n`, so over the ways to place `k`
+//!    writers on `N` nodes it is largest when they are spread evenly
+//!    (`k mod N` nodes with `⌈k/N⌉`, the others `⌊k/N⌋`); call that `C(k)`.
+//!    So `T >= F + B / C(k)`.
 //!
-//! So `makespan = max cost + k w >= M(k) + k w` with `M(k)` the largest of
-//! the three bounds above, and the minimum of that over the feasible `k` is a
-//! lower bound for every plan. It is cheap: `O(leaves + world_size)`.
+//! So `makespan = T + k w >= M(k) + k w` with `M(k)` the largest of the
+//! bounds 2-5, and the minimum of that over the feasible `k` is a lower bound
+//! for every legal plan. `M(k)` is non-increasing in `k` and in the number of
+//! nodes, so the bound never rises with the world size. It is cheap:
+//! `O(leaves + world_size)`.
 
-use crate::cost::CostModel;
+use crate::cost::{CostModel, Topology};
 use crate::manifest::Manifest;
 
 /// The loads that the bound, and the algorithms, start from.
@@ -33,41 +49,72 @@ pub struct LoadSummary {
     pub replicated_leaves: usize,
     /// Per rank: the summed cost of the leaves it owns (`o_r`), fixed cost excluded.
     pub owned_load: Vec<f64>,
+    /// Per rank: the bytes of the leaves it owns.
+    pub owned_bytes: Vec<u64>,
     /// Per rank: whether it owns any leaf.
     pub is_owner: Vec<bool>,
-    /// Largest single-piece cost of a replicated leaf that cannot be split.
-    pub max_unsplittable: f64,
+    /// Bytes of all leaves, owned and replicated (`B`).
+    pub total_bytes: u64,
+    /// Index `n` in `1..=world_size`: the largest `B_l / n` over replicated
+    /// leaves with `n_l == n`.
+    per_piece_bytes: Vec<f64>,
+    /// Index `n` in `1..=world_size + 1`: the largest `B_l` over replicated
+    /// leaves with `min(n_l, world_size + 1) == n`.
+    leaf_bytes_by_pieces: Vec<f64>,
+    /// Nodes and ranks per node.
+    pub nodes: u32,
+    pub ranks_per_node: u32,
 }
 
 impl LoadSummary {
-    pub fn new(manifest: &Manifest, world_size: u32, cost: &CostModel) -> LoadSummary {
-        let mut owned_load = vec![0.0; world_size as usize];
-        let mut is_owner = vec![false; world_size as usize];
+    pub fn new(
+        manifest: &Manifest,
+        world_size: u32,
+        topology: &Topology,
+        cost: &CostModel,
+    ) -> LoadSummary {
+        let ws = world_size as usize;
+        let mut owned_load = vec![0.0; ws];
+        let mut owned_bytes = vec![0u64; ws];
+        let mut is_owner = vec![false; ws];
         let mut replicated_work = 0.0;
         let mut replicated_leaves = 0;
-        let mut max_unsplittable: f64 = 0.0;
+        let mut per_piece_bytes = vec![0.0f64; ws + 1];
+        let mut leaf_bytes_by_pieces = vec![0.0f64; ws + 2];
         for leaf in manifest.leaves() {
             let c = cost.piece_cost(leaf.nbytes);
             match leaf.owner {
                 Some(o) => {
                     owned_load[o as usize] += c;
+                    owned_bytes[o as usize] += leaf.nbytes;
                     is_owner[o as usize] = true;
                 }
                 None => {
                     replicated_work += c;
                     replicated_leaves += 1;
-                    if !leaf.is_tensor() || leaf.units() <= 1 {
-                        max_unsplittable = max_unsplittable.max(c);
+                    let n = cost.max_pieces(leaf);
+                    let bytes = leaf.nbytes as f64;
+                    if n <= world_size as u64 {
+                        let slot = &mut per_piece_bytes[n as usize];
+                        *slot = slot.max(bytes / n as f64);
                     }
+                    let slot = &mut leaf_bytes_by_pieces[n.min(ws as u64 + 1) as usize];
+                    *slot = slot.max(bytes);
                 }
             }
         }
+        let ranks_per_node = topology.ranks_per_node.max(1);
         LoadSummary {
             replicated_work,
             replicated_leaves,
             owned_load,
+            owned_bytes,
             is_owner,
-            max_unsplittable,
+            total_bytes: manifest.total_bytes(),
+            per_piece_bytes,
+            leaf_bytes_by_pieces,
+            nodes: world_size.div_ceil(ranks_per_node),
+            ranks_per_node,
         }
     }
 
@@ -100,26 +147,64 @@ pub fn level(summary: &LoadSummary, cost: &CostModel, k: u32) -> f64 {
     Levels::new(summary, cost).at(k)
 }
 
+/// `C(k)` of bound 5: the most bytes per second `k` writers spread evenly
+/// over `nodes` nodes can move. Infinite when nothing shared limits them
+/// and `k` is 0.
+pub fn writer_capacity(cost: &CostModel, nodes: u32, k: u32) -> f64 {
+    let nodes = nodes.max(1);
+    let beta = cost.bandwidth;
+    let nu = cost.node_bandwidth_or_inf();
+    let q = (k / nodes) as f64;
+    let a = (k % nodes) as f64;
+    let spread = a * nu.min((q + 1.0) * beta) + (nodes as f64 - a) * nu.min(q * beta);
+    spread.min(cost.aggregate_bandwidth_or_inf())
+}
+
 /// `M(k)` with the sums over ranks done once, for evaluating many `k`.
 struct Levels {
-    /// `F` and `W + O`: the mean bound is `F + (W + O) / k`.
     fixed_s: f64,
+    piece_s: f64,
+    bandwidth: f64,
+    /// `W + O`: the mean bound is `F + (W + O) / k`.
     work: f64,
-    /// The part that does not depend on `k`: `F + max_a o_a`, and
-    /// `F + max c(u)` when anything replicated is written.
+    /// `F + max_a o_a`.
     floor: f64,
+    /// Whether anything replicated is written (bound 4 applies).
+    replicated: bool,
+    /// Prefix maxima of `per_piece_bytes`: index `k` is the largest
+    /// `B_l / n_l` over leaves with `n_l <= k`.
+    cut_prefix: Vec<f64>,
+    /// Suffix maxima of `leaf_bytes_by_pieces`: index `k` is the largest
+    /// `B_l` over leaves with `n_l > k`.
+    whole_suffix: Vec<f64>,
+    total_bytes: f64,
+    nodes: u32,
+    cost: CostModel,
 }
 
 impl Levels {
     fn new(summary: &LoadSummary, cost: &CostModel) -> Levels {
-        let mut floor = cost.fixed_s + summary.max_owned();
-        if summary.replicated_leaves > 0 {
-            floor = floor.max(cost.fixed_s + summary.max_unsplittable);
+        let mut cut_prefix = summary.per_piece_bytes.clone();
+        for i in 1..cut_prefix.len() {
+            cut_prefix[i] = cut_prefix[i].max(cut_prefix[i - 1]);
+        }
+        let by_pieces = &summary.leaf_bytes_by_pieces;
+        let mut whole_suffix = vec![0.0f64; by_pieces.len()];
+        for i in (0..by_pieces.len().saturating_sub(1)).rev() {
+            whole_suffix[i] = whole_suffix[i + 1].max(by_pieces[i + 1]);
         }
         Levels {
             fixed_s: cost.fixed_s,
+            piece_s: cost.piece_s,
+            bandwidth: cost.bandwidth,
             work: summary.replicated_work + summary.total_owned(),
-            floor,
+            floor: cost.fixed_s + summary.max_owned(),
+            replicated: summary.replicated_leaves > 0,
+            cut_prefix,
+            whole_suffix,
+            total_bytes: summary.total_bytes as f64,
+            nodes: summary.nodes,
+            cost: *cost,
         }
     }
 
@@ -127,7 +212,17 @@ impl Levels {
         if k == 0 {
             return 0.0;
         }
-        (self.fixed_s + self.work / k as f64).max(self.floor)
+        let mut m = (self.fixed_s + self.work / k as f64).max(self.floor);
+        if self.replicated {
+            let i = (k as usize).min(self.cut_prefix.len() - 1);
+            let largest = self.cut_prefix[i].max(self.whole_suffix[i] / k as f64);
+            m = m.max(self.fixed_s + self.piece_s + largest / self.bandwidth);
+        }
+        if self.total_bytes > 0.0 {
+            let capacity = writer_capacity(&self.cost, self.nodes, k);
+            m = m.max(self.fixed_s + self.total_bytes / capacity);
+        }
+        m
     }
 }
 
@@ -191,7 +286,7 @@ mod tests {
     fn small_states_choose_fewer_writers() {
         let cost = CostModel::default();
         let m = Manifest::new(vec![obj("a", 1000, None)]).unwrap();
-        let s = LoadSummary::new(&m, 64, &cost);
+        let s = LoadSummary::new(&m, 64, &Topology::default(), &cost);
         let lb = lower_bound(&s, &cost, 64);
         assert_eq!(lb.writers, 1);
         let expected = cost.fixed_s + cost.piece_cost(1000) + cost.writer_s;
@@ -210,7 +305,7 @@ mod tests {
         )
         .unwrap()])
         .unwrap();
-        let s = LoadSummary::new(&m, 4096, &cost);
+        let s = LoadSummary::new(&m, 4096, &Topology::default(), &cost);
         let lb = lower_bound(&s, &cost, 4096);
         // 4 GiB at 1 GB/s: the optimum balances 4.29 s / k against k * 0.2 ms.
         assert!(lb.writers > 100 && lb.writers < 200, "{lb:?}");
@@ -220,7 +315,7 @@ mod tests {
     fn owners_are_forced_writers_and_bound_their_load() {
         let cost = CostModel::default();
         let m = Manifest::new(vec![obj("a", 1 << 30, Some(2)), obj("b", 10, Some(3))]).unwrap();
-        let s = LoadSummary::new(&m, 4, &cost);
+        let s = LoadSummary::new(&m, 4, &Topology::default(), &cost);
         let lb = lower_bound(&s, &cost, 4);
         assert_eq!(lb.writers, 2);
         let expected = cost.fixed_s + cost.piece_cost(1 << 30) + 2.0 * cost.writer_s;
@@ -231,7 +326,11 @@ mod tests {
     fn empty_manifest_has_zero_bound() {
         let cost = CostModel::default();
         let m = Manifest::new(vec![]).unwrap();
-        let lb = lower_bound(&LoadSummary::new(&m, 8, &cost), &cost, 8);
+        let lb = lower_bound(
+            &LoadSummary::new(&m, 8, &Topology::default(), &cost),
+            &cost,
+            8,
+        );
         assert_eq!(lb.makespan_s, 0.0);
         assert_eq!(lb.writers, 0);
     }

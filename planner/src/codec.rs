@@ -15,7 +15,8 @@
 //! world size      u32
 //! algorithm       u8       (index in Algorithm::ALL)
 //! ranks_per_node  u32
-//! cost            4 x f64 bit patterns (fixed_s, piece_s, bandwidth, writer_s), u64 min_piece_bytes
+//! cost            4 x f64 bit patterns (fixed_s, piece_s, bandwidth, writer_s), u64 min_piece_bytes,
+//!                 u64 align_bytes, u8 grain, 2 x f64 (node_bandwidth, aggregate_bandwidth; +inf: unlimited)
 //! leaves          u64      (manifest length)
 //! plan_ms         f64      (time the plan took to compute)
 //! pieces          u64      (total over all ranks)
@@ -29,15 +30,24 @@ use std::sync::Arc;
 
 use thiserror::Error;
 
-use crate::cost::{CostModel, Topology};
+use crate::cost::{CostModel, Grain, Topology};
+
+/// A shared bandwidth as stored: +inf (unlimited) is `None`.
+fn finite_or_none(v: f64) -> Option<f64> {
+    if v == f64::INFINITY {
+        None
+    } else {
+        Some(v)
+    }
+}
 use crate::error::PlanError;
 use crate::manifest::Manifest;
 use crate::plan::{Algorithm, Piece, Plan, PlanSource};
 
 pub const MAGIC: &[u8; 4] = b"DPPC";
-pub const CODEC_VERSION: u16 = 1;
+pub const CODEC_VERSION: u16 = 2;
 const CHECKSUM_LEN: usize = 32;
-const HEADER_LEN: usize = 4 + 2 + 2 + 32 + 4 + 1 + 4 + 5 * 8 + 8 + 8 + 8;
+const HEADER_LEN: usize = 4 + 2 + 2 + 32 + 4 + 1 + 4 + 5 * 8 + 8 + 1 + 2 * 8 + 8 + 8 + 8;
 
 /// Why stored bytes cannot be turned back into a plan.
 #[derive(Debug, Clone, PartialEq, Error)]
@@ -138,6 +148,11 @@ pub fn encode(plan: &Plan) -> Vec<u8> {
         out.extend_from_slice(&v.to_bits().to_le_bytes());
     }
     out.extend_from_slice(&c.min_piece_bytes.to_le_bytes());
+    out.extend_from_slice(&c.align_bytes.to_le_bytes());
+    out.push(c.grain.code());
+    for v in [c.node_bandwidth_or_inf(), c.aggregate_bandwidth_or_inf()] {
+        out.extend_from_slice(&v.to_bits().to_le_bytes());
+    }
     out.extend_from_slice(&(plan.manifest.len() as u64).to_le_bytes());
     out.extend_from_slice(&plan.stats.plan_ms.to_bits().to_le_bytes());
     out.extend_from_slice(&pieces.to_le_bytes());
@@ -262,6 +277,14 @@ pub fn check(bytes: &[u8]) -> Result<(Header, &[u8]), CodecError> {
         bandwidth: r.f64()?,
         writer_s: r.f64()?,
         min_piece_bytes: r.u64()?,
+        align_bytes: r.u64()?,
+        grain: {
+            let code = r.u8()?;
+            Grain::from_code(code)
+                .ok_or_else(|| CodecError::Malformed(format!("unknown grain code {code}")))?
+        },
+        node_bandwidth: finite_or_none(r.f64()?),
+        aggregate_bandwidth: finite_or_none(r.f64()?),
     };
     let leaves = r.u64()?;
     let plan_ms = r.f64()?;

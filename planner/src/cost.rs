@@ -1,28 +1,94 @@
-//! The cost model that plans are scored with, and the machine topology.
+//! The cost model that plans are scored with, the legal grain of a piece,
+//! and the machine topology.
 //!
-//! The time a rank needs to write its part is
-//!
-//! ```text
-//! cost(r) = fixed_s                      (only if r writes anything)
-//!         + sum over its pieces of (piece_s + bytes / bandwidth)
-//! ```
-//!
-//! where owned leaves are pieces like any other. The time of a whole save is
+//! A rank that writes `b_r` bytes in `p_r` pieces needs
 //!
 //! ```text
-//! makespan = max over ranks of cost(r) + writers * writer_s
+//! cost(r) = fixed_s + p_r * piece_s + b_r / bandwidth     (only if r writes anything)
 //! ```
 //!
-//! `writer_s` is the part of each writer's cost that the shared storage
-//! serialises (a file create at a parallel file system's metadata server,
-//! one more entry to commit). It is why a small state is best written by
-//! fewer ranks: the thesis observed an optimal band of bytes per process.
+//! where owned leaves are pieces like any other. What the ranks share adds
+//! two more limits: the bytes of a node's writers pass through the node's
+//! link (`node_bandwidth`, shared by the ranks of a node), and all bytes pass
+//! through the storage (`aggregate_bandwidth`, shared by every writer). The
+//! time of a whole save is
+//!
+//! ```text
+//! makespan = max( max over ranks of cost(r),
+//!                 fixed_s + max over nodes of node_bytes(n) / node_bandwidth,
+//!                 fixed_s + total_bytes / aggregate_bandwidth )
+//!          + writers * writer_s
+//! ```
+//!
+//! `writer_s` is the per-file metadata cost: the part of each writer's cost
+//! that the shared storage serialises (a file create at a parallel file
+//! system's metadata server, one more entry to commit). It is why a small
+//! state is best written by fewer ranks: the thesis observed an optimal band
+//! of bytes per process. A shared bandwidth left unset (`None`) is unlimited.
+//!
+//! A piece of a tensor is a flat element range (C order). Its boundaries fall
+//! on the leaf's *grain* ([`CostModel::grain_units`]): with
+//! [`Grain::Element`] (the default) any element whose byte offset in the
+//! tensor is a multiple of `align_bytes`, so that a piece can be written with
+//! direct I/O; with [`Grain::Row`] whole rows of dimension 0 (for consumers
+//! that need rectangular chunks, like `torch.distributed.checkpoint`). A cut
+//! piece holds at least `min_piece_bytes`.
 
 use serde::{Deserialize, Serialize};
 
 use crate::error::PlanError;
+use crate::manifest::{Leaf, LeafKind};
 
-/// Parameters of the per-rank write-time model. All times in seconds.
+/// Where the planner may cut a tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Grain {
+    /// Any element boundary at a multiple of `align_bytes` bytes into the tensor.
+    #[default]
+    Element,
+    /// Whole rows of dimension 0 only.
+    Row,
+}
+
+impl Grain {
+    pub const ALL: [Grain; 2] = [Grain::Element, Grain::Row];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Grain::Element => "element",
+            Grain::Row => "row",
+        }
+    }
+
+    /// The grain called `name`; a [`PlanError::Cost`] naming the choices otherwise.
+    pub fn from_name(name: &str) -> Result<Grain, PlanError> {
+        Grain::ALL
+            .iter()
+            .copied()
+            .find(|g| g.name() == name)
+            .ok_or_else(|| {
+                PlanError::Cost(format!(
+                    "grain must be \"element\" or \"row\", got {name:?}"
+                ))
+            })
+    }
+
+    /// The grain's code in binary encodings (fingerprints, the plan codec).
+    pub fn code(self) -> u8 {
+        match self {
+            Grain::Element => 0,
+            Grain::Row => 1,
+        }
+    }
+
+    /// The grain of a [`Grain::code`]; `None` for an unknown code.
+    pub fn from_code(code: u8) -> Option<Grain> {
+        Grain::ALL.iter().copied().find(|g| g.code() == code)
+    }
+}
+
+/// Parameters of the write-time model. All times in seconds, bandwidths in
+/// bytes per second.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct CostModel {
@@ -30,12 +96,22 @@ pub struct CostModel {
     pub fixed_s: f64,
     /// Paid for every piece a rank writes (seek, header entry, checksum setup).
     pub piece_s: f64,
-    /// Sustained write bandwidth of one rank, in bytes per second.
+    /// Sustained write bandwidth of one rank.
     pub bandwidth: f64,
-    /// Paid once per writer, serialised across all writers (metadata server).
+    /// Per-file metadata cost: paid once per writer, serialised across all
+    /// writers (a metadata server).
     pub writer_s: f64,
     /// The planner never cuts a tensor into a piece smaller than this.
     pub min_piece_bytes: u64,
+    /// Cuts fall on multiples of this many bytes into a tensor (with
+    /// [`Grain::Element`]); 1 allows any element boundary.
+    pub align_bytes: u64,
+    /// Where cuts may fall: any aligned element, or whole rows only.
+    pub grain: Grain,
+    /// Write bandwidth of one node, shared by its ranks; `None`: unlimited.
+    pub node_bandwidth: Option<f64>,
+    /// Write bandwidth of the whole storage, shared by all writers; `None`: unlimited.
+    pub aggregate_bandwidth: Option<f64>,
 }
 
 impl Default for CostModel {
@@ -46,8 +122,19 @@ impl Default for CostModel {
             bandwidth: 1e9,
             writer_s: 200e-6,
             min_piece_bytes: 1 << 20,
+            align_bytes: 4096,
+            grain: Grain::Element,
+            node_bandwidth: None,
+            aggregate_bandwidth: None,
         }
     }
+}
+
+fn gcd(mut a: u64, mut b: u64) -> u64 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
 }
 
 impl CostModel {
@@ -62,17 +149,30 @@ impl CostModel {
                 )))
             }
         };
+        let finite_pos = |name: &str, v: f64| {
+            if v.is_finite() && v > 0.0 {
+                Ok(())
+            } else {
+                Err(PlanError::Cost(format!(
+                    "{name} must be a finite number > 0, got {v}"
+                )))
+            }
+        };
         finite_nonneg("fixed_s", self.fixed_s)?;
         finite_nonneg("piece_s", self.piece_s)?;
         finite_nonneg("writer_s", self.writer_s)?;
-        if !(self.bandwidth.is_finite() && self.bandwidth > 0.0) {
-            return Err(PlanError::Cost(format!(
-                "bandwidth must be a finite number > 0, got {}",
-                self.bandwidth
-            )));
+        finite_pos("bandwidth", self.bandwidth)?;
+        if let Some(v) = self.node_bandwidth {
+            finite_pos("node_bandwidth", v)?;
+        }
+        if let Some(v) = self.aggregate_bandwidth {
+            finite_pos("aggregate_bandwidth", v)?;
         }
         if self.min_piece_bytes == 0 {
             return Err(PlanError::Cost("min_piece_bytes must be at least 1".into()));
+        }
+        if self.align_bytes == 0 {
+            return Err(PlanError::Cost("align_bytes must be at least 1".into()));
         }
         Ok(())
     }
@@ -83,12 +183,75 @@ impl CostModel {
         self.piece_s + bytes as f64 / self.bandwidth
     }
 
-    /// Appends the parameters' exact bit patterns, for fingerprints.
+    /// A node's bandwidth, `f64::INFINITY` when unlimited.
+    pub fn node_bandwidth_or_inf(&self) -> f64 {
+        self.node_bandwidth.unwrap_or(f64::INFINITY)
+    }
+
+    /// The storage's bandwidth, `f64::INFINITY` when unlimited.
+    pub fn aggregate_bandwidth_or_inf(&self) -> f64 {
+        self.aggregate_bandwidth.unwrap_or(f64::INFINITY)
+    }
+
+    /// Units between two legal cut positions of `leaf`: a cut at unit `u`
+    /// (other than its ends) is legal when `u` is a multiple of this. For
+    /// [`Grain::Element`] it is the fewest elements whose bytes are a
+    /// multiple of `align_bytes`; for [`Grain::Row`] the units of one row
+    /// of dimension 0 (1 for 0-D and 1-D tensors). An object cannot be cut:
+    /// its grain is its one unit. Never 0; it may exceed the leaf's units
+    /// (then the leaf cannot be cut).
+    pub fn grain_units(&self, leaf: &Leaf) -> u64 {
+        match &leaf.kind {
+            LeafKind::Object => 1,
+            LeafKind::Tensor { dtype, .. } => match self.grain {
+                Grain::Row => leaf.row_units(),
+                Grain::Element => {
+                    let align = self.align_bytes.max(1);
+                    align / gcd(align, dtype.itemsize())
+                }
+            },
+        }
+    }
+
+    /// Whether `leaf` may be cut at all: a tensor with at least two legal
+    /// pieces of `min_piece_bytes` each.
+    pub fn can_cut(&self, leaf: &Leaf) -> bool {
+        self.max_pieces(leaf) > 1
+    }
+
+    /// The most pieces a legal cutting of `leaf` has: every piece but the
+    /// last spans whole grains and at least `min_piece_bytes`, the last at
+    /// least `min_piece_bytes`. 1 for an object, an empty tensor, or a leaf
+    /// too small to cut.
+    pub fn max_pieces(&self, leaf: &Leaf) -> u64 {
+        if !leaf.is_tensor() || leaf.units() <= 1 {
+            return 1;
+        }
+        let grain_bytes = self.grain_units(leaf).saturating_mul(leaf.unit_bytes());
+        let m = self.min_piece_bytes;
+        if leaf.nbytes <= m || grain_bytes >= leaf.nbytes {
+            return 1;
+        }
+        // Each piece before the last: the fewest whole grains of at least `m` bytes.
+        let step = m.div_ceil(grain_bytes).saturating_mul(grain_bytes);
+        1 + (leaf.nbytes - m) / step
+    }
+
+    /// Appends the parameters' exact bit patterns, for fingerprints. An
+    /// unlimited shared bandwidth is encoded as infinity (no valid value is).
     pub fn encode_canonical(&self, out: &mut Vec<u8>) {
         for v in [self.fixed_s, self.piece_s, self.bandwidth, self.writer_s] {
             out.extend_from_slice(&v.to_bits().to_le_bytes());
         }
         out.extend_from_slice(&self.min_piece_bytes.to_le_bytes());
+        out.extend_from_slice(&self.align_bytes.to_le_bytes());
+        out.push(self.grain.code());
+        for v in [
+            self.node_bandwidth_or_inf(),
+            self.aggregate_bandwidth_or_inf(),
+        ] {
+            out.extend_from_slice(&v.to_bits().to_le_bytes());
+        }
     }
 }
 
@@ -170,6 +333,124 @@ mod tests {
             ..CostModel::default()
         };
         assert!(c.validate().unwrap_err().to_string().contains("fixed_s"));
+    }
+
+    fn tensor(dtype: crate::DType, shape: Vec<u64>) -> Leaf {
+        Leaf::tensor(vec![crate::PathKey::Str("t".into())], dtype, shape, None).unwrap()
+    }
+
+    #[test]
+    fn grain_is_aligned_elements_or_rows() {
+        use crate::DType;
+        let c = CostModel::default();
+        // Mixtral's stacked experts: rows of 2 x 14336 x 4096 float32 (470 MB),
+        // elements every 4 KiB.
+        let experts = tensor(DType::Float32, vec![8, 2 * 14336, 4096]);
+        assert_eq!(c.grain_units(&experts), 1024);
+        let rows = CostModel {
+            grain: Grain::Row,
+            ..c
+        };
+        assert_eq!(rows.grain_units(&experts), 2 * 14336 * 4096);
+        assert_eq!(rows.max_pieces(&experts), 8);
+        // 1 MiB minimum piece: 3.76 GB in 1 MiB steps, the last at least 1 MiB.
+        assert_eq!(c.max_pieces(&experts), experts.nbytes / (1 << 20));
+        // An alignment that is no multiple of the itemsize: cuts fall on
+        // lcm(6, 4) = 12 bytes, every 3 float32 elements.
+        let odd = CostModel {
+            align_bytes: 6,
+            ..c
+        };
+        assert_eq!(odd.grain_units(&tensor(DType::Float32, vec![100])), 3);
+        // Too small to cut, objects, empty tensors.
+        assert_eq!(c.max_pieces(&tensor(DType::Float32, vec![1 << 18])), 1);
+        assert_eq!(
+            c.max_pieces(&tensor(DType::Float32, vec![(1 << 19) + 1])),
+            2
+        );
+        let obj = Leaf::object(vec![crate::PathKey::Str("o".into())], 1 << 30, None).unwrap();
+        assert_eq!(c.max_pieces(&obj), 1);
+        assert_eq!(c.max_pieces(&tensor(DType::Float32, vec![0, 4])), 1);
+        assert!(!c.can_cut(&obj));
+    }
+
+    #[test]
+    fn shared_bandwidths_and_alignment_are_validated_and_fingerprinted() {
+        let base = CostModel::default();
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            let c = CostModel {
+                node_bandwidth: Some(bad),
+                ..base
+            };
+            assert!(c
+                .validate()
+                .unwrap_err()
+                .to_string()
+                .contains("node_bandwidth"));
+            let c = CostModel {
+                aggregate_bandwidth: Some(bad),
+                ..base
+            };
+            assert!(c
+                .validate()
+                .unwrap_err()
+                .to_string()
+                .contains("aggregate_bandwidth"));
+        }
+        let c = CostModel {
+            align_bytes: 0,
+            ..base
+        };
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("align_bytes"));
+        assert!(Grain::from_name("box")
+            .unwrap_err()
+            .to_string()
+            .contains("grain"));
+        // Old JSON without the new fields reads with their defaults.
+        let old: CostModel = serde_json::from_str(
+            r#"{"fixed_s":0.002,"piece_s":2e-5,"bandwidth":1e9,"writer_s":2e-4,"min_piece_bytes":1048576}"#,
+        )
+        .unwrap();
+        assert_eq!(old, base);
+        let json = serde_json::to_string(&CostModel {
+            grain: Grain::Row,
+            node_bandwidth: Some(2e9),
+            ..base
+        })
+        .unwrap();
+        assert!(
+            json.contains(r#""grain":"row""#) && json.contains(r#""node_bandwidth":2000000000.0"#)
+        );
+        let encode = |c: &CostModel| {
+            let mut v = Vec::new();
+            c.encode_canonical(&mut v);
+            v
+        };
+        let variants = [
+            CostModel {
+                align_bytes: 512,
+                ..base
+            },
+            CostModel {
+                grain: Grain::Row,
+                ..base
+            },
+            CostModel {
+                node_bandwidth: Some(1e9),
+                ..base
+            },
+            CostModel {
+                aggregate_bandwidth: Some(1e9),
+                ..base
+            },
+        ];
+        for v in &variants {
+            assert_ne!(encode(v), encode(&base), "{v:?}");
+        }
     }
 
     #[test]

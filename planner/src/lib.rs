@@ -21,7 +21,7 @@ pub mod store;
 use std::sync::Arc;
 use std::time::Instant;
 
-pub use cost::{CostModel, Topology};
+pub use cost::{CostModel, Grain, Topology};
 pub use dtype::DType;
 pub use error::{ManifestError, PlanError};
 pub use manifest::{Leaf, LeafKind, Manifest, PathKey};
@@ -31,7 +31,7 @@ pub use plan::{Algorithm, Piece, Plan, PlanSource, PlanStats};
 /// version plus an algorithm revision. Bump the `+algN` suffix whenever any
 /// algorithm's output can change, so that no cache ever serves a plan from an
 /// older planner.
-pub const PLANNER_VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), "+alg2");
+pub const PLANNER_VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), "+alg3");
 
 /// Largest supported world size.
 pub const MAX_WORLD_SIZE: u64 = 1 << 20;
@@ -167,8 +167,8 @@ pub(crate) fn score_plan(
     source: PlanSource,
     fingerprint: Option<String>,
 ) -> Plan {
-    let eval = plan::evaluate(&manifest, &cost, &ranks);
-    let summary = bound::LoadSummary::new(&manifest, world_size, &cost);
+    let eval = plan::evaluate(&manifest, &topology, &cost, &ranks);
+    let summary = bound::LoadSummary::new(&manifest, world_size, &topology, &cost);
     let lb = bound::lower_bound(&summary, &cost, world_size);
     let gap = if lb.makespan_s > 0.0 {
         eval.makespan_s / lb.makespan_s

@@ -157,12 +157,23 @@ pub struct Evaluation {
     pub rank_cost: Vec<f64>,
     pub rank_bytes: Vec<u64>,
     pub writers: u32,
+    /// `fixed_s` plus the busiest node's bytes over `node_bandwidth` (0 when
+    /// unlimited or nothing is written).
+    pub node_s: f64,
+    /// `fixed_s` plus all bytes over `aggregate_bandwidth` (0 when unlimited
+    /// or nothing is written).
+    pub aggregate_s: f64,
     pub makespan_s: f64,
     pub pieces: u64,
 }
 
-/// Scores an assignment under the cost model.
-pub fn evaluate(manifest: &Manifest, cost: &CostModel, ranks: &[Vec<Piece>]) -> Evaluation {
+/// Scores an assignment under the cost model (see [`crate::cost`]).
+pub fn evaluate(
+    manifest: &Manifest,
+    topology: &Topology,
+    cost: &CostModel,
+    ranks: &[Vec<Piece>],
+) -> Evaluation {
     let leaves = manifest.leaves();
     let mut rank_cost = vec![0.0; ranks.len()];
     let mut rank_bytes = vec![0u64; ranks.len()];
@@ -185,11 +196,32 @@ pub fn evaluate(manifest: &Manifest, cost: &CostModel, ranks: &[Vec<Piece>]) -> 
         rank_bytes[r] = b;
     }
     let slowest = rank_cost.iter().copied().fold(0.0, f64::max);
-    let makespan_s = slowest + writers as f64 * cost.writer_s;
+    let mut node_s = 0.0;
+    if let Some(nu) = cost.node_bandwidth {
+        let per = topology.ranks_per_node.max(1) as usize;
+        let busiest = rank_bytes
+            .chunks(per)
+            .map(|node| node.iter().sum::<u64>())
+            .max()
+            .unwrap_or(0);
+        if busiest > 0 {
+            node_s = cost.fixed_s + busiest as f64 / nu;
+        }
+    }
+    let mut aggregate_s = 0.0;
+    if let Some(alpha) = cost.aggregate_bandwidth {
+        let total: u64 = rank_bytes.iter().sum();
+        if total > 0 {
+            aggregate_s = cost.fixed_s + total as f64 / alpha;
+        }
+    }
+    let makespan_s = slowest.max(node_s).max(aggregate_s) + writers as f64 * cost.writer_s;
     Evaluation {
         rank_cost,
         rank_bytes,
         writers,
+        node_s,
+        aggregate_s,
         makespan_s,
         pieces,
     }

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use deeppart_planner::bound::{lower_bound, LoadSummary};
 use deeppart_planner::fingerprint::plan_fingerprint;
 use deeppart_planner::{
-    plan, Algorithm, CostModel, DType, Leaf, LeafKind, Manifest, PathKey, Plan, Topology,
+    plan, Algorithm, CostModel, DType, Grain, Leaf, LeafKind, Manifest, PathKey, Plan, Topology,
 };
 use proptest::prelude::*;
 
@@ -110,30 +110,51 @@ fn leaf_spec() -> impl Strategy<Value = LeafSpec> {
 }
 
 /// Valid cost models, with the edge values (no fixed, piece or writer cost;
-/// `min_piece_bytes` of 1 and of more than any leaf) well represented.
+/// `min_piece_bytes` of 1 and of more than any leaf; alignment of 1 byte)
+/// well represented, both grains, and shared bandwidths limited or not.
 fn cost_model() -> impl Strategy<Value = CostModel> {
     (
-        prop_oneof![Just(0.0), 1e-6..1e-2],
-        prop_oneof![Just(0.0), 1e-7..1e-3],
-        1e6..1e11,
-        prop_oneof![Just(0.0), 1e-6..1e-2],
-        prop_oneof![
-            Just(1u64),
-            2u64..(1 << 20),
-            Just(1u64 << 20),
-            (1u64 << 20)..(1u64 << 42),
-            Just(u64::MAX),
-        ],
+        (
+            prop_oneof![Just(0.0), 1e-6..1e-2],
+            prop_oneof![Just(0.0), 1e-7..1e-3],
+            1e6..1e11,
+            prop_oneof![Just(0.0), 1e-6..1e-2],
+            prop_oneof![
+                Just(1u64),
+                2u64..(1 << 20),
+                Just(1u64 << 20),
+                (1u64 << 20)..(1u64 << 42),
+                Just(u64::MAX),
+            ],
+        ),
+        shared_storage(),
     )
         .prop_map(
-            |(fixed_s, piece_s, bandwidth, writer_s, min_piece_bytes)| CostModel {
+            |(
+                (fixed_s, piece_s, bandwidth, writer_s, min_piece_bytes),
+                (align_bytes, grain, node_bandwidth, aggregate_bandwidth),
+            )| CostModel {
                 fixed_s,
                 piece_s,
                 bandwidth,
                 writer_s,
                 min_piece_bytes,
+                align_bytes,
+                grain,
+                node_bandwidth,
+                aggregate_bandwidth,
             },
         )
+}
+
+/// Alignment, grain, and the shared bandwidths (unlimited or not).
+fn shared_storage() -> impl Strategy<Value = (u64, Grain, Option<f64>, Option<f64>)> {
+    (
+        prop_oneof![Just(1u64), Just(4096u64), 1u64..100, Just(1u64 << 20)],
+        prop::sample::select(Grain::ALL.to_vec()),
+        prop::option::of(1e6..1e11),
+        prop::option::of(1e6..1e12),
+    )
 }
 
 /// A world size of 1 to 64 and a `ranks_per_node` that divides it.
@@ -161,18 +182,30 @@ fn instance(max_leaves: usize) -> impl Strategy<Value = Instance> {
 // ---------------------------------------------------------------------------
 // Independent checks
 
-/// Units per row computed from the shape (not `Leaf::row_units`), or `None`
-/// where a tensor may be cut anywhere.
-fn row_units_of(leaf: &Leaf) -> Option<u64> {
+/// Units per row computed from the shape (not `Leaf::row_units`).
+fn row_units_of(leaf: &Leaf) -> u64 {
     match &leaf.kind {
-        LeafKind::Tensor { shape, .. } if shape.len() >= 2 => Some(
-            shape[1..]
-                .iter()
-                .map(|&d| d as u128)
-                .product::<u128>()
-                .max(1) as u64,
-        ),
-        _ => None,
+        LeafKind::Tensor { shape, .. } if shape.len() >= 2 => shape[1..]
+            .iter()
+            .map(|&d| d as u128)
+            .product::<u128>()
+            .clamp(1, u64::MAX as u128)
+            as u64,
+        _ => 1,
+    }
+}
+
+/// Whether unit `u` of `leaf` is a legal cut position, from the cost
+/// model's definition (not `CostModel::grain_units`).
+fn legal_cut(leaf: &Leaf, cost: &CostModel, u: u64) -> bool {
+    match &leaf.kind {
+        LeafKind::Object => false,
+        LeafKind::Tensor { dtype, .. } => match cost.grain {
+            Grain::Row => u % row_units_of(leaf) == 0,
+            Grain::Element => {
+                (u as u128 * dtype.itemsize() as u128) % cost.align_bytes as u128 == 0
+            }
+        },
     }
 }
 
@@ -191,11 +224,13 @@ fn bytes_of(leaf: &Leaf, start: u64, stop: u64) -> u64 {
 }
 
 /// Checks that `ranks` writes every unit of every leaf exactly once, owned
-/// leaves on their owner, in-bounds, row-aligned, non-empty pieces; returns
-/// the makespan recomputed from the cost model's definition.
+/// leaves on their owner, in-bounds, non-empty legal pieces (cut on the
+/// grain, at least `min_piece_bytes` unless whole); returns the makespan
+/// recomputed from the cost model's definition.
 fn check_assignment(
     m: &Manifest,
     world_size: u32,
+    topology: &Topology,
     cost: &CostModel,
     ranks: &[Vec<deeppart_planner::Piece>],
 ) -> Result<f64, String> {
@@ -209,6 +244,7 @@ fn check_assignment(
     let mut by_leaf: Vec<Vec<(u64, u64, usize)>> = vec![Vec::new(); leaves.len()];
     let mut slowest: f64 = 0.0;
     let mut writers = 0u32;
+    let mut node_bytes = vec![0u64; (world_size / topology.ranks_per_node) as usize];
     for (r, list) in ranks.iter().enumerate() {
         let mut c = cost.fixed_s;
         for p in list {
@@ -232,16 +268,27 @@ fn check_assignment(
                     ));
                 }
             }
-            if let Some(row) = row_units_of(leaf) {
-                if units > 0 && (p.start % row != 0 || (p.stop % row != 0 && p.stop != units)) {
+            let whole = p.start == 0 && p.stop == units;
+            if !whole {
+                for u in [p.start, p.stop] {
+                    if u != 0 && u != units && !legal_cut(leaf, cost, u) {
+                        return Err(format!(
+                            "piece {p:?} of leaf {} ({:?}) cut off the {:?} grain at {u}",
+                            p.leaf, leaf.kind, cost.grain
+                        ));
+                    }
+                }
+                if bytes_of(leaf, p.start, p.stop) < cost.min_piece_bytes {
                     return Err(format!(
-                        "piece {p:?} of leaf {} is not aligned to rows of {row}",
-                        p.leaf
+                        "piece {p:?} of leaf {} is smaller than min_piece_bytes {}",
+                        p.leaf, cost.min_piece_bytes
                     ));
                 }
             }
             by_leaf[p.leaf as usize].push((p.start, p.stop, r));
-            c += cost.piece_s + bytes_of(leaf, p.start, p.stop) as f64 / cost.bandwidth;
+            let bytes = bytes_of(leaf, p.start, p.stop);
+            node_bytes[r / topology.ranks_per_node as usize] += bytes;
+            c += cost.piece_s + bytes as f64 / cost.bandwidth;
         }
         if !list.is_empty() {
             writers += 1;
@@ -273,7 +320,26 @@ fn check_assignment(
             return Err(format!("leaf {i}: written up to {at} of {units} units"));
         }
     }
-    Ok(slowest + writers as f64 * cost.writer_s)
+    Ok(shared_makespan(cost, slowest, &node_bytes, writers))
+}
+
+/// The model's makespan from the slowest rank's cost, the bytes per node
+/// and the writer count.
+fn shared_makespan(cost: &CostModel, slowest: f64, node_bytes: &[u64], writers: u32) -> f64 {
+    let mut t = slowest;
+    let busiest = node_bytes.iter().copied().max().unwrap_or(0);
+    let total: u64 = node_bytes.iter().sum();
+    if let Some(nu) = cost.node_bandwidth {
+        if busiest > 0 {
+            t = t.max(cost.fixed_s + busiest as f64 / nu);
+        }
+    }
+    if let Some(alpha) = cost.aggregate_bandwidth {
+        if total > 0 {
+            t = t.max(cost.fixed_s + total as f64 / alpha);
+        }
+    }
+    t + writers as f64 * cost.writer_s
 }
 
 fn close(a: f64, b: f64) -> bool {
@@ -293,8 +359,14 @@ fn check_plan(
         algorithm,
     )
     .map_err(|e| TestCaseError::fail(format!("{algorithm}: {e}")))?;
-    let makespan = check_assignment(manifest, inst.world_size, &inst.cost, &p.ranks)
-        .map_err(|e| TestCaseError::fail(format!("{algorithm}: {e}")))?;
+    let makespan = check_assignment(
+        manifest,
+        inst.world_size,
+        &inst.topology(),
+        &inst.cost,
+        &p.ranks,
+    )
+    .map_err(|e| TestCaseError::fail(format!("{algorithm}: {e}")))?;
     let s = &p.stats;
     prop_assert!(
         close(makespan, s.makespan_s),
@@ -403,6 +475,10 @@ proptest! {
             ("bandwidth", CostModel { bandwidth: next_up(cost.bandwidth), ..cost }),
             ("writer_s", CostModel { writer_s: next_up(cost.writer_s), ..cost }),
             ("min_piece_bytes", CostModel { min_piece_bytes: cost.min_piece_bytes ^ 1, ..cost }),
+            ("align_bytes", CostModel { align_bytes: cost.align_bytes ^ 1, ..cost }),
+            ("grain", CostModel { grain: if cost.grain == Grain::Row { Grain::Element } else { Grain::Row }, ..cost }),
+            ("node_bandwidth", CostModel { node_bandwidth: Some(cost.node_bandwidth.map_or(1e9, next_up)), ..cost }),
+            ("aggregate_bandwidth", CostModel { aggregate_bandwidth: Some(cost.aggregate_bandwidth.map_or(1e9, next_up)), ..cost }),
         ];
         for (name, c) in costs {
             variants.push((name.into(), plan_fingerprint(&m, ws, &topo, &c, algorithm)));
@@ -515,10 +591,17 @@ struct Tiny {
     spec: LeafSpec,
 }
 
-/// The optimum makespan over every plan, by enumerating which rank writes
-/// each unit (and each empty tensor). Pieces are the maximal runs of one
-/// rank within a leaf: merging neighbours never costs more.
-fn brute_force_optimum(m: &Manifest, world_size: u32, cost: &CostModel) -> f64 {
+/// The optimum makespan over every legal plan, by enumerating which rank
+/// writes each unit (and each empty tensor). Pieces are the maximal runs of
+/// one rank within a leaf: merging legal neighbours gives a legal piece and
+/// never costs more, so the optimum is among these; an assignment whose
+/// runs are not legal pieces is skipped.
+fn brute_force_optimum(
+    m: &Manifest,
+    world_size: u32,
+    topology: &Topology,
+    cost: &CostModel,
+) -> f64 {
     // One slot per unit of each leaf; a leaf of no units still needs a writer.
     let mut slots: Vec<(usize, u64)> = Vec::new();
     for (i, leaf) in m.leaves().iter().enumerate() {
@@ -529,13 +612,10 @@ fn brute_force_optimum(m: &Manifest, world_size: u32, cost: &CostModel) -> f64 {
     let mut choice = vec![0u32; slots.len()];
     let mut best = f64::INFINITY;
     loop {
-        let valid = slots
-            .iter()
-            .zip(&choice)
-            .all(|(&(i, _), &r)| !matches!(m.leaves()[i].owner, Some(o) if o != r));
-        if valid {
+        if legal_runs(m, cost, &slots, &choice) {
             let mut rank_cost = vec![0.0f64; world_size as usize];
             let mut writes = vec![false; world_size as usize];
+            let mut node_bytes = vec![0u64; (world_size / topology.ranks_per_node) as usize];
             for (k, &(i, _)) in slots.iter().enumerate() {
                 let leaf = &m.leaves()[i];
                 let r = choice[k] as usize;
@@ -546,6 +626,7 @@ fn brute_force_optimum(m: &Manifest, world_size: u32, cost: &CostModel) -> f64 {
                     bytes_of(leaf, 0, 1)
                 };
                 rank_cost[r] += unit_bytes as f64 / cost.bandwidth;
+                node_bytes[r / topology.ranks_per_node as usize] += unit_bytes;
                 // A new piece starts unless the previous unit of this leaf is on the same rank.
                 let continues = k > 0 && slots[k - 1].0 == i && choice[k - 1] as usize == r;
                 if !continues {
@@ -559,7 +640,7 @@ fn brute_force_optimum(m: &Manifest, world_size: u32, cost: &CostModel) -> f64 {
                 .filter(|(_, &w)| w)
                 .map(|(&c, _)| c + cost.fixed_s)
                 .fold(0.0, f64::max);
-            best = best.min(slowest + writers as f64 * cost.writer_s);
+            best = best.min(shared_makespan(cost, slowest, &node_bytes, writers as u32));
         }
         // Next assignment, odometer style.
         let mut k = 0;
@@ -577,6 +658,37 @@ fn brute_force_optimum(m: &Manifest, world_size: u32, cost: &CostModel) -> f64 {
     }
 }
 
+/// Whether every owned unit is on its owner and every maximal run of one
+/// rank within a leaf is a legal piece.
+fn legal_runs(m: &Manifest, cost: &CostModel, slots: &[(usize, u64)], choice: &[u32]) -> bool {
+    let mut k = 0;
+    while k < slots.len() {
+        let i = slots[k].0;
+        let leaf = &m.leaves()[i];
+        if matches!(leaf.owner, Some(o) if o != choice[k]) {
+            return false;
+        }
+        let units = units_of(leaf);
+        let start = k;
+        while k < slots.len() && slots[k].0 == i && choice[k] == choice[start] {
+            k += 1;
+        }
+        let (lo, hi) = (slots[start].1, slots[k - 1].1 + 1);
+        let whole = lo == 0 && hi >= units;
+        if !whole {
+            if (lo != 0 && !legal_cut(leaf, cost, lo))
+                || (hi != units && !legal_cut(leaf, cost, hi))
+            {
+                return false;
+            }
+            if bytes_of(leaf, lo, hi) < cost.min_piece_bytes {
+                return false;
+            }
+        }
+    }
+    true
+}
+
 fn tiny_object() -> impl Strategy<Value = Tiny> {
     (
         prop_oneof![Just(0u64), 1u64..1000, 1000u64..100_000_000],
@@ -591,13 +703,41 @@ fn tiny_object() -> impl Strategy<Value = Tiny> {
         })
 }
 
-/// 0-D, empty and 1- or 2-unit tensors, and objects.
+/// 0-D, empty and small tensors of up to 3 dimensions (coarse rows
+/// included, like `[2, 1, 2]`), and objects.
 fn tiny_leaf() -> impl Strategy<Value = Tiny> {
     prop_oneof![
         1 => tiny_object(),
-        3 => (0..DType::all().len(), prop::collection::vec(0u64..=2, 0..=1), prop::option::weighted(0.2, 0u32..3))
+        3 => (
+            0..DType::all().len(),
+            prop::collection::vec(0u64..=2, 0..=3).prop_filter("at most 4 units", |s| s.iter().product::<u64>() <= 4),
+            prop::option::weighted(0.2, 0u32..4),
+        )
             .prop_map(|(dtype, shape, owner)| Tiny { spec: LeafSpec { path: vec![], kind: Kind::Tensor { dtype, shape }, owner } }),
     ]
+}
+
+/// Cost models for tiny instances: a minimum piece and an alignment of a
+/// few bytes, so that both matter at this size.
+fn tiny_cost_model() -> impl Strategy<Value = CostModel> {
+    (
+        cost_model(),
+        1u64..=24,
+        prop_oneof![Just(1u64), Just(2), Just(4), Just(8), Just(16), 1u64..=12],
+    )
+        .prop_map(|(c, min_piece_bytes, align_bytes)| CostModel {
+            min_piece_bytes,
+            align_bytes,
+            ..c
+        })
+}
+
+/// A world of 1 to 4 ranks and a `ranks_per_node` that divides it.
+fn tiny_world() -> impl Strategy<Value = (u32, u32)> {
+    (1u32..=4).prop_flat_map(|ws| {
+        let divisors: Vec<u32> = (1..=ws).filter(|d| ws % d == 0).collect();
+        (Just(ws), prop::sample::select(divisors))
+    })
 }
 
 fn tiny_manifest(leaves: &[Tiny], world_size: u32) -> Manifest {
@@ -615,10 +755,13 @@ fn tiny_manifest(leaves: &[Tiny], world_size: u32) -> Manifest {
 fn check_bound_against_optimum(
     m: Manifest,
     world_size: u32,
+    topology: Topology,
     cost: CostModel,
 ) -> Result<(), TestCaseError> {
-    let optimum = brute_force_optimum(&m, world_size, &cost);
-    let summary = LoadSummary::new(&m, world_size, &cost);
+    let slots: u64 = m.leaves().iter().map(|l| units_of(l).max(1)).sum();
+    prop_assume!(slots <= 9);
+    let optimum = brute_force_optimum(&m, world_size, &topology, &cost);
+    let summary = LoadSummary::new(&m, world_size, &topology, &cost);
     let lb = lower_bound(&summary, &cost, world_size);
     prop_assert!(
         lb.makespan_s <= optimum * (1.0 + 1e-9) + 1e-15,
@@ -628,14 +771,9 @@ fn check_bound_against_optimum(
     // Every algorithm's plan is one of the enumerated ones: none beats the optimum.
     let m = Arc::new(m);
     for algorithm in Algorithm::ALL {
-        let p = plan(
-            m.clone(),
-            world_size as u64,
-            Topology::default(),
-            cost,
-            algorithm,
-        )
-        .unwrap();
+        let p = plan(m.clone(), world_size as u64, topology, cost, algorithm).unwrap();
+        check_assignment(&m, world_size, &topology, &cost, &p.ranks)
+            .map_err(|e| TestCaseError::fail(format!("{algorithm}: {e}")))?;
         prop_assert!(
             p.stats.makespan_s >= optimum * (1.0 - 1e-9) - 1e-15,
             "{algorithm}: makespan {} below the brute-force optimum {optimum}",
@@ -652,21 +790,51 @@ proptest! {
     #[test]
     fn lower_bound_is_at_most_the_optimum_for_objects(
         objects in prop::collection::vec(tiny_object(), 0..=5),
-        world_size in 1u32..=3,
+        (world_size, ranks_per_node) in tiny_world(),
         cost in cost_model(),
     ) {
-        check_bound_against_optimum(tiny_manifest(&objects, world_size), world_size, cost)?;
+        let topology = Topology { ranks_per_node };
+        check_bound_against_optimum(tiny_manifest(&objects, world_size), world_size, topology, cost)?;
     }
 
-    /// With tensors that can be split (down to single elements), empty
-    /// tensors and 0-D ones: still at most the optimum.
+    /// With tensors that can be split on their grain (coarse 3-D rows
+    /// included), empty tensors and 0-D ones, shared bandwidths and
+    /// topologies: still at most the optimum over legal plans.
     #[test]
     fn lower_bound_is_at_most_the_optimum_with_splits(
         leaves in prop::collection::vec(tiny_leaf(), 0..=4),
-        world_size in 1u32..=3,
+        (world_size, ranks_per_node) in tiny_world(),
+        cost in tiny_cost_model(),
+    ) {
+        let topology = Topology { ranks_per_node };
+        check_bound_against_optimum(tiny_manifest(&leaves, world_size), world_size, topology, cost)?;
+    }
+
+    /// The modelled time of the `balanced` plan never rises with the world
+    /// size: more ranks can always leave the extra ones idle.
+    #[test]
+    fn modelled_time_is_non_increasing_in_world_size(
+        leaves in prop::collection::vec(leaf_spec(), 0..=30),
+        ranks_per_node in prop_oneof![Just(1u32), Just(2), Just(8)],
+        nodes in 1u32..=8,
+        more_nodes in 1u32..=64,
         cost in cost_model(),
     ) {
-        check_bound_against_optimum(tiny_manifest(&leaves, world_size), world_size, cost)?;
+        let small = nodes * ranks_per_node;
+        let large = (nodes + more_nodes) * ranks_per_node;
+        let topology = Topology { ranks_per_node };
+        // Owners within the smaller world, so that both worlds hold the same manifest.
+        let m = Arc::new(build_manifest(&leaves, small));
+        let a = plan(m.clone(), small as u64, topology, cost, Algorithm::Balanced).unwrap();
+        let b = plan(m.clone(), large as u64, topology, cost, Algorithm::Balanced).unwrap();
+        prop_assert!(
+            b.stats.lower_bound_s <= a.stats.lower_bound_s * (1.0 + 1e-12),
+            "bound rose from {} at {small} ranks to {} at {large}", a.stats.lower_bound_s, b.stats.lower_bound_s
+        );
+        prop_assert!(
+            b.stats.makespan_s <= a.stats.makespan_s * (1.0 + 1e-9),
+            "modelled time rose from {:?} at {small} ranks to {:?} at {large}", a.stats, b.stats
+        );
     }
 }
 
@@ -703,7 +871,7 @@ fn empty_tensor_with_huge_rows_plans() {
             algorithm,
         )
         .unwrap();
-        check_assignment(&m, 5, &CostModel::default(), &p.ranks).unwrap();
+        check_assignment(&m, 5, &Topology::default(), &CostModel::default(), &p.ranks).unwrap();
     }
 }
 
@@ -733,7 +901,7 @@ fn deeppart_handles_all_empty_siblings() {
             Algorithm::DeepPart,
         )
         .unwrap();
-        check_assignment(&m, ws as u32, &cost, &p.ranks).unwrap();
+        check_assignment(&m, ws as u32, &Topology::default(), &cost, &p.ranks).unwrap();
     }
 }
 
@@ -760,7 +928,7 @@ fn deeppart_splits_a_huge_tensor_over_many_ranks() {
         Algorithm::DeepPart,
     )
     .unwrap();
-    check_assignment(&m, 1 << 16, &cost, &p.ranks).unwrap();
+    check_assignment(&m, 1 << 16, &Topology::default(), &cost, &p.ranks).unwrap();
     assert_eq!(p.stats.writers, 1 << 16);
 }
 

@@ -3,11 +3,16 @@
 //! 1. The lower bound fixes the writer count `k` and the level `M(k)` that no
 //!    rank's cost can stay under (see [`crate::bound`]). Owners always write;
 //!    the other writers are spread over nodes.
-//! 2. Each writer gets a capacity: the level minus its fixed cost and owned load.
+//! 2. Each writer gets a capacity: the level minus its fixed cost and owned
+//!    load. With a `node_bandwidth`, each node also gets a byte budget: what
+//!    its link moves in the level less its fixed cost, less its owned bytes;
+//!    its writers share it.
 //! 3. Replicated leaves, largest first, fill the writers one after the other
 //!    (McNaughton's wrap-around rule for preemptive scheduling). A leaf that
-//!    fits the current writer goes whole. One that does not is cut: a
-//!    row-aligned piece of at least `min_piece_bytes` fills the writer up to
+//!    fits the current writer goes whole. One that does not is cut: a piece
+//!    on the leaf's grain ([`CostModel::grain_units`]: any 4 KiB-aligned
+//!    element by default, whole rows on request) of at least
+//!    `min_piece_bytes` fills the writer up to
 //!    the level, and the rest goes on to the next writer. So each writer gets
 //!    at most one cut leaf from each neighbour, and most leaves stay whole.
 //!    When no worthwhile piece fits the room left on a writer, that room is
@@ -22,7 +27,7 @@
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
-use super::{replicated_by_size, Key, SizedLeaf};
+use super::{cut, replicated_by_size, Key, SizedLeaf};
 use crate::bound::{lower_bound, LoadSummary};
 use crate::cost::{CostModel, Topology};
 use crate::manifest::{Leaf, Manifest};
@@ -43,7 +48,7 @@ pub(super) fn plan(
     cost: &CostModel,
     ranks: &mut [Vec<Piece>],
 ) {
-    let summary = LoadSummary::new(manifest, world_size, cost);
+    let summary = LoadSummary::new(manifest, world_size, topology, cost);
     if summary.replicated_leaves == 0 {
         return;
     }
@@ -53,11 +58,16 @@ pub(super) fn plan(
     let order = replicated_by_size(manifest);
     // Whole-leaf costs in `order`: non-increasing, as the cost grows with the size.
     let costs: Vec<f64> = order.iter().map(|s| cost.piece_cost(s.nbytes)).collect();
+    let node_of: Vec<usize> = writers
+        .iter()
+        .map(|&r| topology.node_of(r) as usize)
+        .collect();
     let fill = Fill {
         leaves,
         cost,
         order: &order,
         costs: &costs,
+        node_of: &node_of,
     };
 
     let base = lb.level_s;
@@ -82,15 +92,16 @@ pub(super) fn plan(
             .iter()
             .map(|&r| level - cost.fixed_s - summary.owned_load[r as usize])
             .collect();
+        let rooms = node_rooms(&summary, topology, cost, level, world_size);
         let tolerance = level * 1e-12;
         // Sequential filling needs the fewest writers and copes best with
         // many cuts; spreading packs better when few leaves may be cut. The
         // first that fits wins. Spreading starts from the second level, at
         // most one piece overhead above the bound: at the bound itself
         // little fits once a leaf must be cut, and skipping it saves a pass.
-        let placed = fill.sequential(&caps, tolerance).or_else(|| {
+        let placed = fill.sequential(&caps, &rooms, tolerance).or_else(|| {
             if attempt > 1 {
-                fill.spread(&caps, tolerance)
+                fill.spread(&caps, &rooms, tolerance)
             } else {
                 None
             }
@@ -120,32 +131,25 @@ fn choose_writers(summary: &LoadSummary, topology: &Topology, world_size: u32, k
     writers
 }
 
-/// Where a piece of `leaf` from unit `start` should end to fill `cap`
-/// seconds: a row-aligned cut that leaves both the piece and the rest at
-/// least `min_piece_bytes` (or one row). `None` when there is no such cut.
-fn cut(leaf: &Leaf, start: u64, cap: f64, cost: &CostModel) -> Option<u64> {
-    if !leaf.is_tensor() {
-        return None;
+/// Per node, the bytes its writers may still move under `level`: what its
+/// link moves in the level less the fixed cost, less what its owners write.
+/// Infinite without a `node_bandwidth`.
+fn node_rooms(
+    summary: &LoadSummary,
+    topology: &Topology,
+    cost: &CostModel,
+    level: f64,
+    world_size: u32,
+) -> Vec<f64> {
+    let nodes = summary.nodes as usize;
+    let Some(nu) = cost.node_bandwidth else {
+        return vec![f64::INFINITY; nodes];
+    };
+    let mut rooms = vec![((level - cost.fixed_s) * nu).max(0.0); nodes];
+    for r in 0..world_size {
+        rooms[topology.node_of(r) as usize] -= summary.owned_bytes[r as usize] as f64;
     }
-    let units = leaf.units();
-    let row_units = leaf.row_units();
-    // Saturating: a tensor with no elements can have rows wider than 2^64 bytes.
-    let row_bytes = row_units.saturating_mul(leaf.unit_bytes());
-    if row_bytes == 0 || start >= units {
-        return None;
-    }
-    let min_rows = cost.min_piece_bytes.div_ceil(row_bytes).max(1);
-    let rows_left = (units - start) / row_units;
-    let room = ((cap - cost.piece_s) * cost.bandwidth).max(0.0);
-    let mut rows = ((room / row_bytes as f64).floor() as u64).min(rows_left);
-    if rows_left - rows < min_rows {
-        // Leave a remainder that is itself a worthwhile piece.
-        rows = rows_left.saturating_sub(min_rows);
-    }
-    if rows < min_rows || rows == 0 {
-        return None;
-    }
-    Some(start + rows * row_units)
+    rooms
 }
 
 /// The replicated leaves to place, and how.
@@ -156,6 +160,8 @@ struct Fill<'a> {
     order: &'a [SizedLeaf],
     /// Whole-leaf cost of each entry of `order`.
     costs: &'a [f64],
+    /// Node of each writer slot.
+    node_of: &'a [usize],
 }
 
 /// Skips placed entries of `order`: `next[p] == p` while entry `p` is
@@ -171,11 +177,75 @@ fn find(next: &mut [u32], mut p: usize) -> usize {
 }
 
 impl Fill<'_> {
+    /// Whether a piece of `cost_s` seconds and `bytes` bytes fits a writer
+    /// with `cap` seconds left whose node has `node_room` bytes left.
+    fn fits(&self, cost_s: f64, bytes: u64, cap: f64, node_room: f64, tolerance: f64) -> bool {
+        cost_s <= cap + tolerance
+            && bytes as f64 / self.cost.bandwidth <= node_room / self.cost.bandwidth + tolerance
+    }
+
+    /// The most a single whole piece may cost on a writer with `cap` seconds
+    /// left on a node with `node_room` bytes left.
+    fn room(&self, cap: f64, node_room: f64) -> f64 {
+        cap.min(self.cost.piece_s + node_room / self.cost.bandwidth)
+    }
+
+    /// Places `start..units` of entry `pos` on writer `j`: whole (`Ok`),
+    /// or cut (`Err(Some(stop))`: the rest starts at `stop`), or not at all
+    /// when no worthwhile piece fits (`Err(None)`).
+    #[allow(clippy::too_many_arguments)]
+    fn place(
+        &self,
+        pos: usize,
+        start: u64,
+        j: usize,
+        caps: &mut [f64],
+        rooms: &mut [f64],
+        out: &mut [Vec<Piece>],
+        tolerance: f64,
+    ) -> Result<(), Option<u64>> {
+        let SizedLeaf { leaf: i, units, .. } = self.order[pos];
+        let leaf = &self.leaves[i as usize];
+        let node = self.node_of[j];
+        let rest_bytes = leaf.range_bytes(start, units);
+        let rest = if start == 0 {
+            self.costs[pos]
+        } else {
+            self.cost.piece_cost(rest_bytes)
+        };
+        if self.fits(rest, rest_bytes, caps[j], rooms[node], tolerance) {
+            out[j].push(Piece {
+                leaf: i,
+                start,
+                stop: units,
+            });
+            caps[j] -= rest;
+            rooms[node] -= rest_bytes as f64;
+            return Ok(());
+        }
+        let most = ((caps[j] - self.cost.piece_s) * self.cost.bandwidth).min(rooms[node]);
+        match cut(leaf, start, most, self.cost) {
+            Some(stop) => {
+                let bytes = leaf.range_bytes(start, stop);
+                out[j].push(Piece {
+                    leaf: i,
+                    start,
+                    stop,
+                });
+                caps[j] -= self.cost.piece_cost(bytes);
+                rooms[node] -= bytes as f64;
+                Err(Some(stop))
+            }
+            None => Err(None),
+        }
+    }
+
     /// Step 3: fills the writers one after the other. `None` when the leaves
     /// do not all fit under the capacities.
-    fn sequential(&self, caps: &[f64], tolerance: f64) -> Option<Vec<Vec<Piece>>> {
+    fn sequential(&self, caps: &[f64], rooms: &[f64], tolerance: f64) -> Option<Vec<Vec<Piece>>> {
         let n = self.order.len();
         let mut caps = caps.to_vec();
+        let mut rooms = rooms.to_vec();
         let mut out: Vec<Vec<Piece>> = vec![Vec::new(); caps.len()];
         let mut next: Vec<u32> = (0..=n as u32).collect();
         let mut j = 0usize;
@@ -186,47 +256,38 @@ impl Fill<'_> {
                 return Some(out);
             }
             next[pos] = pos as u32 + 1;
-            let SizedLeaf { leaf: i, units, .. } = self.order[pos];
-            let leaf = &self.leaves[i as usize];
             let mut start = 0u64;
             loop {
-                let cap = *caps.get(j)?;
-                let rest = if start == 0 {
-                    self.costs[pos]
-                } else {
-                    self.cost.piece_cost(leaf.range_bytes(start, units))
-                };
-                if rest <= cap + tolerance {
-                    out[j].push(Piece {
-                        leaf: i,
-                        start,
-                        stop: units,
-                    });
-                    caps[j] = cap - rest;
-                    break;
+                if j >= caps.len() {
+                    return None;
                 }
-                if let Some(stop) = cut(leaf, start, cap, self.cost) {
-                    out[j].push(Piece {
-                        leaf: i,
-                        start,
-                        stop,
-                    });
-                    caps[j] = cap - self.cost.piece_cost(leaf.range_bytes(start, stop));
-                    start = stop;
+                match self.place(pos, start, j, &mut caps, &mut rooms, &mut out, tolerance) {
+                    Ok(()) => break,
+                    Err(Some(stop)) => start = stop,
+                    Err(None) => {}
                 }
                 // Writer `j` is full up to less than a worthwhile piece: top
                 // it up with small leaves, then move on.
-                self.top_up(&mut caps[j], &mut out[j], &mut next, pos + 1, tolerance);
+                let node = self.node_of[j];
+                self.top_up(
+                    &mut caps[j],
+                    &mut rooms[node],
+                    &mut out[j],
+                    &mut next,
+                    pos + 1,
+                    tolerance,
+                );
                 j += 1;
             }
         }
     }
 
     /// Places whole the largest unplaced leaves from position `from` on that
-    /// fit in `cap`, until none does.
+    /// fit in `cap` seconds and `node_room` bytes, until none does.
     fn top_up(
         &self,
         cap: &mut f64,
+        node_room: &mut f64,
         out: &mut Vec<Piece>,
         next: &mut [u32],
         from: usize,
@@ -236,62 +297,69 @@ impl Fill<'_> {
         let mut lo = from.min(n);
         loop {
             // `costs` is non-increasing: the leaves that fit are a suffix.
-            let first_fit = lo + self.costs[lo..].partition_point(|&c| c > *cap + tolerance);
+            let room = self.room(*cap, *node_room);
+            let first_fit = lo + self.costs[lo..].partition_point(|&c| c > room + tolerance);
             let p = find(next, first_fit);
             if p >= n {
                 return;
             }
             next[p] = p as u32 + 1;
-            let SizedLeaf { leaf, units, .. } = self.order[p];
+            let SizedLeaf {
+                leaf,
+                units,
+                nbytes,
+            } = self.order[p];
             out.push(Piece {
                 leaf,
                 start: 0,
                 stop: units,
             });
             *cap -= self.costs[p];
+            *node_room -= nbytes as f64;
             lo = p + 1;
         }
     }
 
     /// Step 4: each leaf, largest first, to the writer with the most room
     /// left, cut where it does not fit. `None` when the leaves do not fit.
-    fn spread(&self, caps: &[f64], tolerance: f64) -> Option<Vec<Vec<Piece>>> {
+    fn spread(&self, caps: &[f64], rooms: &[f64], tolerance: f64) -> Option<Vec<Vec<Piece>>> {
+        let mut caps = caps.to_vec();
+        let mut rooms = rooms.to_vec();
         let mut out: Vec<Vec<Piece>> = vec![Vec::new(); caps.len()];
-        // Max-heap on remaining capacity; ties go to the earlier writer.
+        // Max-heap on room left; ties go to the earlier writer. A writer's
+        // room also shrinks when another writer of its node writes, so a
+        // popped key may be stale: it is then pushed back with its room now.
         let mut heap: BinaryHeap<(Key, Reverse<u32>)> = caps
             .iter()
             .enumerate()
-            .map(|(slot, &cap)| (Key(cap), Reverse(slot as u32)))
+            .map(|(slot, &cap)| {
+                (
+                    Key(self.room(cap, rooms[self.node_of[slot]])),
+                    Reverse(slot as u32),
+                )
+            })
             .collect();
-        for (pos, &SizedLeaf { leaf: i, units, .. }) in self.order.iter().enumerate() {
-            let leaf = &self.leaves[i as usize];
+        for pos in 0..self.order.len() {
             let mut start = 0u64;
             loop {
-                let (Key(cap), Reverse(slot)) = heap.pop()?;
-                let rest = if start == 0 {
-                    self.costs[pos]
-                } else {
-                    self.cost.piece_cost(leaf.range_bytes(start, units))
-                };
-                if rest <= cap + tolerance {
-                    out[slot as usize].push(Piece {
-                        leaf: i,
-                        start,
-                        stop: units,
-                    });
-                    heap.push((Key(cap - rest), Reverse(slot)));
-                    break;
+                let (Key(key), Reverse(slot)) = heap.pop()?;
+                let j = slot as usize;
+                let now = self.room(caps[j], rooms[self.node_of[j]]);
+                if now < key {
+                    heap.push((Key(now), Reverse(slot)));
+                    continue;
                 }
-                // The emptiest writer cannot take a worthwhile piece: no one can.
-                let stop = cut(leaf, start, cap, self.cost)?;
-                let piece_cost = self.cost.piece_cost(leaf.range_bytes(start, stop));
-                out[slot as usize].push(Piece {
-                    leaf: i,
-                    start,
-                    stop,
-                });
-                heap.push((Key(cap - piece_cost), Reverse(slot)));
-                start = stop;
+                let placed = self.place(pos, start, j, &mut caps, &mut rooms, &mut out, tolerance);
+                heap.push((
+                    Key(self.room(caps[j], rooms[self.node_of[j]])),
+                    Reverse(slot),
+                ));
+                match placed {
+                    Ok(()) => break,
+                    Err(Some(stop)) => start = stop,
+                    // The emptiest writer cannot take a worthwhile piece: no one can.
+                    Err(None) => return None,
+                }
             }
         }
         Some(out)

@@ -10,6 +10,7 @@
 
 use std::collections::HashMap;
 
+use crate::cost::CostModel;
 use crate::manifest::{Manifest, PathKey};
 use crate::plan::Piece;
 
@@ -89,18 +90,19 @@ enum Item {
     Leaf(u32),
 }
 
-pub(super) fn plan(manifest: &Manifest, ranks: &mut [Vec<Piece>]) {
+pub(super) fn plan(manifest: &Manifest, cost: &CostModel, ranks: &mut [Vec<Piece>]) {
     let tree = Tree::build(manifest);
     if tree.nodes[0].children.is_empty() {
         return;
     }
     let n = ranks.len() as u32;
-    assign(manifest, &tree, vec![Item::Node(0)], 0, n, ranks);
+    assign(manifest, cost, &tree, vec![Item::Node(0)], 0, n, ranks);
 }
 
 /// Assigns a group of items to the ranks `[lo, lo + n)`.
 fn assign(
     manifest: &Manifest,
+    cost: &CostModel,
     tree: &Tree,
     mut items: Vec<Item>,
     lo: u32,
@@ -127,7 +129,7 @@ fn assign(
         return;
     }
     if let [Item::Leaf(l)] = items[..] {
-        split_leaf(manifest, l, lo, n, ranks);
+        split_leaf(manifest, cost, l, lo, n, ranks);
         return;
     }
     // Group items, largest first, until each group holds one rank's share.
@@ -196,7 +198,7 @@ fn assign(
     }
     let mut at = lo;
     for ((group, _), count) in groups.into_iter().zip(counts) {
-        assign(manifest, tree, group, at, count, ranks);
+        assign(manifest, cost, tree, group, at, count, ranks);
         at += count;
     }
 }
@@ -216,26 +218,36 @@ fn collect_whole(manifest: &Manifest, tree: &Tree, item: Item, out: &mut Vec<Pie
     }
 }
 
-/// One leaf evenly over `n` ranks, in row-aligned pieces.
-fn split_leaf(manifest: &Manifest, l: u32, lo: u32, n: u32, ranks: &mut [Vec<Piece>]) {
+/// One leaf evenly over `n` ranks, in legal pieces (on the cost model's
+/// grain, at least `min_piece_bytes`): each rank's piece ends at the last
+/// legal cut within its even share of what is left.
+fn split_leaf(
+    manifest: &Manifest,
+    cost: &CostModel,
+    l: u32,
+    lo: u32,
+    n: u32,
+    ranks: &mut [Vec<Piece>],
+) {
     let leaf = &manifest.leaves()[l as usize];
     let units = leaf.units();
-    if !leaf.is_tensor() || units == 0 {
-        ranks[lo as usize].push(super::whole(l as usize, units));
-        return;
-    }
-    let row = leaf.row_units();
-    let rows = units / row;
-    let parts = (n as u64).min(rows).max(1);
     let mut start = 0;
-    for p in 0..parts {
-        // In u128: rows * parts can exceed 2^64 (rows <= 2^60, parts <= 2^20).
-        let stop = (rows as u128 * (p + 1) as u128 / parts as u128) as u64 * row;
-        ranks[(lo as u64 + p) as usize].push(Piece {
+    for p in 0..n {
+        let parts_left = (n - p) as f64;
+        let share = leaf.range_bytes(start, units) as f64 / parts_left;
+        let stop = if p + 1 < n {
+            super::cut(leaf, start, share.ceil(), cost).unwrap_or(units)
+        } else {
+            units
+        };
+        ranks[(lo + p) as usize].push(Piece {
             leaf: l,
             start,
             stop,
         });
         start = stop;
+        if start >= units {
+            break;
+        }
     }
 }

@@ -9,7 +9,7 @@ mod lpt;
 use std::cmp::Ordering;
 
 use crate::cost::{CostModel, Topology};
-use crate::manifest::Manifest;
+use crate::manifest::{Leaf, Manifest};
 use crate::plan::{Algorithm, Piece};
 
 /// Runs one algorithm. Inputs must already be validated.
@@ -26,7 +26,7 @@ pub fn run(
         Algorithm::Balanced => balanced::plan(manifest, world_size, topology, cost, &mut ranks),
         Algorithm::Lpt => lpt::plan(manifest, cost, &mut ranks),
         Algorithm::Greedy => greedy::plan(manifest, &mut ranks),
-        Algorithm::DeepPart => deeppart::plan(manifest, &mut ranks),
+        Algorithm::DeepPart => deeppart::plan(manifest, cost, &mut ranks),
     }
     ranks
 }
@@ -92,4 +92,32 @@ impl Ord for Key {
     fn cmp(&self, other: &Self) -> Ordering {
         self.0.total_cmp(&other.0)
     }
+}
+
+/// Where a piece of `leaf` from unit `start` (a legal cut position) should
+/// end to hold at most `max_bytes` bytes: the furthest cut on the leaf's
+/// grain ([`CostModel::grain_units`]) that leaves both the piece and the
+/// rest at least `min_piece_bytes`. `None` when there is no such cut.
+fn cut(leaf: &Leaf, start: u64, max_bytes: f64, cost: &CostModel) -> Option<u64> {
+    if !leaf.is_tensor() {
+        return None;
+    }
+    let units = leaf.units();
+    let grain = cost.grain_units(leaf);
+    // Saturating: a tensor with no elements can have rows wider than 2^64 bytes.
+    let grain_bytes = grain.saturating_mul(leaf.unit_bytes());
+    if grain_bytes == 0 || start >= units {
+        return None;
+    }
+    let min_grains = cost.min_piece_bytes.div_ceil(grain_bytes).max(1);
+    // Leave a remainder that is itself a worthwhile piece.
+    let most = leaf
+        .range_bytes(start, units)
+        .checked_sub(cost.min_piece_bytes)?
+        / grain_bytes;
+    let grains = ((max_bytes.max(0.0) / grain_bytes as f64).floor() as u64).min(most);
+    if grains < min_grains || grains == 0 {
+        return None;
+    }
+    Some(start + grains * grain)
 }
