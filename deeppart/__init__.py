@@ -28,6 +28,7 @@ from deeppart._planner import (
 from deeppart.async_save import AsyncSave, AsyncSaveWarning, async_save
 from deeppart.checkpoint import (
     Checkpointer,
+    ReplicaMismatchError,
     last_incompatible_keys,
     load,
     save,
@@ -77,6 +78,7 @@ __all__ = [
     "PlanStats",
     "PlannerClient",
     "RecoveryReport",
+    "ReplicaMismatchError",
     "StateError",
     "StateMismatchError",
     "Topology",
