@@ -46,6 +46,9 @@ contender writes a new file or directory each round and then deletes the
 previous one, as a training loop saving ``step-N`` with one checkpoint kept
 does (overwriting the last checkpoint in place would lose it on a crash);
 "raw in place" rewrites the same file each round, shown for reference.
+"deeppart+verify" is DeepPart's save with ``verify_replicas=True`` (every
+rank hashes its whole replica first): its cost is reported as a ratio
+against the plain DeepPart save of the same round.
 """
 
 from __future__ import annotations
@@ -210,10 +213,14 @@ def worker(args: argparse.Namespace) -> None:
     def dpz_write(path: Path) -> None:
         deeppart.save(state, path, comm=comm, compression=codec)
 
+    def dpv_write(path: Path) -> None:
+        deeppart.save(state, path, comm=comm, verify_replicas=True)
+
     torch_s = _NewEachRound(torch_write, base, "torch.pt", rank == 0)
     dcp_s = _NewEachRound(dcp_write, base, "dcp", rank == 0)
     dp_s = _NewEachRound(dp_write, base, "dp", rank == 0)
     dpz_s = _NewEachRound(dpz_write, base, "dpz", rank == 0)
+    dpv_s = _NewEachRound(dpv_write, base, "dpv", rank == 0)
     raw_s = _NewEachRound(lambda path: _raw_write(share, path), base, f"raw-{rank}.bin", True)
     # The replicated-restore ceilings: every byte of every rank's raw file
     # in every rank's memory.
@@ -236,6 +243,7 @@ def worker(args: argparse.Namespace) -> None:
         ("save dcp", dcp_s),
         ("save deeppart", dp_s),
         (f"save deeppart+{codec}", dpz_s),
+        ("save deeppart+verify", dpv_s),
         ("save raw", raw_s),
         ("save raw in place", lambda: _raw_write(share, base / f"raw-inplace-{rank}.bin")),
     ]
@@ -413,6 +421,15 @@ def report(results: list[dict[str, Any]], codec: str) -> None:
                     f"  deeppart+{codec} /read over decompress-once {once:5.2f}x"
                 )
             print(line)
+    print(
+        "\nreplica check (save(verify_replicas=True)) cost, deeppart+verify/deeppart "
+        "(median within-round ratio): "
+        + ", ".join(
+            f"{r['ranks']} rank(s) "
+            f"{_median_ratio(r['rounds'], 'save deeppart+verify', 'save deeppart'):.3f}x"
+            for r in results
+        )
+    )
     print(
         f"\n{codec} compression ratio (raw/stored): "
         + ", ".join(f"{r['ratio']:.3f}" for r in results[:1])

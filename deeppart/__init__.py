@@ -28,6 +28,7 @@ from deeppart._planner import (
 from deeppart.async_save import AsyncSave, AsyncSaveWarning, async_save
 from deeppart.checkpoint import (
     Checkpointer,
+    ReplicaMismatchError,
     last_incompatible_keys,
     load,
     save,
@@ -78,6 +79,7 @@ __all__ = [
     "PlannerClient",
     "PlannerServiceError",
     "RecoveryReport",
+    "ReplicaMismatchError",
     "StateError",
     "StateMismatchError",
     "Topology",

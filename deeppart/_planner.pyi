@@ -9,6 +9,7 @@ from typing_extensions import Buffer
 __all__ = [
     "ALGORITHMS",
     "PLANNER_VERSION",
+    "REPLICA_DIGEST_LEN",
     "CacheError",
     "CacheWarning",
     "CostModel",
@@ -22,14 +23,17 @@ __all__ = [
     "PlanStats",
     "Topology",
     "default_cache_dir",
+    "differing_leaves",
     "plan",
     "plan_fingerprint",
+    "replica_digests",
     "rs_encode",
     "rs_reconstruct",
 ]
 
 PLANNER_VERSION: Final[str]
 ALGORITHMS: Final[list[str]]
+REPLICA_DIGEST_LEN: Final[int]
 
 PathKey = str | int
 Algorithm = Literal["balanced", "lpt", "greedy", "deeppart"]
@@ -248,3 +252,9 @@ def rs_reconstruct(
     parity: Mapping[int, Buffer],
     lengths: Sequence[int],
 ) -> list[bytes]: ...
+
+# Replica digests (deeppart_planner::replica): 16-byte BLAKE3 digests of
+# leaf buffers, hashed with the GIL released, and the leaves on which ranks'
+# digests differ, with the ranks that differ from the majority.
+def replica_digests(buffers: Iterable[Buffer], threads: int = 1) -> bytes: ...
+def differing_leaves(per_rank: Sequence[bytes], leaves: int) -> list[tuple[int, list[int]]]: ...

@@ -174,3 +174,13 @@ def test_optimizer_state_into_a_fresh_optimizer(tmp_path: Path) -> None:
         assert _step(model, opt, i) == _step(model2, opt2, i)
     for a, b in zip(model.parameters(), model2.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_checkpointer_load_passes_keys_and_strict(tmp_path: Path) -> None:
+    cp = deeppart.Checkpointer(tmp_path / "root")
+    cp.save(5, {"model": {"w": torch.ones(3)}, "step": 5})
+    assert cp.load(keys=["step"]) == {"step": 5}
+    into = {"model": {"w": torch.zeros(3), "extra": torch.zeros(1)}}
+    cp.load(into=into, strict=False)
+    assert torch.equal(into["model"]["w"], torch.ones(3))
+    assert deeppart.last_incompatible_keys() == deeppart.IncompatibleKeys(["model/extra"], ["step"])

@@ -31,10 +31,10 @@ fn erasure_err(e: erasure::ErasureError) -> PyErr {
 }
 
 /// A Python buffer held open and read as bytes.
-struct ByteView(PyUntypedBuffer);
+pub(crate) struct ByteView(PyUntypedBuffer);
 
 impl ByteView {
-    fn get(obj: &Bound<'_, PyAny>, what: &dyn Fn() -> String) -> PyResult<ByteView> {
+    pub(crate) fn get(obj: &Bound<'_, PyAny>, what: &dyn Fn() -> String) -> PyResult<ByteView> {
         let buf = PyUntypedBuffer::get(obj).map_err(|_| {
             let type_name = obj
                 .get_type()
@@ -55,7 +55,7 @@ impl ByteView {
         Ok(ByteView(buf))
     }
 
-    fn bytes(&self) -> &[u8] {
+    pub(crate) fn bytes(&self) -> &[u8] {
         let len = self.0.len_bytes();
         if len == 0 {
             return &[];

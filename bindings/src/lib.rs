@@ -12,6 +12,7 @@ use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 use serde_json::{Map, Number, Value};
 
 mod erasure;
+mod replica;
 
 create_exception!(
     _planner,
@@ -961,5 +962,6 @@ fn _planner(m: &Bound<'_, PyModule>) -> PyResult<()> {
             .collect::<Vec<_>>(),
     )?;
     erasure::register(m)?;
+    replica::register(m)?;
     Ok(())
 }

@@ -16,6 +16,7 @@ pub mod error;
 pub mod fingerprint;
 pub mod manifest;
 pub mod plan;
+pub mod replica;
 pub mod store;
 
 use std::sync::Arc;

@@ -1,0 +1,101 @@
+"""Multi-rank scenarios of typed values, flexible restore and the replica
+check, run as ``mpiexec -n K python tests/mpi_values.py SCENARIO DIR``
+(by tests/test_values_mpi.py); each rank prints ``OK SCENARIO rank r/n``."""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import deeppart
+from deeppart.comm import resolve
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mpi_checkpoint import assert_bitwise_equal, make_state, ok
+
+
+def scenario_replicas(d: Path) -> None:
+    """The last rank changes one element of one leaf: every rank names that
+    leaf and that rank, and nothing is written; the same state unchanged
+    saves with the check."""
+    c = resolve()
+    state = make_state()
+    name = next(iter(state["model"]))
+    if c.rank == c.size - 1:
+        state["model"][name].view(-1)[3] += 1.0
+    try:
+        deeppart.save(state, d / "bad", verify_replicas=True)
+    except deeppart.ReplicaMismatchError as e:
+        msg = str(e)
+        assert f"model/{name}: rank(s) {c.size - 1}" in msg, msg
+        assert "1 leaves differ" in msg, msg
+    else:
+        raise AssertionError("no error raised")
+    assert not (d / "bad").exists(), "nothing may be written"
+    # A differing plain value is named too.
+    state = make_state()
+    state["step"] = 10 + (c.rank == 0)
+    try:
+        deeppart.save(state, d / "bad", verify_replicas=True)
+    except deeppart.ReplicaMismatchError as e:
+        assert "step: rank(s) 0" in str(e) or c.size == 2, str(e)
+    else:
+        raise AssertionError("no error raised")
+    state = make_state()
+    deeppart.save(state, d / "good", verify_replicas=True)
+    assert_bitwise_equal(state, deeppart.load(d / "good"))
+    ok("replicas")
+
+
+def scenario_values(d: Path) -> None:
+    """numpy/torch values and random states across ranks; a subset read
+    with keys=, and into= with strict=False, on every rank."""
+    random.seed(5)
+    np.random.seed(5)
+    state = make_state()
+    state["rng"] = {"python": random.getstate(), "numpy": np.random.get_state()}
+    state["values"] = {
+        "dtype": torch.float16,
+        "size": torch.Size([3, 4]),
+        "big": np.arange(100_000, dtype=np.float32),
+    }
+    deeppart.save(state, d)
+    for exchange in ("bcast", "read"):
+        got = deeppart.load(d, exchange=exchange)
+        assert got["values"]["dtype"] is torch.float16
+        assert type(got["values"]["size"]) is torch.Size
+        assert np.array_equal(got["values"]["big"], state["values"]["big"])
+        np.random.set_state(got["rng"]["numpy"])
+        random.setstate(got["rng"]["python"])
+        expect_np, expect_py = np.random.rand(3), random.random()
+        np.random.set_state(state["rng"]["numpy"])
+        random.setstate(state["rng"]["python"])
+        assert np.array_equal(np.random.rand(3), expect_np) and random.random() == expect_py
+        part = deeppart.load(d, keys=["model"], exchange=exchange)
+        assert list(part) == ["model"]
+        assert_bitwise_equal(state["model"], part["model"])
+        into = {"model": make_state(seed=1)["model"], "extra": torch.zeros(2)}
+        deeppart.load(d, into=into, strict=False, exchange=exchange)
+        keys = deeppart.last_incompatible_keys()
+        assert keys is not None and keys.missing_keys == ["extra"], keys
+        assert_bitwise_equal(state["model"], into["model"])
+    ok("values")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("scenario", choices=["replicas", "values"])
+    p.add_argument("dir", type=Path)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    {"replicas": scenario_replicas, "values": scenario_values}[args.scenario](args.dir)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
