@@ -492,10 +492,31 @@ def test_cost_model_defaults_and_overrides() -> None:
         "bandwidth": 1e9,
         "writer_s": 200e-6,
         "min_piece_bytes": 1 << 20,
+        "align_bytes": 4096,
+        "grain": "element",
+        "node_bandwidth": None,
+        "aggregate_bandwidth": None,
     }
     c = deeppart.CostModel(bandwidth=5e8, min_piece_bytes=1)
     assert (c.bandwidth, c.min_piece_bytes, c.fixed_s) == (5e8, 1, d.fixed_s)
     assert c == deeppart.CostModel(bandwidth=5e8, min_piece_bytes=1) and c != d
+    # The storage model's fields: keywords, a round trip through to_dict, clear errors.
+    s = deeppart.CostModel(
+        grain="row", align_bytes=512, node_bandwidth=2e9, aggregate_bandwidth=8e9
+    )
+    assert (s.grain, s.align_bytes, s.node_bandwidth, s.aggregate_bandwidth) == (
+        "row", 512, 2e9, 8e9
+    )
+    assert deeppart.CostModel(**s.to_dict()) == s
+    assert "node_bandwidth=2000000000.0" in repr(s)
+    for bad, message in [
+        ({"grain": "box"}, "grain must be"),
+        ({"node_bandwidth": 0.0}, "node_bandwidth must be"),
+        ({"aggregate_bandwidth": -1.0}, "aggregate_bandwidth must be"),
+        ({"align_bytes": 0}, "align_bytes must be at least 1"),
+    ]:
+        with pytest.raises(deeppart.PlanError, match=message):
+            deeppart.CostModel(**bad)  # type: ignore[arg-type]
 
 
 def test_unknown_algorithm() -> None:

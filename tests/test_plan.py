@@ -101,9 +101,17 @@ def check_plan(plan: deeppart.Plan) -> None:
             assert [(s[0], s[1], s[2]) for s in spans] == [(0, units, leaf["owner"])]
         if leaf["kind"] == "object":
             assert len(spans) == 1
-        elif len(spans) > 1 and len(leaf["shape"]) >= 2:
-            row = math.prod(leaf["shape"][1:])
-            assert all(s[0] % row == 0 for s in spans), f"leaf {i}: split off a row boundary"
+        elif len(spans) > 1:
+            # Cuts fall on the cost model's grain; cut pieces hold min_piece_bytes.
+            cost = plan.cost
+            itemsize = leaf["nbytes"] // units
+            for start, stop, _ in spans:
+                if cost.grain == "row" and len(leaf["shape"]) >= 2:
+                    row = math.prod(leaf["shape"][1:])
+                    assert start % row == 0, f"leaf {i}: cut off a row boundary at {start}"
+                else:
+                    assert start * itemsize % cost.align_bytes == 0, f"leaf {i}: unaligned cut"
+                assert (stop - start) * itemsize >= cost.min_piece_bytes, f"leaf {i}: small piece"
 
     rank_bytes = plan.rank_bytes()
     assert len(rank_bytes) == plan.world_size

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 mod common;
 
-use common::{adamw_manifest, s, Params};
+use common::{adamw_manifest, Params};
 use deeppart_planner::{plan, Algorithm, CostModel, Topology};
 
 const WORLD_SIZES: [u64; 9] = [4, 8, 16, 32, 64, 128, 256, 512, 1024];
