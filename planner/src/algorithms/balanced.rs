@@ -75,19 +75,7 @@ pub(super) fn plan(
     levels.extend(LEVEL_STEPS.iter().map(|r| base * (1.0 + r)));
     levels.sort_by(f64::total_cmp);
     levels.dedup();
-    let mut attempt = 0;
-    let mut level = base;
-    loop {
-        if attempt < levels.len() {
-            level = levels[attempt];
-        } else {
-            level = if level > 0.0 {
-                level * 2.0
-            } else {
-                f64::MIN_POSITIVE
-            };
-        }
-        attempt += 1;
+    let attempt = |level: f64, spread: bool| -> Option<Vec<Vec<Piece>>> {
         let caps: Vec<f64> = writers
             .iter()
             .map(|&r| level - cost.fixed_s - summary.owned_load[r as usize])
@@ -99,18 +87,63 @@ pub(super) fn plan(
         // first that fits wins. Spreading starts from the second level, at
         // most one piece overhead above the bound: at the bound itself
         // little fits once a leaf must be cut, and skipping it saves a pass.
-        let placed = fill.sequential(&caps, &rooms, tolerance).or_else(|| {
-            if attempt > 1 {
+        fill.sequential(&caps, &rooms, tolerance).or_else(|| {
+            if spread {
                 fill.spread(&caps, &rooms, tolerance)
             } else {
                 None
             }
-        });
-        if let Some(per_writer) = placed {
-            for (&r, pieces) in writers.iter().zip(per_writer) {
-                ranks[r as usize].extend(pieces);
+        })
+    };
+    // The first level that fits: the bound, a piece overhead or two above
+    // it, small relative raises, then doublings.
+    let mut failed = None;
+    let mut level = base;
+    let mut placed = None;
+    for (i, &candidate) in levels.iter().enumerate() {
+        level = candidate;
+        placed = attempt(level, i > 0);
+        if placed.is_some() {
+            break;
+        }
+        failed = Some(level);
+    }
+    while placed.is_none() {
+        failed = Some(level);
+        level = if level > 0.0 {
+            level * 2.0
+        } else {
+            f64::MIN_POSITIVE
+        };
+        placed = attempt(level, true);
+    }
+    // Bisection between the last level that failed and the first that fits,
+    // when they are more than 0.1% apart, down to a relative 1e-6: a coarse
+    // step would otherwise decide the plan's time (a level that overshoots
+    // lets one writer take what two could share), and the tried levels
+    // depend on the bound, which falls as ranks are added, so more ranks
+    // could get a worse plan. Within 0.1% (a large state, whose level fits
+    // a piece overhead or a small raise above the bound) it is not worth
+    // the extra passes.
+    if let Some(mut lo) = failed.filter(|&lo| level > lo * (1.0 + 1e-3)) {
+        let mut hi = level;
+        while hi - lo > hi * 1e-6 {
+            let mid = lo + (hi - lo) / 2.0;
+            if mid <= lo || mid >= hi {
+                break;
             }
-            return;
+            match attempt(mid, true) {
+                Some(better) => {
+                    hi = mid;
+                    placed = Some(better);
+                }
+                None => lo = mid,
+            }
+        }
+    }
+    if let Some(per_writer) = placed {
+        for (&r, pieces) in writers.iter().zip(per_writer) {
+            ranks[r as usize].extend(pieces);
         }
     }
 }
