@@ -122,7 +122,12 @@ def _dtypes() -> dict[str, Any]:
     return _DTYPE_CACHE
 
 
-def _dtype_sizes() -> dict[str, int]:
+def _dtype_sizes(leaves: list[dict[str, Any]]) -> dict[str, int]:
+    """Element sizes of torch's dtypes by name, for metadata ``leaves``; empty
+    when no leaf is a tensor, so that a state of plain values and small
+    numpy arrays loads where torch is not installed."""
+    if all(lf.get("kind") == "object" for lf in leaves):
+        return {}
     return {name: int(dt.itemsize) for name, dt in _dtypes().items()}
 
 
@@ -706,7 +711,7 @@ def _read_metadata(directory: Path) -> tuple[Metadata, bytes]:
         {k: (list(v) if isinstance(v, tuple) else v) for k, v in lf.items() if v is not None}
         for lf in _leaf_infos(raw)
     ]
-    return parse_metadata(raw, _dtype_sizes()), hashlib.sha256(text).digest()
+    return parse_metadata(raw, _dtype_sizes(raw["leaves"])), hashlib.sha256(text).digest()
 
 
 @dataclass

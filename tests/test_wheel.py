@@ -24,11 +24,6 @@ BIN = Path(sys.executable).parent
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.mpi,
-    # Opt-in for now: this test was written but not yet run to completion
-    # (issue 16; the shared build machine could not build the wheel in time).
-    pytest.mark.skipif(
-        os.environ.get("DEEPPART_WHEEL_TEST") != "1", reason="set DEEPPART_WHEEL_TEST=1 to run"
-    ),
 ]
 
 _WORKER = r"""

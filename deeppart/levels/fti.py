@@ -866,7 +866,7 @@ class FTIBackend:
                 }
                 for lf in _leaf_infos(meta_raw)
             ]
-            meta = parse_metadata(meta_raw, _dtype_sizes())
+            meta = parse_metadata(meta_raw, _dtype_sizes(meta_raw["leaves"]))
             if meta.world_size != c.size:
                 raise CheckpointError(
                     f"the FTI checkpoint was written by {meta.world_size} ranks, this job has "
