@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from deeppart.comm import Comm, MPIComm, SingleComm, TorchDistComm, resolve
 from deeppart.progress import Stats
-from deeppart.state import decode_plain, flatten, unflatten
+from deeppart.state import check_has_data, decode_plain, flatten, unflatten
 
 if TYPE_CHECKING:
     import os
@@ -197,6 +197,7 @@ class Snapshot:
         import torch
 
         leaves, skeleton = flatten(state)
+        check_has_data(leaves)
         pin = torch.cuda.is_available()
         values: list[Any] = []
         buffers: list[Any] = []

@@ -73,7 +73,15 @@ from deeppart.format import (
 )
 from deeppart.progress import Progress, Stats
 from deeppart.restore import ABSENT, IncompatibleKeys, match, prune, select
-from deeppart.state import FlatLeaf, StateError, decode_plain, describe_leaf, flatten, unflatten
+from deeppart.state import (
+    FlatLeaf,
+    StateError,
+    check_has_data,
+    decode_plain,
+    describe_leaf,
+    flatten,
+    unflatten,
+)
 
 if TYPE_CHECKING:
     from deeppart.async_save import AsyncCheckpointer, AsyncSave
@@ -275,6 +283,7 @@ def _prepare(
 ) -> _Prepared:
     codec = check_codec(compression)
     leaves, skeleton = flatten(state)
+    check_has_data(leaves)
     manifest = Manifest.from_leaves([describe_leaf(leaf) for leaf in leaves])
     plan = plan_for(manifest)
     h = hashlib.sha256()

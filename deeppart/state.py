@@ -219,8 +219,14 @@ def _check_tensor(t: Any, path: Path) -> None:
         raise StateError(f"{_describe_path(path)}: quantized tensors are not supported")
     if t.is_nested:
         raise StateError(f"{_describe_path(path)}: nested tensors are not supported")
-    if t.device.type == "meta":
-        raise StateError(f"{_describe_path(path)}: a meta tensor holds no data to save")
+
+
+def check_has_data(leaves: list[FlatLeaf]) -> None:
+    """Raises StateError for a meta tensor among ``leaves``: it describes a
+    shape (a manifest may be built from it) but holds no data to save."""
+    for leaf in leaves:
+        if leaf.tensor is not None and leaf.tensor.device.type == "meta":
+            raise StateError(f"{_describe_path(leaf.path)}: a meta tensor holds no data to save")
 
 
 def _alias_key(t: Any) -> tuple[Any, ...] | None:

@@ -343,7 +343,7 @@ else:
         return real_rename(self, target)
     Path.rename = rename
 cp = deeppart.Checkpointer({str(root)!r}, keep_last=2)
-cp.save({step}, {{"w": torch.full((8,), 99.0)}})
+cp.save({step}, {{"w": torch.full((8,), 99.0)}}, overwrite=True)
 """
     proc = subprocess.run([sys.executable, "-c", code], timeout=HANG_S, capture_output=True,
                           env=dict(os.environ, PYTHONPATH=str(ROOT)))  # fmt: skip
@@ -366,7 +366,7 @@ def test_interrupted_overwrite_is_still_the_latest_step(tmp_path: Path, at: str)
     with pytest.warns(UserWarning, match="interrupted"):
         assert torch.equal(cp.load(2)["w"], torch.full((8,), 2.0))
     # Step 2 committed again: the moved-aside copy goes.
-    cp.save(2, {"w": torch.full((8,), 4.0)})
+    cp.save(2, {"w": torch.full((8,), 4.0)}, overwrite=True)
     cp.save(4, {"w": torch.full((8,), 5.0)})
     assert not any(p.name.startswith(".old-") for p in tmp_path.iterdir())
     assert cp.steps() == [3, 4]

@@ -382,8 +382,8 @@ class _Custom:
             "model/fn: cannot save a value of type builtins.",
         ),
         (
-            {"model": {"w": torch.zeros(2)}, "s": {1, 2}},
-            "s: cannot save a value of type builtins.set",
+            {"model": {"w": torch.zeros(2)}, "s": range(3)},
+            "s: cannot save a value of type builtins.range",
         ),
         ({"model": {"w": torch.zeros(2), _Custom(): 1}}, "model: dict key"),
         (
@@ -391,7 +391,7 @@ class _Custom:
             "w: only dense (strided) tensors are supported",
         ),
     ],
-    ids=["object-in-list", "function", "set", "object-key", "sparse"],
+    ids=["object-in-list", "function", "range", "object-key", "sparse"],
 )
 def test_non_plain_state_raises_state_error_naming_the_path(state: Any, message: str) -> None:
     with pytest.raises(deeppart.StateError) as info:

@@ -4,7 +4,6 @@ optimizer state restored into a fresh optimizer."""
 
 from __future__ import annotations
 
-import builtins
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -64,11 +63,13 @@ def read_bytes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts the bytes load() reads from data files."""
     counter = [0]
 
-    def counting_open(path: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
-        f = builtins.open(path, mode, *args, **kwargs)  # noqa: SIM115 (closed by the wrapper)
-        return _CountingFile(f, counter) if "rb" in mode else f
+    real = ck.open_regular  # type: ignore[attr-defined]
 
-    monkeypatch.setattr(ck, "open", counting_open, raising=False)
+    def counting_open(path: Any) -> Any:
+        return _CountingFile(real(path), counter)
+
+    # Data files are opened only through the regular-file check.
+    monkeypatch.setattr(ck, "open_regular", counting_open)
     return counter
 
 

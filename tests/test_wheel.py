@@ -52,8 +52,6 @@ np.random.set_state(got["rng"]["numpy"])
 restored = np.random.rand(4)
 np.random.set_state(state["rng"]["numpy"])
 assert np.array_equal(restored, np.random.rand(4))
-part = deeppart.load(sys.argv[1], keys=["step"])
-assert part == {"step": 7}, part
 print(f"OK wheel rank {c.rank}/{c.size}", flush=True)
 """
 
