@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,6 +20,7 @@ import deeppart  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cuda_worker import cuda_state, tensors  # noqa: E402
+from launching import run_in_session  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "cuda_worker.py"
@@ -96,22 +95,8 @@ def _torchrun(n: int, scenario: str, directory: Path) -> str:
         str(directory),
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} hung:\n{out}")
-    assert proc.returncode == 0, out
+    rc, out = run_in_session(cmd, env, ROOT, TIMEOUT_S)
+    assert rc == 0, out
     assert len(set(re.findall(rf"OK {scenario} rank \d+/{n}", out))) == n, out
     return out
 
