@@ -318,7 +318,7 @@ def parse_metadata(raw: dict[str, Any], dtype_sizes: dict[str, int]) -> Metadata
     for j, row in enumerate(rows):
         if not isinstance(row, list) or len(row) != len(PIECE_FIELDS):
             raise CorruptCheckpointError(f"metadata: piece {j} is malformed")
-        leaf = _int(row[0], f"piece {j} leaf", 0, max(0, len(leaves) - 1))
+        leaf = _int(row[0], f"piece {j} leaf", 0, len(leaves) - 1)  # none: always refused
         info = leaves[leaf]
         start = _int(row[1], f"piece {j} start", 0, info.numel)
         stop = _int(row[2], f"piece {j} stop", start, info.numel)

@@ -112,6 +112,18 @@ def commit(d: Path, meta: dict[str, Any]) -> None:
     commit_text(d, json.dumps(meta).encode())
 
 
+def test_pieces_without_any_leaf_are_corrupt(tmp_path: Path) -> None:
+    """Found by test_fuzz_metadata_fields in CI: a manifest emptied of its
+    leaves while pieces remain raised IndexError instead of a DeepPart error."""
+    d = tmp_path / "ck"
+    deeppart.save({"w": torch.arange(4, dtype=torch.float32)}, d)
+    meta = read_meta(d)
+    meta["manifest"]["leaves"] = []
+    commit(d, meta)
+    with pytest.raises(CorruptCheckpointError, match="piece 0 leaf"):
+        deeppart.load(d)
+
+
 def replace_piece(d: Path, payload: bytes, codec: str, shape: list[int]) -> None:
     """The one float32 leaf of ``d`` becomes ``shape``, stored as ``payload``
     with ``codec``, with a matching checksum and file size."""
