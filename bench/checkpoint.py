@@ -73,7 +73,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.models import adamw_param_groups, bert_params  # noqa: E402
-from deeppart.checkpoint import WRITE_CHUNK  # noqa: E402
+from deeppart.writer import WRITE_CHUNK  # noqa: E402
 
 CONTENDERS = ("torch", "dcp", "deeppart", "deeppart+{codec}", "raw")
 

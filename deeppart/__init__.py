@@ -25,29 +25,30 @@ from deeppart._planner import (
     default_cache_dir,
     plan_fingerprint,
 )
-from deeppart.async_save import AsyncSave, AsyncSaveWarning, async_save
-from deeppart.checkpoint import (
-    Checkpointer,
-    ReplicaMismatchError,
-    last_incompatible_keys,
-    load,
-    save,
-)
-from deeppart.format import CheckpointError, CorruptCheckpointError, StateMismatchError
-from deeppart.levels import (
-    LevelConfig,
+from deeppart.async_save import AsyncSave, async_save
+from deeppart.checkpoint import last_incompatible_keys, load, save
+from deeppart.checkpointer import Checkpointer
+from deeppart.errors import (
+    AsyncSaveWarning,
+    CheckpointError,
+    CodecError,
+    CorruptCheckpointError,
+    FTIError,
     LevelConfigError,
-    LevelSaveStats,
-    RecoveryReport,
-    open_backend,
+    PlannerServiceError,
+    ReplicaMismatchError,
+    StateError,
+    StateMismatchError,
+    TopologyMismatchError,
+    UnrecoverableError,
 )
-from deeppart.planning import plan
+from deeppart.levels import LevelConfig, LevelSaveStats, RecoveryReport, open_backend
+from deeppart.plan_cache import plan
 from deeppart.progress import Stats as CheckpointStats
 from deeppart.restore import IncompatibleKeys
-from deeppart.state import StateError
 
 if TYPE_CHECKING:
-    from deeppart.service import PlannerServiceError, plan_with, resolve_planner
+    from deeppart.service import plan_with, resolve_planner
     from deeppart.service.client import PlannerClient
 
 __version__ = "0.1.0"
@@ -62,10 +63,12 @@ __all__ = [
     "CheckpointError",
     "CheckpointStats",
     "Checkpointer",
+    "CodecError",
     "CorruptCheckpointError",
     "CostModel",
     "DeepPartError",
     "ErasureError",
+    "FTIError",
     "IncompatibleKeys",
     "LevelConfig",
     "LevelConfigError",
@@ -83,6 +86,8 @@ __all__ = [
     "StateError",
     "StateMismatchError",
     "Topology",
+    "TopologyMismatchError",
+    "UnrecoverableError",
     "__version__",
     "async_save",
     "default_cache_dir",
@@ -110,7 +115,7 @@ def __getattr__(name: str) -> Any:
 
             return missing_client(e)
         return PlannerClient
-    if name in ("plan_with", "resolve_planner", "PlannerServiceError"):
+    if name in ("plan_with", "resolve_planner"):
         import deeppart.service
 
         return getattr(deeppart.service, name)

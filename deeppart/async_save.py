@@ -35,18 +35,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from deeppart.agreement import agree
+from deeppart.checkpoint import save
 from deeppart.comm import Comm, MPIComm, SingleComm, TorchDistComm, resolve
+from deeppart.errors import AsyncSaveWarning
 from deeppart.progress import Stats
 from deeppart.state import check_has_data, decode_plain, flatten, unflatten
 
 if TYPE_CHECKING:
     import os
 
-    from deeppart.checkpoint import Checkpointer
-
-
-class AsyncSaveWarning(UserWarning):
-    """An asynchronous save that ran synchronously (the reason is in the message)."""
 
 
 class AsyncSave:
@@ -250,8 +248,6 @@ def start(
 ) -> AsyncSave:
     """Snapshots ``state`` and starts writing it (collective over ``c``);
     ``after`` runs once the save is committed (on the writer thread)."""
-    from deeppart.checkpoint import _agree, save
-
     writer, why = writer_comm(c)
     key = id(writer)  # writers are cached: one key per communicator
     with _LOCK:
@@ -277,7 +273,7 @@ def start(
     except Exception as e:
         err = e
     # Every rank snapshotted (or every rank raises), and all take one road.
-    flags = _agree(c, err, bytes([writer is None or too_big]), width=1)
+    flags = agree(c, err, bytes([writer is None or too_big]), width=1)
     handle = AsyncSave(directory)
     handle.snapshot_seconds = time.perf_counter() - t0
 
@@ -358,8 +354,8 @@ class AsyncCheckpointer:
     """The asynchronous side of a ``Checkpointer(async_=True)``: one save in
     flight at a time, snapshot buffers reused."""
 
-    def __init__(self, owner: Checkpointer, max_staging_bytes: int | None) -> None:
-        self.owner = owner
+    def __init__(self, comm: Comm, max_staging_bytes: int | None) -> None:
+        self.comm = comm
         self.max_staging_bytes = max_staging_bytes
         self._snapshot = Snapshot()
         self.pending: AsyncSave | None = None
@@ -373,21 +369,24 @@ class AsyncCheckpointer:
         pending._settle()
         return pending._stats
 
-    def save(self, step: int, state: Any, kwargs: dict[str, Any]) -> AsyncSave:
+    def save(
+        self,
+        directory: Path,
+        state: Any,
+        kwargs: dict[str, Any],
+        after: Callable[[], None] | None = None,
+    ) -> AsyncSave:
+        """Waits for the save in flight, then starts saving ``state`` to
+        ``directory`` (``kwargs``: :func:`deeppart.save`'s); ``after`` runs
+        once it is committed."""
         self.wait()
-        cp = self.owner
-
-        def cleanup() -> None:
-            if cp.comm.rank == 0:
-                cp._cleanup_or_warn(step)
-
         self.pending = start(
-            cp.comm,
+            self.comm,
             state,
-            cp.path(step),
+            directory,
             kwargs,
             max_staging_bytes=self.max_staging_bytes,
             snapshot=self._snapshot,
-            after=cleanup,
+            after=after,
         )
         return self.pending

@@ -16,12 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from deeppart import _planner
+from deeppart.errors import CheckpointError, CorruptCheckpointError
 from deeppart.format import (
     HEADER_SIZE,
     MAX_METADATA_BYTES,
     METADATA,
-    CheckpointError,
-    CorruptCheckpointError,
     Metadata,
     Piece,
     check_header,

@@ -64,7 +64,7 @@ def _human_bytes(n: float) -> str:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from deeppart.format import CheckpointError
+    from deeppart.errors import CheckpointError
     from deeppart.manifest_source import read_manifest
 
     try:

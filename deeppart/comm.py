@@ -388,7 +388,7 @@ def node_shared(c: Comm, nbytes: int) -> NodeShared | None:
     return NodeShared(win, node, segments)
 
 
-def _launched_by_mpiexec() -> bool:
+def launched_by_mpiexec() -> bool:
     for var in _LAUNCHER_SIZE_VARS:
         try:
             if int(os.environ.get(var, "1")) > 1:
@@ -441,7 +441,7 @@ def resolve(comm: Any = None) -> Comm:
         return MPIComm(mpi_mod.COMM_WORLD)
     if _torch_dist_initialized():
         return TorchDistComm()
-    if mpi_mod is None and _launched_by_mpiexec():
+    if mpi_mod is None and launched_by_mpiexec():
         try:
             from mpi4py import MPI
 

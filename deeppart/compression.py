@@ -22,11 +22,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from deeppart.errors import CodecError
+
 CODECS = ("none", "zstd", "lz4", "shuffle-zstd")
-
-
-class CodecError(ValueError):
-    """Unknown codec, or data that does not decode."""
 
 
 def check_codec(name: str | None) -> str:

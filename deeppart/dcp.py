@@ -76,17 +76,14 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from deeppart._planner import CostModel, Manifest, Plan, Topology
-from deeppart.planning import CacheArg
-from deeppart.planning import plan as deeppart_plan
+from deeppart.errors import DcpPlanError
+from deeppart.plan_cache import CacheArg
+from deeppart.plan_cache import plan as deeppart_plan
 
 __all__ = ["BalancedSavePlanner", "DcpPlanError"]
 
 # The key of DeepPart's entry in a SavePlan's ``planner_data``.
 _KEY = "deeppart"
-
-
-class DcpPlanError(RuntimeError):
-    """The ranks' replicated states differ, or a plan does not fit the state."""
 
 
 @dataclass(frozen=True)

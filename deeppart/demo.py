@@ -38,6 +38,11 @@ from typing import Any
 
 import numpy as np
 
+from deeppart._planner import Manifest
+from deeppart.checkpoint import load, save
+from deeppart.checkpointer import Checkpointer
+from deeppart.progress import Stats
+
 VOCAB, SEQ, BATCH, D_MODEL, LAYERS, FF, HEADS = 512, 32, 8, 128, 2, 512, 4
 
 
@@ -146,30 +151,27 @@ def _fsynced_torch_save(state: Any, path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def _arm_crash(ck: Any, rank: int, step: int) -> None:
-    """Fault injection for the demo only: this rank's next data-file write
-    completes, then the process SIGKILLs itself, mid-save."""
-    real = ck._write_pieces
+def _arm_crash(rank: int, step: int) -> None:
+    """Fault injection for the demo only, through the writer's named hook
+    (:func:`deeppart.writer.add_fault_hook`): this rank's next data-file
+    write completes, then the process SIGKILLs itself, mid-save."""
+    from deeppart.writer import WriteEvent, add_fault_hook
 
-    def dying(*a: Any, **k: Any) -> Any:
-        result = real(*a, **k)
+    def dying(event: WriteEvent) -> None:
         print(
-            f"[demo] crash: rank {rank} wrote its part of step {step}, "
+            f"[demo] crash: rank {rank} wrote its part of step {step} ({event.path.name}), "
             "then SIGKILLs itself (simulated node failure)",
             flush=True,
         )
         os.kill(os.getpid(), signal.SIGKILL)
-        return result
 
-    ck._write_pieces = dying
+    add_fault_hook("after-write", dying)
 
 
 def _worker(args: argparse.Namespace) -> int:
     import torch
     from mpi4py import MPI
 
-    import deeppart
-    from deeppart import checkpoint as ck
 
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
@@ -179,7 +181,7 @@ def _worker(args: argparse.Namespace) -> int:
     model, opt = _build()
     losses: list[float] = []
     start = 0
-    cp = deeppart.Checkpointer(out / "ckpt", comm=comm, keep_last=2)
+    cp = Checkpointer(out / "ckpt", comm=comm, keep_last=2)
 
     if args.worker == "resume":
         step = cp.latest()
@@ -213,10 +215,10 @@ def _worker(args: argparse.Namespace) -> int:
         if done % args.every == 0 or done == args.steps:
             state = _state(model, opt, done, losses)
             if args.worker == "crash" and done == args.crash_at and rank == size - 1:
-                _arm_crash(ck, rank, done)
+                _arm_crash(rank, done)
             digest = state_digest(state)
             stats = cp.save(done, state)
-            assert isinstance(stats, deeppart.CheckpointStats)  # not async_
+            assert isinstance(stats, Stats)  # not async_
             if rank == 0:
                 (out / "digests").mkdir(exist_ok=True)
                 (out / "digests" / f"{done}.txt").write_text(json.dumps(digest))
@@ -236,7 +238,6 @@ def _compare_timings(state: Any, d: Path, comm: Any) -> None:
     every rank vs deeppart.load, of the same state, each fsynced/fresh."""
     import torch
 
-    import deeppart
 
     rank = comm.Get_rank()
     d.mkdir(parents=True, exist_ok=True)
@@ -247,7 +248,7 @@ def _compare_timings(state: Any, d: Path, comm: Any) -> None:
     comm.Barrier()
     t_tsave = time.perf_counter() - t0
     t0 = time.perf_counter()
-    deeppart.save(state, d / "deeppart", comm=comm, overwrite=True)
+    save(state, d / "deeppart", comm=comm, overwrite=True)
     t_dsave = time.perf_counter() - t0
     comm.Barrier()
     t0 = time.perf_counter()
@@ -255,12 +256,12 @@ def _compare_timings(state: Any, d: Path, comm: Any) -> None:
     comm.Barrier()
     t_tload = time.perf_counter() - t0
     t0 = time.perf_counter()
-    loaded_d = deeppart.load(d / "deeppart", comm=comm)
+    loaded_d = load(d / "deeppart", comm=comm)
     comm.Barrier()
     t_dload = time.perf_counter() - t0
     same = state_digest(loaded_d) == state_digest(state) == state_digest(loaded_t)
     if rank == 0:
-        mb = deeppart.Manifest.from_state_dict(state).total_bytes / 1e6
+        mb = Manifest.from_state_dict(state).total_bytes / 1e6
         _log(f"timing, same {mb:.1f} MB state, {comm.Get_size()} ranks, fsync on both sides:")
         _log(f"  torch.save (rank 0 writes all)   {t_tsave * 1e3:8.1f} ms")
         _log(f"  deeppart.save (every rank)       {t_dsave * 1e3:8.1f} ms")
@@ -313,9 +314,9 @@ def _launch(args: argparse.Namespace, phase: str) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.worker:
         return _worker(args)
-    from deeppart.comm import _launched_by_mpiexec
+    from deeppart.comm import launched_by_mpiexec
 
-    if _launched_by_mpiexec():
+    if launched_by_mpiexec():
         raise SystemExit(
             "deeppart demo launches mpiexec itself (it has to survive the crash it simulates): "
             "run `deeppart demo --ranks 4`, not under mpiexec"
@@ -324,7 +325,6 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(
             "need 0 < --every <= --crash-at < --steps, and --crash-at a multiple of --every"
         )
-    import deeppart
 
     owned = args.dir is None
     args.dir = Path(args.dir or tempfile.mkdtemp(prefix="deeppart-demo-"))
@@ -351,7 +351,7 @@ def run(args: argparse.Namespace) -> int:
     rc = _launch(args, "crash")
     check(rc != 0, f"the training job died as planned (mpiexec exit status {rc}: the "
                    f"SIGKILL above, expected)")  # fmt: skip
-    cp = deeppart.Checkpointer(args.dir / "ckpt")
+    cp = Checkpointer(args.dir / "ckpt")
     partial = [p.name for p in (args.dir / "ckpt").iterdir() if p.name.startswith(".tmp-")]
     latest = cp.latest()
     check(
@@ -371,7 +371,7 @@ def run(args: argparse.Namespace) -> int:
           f"{diff[0] if diff else 'none'}); last loss {res['losses'][-1]!r}")
     check(ref["digest"] == res["digest"], f"final model + optimizer state bitwise equal "
           f"(sha256 {res['digest'][:16]}...)")
-    final = deeppart.load(cp.path(args.steps))  # elastic: RANKS writers, 1 reader, no MPI
+    final = load(cp.path(args.steps))  # elastic: RANKS writers, 1 reader, no MPI
     check(
         state_digest(final) == ref["digest"],
         f"the final checkpoint, written by {args.ranks} ranks, loads in 1 process without MPI "

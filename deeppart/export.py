@@ -24,8 +24,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from deeppart.checkpoint import load, save
 from deeppart.comm import SingleComm
-from deeppart.format import CheckpointError, decode_metadata, read_checked_metadata
+from deeppart.errors import CheckpointError, ExportError
+from deeppart.format import decode_metadata, read_checked_metadata
 from deeppart.state import skeleton_paths
 
 #: Hugging Face's names of the files in a safetensors model directory.
@@ -40,10 +42,6 @@ _ELEMENT_SIZES = {
     "int32": 4, "uint32": 4, "float32": 4, "complex32": 4,
     "int64": 8, "uint64": 8, "float64": 8, "complex64": 8, "complex128": 16,
 }  # fmt: skip
-
-
-class ExportError(CheckpointError):
-    """A checkpoint cannot be exported, or a file cannot be imported."""
 
 
 def _tensor_leaves(
@@ -112,7 +110,6 @@ def export_safetensors(
     one (tied weights) are written under every name. Returns the files."""
     from safetensors.torch import save_file
 
-    import deeppart
 
     src = Path(checkpoint)
     key = _model_key(src, key)
@@ -143,7 +140,7 @@ def export_safetensors(
     total = 0
     for n, shard in enumerate(shards, 1):
         fname = SAFETENSORS_SINGLE if count == 1 else f"model-{n:05d}-of-{count:05d}.safetensors"
-        part = deeppart.load(src, keys=[paths[i] for i in shard], comm=SingleComm())
+        part = load(src, keys=[paths[i] for i in shard], comm=SingleComm())
         tensors: dict[str, Any] = {}
         for i in shard:
             t = _get(part, paths[i]).contiguous()
@@ -169,9 +166,8 @@ def export_torch(checkpoint: str | os.PathLike[str], out_file: str | os.PathLike
     plain Python values). The state is in memory once."""
     import torch
 
-    import deeppart
 
-    state = deeppart.load(checkpoint, comm=SingleComm())
+    state = load(checkpoint, comm=SingleComm())
     out = Path(out_file)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
@@ -229,7 +225,6 @@ def import_checkpoint(
     save's Stats."""
     import torch
 
-    import deeppart
 
     src = Path(source)
     if src.is_dir() or src.suffix == ".safetensors":
@@ -244,7 +239,7 @@ def import_checkpoint(
             state = torch.load(src, weights_only=True, map_location="cpu")
         except (OSError, Exception) as e:
             raise ExportError(f"{src}: cannot load with weights_only=True: {e}") from e
-    return deeppart.save(state, checkpoint, comm=comm, overwrite=overwrite)
+    return save(state, checkpoint, comm=comm, overwrite=overwrite)
 
 
 # ----------------------------------------------------------------------------

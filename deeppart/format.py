@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from deeppart._planner import DeepPartError
 from deeppart.compression import CODECS, MAX_EXPANSION, MAX_OBJECT_EXPANSION
+from deeppart.errors import CheckpointError, CorruptCheckpointError
 
 FORMAT_NAME = "deeppart-checkpoint"
 FORMAT_VERSION = 1
@@ -50,20 +50,6 @@ MAX_WORLD_SIZE = 1 << 20
 
 #: Fields of one piece record, in metadata.json's "pieces" rows.
 PIECE_FIELDS = ("leaf", "start", "stop", "rank", "offset", "length", "stored", "codec", "xxh3")
-
-
-class CheckpointError(DeepPartError):
-    """A checkpoint cannot be saved or loaded."""
-
-
-class CorruptCheckpointError(CheckpointError):
-    """A checkpoint's files do not match its metadata (bad checksum,
-    truncated file, malformed metadata)."""
-
-
-class StateMismatchError(CheckpointError):
-    """Ranks disagree on the state's structure or the plan, or the state to
-    load into does not match the checkpoint."""
 
 
 def data_file_name(rank: int) -> str:

@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from deeppart._planner import DeepPartError, Manifest, ManifestError
+from deeppart.errors import CheckpointError
 from deeppart.format import (
     MAX_METADATA_BYTES,
     METADATA,
-    CheckpointError,
     decode_metadata,
     open_regular,
     read_regular,

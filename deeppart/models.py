@@ -180,12 +180,3 @@ MODELS: dict[str, Callable[[], Manifest]] = {
         vocab=32000, hidden=5120, layers=40, intermediate=13824, kv_hidden=5120)),
 }  # fmt: skip
 """Built-in models with AdamW state, by name (``--model``)."""
-
-
-def load_manifest(name_or_path: str) -> Manifest:
-    """A built-in model by name (with or without a ``+adamw`` suffix), else a
-    file: a manifest JSON, a checkpoint (directory or metadata.json) or a
-    .safetensors file (see :mod:`deeppart.manifest_source`)."""
-    from deeppart.manifest_source import read_manifest
-
-    return read_manifest(name_or_path)

@@ -1,85 +1,73 @@
-"""``deeppart.plan``: planning through the plan cache.
+"""Stage 1 of a save: the plan. The one place that decides where a save's
+plan comes from, in this order:
 
-``cache`` selects where plans are looked up and stored:
+1. a plan the caller gave (``save(plan=...)``), checked against the state;
+2. the last plan, while the state's structure is unchanged (repeated saves
+   of a :class:`~deeppart.Checkpointer` or a level backend reuse it);
+3. the planner service, when ``planner=`` names one
+   (:func:`deeppart.service.resolve_planner`; an unreachable service means
+   a warning and an in-process plan);
+4. in process, through the plan cache (:func:`deeppart.plan`).
 
-- ``None`` or ``True``: the process-wide default cache, in memory and on disk
-  at :func:`default_cache_dir` (``$DEEPPART_CACHE_DIR``, else
-  ``$XDG_CACHE_HOME/deeppart``, else ``~/.cache/deeppart``);
-- ``False``: no cache, always plan;
-- a path: a cache in that directory (one per directory and process);
-- a :class:`PlanCache`: that cache.
-
-The cache never makes planning fail: a cache that cannot be read is rebuilt
-or bypassed with one :class:`CacheWarning`, and a stored plan is validated
-before it is served. ``Plan.stats.source`` says where the plan came from.
+Planning is deterministic, so every rank computes the same plan itself;
+:mod:`deeppart.prepare`'s agreement catches any rank that did not.
 """
 
 from __future__ import annotations
 
-import os
-import threading
-from typing import TypeAlias
+from dataclasses import dataclass
+from typing import Any
 
-from deeppart._planner import CostModel, Manifest, Plan, PlanCache, Topology, default_cache_dir
-from deeppart._planner import plan as _plan
+from deeppart._planner import Manifest, Plan
+from deeppart.errors import StateMismatchError
+from deeppart.plan_cache import plan as plan_in_process
 
-CacheArg: TypeAlias = PlanCache | bool | str | os.PathLike[str] | None
-
-_lock = threading.Lock()
-_caches: dict[str, PlanCache] = {}
+__all__ = ["PlanProvider"]
 
 
-def default_cache() -> PlanCache:
-    """The process-wide cache at the default location (memory-only when
-    there is no home directory). Follows changes of ``DEEPPART_CACHE_DIR``."""
-    directory = default_cache_dir()
-    key = directory if directory is not None else ""
-    with _lock:
-        cache = _caches.get(key)
-        if cache is None:
-            cache = PlanCache(directory) if directory is not None else PlanCache(disk=False)
-            _caches[key] = cache
-        return cache
+@dataclass
+class PlanProvider:
+    """Gives the plan for a manifest (see the module docstring for the
+    order). Call it with the manifest; ``last`` is the plan it gave last."""
 
+    world_size: int
+    #: A ready plan of this state for this world size (``save(plan=...)``).
+    given: Plan | None = None
+    #: None (plan in process), "local", a service URL or a PlannerClient.
+    planner: Any = None
+    algorithm: str | None = None
+    cost: Any = None
+    topology: Any = None
+    #: Reuse the last plan while the manifest is the same.
+    reuse: bool = False
+    last: Plan | None = None
 
-def resolve_cache(cache: CacheArg) -> PlanCache | None:
-    """The cache that a ``cache=`` argument selects (``None`` for no cache)."""
-    if cache is None or cache is True:
-        return default_cache()
-    if cache is False:
-        return None
-    if isinstance(cache, PlanCache):
-        return cache
-    if isinstance(cache, str | os.PathLike):
-        key = os.path.abspath(os.fspath(cache))
-        with _lock:
-            found = _caches.get(key)
-            if found is None:
-                found = PlanCache(key)
-                _caches[key] = found
-            return found
-    raise TypeError(
-        f"cache must be None, a bool, a path or a PlanCache, not {type(cache).__name__}"
-    )
+    def __call__(self, manifest: Manifest) -> Plan:
+        if self.given is not None:
+            if self.given.world_size != self.world_size or self.given.manifest != manifest:
+                raise StateMismatchError(
+                    "the given plan was made for another state or world size "
+                    f"({self.given.world_size} ranks); re-plan"
+                )
+            self.last = self.given
+            return self.given
+        if self.reuse and self.last is not None and self.last.manifest == manifest:
+            return self.last
+        self.last = self._new_plan(manifest)
+        return self.last
 
+    def _new_plan(self, manifest: Manifest) -> Plan:
+        kwargs: dict[str, Any] = {}
+        if self.algorithm is not None:
+            kwargs["algorithm"] = self.algorithm
+        if self.cost is not None:
+            kwargs["cost"] = self.cost
+        if self.topology is not None:
+            kwargs["topology"] = self.topology
+        if self.planner is not None:
+            # The service is optional (grpcio): imported only when asked for.
+            from deeppart.service import plan_with
 
-def plan(
-    manifest: Manifest,
-    world_size: int,
-    *,
-    algorithm: str = "balanced",
-    cost: CostModel | None = None,
-    topology: Topology | None = None,
-    cache: CacheArg = None,
-) -> Plan:
-    """Plans which rank writes which pieces of ``manifest`` (see the module
-    docstring for ``cache``). Deterministic; the GIL is released while
-    planning and during cache I/O."""
-    return _plan(
-        manifest,
-        world_size,
-        algorithm=algorithm,
-        cost=cost,
-        topology=topology,
-        cache=resolve_cache(cache),
-    )
+            made: Plan = plan_with(self.planner, manifest, self.world_size, **kwargs)
+            return made
+        return plan_in_process(manifest, self.world_size, **kwargs)

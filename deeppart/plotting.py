@@ -7,13 +7,24 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
     from deeppart import _planner
-    from deeppart.simulate import Prediction
+
+
+
+class Point(Protocol):
+    """One predicted time (a :class:`deeppart.simulate.Prediction`)."""
+
+    @property
+    def method(self) -> str: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def seconds(self) -> float: ...
 
 
 def _pyplot() -> Any:
@@ -40,7 +51,7 @@ _STYLE: dict[str, dict[str, Any]] = {
 
 
 def plot_scaling(
-    preds: Sequence[Prediction],
+    preds: Sequence[Point],
     path: str | os.PathLike[str] | None,
     *,
     title: str = "predicted save time",

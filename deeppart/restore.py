@@ -12,7 +12,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
-from deeppart.format import StateMismatchError
+from deeppart.errors import StateMismatchError
 from deeppart.state import legacy_path, path_key
 
 PathLike = tuple[Any, ...]

@@ -352,7 +352,7 @@ def storage_from_args(args: argparse.Namespace) -> StorageModel:
 
 
 def run(args: argparse.Namespace) -> int:
-    from deeppart.models import load_manifest
+    from deeppart.manifest_source import read_manifest as load_manifest
 
     try:
         manifest = load_manifest(args.model)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deeppart import values as _values
+from deeppart.errors import StateError, ValueEncodeError
 
 PathKey = str | int
 Path = tuple[PathKey, ...]
@@ -36,10 +37,6 @@ _MAX_DEPTH = 200
 #: Types encoded here directly; any other type is first offered to
 #: deeppart.values (numpy scalars subclass float, torch.Size tuple, ...).
 _BUILTIN = frozenset({type(None), bool, int, float, str, bytes, bytearray, list, tuple, dict})
-
-
-class StateError(TypeError):
-    """A state tree holds something DeepPart cannot save safely."""
 
 
 def _describe_path(path: Path) -> str:
@@ -115,7 +112,7 @@ def _encode(value: Any, path: Path, depth: int) -> Any:
     if type(value) not in _BUILTIN:
         try:
             typed = _values.encode_typed(value, lambda v, i: _encode(v, (*path, i), depth + 1))
-        except _values.ValueEncodeError as e:
+        except ValueEncodeError as e:
             raise StateError(f"{_describe_path(path)}: {e}") from e
         if typed is not None:
             return typed

@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from deeppart.errors import ValueEncodeError
+
 #: Tags of the typed values (single-key JSON objects).
 NDARRAY, NUMPY_SCALAR, TORCH_DTYPE, TORCH_SIZE, TORCH_DEVICE = "np", "ng", "tdt", "tsz", "tdv"
 ORDERED_DICT, SET, FROZENSET = "od", "set", "fset"
@@ -52,10 +54,6 @@ _LEAF_DTYPES = frozenset(
         *("float16", "float32", "float64", "complex64", "complex128"),
     }
 )
-
-
-class ValueEncodeError(TypeError):
-    """A value of a supported type that cannot be stored (e.g. an object array)."""
 
 
 def _torch() -> Any:

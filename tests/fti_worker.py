@@ -32,10 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from mpi_checkpoint import assert_bitwise_equal, make_state
 
-from deeppart.format import CheckpointError
+from deeppart.errors import CheckpointError, FTIError
 from deeppart.levels import fti
 from deeppart.levels.config import LevelConfig
-from deeppart.levels.fti import FTIBackend, FTIError
+from deeppart.levels.fti import FTIBackend
 
 STEP = 7
 #: The id of the dataset the broken scenarios protect on one rank only.

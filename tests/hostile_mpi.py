@@ -15,7 +15,7 @@ import torch
 from mpi4py import MPI
 
 import deeppart
-import deeppart.checkpoint as ck
+import deeppart.checkpointer as ck
 
 
 def scenario_cleanup(root: Path) -> None:

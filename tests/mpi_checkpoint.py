@@ -23,7 +23,7 @@ import torch
 
 import deeppart
 import deeppart.state
-from deeppart import checkpoint as ck
+from deeppart import reader, writer
 from deeppart.comm import resolve
 
 
@@ -191,8 +191,8 @@ def scenario_decompress_once(d: Path) -> None:
         return call
 
     # Pieces are decompressed whole, or streamed into their destination.
-    ck.decompress = counting(ck.decompress)  # type: ignore[attr-defined]
-    ck.decompress_into = counting(ck.decompress_into)  # type: ignore[attr-defined]
+    reader.decompress = counting(reader.decompress)  # type: ignore[attr-defined]
+    reader.decompress_into = counting(reader.decompress_into)  # type: ignore[attr-defined]
     for exchange, per_rank in (("auto", None), ("read", compressed)):
         calls[0] = 0
         assert_bitwise_equal(state, deeppart.load(d, exchange=exchange), exchange)
@@ -263,13 +263,8 @@ def scenario_crash(root: Path) -> None:
     cp.save(1, make_state())
     ok("crash-step1")
     if c.rank == c.size - 1:
-        real = ck._write_pieces
-
-        def dying(*args: Any, **kwargs: Any) -> Any:
-            real(*args, **kwargs)
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        ck._write_pieces = dying
+        # The writer's named fault hook: after this rank's data file is written.
+        writer.add_fault_hook("after-write", lambda _event: os.kill(os.getpid(), signal.SIGKILL))
     cp.save(2, make_state(steps=3))
     raise AssertionError("unreachable: a rank was killed")
 
@@ -282,21 +277,25 @@ class WriterGate:
     def __init__(self) -> None:
         self.started = threading.Event()
         self.gate = threading.Event()
-        self.real = ck._write_pieces
+        self.remove: Callable[[], None] | None = None
+        #: Called with each write's event once it passes the gate.
+        self.on_write: Callable[[writer.WriteEvent], None] | None = None
 
     def __enter__(self) -> WriterGate:
-        def gated(*args: Any, **kwargs: Any) -> Any:
+        def gated(event: writer.WriteEvent) -> None:
             if threading.current_thread() is not threading.main_thread():
                 self.started.set()
                 if not self.gate.wait(120):
                     raise RuntimeError("the gate was never opened")
-            return self.real(*args, **kwargs)
+            if self.on_write is not None:
+                self.on_write(event)
 
-        ck._write_pieces = gated
+        self.remove = writer.add_fault_hook("before-write", gated)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        ck._write_pieces = self.real
+        if self.remove is not None:
+            self.remove()
 
 
 def host_copy(state: Any) -> Any:

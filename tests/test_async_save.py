@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +21,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import deeppart  # noqa: E402
-from deeppart import checkpoint as ck  # noqa: E402
 
 # (deeppart.async_save is the function; the module is imported by name.)
 from deeppart.async_save import AsyncSave, Snapshot  # noqa: E402
+from deeppart.writer import WriteEvent, fault_hook  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mpi_checkpoint import (  # noqa: E402
@@ -71,45 +72,40 @@ def test_training_overlaps_and_the_snapshot_is_written(tmp_path: Path) -> None:
     assert_bitwise_equal(expected, deeppart.load(tmp_path / "ck"))
 
 
-def _failing_writes(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
-    """Every write raises; the event is set once one has (the writer runs
-    on its own thread: undo the patch only after that)."""
-    failed = threading.Event()
+def _broken(failed: threading.Event) -> Callable[[WriteEvent], None]:
+    """A fault hook: the write raises, and ``failed`` is set."""
 
-    def broken(*args: Any, **kwargs: Any) -> Any:
+    def broken(_event: WriteEvent) -> None:
         failed.set()
         raise OSError("injected write failure")
 
-    monkeypatch.setattr(ck, "_write_pieces", broken)
-    return failed
+    return broken
 
 
-def test_write_error_surfaces_on_wait(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    failed = _failing_writes(monkeypatch)
+def test_write_error_surfaces_on_wait(tmp_path: Path) -> None:
+    failed = threading.Event()
     cp = deeppart.Checkpointer(tmp_path, async_=True)
-    handle = cp.save(1, make_state())
-    assert isinstance(handle, deeppart.AsyncSave)
-    with pytest.raises(OSError, match="injected"):
-        handle.wait()
-    with pytest.raises(OSError, match="injected"):  # every time it is asked
-        handle.result()
+    with fault_hook("before-write", _broken(failed)):
+        handle = cp.save(1, make_state())
+        assert isinstance(handle, deeppart.AsyncSave)
+        with pytest.raises(OSError, match="injected"):
+            handle.wait()
+        with pytest.raises(OSError, match="injected"):  # every time it is asked
+            handle.result()
     assert failed.is_set() and cp.latest() is None
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
     # Seen through wait(): the next save goes ahead.
-    monkeypatch.undo()
     cp.save(2, make_state())
     cp.close()
     assert cp.steps() == [2]
 
 
-def test_unseen_write_error_surfaces_on_the_next_save(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    failed = _failing_writes(monkeypatch)
+def test_unseen_write_error_surfaces_on_the_next_save(tmp_path: Path) -> None:
+    failed = threading.Event()
     cp = deeppart.Checkpointer(tmp_path, async_=True)
-    cp.save(1, make_state())
-    assert failed.wait(60)
-    monkeypatch.undo()
+    with fault_hook("before-write", _broken(failed)):
+        cp.save(1, make_state())
+        assert failed.wait(60)
     with pytest.raises(OSError, match="injected"):
         cp.save(2, make_state())  # raised before step 2 is snapshotted
     assert cp.latest() is None
@@ -118,13 +114,11 @@ def test_unseen_write_error_surfaces_on_the_next_save(
     assert cp.steps() == [3]
 
 
-def test_unseen_error_of_async_save_surfaces_on_the_next_one(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    failed = _failing_writes(monkeypatch)
-    deeppart.async_save(make_state(), tmp_path / "a")
-    assert failed.wait(60)
-    monkeypatch.undo()
+def test_unseen_error_of_async_save_surfaces_on_the_next_one(tmp_path: Path) -> None:
+    failed = threading.Event()
+    with fault_hook("before-write", _broken(failed)):
+        deeppart.async_save(make_state(), tmp_path / "a")
+        assert failed.wait(60)
     with pytest.raises(OSError, match="injected"):
         deeppart.async_save(make_state(), tmp_path / "b")
     deeppart.async_save(make_state(), tmp_path / "c").wait()
@@ -162,20 +156,18 @@ def test_a_later_save_waits_for_the_previous(
 
         helper = threading.Thread(target=opener)
         helper.start()
-        real = gate.real
 
-        def record(*args: Any, **kwargs: Any) -> Any:
-            step = 2 if "step-00000002" in args[0].parent.name else 1
+        def record(event: WriteEvent) -> None:
+            step = 2 if "step-00000002" in event.path.parent.name else 1
             committed = (cp.path(1) / "COMMITTED").exists()
             events.append(f"write {step}, step 1 committed: {committed}")
-            return real(*args, **kwargs)
 
-        gate.real = record
+        gate.on_write = record
         second = cp.save(2, make_state(steps=3))
         helper.join()
+        assert isinstance(second, deeppart.AsyncSave)
+        second.wait()  # inside: the hook records its write too
     assert isinstance(first, AsyncSave) and first.done()
-    assert isinstance(second, deeppart.AsyncSave)
-    second.wait()
     assert events[:5] == [
         "save 1 held",
         "save 2 waits",

@@ -14,8 +14,10 @@ import torch
 
 import deeppart
 from deeppart import checkpoint as ck
+from deeppart import commit
 from deeppart.comm import SingleComm, resolve
-from deeppart.compression import CODECS, CodecError, check_codec, compress, decompress
+from deeppart.compression import CODECS, check_codec, compress, decompress
+from deeppart.errors import CodecError
 from deeppart.format import (
     ALIGN,
     MARKER,
@@ -26,6 +28,7 @@ from deeppart.format import (
     marker_text,
 )
 from deeppart.progress import Progress, Stats
+from deeppart.reader import assign_readers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mpi_checkpoint import assert_bitwise_equal, make_state
@@ -307,9 +310,9 @@ def test_checkpointer_keep_last_and_latest(tmp_path: Path) -> None:
     assert cp.latest() == 30
     assert cp.load()["step"] == 30
     assert torch.equal(cp.load(20)["w"], torch.full((100,), 20.0))
-    first_plan = cp._plan
+    first_plan = cp.plans.last
     cp.save(50, {"w": torch.zeros(100), "step": 50})
-    assert cp._plan is first_plan, "the plan is reused while the structure is the same"
+    assert cp.plans.last is first_plan, "the plan is reused while the structure is the same"
     assert cp.steps() == [30, 50]
     assert not partial.exists(), "older uncommitted leftovers are removed after a commit"
 
@@ -332,12 +335,12 @@ def test_checkpointer_refuses_an_existing_step(tmp_path: Path) -> None:
 
 
 def test_assign_readers_balanced() -> None:
-    owner = ck._assign_readers([100, 10, 90, 20, 0], 2)
+    owner = assign_readers([100, 10, 90, 20, 0], 2)
     sizes = [100, 10, 90, 20, 0]
     loads = [sum(b for b, o in zip(sizes, owner, strict=True) if o == r) for r in (0, 1)]
     assert sorted(loads) == [110, 110]
-    assert ck._assign_readers([5, 5], 4) == [0, 1]
-    assert ck._assign_readers([5, 5, 5], 1) == [0, 0, 0]
+    assert assign_readers([5, 5], 4) == [0, 1]
+    assert assign_readers([5, 5, 5], 1) == [0, 0, 0]
 
 
 def test_progress_quiet_without_tty() -> None:
@@ -414,10 +417,10 @@ def test_interrupted_overwrite_keeps_the_previous_checkpoint(
             raise KeyboardInterrupt("killed before the marker")
         real(path, data)
 
-    monkeypatch.setattr(ck, "write_durable", die_at_marker)
+    monkeypatch.setattr(commit, "write_durable", die_at_marker)
     with pytest.raises(KeyboardInterrupt):
         deeppart.save({"w": torch.zeros(10), "step": 6}, d, overwrite=True)
-    monkeypatch.setattr(ck, "write_durable", real)
+    monkeypatch.setattr(commit, "write_durable", real)
     assert not is_committed(d)
     olds = [p for p in tmp_path.iterdir() if p.name.startswith(".old-")]
     assert len(olds) == 1 and is_committed(olds[0])

@@ -323,7 +323,7 @@ def test_fast_path_scatters_markers() -> None:
 
 
 def test_ranks_with_different_state_are_refused() -> None:
-    from deeppart.dcp import DcpPlanError
+    from deeppart.errors import DcpPlanError
 
     planner, plans = _local_plans({"w": torch.zeros(4, 4)}, 2)
     other, _ = _local_plans({"w": torch.zeros(4, 5)}, 2)

@@ -14,10 +14,10 @@ import torch
 from safetensors.torch import load_file
 
 import deeppart
+from deeppart.errors import ExportError
 from deeppart.export import (
     SAFETENSORS_INDEX,
     SAFETENSORS_SINGLE,
-    ExportError,
     export_safetensors,
     export_torch,
     import_checkpoint,

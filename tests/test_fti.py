@@ -24,13 +24,13 @@ from pathlib import Path
 import pytest
 
 from deeppart.comm import SingleComm
+from deeppart.errors import FTIError, LevelConfigError
 from deeppart.levels import fti
-from deeppart.levels.config import LevelConfig, LevelConfigError
+from deeppart.levels.config import LevelConfig
 from deeppart.levels.fti import (
     MAX_ZERO_COPY,
     ZERO_COPY_MIN,
     FTIBackend,
-    FTIError,
     check_same_mpi,
     find_libfti,
     fti_config_text,

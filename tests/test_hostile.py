@@ -28,13 +28,12 @@ import torch
 import zstandard
 
 import deeppart
-from deeppart.checkpoint import Checkpointer
-from deeppart.compression import MAX_EXPANSION, CodecError, decompress
+from deeppart.checkpointer import Checkpointer
+from deeppart.compression import MAX_EXPANSION, decompress
+from deeppart.errors import CheckpointError, CodecError, CorruptCheckpointError, StateError
 from deeppart.format import (
     MARKER,
     METADATA,
-    CheckpointError,
-    CorruptCheckpointError,
     checksum,
     data_file_name,
     marker_text,
@@ -43,7 +42,6 @@ from deeppart.format import (
 )
 from deeppart.proto import planner_pb2 as pb
 from deeppart.service import wire
-from deeppart.state import StateError
 
 ROOT = Path(__file__).resolve().parent.parent
 CHILD = ROOT / "tests" / "hostile_child.py"
@@ -337,7 +335,7 @@ def _killed_overwrite(root: Path, step: int, at: str) -> None:
     code = f"""
 import os, signal, torch
 from pathlib import Path
-import deeppart, deeppart.checkpoint as ck
+import deeppart, deeppart.commit as ck
 def die(*a, **k):
     os.kill(os.getpid(), signal.SIGKILL)
 if {at!r} == "marker":

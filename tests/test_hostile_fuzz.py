@@ -29,10 +29,10 @@ from hypothesis import strategies as st
 import deeppart
 from deeppart._planner import DeepPartError
 from deeppart.cli import main as cli_main
-from deeppart.format import MARKER, METADATA, CheckpointError, marker_text
+from deeppart.errors import CheckpointError, StateError, WireError
+from deeppart.format import MARKER, METADATA, marker_text
 from deeppart.proto import planner_pb2 as pb
 from deeppart.service import wire
-from deeppart.state import StateError
 
 EXAMPLES = int(os.environ.get("DEEPPART_FUZZ_EXAMPLES", "20"))
 #: Examples run per test, printed at exit in a long run.
@@ -215,7 +215,7 @@ def test_fuzz_wire_manifest(
     )
     try:
         m = wire.manifest_from_proto(msg)
-    except (wire.WireError, DeepPartError):
+    except (WireError, DeepPartError):
         return
     assert wire.manifest_from_proto(wire.manifest_to_proto(m)) == m
 
@@ -239,5 +239,5 @@ def test_fuzz_wire_manifest_bytes(data: st.DataObject) -> None:
         msg = pb.Manifest.FromString(bytes(raw))
     except Exception:  # protobuf's DecodeError: the server's gRPC layer answers that
         return
-    with contextlib.suppress(wire.WireError, DeepPartError):
+    with contextlib.suppress(WireError, DeepPartError):
         wire.manifest_from_proto(msg)

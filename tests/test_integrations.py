@@ -184,11 +184,8 @@ def test_rng_states_round_trip_and_refuse_another_world_size(tmp_path: Path) -> 
 
     import deeppart
     from deeppart.comm import SingleComm
-    from deeppart.integrations.rng import (
-        RngStateWarning,
-        gather_rng_states,
-        restore_rng_states,
-    )
+    from deeppart.errors import RngStateWarning
+    from deeppart.integrations.rng import gather_rng_states, restore_rng_states
 
     random.seed(3)
     np.random.seed(4)

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 import deeppart
-from deeppart.format import CheckpointError
-from deeppart.levels import LevelConfig, LevelConfigError, open_backend
-from deeppart.levels.engine import BuiltinBackend, TopologyMismatchError
+from deeppart.errors import CheckpointError, LevelConfigError, TopologyMismatchError
+from deeppart.levels import LevelConfig, open_backend
+from deeppart.levels.engine import BuiltinBackend
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))

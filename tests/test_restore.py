@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import deeppart
-from deeppart import checkpoint as ck
+from deeppart import reader
 from deeppart.format import HEADER_SIZE
 
 
@@ -63,13 +63,13 @@ def read_bytes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts the bytes load() reads from data files."""
     counter = [0]
 
-    real = ck.open_regular  # type: ignore[attr-defined]
+    real = reader.open_regular  # type: ignore[attr-defined]
 
     def counting_open(path: Any) -> Any:
         return _CountingFile(real(path), counter)
 
     # Data files are opened only through the regular-file check.
-    monkeypatch.setattr(ck, "open_regular", counting_open)
+    monkeypatch.setattr(reader, "open_regular", counting_open)
     return counter
 
 

@@ -29,6 +29,7 @@ pytest.importorskip("grpc_health")
 pytest.importorskip("grpc_reflection")
 
 import deeppart  # noqa: E402
+from deeppart.errors import WireError  # noqa: E402
 from deeppart.proto import planner_pb2 as pb  # noqa: E402
 from deeppart.service import plan_with, resolve_planner, wire  # noqa: E402
 from deeppart.service.client import PlannerClient  # noqa: E402
@@ -189,7 +190,7 @@ def test_manifest_wire_rejects_inconsistent_messages(
 ) -> None:
     msg = wire.manifest_to_proto(_manifest())
     mutate(msg)
-    with pytest.raises(wire.WireError, match=message):
+    with pytest.raises(WireError, match=message):
         wire.manifest_from_proto(msg)
 
 

@@ -15,7 +15,8 @@ import pytest
 
 from deeppart import _planner
 from deeppart.cli import main
-from deeppart.models import MODELS, load_manifest
+from deeppart.manifest_source import read_manifest as load_manifest
+from deeppart.models import MODELS
 from deeppart.plotting import plot_plan_load, plot_scaling
 from deeppart.simulate import (
     BASELINES,

@@ -19,8 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import deeppart  # noqa: E402
-from deeppart import checkpoint as ck  # noqa: E402
-from deeppart import staging  # noqa: E402
+from deeppart import staging, writer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mpi_checkpoint import assert_bitwise_equal, make_state  # noqa: E402
@@ -55,7 +54,7 @@ def stagings(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
         raise AssertionError("a staged tensor was copied whole to the host")
 
     monkeypatch.setattr(staging, "needs_staging", lambda t: True)
-    monkeypatch.setattr(ck, "_readable", no_whole_copy)
+    monkeypatch.setattr(writer, "readable", no_whole_copy)
     return _record_stagings(monkeypatch)
 
 

@@ -43,8 +43,9 @@ from accelerate import Accelerator
 from accelerate.data_loader import SeedableRandomSampler
 from accelerate.utils import DistributedType
 
-import deeppart
+from deeppart.checkpoint import load, save
 from deeppart.comm import resolve
+from deeppart.errors import CheckpointError, StateMismatchError
 from deeppart.format import is_committed, remove_tree
 from deeppart.integrations.rng import gather_rng_states, restore_rng_states
 
@@ -158,7 +159,7 @@ def save_state(
         "custom": [obj.state_dict() for obj in accelerator._custom_objects],
         "rng": gather_rng_states(c),
     }
-    deeppart.save(
+    save(
         state,
         path,
         comm=c,
@@ -179,7 +180,7 @@ def save_state(
 
 def _checked(state: Any, path: Path) -> dict[str, Any]:
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise deeppart.CheckpointError(
+        raise CheckpointError(
             f"{path}: not a checkpoint of deeppart.integrations.accelerate.save_state"
         )
     return state
@@ -187,7 +188,7 @@ def _checked(state: Any, path: Path) -> dict[str, Any]:
 
 def _count(what: str, saved: list[Any], have: list[Any], path: Path) -> None:
     if len(saved) != len(have):
-        raise deeppart.StateMismatchError(
+        raise StateMismatchError(
             f"{path}: holds {len(saved)} {what}, the accelerator has {len(have)} "
             f"(prepare the same {what} as the run that saved it)"
         )
@@ -216,11 +217,11 @@ def load_state(
         root = Path(accelerator.project_dir) / "checkpoints"
         committed = [p for _, p in _numbered(root) if is_committed(p)]
         if not committed:
-            raise deeppart.CheckpointError(f"{root}: no committed checkpoint")
+            raise CheckpointError(f"{root}: no committed checkpoint")
         path = committed[-1]
     else:
         path = Path(input_dir)
-    state = _checked(deeppart.load(path, comm=c, exchange=exchange, progress=progress), path)
+    state = _checked(load(path, comm=c, exchange=exchange, progress=progress), path)
 
     models = list(accelerator._models)
     for hook in accelerator._load_model_state_pre_hook.values():

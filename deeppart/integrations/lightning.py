@@ -37,7 +37,8 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.utilities import rank_zero_warn
 
-import deeppart
+from deeppart.checkpoint import load, save
+from deeppart.errors import CheckpointError
 from deeppart.format import remove_tree
 
 __all__ = ["DeepPartCheckpointIO", "DeepPartDDPStrategy"]
@@ -93,7 +94,7 @@ class DeepPartCheckpointIO(CheckpointIO):
                 f"DeepPartCheckpointIO takes no storage_options (got {storage_options!r}); "
                 "set compression= and the other options on the plugin instead"
             )
-        deeppart.save(
+        save(
             checkpoint,
             path,
             comm=_default_comm(self.comm),
@@ -111,9 +112,9 @@ class DeepPartCheckpointIO(CheckpointIO):
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
         # weights_only: DeepPart never unpickles, whatever its value.
-        state: Any = deeppart.load(path, comm=_default_comm(self.comm), exchange=self.exchange)
+        state: Any = load(path, comm=_default_comm(self.comm), exchange=self.exchange)
         if not isinstance(state, dict):
-            raise deeppart.CheckpointError(
+            raise CheckpointError(
                 f"{path}: holds a {type(state).__name__}, not a Lightning checkpoint dict"
             )
         if map_location is not None:

@@ -21,13 +21,10 @@ from typing import Any
 import numpy as np
 
 from deeppart.comm import Comm
+from deeppart.errors import RngStateWarning
 from deeppart.state import decode_plain, encode_plain
 
 __all__ = ["RngStateWarning", "gather_rng_states", "restore_rng_states"]
-
-
-class RngStateWarning(UserWarning):
-    """A checkpoint's RNG states could not be restored on this rank."""
 
 
 def _torch() -> Any:

@@ -36,8 +36,9 @@ import torch.distributed as dist
 from transformers import Trainer
 from transformers.utils.import_utils import is_torch_xla_available
 
-import deeppart
+from deeppart.checkpoint import load, save
 from deeppart.comm import Comm, resolve
+from deeppart.errors import CheckpointError
 from deeppart.integrations.rng import gather_rng_states, restore_rng_states
 
 __all__ = ["SUBDIR", "DeepPartTrainer"]
@@ -112,7 +113,7 @@ class DeepPartTrainer(Trainer):
             state["scaler"] = None if scaler is None else scaler.state_dict()
             state["rng"] = gather_rng_states(c)
         options = {"overwrite": True, **self.deeppart_options}
-        deeppart.save(state, path, comm=c, **options)
+        save(state, path, comm=c, **options)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not self._deeppart_saving:
@@ -133,9 +134,9 @@ class DeepPartTrainer(Trainer):
         reading only their bytes, when given), checked to be one of ours."""
         if keys is not None:
             keys = ["format", *keys]
-        state = deeppart.load(path, comm=self._deeppart_comm(), keys=keys)
+        state = load(path, comm=self._deeppart_comm(), keys=keys)
         if not isinstance(state, dict) or state.get("format") != FORMAT:
-            raise deeppart.CheckpointError(f"{path}: not a checkpoint of DeepPartTrainer")
+            raise CheckpointError(f"{path}: not a checkpoint of DeepPartTrainer")
         return state
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:

@@ -13,8 +13,9 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from deeppart.errors import LevelConfigError
 from deeppart.levels.backend import LevelBackend, LevelSaveStats, RecoveryReport
-from deeppart.levels.config import LevelConfig, LevelConfigError
+from deeppart.levels.config import LevelConfig
 
 __all__ = [
     "LevelBackend",

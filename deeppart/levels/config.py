@@ -36,17 +36,13 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from deeppart.format import CheckpointError
+from deeppart.errors import LevelConfigError
 
 #: Levels: 1 node-local, 2 partner copy, 3 Reed-Solomon, 4 global.
 LEVELS = (1, 2, 3, 4)
 
 #: Largest and smallest group for L2/L3 (FTI's limits).
 MIN_GROUP, MAX_GROUP = 2, 32
-
-
-class LevelConfigError(CheckpointError):
-    """A multi-level config is malformed or does not fit the job."""
 
 
 # Keys DeepPart uses, by section. FTI keys DeepPart accepts but does not use

@@ -32,13 +32,20 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from deeppart import checkpoint as ck
-from deeppart._planner import DeepPartError, Manifest, Plan, rs_encode, rs_reconstruct
+from deeppart._planner import DeepPartError, rs_encode, rs_reconstruct
+from deeppart.agreement import agree
+from deeppart.checkpoint import load, save
 from deeppart.comm import Comm, resolve
-from deeppart.format import (
-    HEADER_SIZE,
+from deeppart.commit import commit_dir, metadata_json
+from deeppart.errors import (
     CheckpointError,
     CorruptCheckpointError,
+    LevelConfigError,
+    TopologyMismatchError,
+    UnrecoverableError,
+)
+from deeppart.format import (
+    HEADER_SIZE,
     Metadata,
     Piece,
     check_header,
@@ -49,8 +56,12 @@ from deeppart.format import (
     remove_tree,
 )
 from deeppart.levels.backend import LevelSaveStats, RecoveryReport
-from deeppart.levels.config import LevelConfig, LevelConfigError
+from deeppart.levels.config import LevelConfig
+from deeppart.planning import PlanProvider
+from deeppart.prepare import Prepared, agree_prepared, prepare
 from deeppart.progress import Progress
+from deeppart.reader import Target, all_leaf_targets, assemble, read_metadata, read_pieces
+from deeppart.writer import RECORD_FIELDS, write_pieces
 
 U8 = npt.NDArray[np.uint8]
 _T = TypeVar("_T")
@@ -65,15 +76,6 @@ _OWN, _COPY, _PARITY, _GLOBAL = 1, 2, 4, 8
 
 
 _TOPOLOGY = "only L4 checkpoints can be restored on another world size or node layout"
-
-
-class TopologyMismatchError(CheckpointError):
-    """A node-local (L1-L3) checkpoint was written by another world size or
-    node layout; only L4 (global) checkpoints can be restored there."""
-
-
-class UnrecoverableError(CheckpointError):
-    """More was lost than the checkpoint's levels can repair."""
 
 
 def step_name(step: int) -> str:
@@ -327,7 +329,14 @@ class BuiltinBackend:
         self.exchange = exchange
         self.verbose = verbose
         self.count = 0
-        self._plan: Plan | None = None
+        self.plans = PlanProvider(
+            self.comm.size,
+            planner=planner,
+            algorithm=algorithm,
+            cost=cost,
+            topology=topology,
+            reuse=True,
+        )
         self.last_recovery: RecoveryReport | None = None
         #: CPU seconds in Reed-Solomon decoding on this rank, and the bytes of
         #: data (all members' stripe chunks) it decoded, since creation.
@@ -351,10 +360,6 @@ class BuiltinBackend:
     def global_step(self, step: int) -> Path:
         return self.config.global_root() / step_name(step)
 
-    def _plan_for(self, manifest: Manifest) -> Plan:
-        self._plan = ck._reuse_plan(self, manifest)
-        return self._plan
-
     def _check_level(self, level: int) -> None:
         if level not in (1, 2, 3, 4):
             raise LevelConfigError(f"level {level}: must be 1, 2, 3 or 4")
@@ -376,7 +381,7 @@ class BuiltinBackend:
         self._check_level(lv)  # the same on every rank: raises everywhere
         phases: dict[str, float] = {}
         err: BaseException | None = None
-        prep: ck._Prepared | None = None
+        prep: Prepared | None = None
         try:
             if step < 0:
                 raise CheckpointError(f"step {step}: must be >= 0")
@@ -384,14 +389,14 @@ class BuiltinBackend:
                 from deeppart.state import encode_plain
 
                 encode_plain(user, ("<user>",))
-            prep = ck._prepare(state, self.compression, self._plan_for, self.meta_step(step))
+            prep = prepare(state, self.compression, self.plans, self.meta_step(step))
             if c.rank == 0 and self.meta_step(step).exists():
                 # Re-saving a step: uncommit it first, so a crash never
                 # leaves a marker over mixed files.
                 (self.meta_step(step) / "COMMITTED").unlink(missing_ok=True)
         except Exception as e:
             err = e
-        prep = ck._agree_prepared(c, err, prep)
+        prep = agree_prepared(c, err, prep)
 
         # L1: every rank writes its own file (temporary name).
         local = self.local_step(step)
@@ -403,11 +408,11 @@ class BuiltinBackend:
         try:
             local.mkdir(parents=True, exist_ok=True)
             prog = Progress("save", 0, enabled=False)
-            recs, size = ck._write_pieces(own_tmp, self.rank, prep, self.zstd_level, prog)
+            recs, size = write_pieces(own_tmp, self.rank, prep, self.zstd_level, prog)
             records = recs.reshape(-1)
         except Exception as e:
             err = e
-        ck._agree(c, err)
+        agree(c, err)
         phases["l1"] = time.perf_counter() - t
 
         sizes_f = c.allgather_f64(np.array([float(size)], dtype=np.float64))[:, 0]
@@ -423,15 +428,15 @@ class BuiltinBackend:
             )
         elif lv == 4:
             t = time.perf_counter()
-            ck.save(
+            save(
                 state,
                 self.global_step(step),
                 comm=c,
                 compression=self.compression,
-                level=self.zstd_level,
+                compression_level=self.zstd_level,
                 overwrite=True,
                 user={"step": step, "user": user},
-                _plan_for=self._plan_for,
+                plan_provider=self.plans,
             )
             phases["l4"] = time.perf_counter() - t
 
@@ -443,9 +448,9 @@ class BuiltinBackend:
             fsync_dir(local)
         except Exception as e:
             err = e
-        ck._agree(c, err)
+        agree(c, err)
         mine = np.concatenate([records, np.array([size, parity_size, parity_xxh], dtype=np.uint64)])
-        counts = [len(prep.plan.rank_pieces(r)) * ck._REC + 3 for r in range(c.size)]
+        counts = [len(prep.plan.rank_pieces(r)) * RECORD_FIELDS + 3 for r in range(c.size)]
         gathered = c.gatherv_u64(mine, counts, root=0)
         if c.rank == 0:
             assert gathered is not None
@@ -453,7 +458,7 @@ class BuiltinBackend:
                 self._commit_meta(step, lv, prep, gathered, counts, user)
             except Exception as e:
                 err = e
-        ck._agree(c, err)
+        agree(c, err)
         phases["commit"] = time.perf_counter() - t
         t = time.perf_counter()
         self._cleanup(step)
@@ -474,7 +479,7 @@ class BuiltinBackend:
             out = fn()
         except Exception as e:
             err = e
-        ck._agree(self.comm, err)
+        agree(self.comm, err)
         phases[name] = time.perf_counter() - t
         return out  # type: ignore[return-value]  # set: no rank failed
 
@@ -482,7 +487,7 @@ class BuiltinBackend:
         self,
         step: int,
         level: int,
-        prep: ck._Prepared,
+        prep: Prepared,
         gathered: npt.NDArray[np.uint64],
         counts: list[int],
         user: Any,
@@ -514,7 +519,7 @@ class BuiltinBackend:
             "parity_sizes": parity_sizes,
             "parity_xxh3": parity_xxh3,
         }
-        meta = ck._metadata_json(
+        meta = metadata_json(
             prep, np.concatenate(blocks), {"step": step, "user": user}, {"levels": levels}
         )
         final = self.meta_step(step)
@@ -522,7 +527,7 @@ class BuiltinBackend:
         tmp = final.parent / f".tmp-{final.name}-{os.urandom(6).hex()}"
         tmp.mkdir()
         try:
-            ck._commit_dir(tmp, final, meta)
+            commit_dir(tmp, final, meta)
         except BaseException:
             remove_tree(tmp)
             raise
@@ -785,7 +790,7 @@ class BuiltinBackend:
         meta: Metadata | None = None
         digest = b""
         try:
-            meta, digest = ck._read_metadata(self.meta_step(step))
+            meta, digest = read_metadata(self.meta_step(step))
         except CheckpointError as e:
             err = e
         bad = self.comm.allgather_bytes(b"\1" if err else b"\0", 1)
@@ -943,8 +948,8 @@ class BuiltinBackend:
 
     def _load_global(self, step: int, into: Any, t0: float) -> tuple[Any, RecoveryReport]:
         path = self.global_step(step)
-        state = ck.load(path, comm=self.comm, into=into, exchange=self.exchange)
-        meta, _ = ck._read_metadata(path)
+        state = load(path, comm=self.comm, into=into, exchange=self.exchange)
+        meta, _ = read_metadata(path)
         report = RecoveryReport(step, [4] * meta.world_size, [], time.perf_counter() - t0)
         return state, report
 
@@ -956,12 +961,12 @@ class BuiltinBackend:
                 return self._load_global(step, into, t0)
             return why
         err: BaseException | None = None
-        targets: list[ck._Target] = []
+        targets: list[Target] = []
         try:
-            targets, _ = ck._targets(st.meta, into)  # checks into= before any I/O
+            targets, _ = all_leaf_targets(st.meta, into)  # checks into= before any I/O
         except Exception as e:
             err = e
-        ck._agree(c, err)
+        agree(c, err)
         survey, held = self._survey(st, deep=True)
         if not survey.levels:
             if self._global_ok(step) and st.level == 4:
@@ -1030,7 +1035,7 @@ class BuiltinBackend:
         all_rewritten = [path for row in rows for path in json.loads(row)]
         # Every rank now holds its own file: broadcast each and place it.
         self._distribute(st, own, targets)
-        state = ck._assemble(st.meta, targets, self.meta_step(step))
+        state = assemble(st.meta, targets, self.meta_step(step))
         report = RecoveryReport(step, levels, all_rewritten, time.perf_counter() - t0)
         return state, report
 
@@ -1090,7 +1095,7 @@ class BuiltinBackend:
                     pass
         return done
 
-    def _distribute(self, st: _Step, own: U8, targets: list[ck._Target]) -> None:
+    def _distribute(self, st: _Step, own: U8, targets: list[Target]) -> None:
         c = self.comm
         meta = st.meta
         by = _by_rank(meta)
@@ -1109,7 +1114,7 @@ class BuiltinBackend:
             c.bcast_u8(buf, root=f)
             if err is None:
                 try:
-                    ck._read_pieces(
+                    read_pieces(
                         _BufReader(buf),
                         where / data_file_name(f),
                         where,
@@ -1121,7 +1126,7 @@ class BuiltinBackend:
                     )
                 except Exception as e:
                     err = e
-        ck._agree(c, err)
+        agree(c, err)
 
     def close(self) -> None:
         return None

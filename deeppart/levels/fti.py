@@ -44,33 +44,23 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from deeppart._planner import Manifest, Plan
-from deeppart.checkpoint import (
-    _agree,
-    _assemble,
-    _dtype_sizes,
-    _leaf_infos,
-    _make_plan,
-    _metadata_head,
-    _prepare,
-    _Prepared,
-    _readable,
-    _targets,
-    _u8_view,
-)
+from deeppart.agreement import agree
 from deeppart.comm import Comm, MPIComm, SingleComm
-from deeppart.format import (
-    HEADER_SIZE,
+from deeppart.commit import metadata_head
+from deeppart.errors import (
     CheckpointError,
     CorruptCheckpointError,
+    FTIError,
+    LevelConfigError,
     StateMismatchError,
-    checksum,
-    fsync_dir,
-    parse_metadata,
-    write_durable,
 )
+from deeppart.format import HEADER_SIZE, checksum, fsync_dir, parse_metadata, write_durable
 from deeppart.levels.backend import LevelSaveStats, RecoveryReport
-from deeppart.levels.config import LevelConfig, LevelConfigError
+from deeppart.levels.config import LevelConfig
+from deeppart.planning import PlanProvider
+from deeppart.prepare import Prepared, prepare
+from deeppart.reader import all_leaf_targets, assemble, leaf_infos
+from deeppart.tensors import dtype_sizes, readable, u8_view
 
 __all__ = [
     "FTIBackend",
@@ -124,10 +114,6 @@ _MAGIC = b"DPFTI001"
 
 INDEX_PREFIX = "fti-step-"
 CONFIG_NAME = "fti.cfg"
-
-
-class FTIError(CheckpointError):
-    """libfti is missing, unusable, or an FTI call failed."""
 
 
 # ----------------------------------------------------------------------------
@@ -485,14 +471,14 @@ class FTIBackend:
             self._hosts = hosts
         except Exception as e:
             err = e
-        _agree(user, err)
+        agree(user, err)
 
         # 2. The library, on every rank.
         try:
             self._lib = load_libfti(library)
         except Exception as e:
             err = e
-        _agree(user, err)
+        agree(user, err)
         lib = self._lib
         assert lib is not None
 
@@ -515,7 +501,7 @@ class FTIBackend:
                 fsync_dir(self._dir)
             except Exception as e:
                 err = e
-        _agree(user, err)
+        agree(user, err)
 
         # 4. FTI_Init (collective; rebuilds lost files on a restart). FTI
         # gets its own duplicate of the communicator with MPI errors fatal:
@@ -608,7 +594,7 @@ class FTIBackend:
         guards, for the message."""
         ids = sorted(self._protected)
         payload = struct.pack("<I", len(ids)) + hashlib.sha256(repr(ids).encode()).digest()[:28]
-        rows = _agree(self.comm, err, payload)
+        rows = agree(self.comm, err, payload)
         if len(set(rows)) != 1:
             counts = [struct.unpack("<I", row[:4])[0] for row in rows]
             raise FTIError(
@@ -635,7 +621,7 @@ class FTIBackend:
         t0 = time.perf_counter()
         c = self.comm
         err: BaseException | None = None
-        prep: _Prepared | None = None
+        prep: Prepared | None = None
         lv = level if level is not None else self.config.level_for(self._count + 1)
         try:
             self._fti()
@@ -643,13 +629,10 @@ class FTIBackend:
                 raise CheckpointError(f"step {step}: FTI needs 0 <= step < 2**31 - 1")
             self._level_checked(lv)
 
-            def plan_for(m: Manifest) -> Plan:
-                return _make_plan(m, c.size)
-
-            prep = _prepare(state, None, plan_for, self._dir / f"step-{step}")
+            prep = prepare(state, None, PlanProvider(c.size), self._dir / f"step-{step}")
         except Exception as e:
             err = e
-        digests = _agree(c, err, prep.digest if prep else b"")
+        digests = agree(c, err, prep.digest if prep else b"")
         assert prep is not None
         if len(set(digests)) != 1:
             raise StateMismatchError(
@@ -672,9 +655,9 @@ class FTIBackend:
                 leaf = prep.leaves[li]
                 if leaf.tensor is not None:
                     if li not in cache:
-                        t = _readable(leaf.tensor)
+                        t = readable(leaf.tensor)
                         keep.append(t)
-                        cache[li] = (_u8_view(t), t.element_size())
+                        cache[li] = (u8_view(t), t.element_size())
                     arr, isz = cache[li]
                     views.append(arr[start * isz : stop * isz])
                 else:
@@ -695,7 +678,7 @@ class FTIBackend:
         except Exception as e:
             err = e
         # Every rank protects as many ids as the rank with the most.
-        wants = _agree(c, err, struct.pack("<q", max(self._nids, 1 + len(blobs))))
+        wants = agree(c, err, struct.pack("<q", max(self._nids, 1 + len(blobs))))
         total = max(struct.unpack("<q", w[:8])[0] for w in wants)
         try:
             nids = self._protect_all(header, blobs, keep, total)
@@ -708,7 +691,7 @@ class FTIBackend:
         rc = self._fti().FTI_Checkpoint(step + 1, lv)
         if rc not in (FTI_DONE, FTI_SCES):
             err = FTIError(f"FTI_Checkpoint(id {step + 1}, level {lv}) failed with {rc}")
-        _agree(c, err)
+        agree(c, err)
         t3 = time.perf_counter()
 
         # Rank 0 writes the index: the checkpoint's metadata, FTI ids, checksums.
@@ -725,7 +708,7 @@ class FTIBackend:
                         old.unlink(missing_ok=True)
             except Exception as e:
                 err = e
-        _agree(c, err)
+        agree(c, err)
         self._count += 1
         self._last_step = step
         self._last_level = lv
@@ -744,11 +727,11 @@ class FTIBackend:
         )
 
     @staticmethod
-    def _digest(prep: _Prepared, step: int) -> bytes:
+    def _digest(prep: Prepared, step: int) -> bytes:
         return hashlib.sha256(prep.digest + struct.pack("<q", step)).digest()
 
     def _index(
-        self, prep: _Prepared, step: int, level: int, gathered: npt.NDArray[np.uint64]
+        self, prep: Prepared, step: int, level: int, gathered: npt.NDArray[np.uint64]
     ) -> bytes:
         """The index (``gathered``: per rank, its pieces' xxh3 and its
         number of FTI datasets)."""
@@ -777,7 +760,7 @@ class FTIBackend:
             stream.append(pos)
             blobs += [[r, b.fti_id, b.start, b.nbytes] for b in _blobs(lengths)]
         meta = {
-            **_metadata_head(prep, "none"),
+            **metadata_head(prep, "none"),
             "alignment": 1,
             "raw_bytes": prep.manifest.total_bytes,
             "stored_bytes": prep.manifest.total_bytes,
@@ -847,7 +830,7 @@ class FTIBackend:
             err = CorruptCheckpointError(f"{self._index_path(have or 0)}: {e}")
         except Exception as e:
             err = e
-        digests = _agree(c, err, digest)
+        digests = agree(c, err, digest)
         if len(set(digests)) != 1:
             raise StateMismatchError(f"{self._dir}: ranks read different index files")
         assert have is not None
@@ -864,9 +847,9 @@ class FTIBackend:
                     for k, v in lf.items()
                     if v is not None
                 }
-                for lf in _leaf_infos(meta_raw)
+                for lf in leaf_infos(meta_raw)
             ]
-            meta = parse_metadata(meta_raw, _dtype_sizes(meta_raw["leaves"]))
+            meta = parse_metadata(meta_raw, dtype_sizes(meta_raw["leaves"]))
             if meta.world_size != c.size:
                 raise CheckpointError(
                     f"the FTI checkpoint was written by {meta.world_size} ranks, this job has "
@@ -909,7 +892,7 @@ class FTIBackend:
         rc = lib.FTI_Recover()
         if rc != FTI_SCES:
             err = FTIError(f"FTI_Recover failed with {rc}")
-        _agree(c, err)
+        agree(c, err)
         t1 = time.perf_counter()
 
         # Verify: this rank's header, then every piece of its stream.
@@ -931,10 +914,10 @@ class FTIBackend:
                         f"rank {c.rank}: piece of leaf {p.leaf} [{p.start}:{p.stop}] "
                         "recovered by FTI fails its xxh3 checksum"
                     )
-            targets, _ = _targets(meta, into)
+            targets, _ = all_leaf_targets(meta, into)
         except Exception as e:
             err = e
-        _agree(c, err)
+        agree(c, err)
 
         # Exchange: every rank broadcasts its own pieces.
         def direct(leaf: int, start: int, stop: int) -> U8:
@@ -955,7 +938,7 @@ class FTIBackend:
                         p.offset - HEADER_SIZE : p.offset - HEADER_SIZE + p.length
                     ]
 
-        state = _assemble(meta, targets, self._index_path(have))
+        state = assemble(meta, targets, self._index_path(have))
         level = 4 if self._recovered_status == 2 and self._last_step is None else int(fti["level"])
         report = RecoveryReport(
             step=have,

@@ -14,20 +14,14 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import deeppart
-from deeppart._planner import DeepPartError
+from deeppart._planner import CostModel, Manifest, Plan, Topology
+from deeppart.errors import PlannerServiceError
+from deeppart.plan_cache import plan as plan_in_process
 
 if TYPE_CHECKING:
     from deeppart.service.client import PlannerClient
 
 __all__ = ["PlannerServiceError", "plan_with", "resolve_planner"]
-
-
-class PlannerServiceError(DeepPartError):
-    """The planner service refused or failed a request in a way that
-    planning in process would hide: a wrong or missing token, no permission,
-    another planner version, a target that is not a DeepPart service, or a
-    plan that does not check out. (An unreachable service is planned around.)"""
 
 
 TOKEN_ENV = "DEEPPART_TOKEN"
@@ -109,19 +103,19 @@ def missing_client(error: ImportError) -> type:
 
 def plan_with(
     planner: Any,
-    manifest: deeppart.Manifest,
+    manifest: Manifest,
     world_size: int,
     *,
     algorithm: str = "balanced",
-    cost: deeppart.CostModel | None = None,
-    topology: deeppart.Topology | None = None,
-) -> deeppart.Plan:
+    cost: CostModel | None = None,
+    topology: Topology | None = None,
+) -> Plan:
     """Plans through the service ``planner`` names (see :func:`resolve_planner`),
     or in process; an unreachable service means a warning and an in-process
     plan, any other failure :class:`PlannerServiceError`."""
     client = resolve_planner(planner)
     if client is None:
-        return deeppart.plan(
+        return plan_in_process(
             manifest, world_size, algorithm=algorithm, cost=cost, topology=topology
         )
     return client.plan(manifest, world_size, algorithm=algorithm, cost=cost, topology=topology)

@@ -30,10 +30,12 @@ from typing import Any, Literal
 
 import grpc
 
-import deeppart
-from deeppart.planning import resolve_cache
+from deeppart._planner import PLANNER_VERSION, CostModel, Manifest, Plan, Topology, plan_fingerprint
+from deeppart.errors import DeepPartError, PlannerServiceError, ServiceUnavailable
+from deeppart.plan_cache import plan as plan_in_process
+from deeppart.plan_cache import resolve_cache
 from deeppart.proto import planner_pb2 as pb
-from deeppart.service import PlannerServiceError, wire
+from deeppart.service import wire
 from deeppart.service.options import JOB_METADATA_KEY, SERVICE_NAME
 
 log = logging.getLogger("deeppart.service")
@@ -62,10 +64,6 @@ def _exact(values: dict[str, float | int]) -> tuple[tuple[str, str], ...]:
     return tuple(
         (k, v.hex() if isinstance(v, float) else str(v)) for k, v in sorted(values.items())
     )
-
-
-class ServiceUnavailable(RuntimeError):
-    """The service could not give a usable plan (with ``fallback=False``)."""
 
 
 def parse_target(target: str) -> tuple[str, bool]:
@@ -138,9 +136,9 @@ class PlannerClient:
         # fingerprints by manifest object, and the plans already rebuilt and
         # checked, with the exact pieces they were rebuilt from.
         self._memo_lock = threading.Lock()
-        self._fingerprints: OrderedDict[int, tuple[deeppart.Manifest, str]] = OrderedDict()
-        self._verified: OrderedDict[str, tuple[bytes, deeppart.Plan]] = OrderedDict()
-        self._plan_fingerprints: OrderedDict[Any, tuple[deeppart.Manifest, str]] = OrderedDict()
+        self._fingerprints: OrderedDict[int, tuple[Manifest, str]] = OrderedDict()
+        self._verified: OrderedDict[str, tuple[bytes, Plan]] = OrderedDict()
+        self._plan_fingerprints: OrderedDict[Any, tuple[Manifest, str]] = OrderedDict()
 
     # -- connection ---------------------------------------------------------------
 
@@ -226,7 +224,7 @@ class PlannerClient:
             while len(memo) > self._MEMO_ITEMS:
                 memo.popitem(last=False)
 
-    def _manifest_fingerprint(self, manifest: deeppart.Manifest) -> str:
+    def _manifest_fingerprint(self, manifest: Manifest) -> str:
         with self._memo_lock:
             entry = self._fingerprints.get(id(manifest))
         if entry is not None and entry[0] is manifest:
@@ -237,11 +235,11 @@ class PlannerClient:
 
     def _plan_fingerprint(
         self,
-        manifest: deeppart.Manifest,
+        manifest: Manifest,
         world_size: int,
         algorithm: str,
-        cost: deeppart.CostModel | None,
-        topology: deeppart.Topology | None,
+        cost: CostModel | None,
+        topology: Topology | None,
     ) -> str:
         """``deeppart.plan_fingerprint``, memoized by manifest object and parameters
         (it hashes the whole manifest). Invalid arguments raise as in process."""
@@ -256,13 +254,13 @@ class PlannerClient:
             entry = self._plan_fingerprints.get(key)
         if entry is not None and entry[0] is manifest:
             return entry[1]
-        fingerprint = deeppart.plan_fingerprint(
+        fingerprint = plan_fingerprint(
             manifest, world_size, algorithm=algorithm, cost=cost, topology=topology
         )
         self._remember(self._plan_fingerprints, key, (manifest, fingerprint))
         return fingerprint
 
-    def _wire_manifest(self, manifest: deeppart.Manifest) -> pb.Manifest:
+    def _wire_manifest(self, manifest: Manifest) -> pb.Manifest:
         key = self._manifest_fingerprint(manifest)
         with self._memo_lock:
             msg = self._manifest_wire.get(key)
@@ -273,13 +271,13 @@ class PlannerClient:
 
     def request_plan(
         self,
-        manifest: deeppart.Manifest,
+        manifest: Manifest,
         world_size: int,
         *,
         algorithm: str = "balanced",
-        cost: deeppart.CostModel | None = None,
-        topology: deeppart.Topology | None = None,
-    ) -> deeppart.Plan:
+        cost: CostModel | None = None,
+        topology: Topology | None = None,
+    ) -> Plan:
         """A plan from the service, verified; raises :class:`ServiceUnavailable`
         or ``grpc.RpcError`` when there is none (no fallback)."""
         expected = self._plan_fingerprint(manifest, world_size, algorithm, cost, topology)
@@ -287,13 +285,13 @@ class PlannerClient:
 
     def _request_plan(
         self,
-        manifest: deeppart.Manifest,
+        manifest: Manifest,
         world_size: int,
         expected: str,
         algorithm: str,
-        cost: deeppart.CostModel | None,
-        topology: deeppart.Topology | None,
-    ) -> deeppart.Plan:
+        cost: CostModel | None,
+        topology: Topology | None,
+    ) -> Plan:
         req = pb.PlanRequest(
             plan_fingerprint=expected,
             manifest_fingerprint=self._manifest_fingerprint(manifest),
@@ -302,7 +300,7 @@ class PlannerClient:
             cost=wire.cost_to_proto(cost),
             topology=wire.topology_to_proto(topology),
             job_id=self.job_id,
-            planner_version=deeppart.PLANNER_VERSION,
+            planner_version=PLANNER_VERSION,
         )
         resp: pb.PlanResponse = self._call("plan", req)
         if resp.status == pb.PLAN_STATUS_NEED_MANIFEST:
@@ -327,7 +325,7 @@ class PlannerClient:
             plan = wire.plan_from_response(
                 resp, manifest, algorithm=algorithm, cost=cost, topology=topology
             )
-        except (ValueError, deeppart.DeepPartError) as e:
+        except (ValueError, DeepPartError) as e:
             raise ServiceUnavailable(f"the plan received is invalid: {e}") from e
         if plan.fingerprint != expected:
             raise ServiceUnavailable(
@@ -338,13 +336,13 @@ class PlannerClient:
 
     def plan(
         self,
-        manifest: deeppart.Manifest,
+        manifest: Manifest,
         world_size: int,
         *,
         algorithm: str = "balanced",
-        cost: deeppart.CostModel | None = None,
-        topology: deeppart.Topology | None = None,
-    ) -> deeppart.Plan:
+        cost: CostModel | None = None,
+        topology: Topology | None = None,
+    ) -> Plan:
         """A plan from the service; if the service is unreachable, a warning
         and a local plan (``stats.source == "local-fallback"``). Any other
         failure raises :class:`PlannerServiceError`.
@@ -391,7 +389,7 @@ class PlannerClient:
             )
         elif not self.fallback:
             raise ServiceUnavailable(f"planner service {self.target}: unreachable (cooling down)")
-        plan = deeppart.plan(
+        plan = plan_in_process(
             manifest,
             world_size,
             algorithm=algorithm,
@@ -402,7 +400,7 @@ class PlannerClient:
         self.sources["local-fallback"] += 1
         return plan
 
-    def get_plan(self, fingerprint: str, manifest: deeppart.Manifest) -> deeppart.Plan | None:
+    def get_plan(self, fingerprint: str, manifest: Manifest) -> Plan | None:
         """The plan the service knows by ``fingerprint`` (rebuilt against
         ``manifest`` and checked), or ``None``."""
         try:
@@ -420,7 +418,7 @@ class PlannerClient:
             if e.code() != grpc.StatusCode.NOT_FOUND:
                 log.warning("deeppart planner service %s: GetPlan failed: %s", self.target, e)
             return None
-        except (ValueError, deeppart.DeepPartError) as e:
+        except (ValueError, DeepPartError) as e:
             log.warning("deeppart planner service %s: GetPlan: invalid plan: %s", self.target, e)
             return None
         return plan if plan.fingerprint == fingerprint else None

@@ -37,7 +37,18 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-import deeppart
+from deeppart._planner import (
+    ALGORITHMS,
+    PLANNER_VERSION,
+    CostModel,
+    Manifest,
+    Plan,
+    PlanCache,
+    Topology,
+    plan_fingerprint,
+)
+from deeppart.errors import DeepPartError, ServiceError
+from deeppart.plan_cache import plan as plan_in_process
 from deeppart.proto import planner_pb2 as pb
 from deeppart.service import wire
 from deeppart.service.options import (
@@ -52,15 +63,6 @@ MAX_JOBS_TRACKED = 1024
 MAX_JOB_ID_CHARS = 128
 MAX_DETAIL_CHARS = 2000
 _FINGERPRINT_CHARS = frozenset("0123456789abcdef")
-
-
-class ServiceError(Exception):
-    """Ends an RPC with a gRPC status code and a message naming the problem."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 # ----------------------------------------------------------------------------
@@ -150,7 +152,7 @@ class ManifestStore:
         self.directory = directory
         self.directory.mkdir(parents=True, exist_ok=True)
         self._log = log
-        self._memory: OrderedDict[str, deeppart.Manifest] = OrderedDict()
+        self._memory: OrderedDict[str, Manifest] = OrderedDict()
         self._memory_leaves = memory_leaves  # bounds the parsed manifests kept in memory
         self._leaves = 0
         self._lock = threading.Lock()
@@ -161,7 +163,7 @@ class ManifestStore:
     def count(self) -> int:
         return sum(1 for _ in self.directory.glob("*.pb"))
 
-    def _remember(self, fingerprint: str, manifest: deeppart.Manifest) -> None:
+    def _remember(self, fingerprint: str, manifest: Manifest) -> None:
         with self._lock:
             old = self._memory.pop(fingerprint, None)
             if old is not None:
@@ -172,7 +174,7 @@ class ManifestStore:
                 _, evicted = self._memory.popitem(last=False)
                 self._leaves -= len(evicted)
 
-    def put(self, manifest: deeppart.Manifest, wire_bytes: bytes) -> None:
+    def put(self, manifest: Manifest, wire_bytes: bytes) -> None:
         fingerprint = manifest.fingerprint
         path = self._path(fingerprint)
         if not path.exists():
@@ -182,7 +184,7 @@ class ManifestStore:
                 self._log("persist_failed", "warning", path=str(path), error=str(e))
         self._remember(fingerprint, manifest)
 
-    def get(self, fingerprint: str) -> deeppart.Manifest | None:
+    def get(self, fingerprint: str) -> Manifest | None:
         with self._lock:
             manifest = self._memory.get(fingerprint)
             if manifest is not None:
@@ -197,7 +199,7 @@ class ManifestStore:
             manifest = wire.manifest_from_proto(pb.Manifest.FromString(data))
             if manifest.fingerprint != fingerprint:
                 raise ValueError(f"its fingerprint is {manifest.fingerprint}")
-        except (DecodeError, ValueError, deeppart.DeepPartError) as e:
+        except (DecodeError, ValueError, DeepPartError) as e:
             self._log("manifest_corrupt", "warning", fingerprint=fingerprint, error=str(e))
             with contextlib.suppress(OSError):
                 path.unlink()
@@ -392,10 +394,10 @@ class PlannerService:
         self._inflight_lock = threading.Lock()
         self._inflight: dict[str, threading.Lock] = {}
 
-    def _make_plan_cache(self) -> deeppart.PlanCache | None:
+    def _make_plan_cache(self) -> PlanCache | None:
         """The planner's plan cache in the same directory (plans persist there)."""
         try:
-            return deeppart.PlanCache(self.cache_dir)
+            return PlanCache(self.cache_dir)
         except Exception as e:  # a broken plan cache must not stop the service
             self.log("plan_cache_unavailable", "warning", error=str(e))
             return None
@@ -496,18 +498,18 @@ class PlannerService:
             time.sleep(self._test_delay_s)
         _check_fingerprint(req.plan_fingerprint, "plan_fingerprint")
         _check_fingerprint(req.manifest_fingerprint, "manifest_fingerprint")
-        if req.planner_version and req.planner_version != deeppart.PLANNER_VERSION:
+        if req.planner_version and req.planner_version != PLANNER_VERSION:
             raise ServiceError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"planner version mismatch: the client has {req.planner_version}, "
-                f"the service {deeppart.PLANNER_VERSION}",
+                f"the service {PLANNER_VERSION}",
             )
         algorithm = req.algorithm or "balanced"
-        if algorithm not in deeppart.ALGORITHMS:
+        if algorithm not in ALGORITHMS:
             raise ServiceError(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"unknown algorithm {algorithm!r}; "
-                f"expected one of {', '.join(deeppart.ALGORITHMS)}",
+                f"expected one of {', '.join(ALGORITHMS)}",
             )
         if req.world_size < 1:
             raise ServiceError(
@@ -526,7 +528,7 @@ class PlannerService:
         if has_manifest:
             try:
                 manifest = wire.manifest_from_proto(req.manifest)
-            except (ValueError, deeppart.DeepPartError) as e:
+            except (ValueError, DeepPartError) as e:
                 raise ServiceError(
                     grpc.StatusCode.INVALID_ARGUMENT, f"invalid manifest: {e}"
                 ) from e
@@ -545,7 +547,7 @@ class PlannerService:
                     status=pb.PLAN_STATUS_NEED_MANIFEST,
                     plan_fingerprint=req.plan_fingerprint,
                     manifest_fingerprint=req.manifest_fingerprint,
-                    planner_version=deeppart.PLANNER_VERSION,
+                    planner_version=PLANNER_VERSION,
                 )
                 return _serialize(need)
             manifest = found
@@ -553,10 +555,10 @@ class PlannerService:
         try:
             cost = wire.cost_from_proto(req.cost)
             topology = wire.topology_from_proto(req.topology)
-            expected = deeppart.plan_fingerprint(
+            expected = plan_fingerprint(
                 manifest, req.world_size, algorithm=algorithm, cost=cost, topology=topology
             )
-        except (ValueError, deeppart.DeepPartError) as e:
+        except (ValueError, DeepPartError) as e:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
         if expected != req.plan_fingerprint:
             raise ServiceError(
@@ -574,7 +576,7 @@ class PlannerService:
                 return self._served(cached, "response-cache")
             try:
                 plan = self._plan(manifest, req.world_size, algorithm, cost, topology)
-            except (ValueError, deeppart.DeepPartError) as e:
+            except (ValueError, DeepPartError) as e:
                 raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
             if plan.fingerprint != req.plan_fingerprint:
                 raise ServiceError(
@@ -609,13 +611,13 @@ class PlannerService:
 
     def _plan(
         self,
-        manifest: deeppart.Manifest,
+        manifest: Manifest,
         world_size: int,
         algorithm: str,
-        cost: deeppart.CostModel,
-        topology: deeppart.Topology,
-    ) -> deeppart.Plan:
-        return deeppart.plan(
+        cost: CostModel,
+        topology: Topology,
+    ) -> Plan:
+        return plan_in_process(
             manifest,
             world_size,
             algorithm=algorithm,
@@ -666,7 +668,7 @@ class PlannerService:
             errors = dict(s.errors)
             in_flight = s.in_flight
         stats = pb.StatsResponse(
-            planner_version=deeppart.PLANNER_VERSION,
+            planner_version=PLANNER_VERSION,
             uptime_s=time.monotonic() - s.started,
             known_manifests=self.manifests.count(),
             response_cache_bytes=self.responses.bytes,
@@ -752,7 +754,7 @@ class PlannerServer:
             tls=self.config.tls_cert is not None,
             auth=self.config.token is not None,
             plan_cache=self.service._plan_cache is not None,
-            planner_version=deeppart.PLANNER_VERSION,
+            planner_version=PLANNER_VERSION,
             pid=os.getpid(),
         )
         return self

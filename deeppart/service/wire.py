@@ -14,16 +14,13 @@ from typing import Any, Literal
 
 import numpy as np
 
-import deeppart
+from deeppart._planner import PLANNER_VERSION, CostModel, Manifest, Plan, Topology
+from deeppart.errors import PlanError, WireError
 from deeppart.proto import planner_pb2 as pb
 
 MANIFEST_VERSION = 1
 
 Ranks = list[list[tuple[int, int, int]]]
-
-
-class WireError(ValueError):
-    """A message is inconsistent or names something that does not exist."""
 
 
 #: The planner's limit on the keys of one path (``MAX_PATH_DEPTH`` in
@@ -42,7 +39,7 @@ KEY_OVERHEAD = 16
 # Manifest.
 
 
-def manifest_to_proto(manifest: deeppart.Manifest) -> pb.Manifest:
+def manifest_to_proto(manifest: Manifest) -> pb.Manifest:
     """The compact wire form of ``manifest``."""
     string_ids: dict[str, int] = {}
     int_ids: dict[int, int] = {}
@@ -248,16 +245,16 @@ def _ints(field: Any) -> list[int]:
     return values
 
 
-def manifest_from_proto(msg: pb.Manifest) -> deeppart.Manifest:
+def manifest_from_proto(msg: pb.Manifest) -> Manifest:
     """The manifest a wire message describes; ``ManifestError`` if invalid."""
-    return deeppart.Manifest.from_leaves(manifest_leaves_from_proto(msg))
+    return Manifest.from_leaves(manifest_leaves_from_proto(msg))
 
 
 # ----------------------------------------------------------------------------
 # Cost model and topology.
 
 
-def cost_to_proto(cost: deeppart.CostModel | None) -> pb.CostModel:
+def cost_to_proto(cost: CostModel | None) -> pb.CostModel:
     if cost is None:
         return pb.CostModel()
     c = cost.to_dict()
@@ -274,9 +271,9 @@ def cost_to_proto(cost: deeppart.CostModel | None) -> pb.CostModel:
     )
 
 
-def cost_from_proto(msg: pb.CostModel) -> deeppart.CostModel:
+def cost_from_proto(msg: pb.CostModel) -> CostModel:
     """The cost model; ``PlanError`` if a value is invalid."""
-    return deeppart.CostModel(
+    return CostModel(
         fixed_s=msg.fixed_s if msg.HasField("fixed_s") else None,
         piece_s=msg.piece_s if msg.HasField("piece_s") else None,
         bandwidth=msg.bandwidth if msg.HasField("bandwidth") else None,
@@ -299,24 +296,24 @@ def _grain_from_proto(msg: pb.CostModel) -> Literal["element", "row"] | None:
         return "element"
     if msg.grain == "row":
         return "row"
-    raise deeppart.PlanError(
+    raise PlanError(
         f'invalid cost model: grain must be "element" or "row", got {msg.grain!r}'
     )
 
 
-def topology_to_proto(topology: deeppart.Topology | None) -> pb.Topology:
+def topology_to_proto(topology: Topology | None) -> pb.Topology:
     return pb.Topology(ranks_per_node=1 if topology is None else topology.ranks_per_node)
 
 
-def topology_from_proto(msg: pb.Topology) -> deeppart.Topology:
-    return deeppart.Topology(msg.ranks_per_node or 1)
+def topology_from_proto(msg: pb.Topology) -> Topology:
+    return Topology(msg.ranks_per_node or 1)
 
 
 # ----------------------------------------------------------------------------
 # Plans.
 
 
-def pieces_to_proto(plan: deeppart.Plan) -> pb.Pieces:
+def pieces_to_proto(plan: Plan) -> pb.Pieces:
     rank_counts: list[int] = []
     leaf_deltas: list[int] = []
     starts: list[int] = []
@@ -358,7 +355,7 @@ def pieces_from_proto(msg: pb.Pieces, world_size: int) -> Ranks:
     return ranks
 
 
-def stats_to_proto(plan: deeppart.Plan) -> pb.PlanStats:
+def stats_to_proto(plan: Plan) -> pb.PlanStats:
     s = plan.stats
     return pb.PlanStats(
         makespan=s.makespan,
@@ -373,7 +370,7 @@ def stats_to_proto(plan: deeppart.Plan) -> pb.PlanStats:
     )
 
 
-def plan_to_response(plan: deeppart.Plan) -> pb.PlanResponse:
+def plan_to_response(plan: Plan) -> pb.PlanResponse:
     return pb.PlanResponse(
         status=pb.PLAN_STATUS_OK,
         plan_fingerprint=plan.fingerprint,
@@ -382,7 +379,7 @@ def plan_to_response(plan: deeppart.Plan) -> pb.PlanResponse:
         algorithm=plan.algorithm,
         pieces=pieces_to_proto(plan),
         stats=stats_to_proto(plan),
-        planner_version=deeppart.PLANNER_VERSION,
+        planner_version=PLANNER_VERSION,
         cost=cost_to_proto(plan.cost),
         topology=topology_to_proto(plan.topology),
     )
@@ -390,16 +387,16 @@ def plan_to_response(plan: deeppart.Plan) -> pb.PlanResponse:
 
 def plan_from_response(
     msg: pb.PlanResponse,
-    manifest: deeppart.Manifest,
+    manifest: Manifest,
     *,
     algorithm: str,
-    cost: deeppart.CostModel | None,
-    topology: deeppart.Topology | None,
-) -> deeppart.Plan:
+    cost: CostModel | None,
+    topology: Topology | None,
+) -> Plan:
     """Rebuilds a received plan with ``Plan.from_pieces``, which validates every piece
     and recomputes the stats and the fingerprint (the caller compares it)."""
     ranks = pieces_from_proto(msg.pieces, msg.world_size)
-    return deeppart.Plan.from_pieces(
+    return Plan.from_pieces(
         manifest,
         msg.world_size,
         ranks,

@@ -1,0 +1,234 @@
+"""Every exception and warning DeepPart raises, and the table that carries
+an exception's type from the rank that failed to all the others.
+
+All exceptions derive from :class:`DeepPartError` (defined by the Rust
+core, so that the planner's own errors share it). Some also derive from the
+built-in class that they refined before they had a common base
+(``StateError`` is a ``TypeError``, ``CodecError`` a ``ValueError``, ...),
+so ``except TypeError`` keeps working where it worked.
+
+The hierarchy::
+
+    DeepPartError
+    ├── ManifestError, PlanError, CacheError, ErasureError   (Rust core)
+    ├── StateError (TypeError)            a state holds what cannot be saved
+    │   └── ValueEncodeError              a supported type with a bad value
+    ├── CodecError (ValueError)           unknown codec, undecodable data
+    ├── CheckpointError                   a checkpoint cannot be saved/loaded
+    │   ├── CorruptCheckpointError        files do not match their metadata
+    │   ├── StateMismatchError            ranks or ``into=`` disagree
+    │   │   └── ReplicaMismatchError      replicas differ (verify_replicas)
+    │   ├── LevelConfigError              a multi-level config is wrong
+    │   ├── TopologyMismatchError         L1-L3 written by another layout
+    │   ├── UnrecoverableError            more lost than the levels repair
+    │   ├── FTIError                      libfti missing or a call failed
+    │   └── ExportError                   export/import of other formats
+    ├── DcpPlanError (RuntimeError)       torch.distributed.checkpoint planner
+    ├── PlannerServiceError               the planner service refused/failed
+    ├── ServiceUnavailable (RuntimeError) no usable plan, and no fallback
+    ├── WireError (ValueError)            a malformed service message
+    └── ServiceError                      (server side) ends an RPC with a code
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from deeppart._planner import (
+    CacheError,
+    CacheWarning,
+    DeepPartError,
+    ErasureError,
+    ManifestError,
+    PlanError,
+)
+
+__all__ = [
+    "ERROR_TYPES",
+    "AsyncSaveWarning",
+    "CacheError",
+    "CacheWarning",
+    "CheckpointError",
+    "CodecError",
+    "CorruptCheckpointError",
+    "DcpPlanError",
+    "DeepPartError",
+    "ErasureError",
+    "ExportError",
+    "FTIError",
+    "LevelConfigError",
+    "ManifestError",
+    "PlanError",
+    "PlannerServiceError",
+    "ReplicaMismatchError",
+    "RngStateWarning",
+    "ServiceError",
+    "ServiceUnavailable",
+    "StateError",
+    "StateMismatchError",
+    "TopologyMismatchError",
+    "UnrecoverableError",
+    "ValueEncodeError",
+    "WireError",
+    "code_of",
+    "type_of_code",
+]
+
+
+# ----------------------------------------------------------------------------
+# State and encoding.
+
+
+class StateError(DeepPartError, TypeError):
+    """A state tree holds something DeepPart cannot save safely."""
+
+
+class ValueEncodeError(StateError):
+    """A value of a supported type that cannot be stored (e.g. an object array)."""
+
+
+class CodecError(DeepPartError, ValueError):
+    """Unknown codec, or data that does not decode."""
+
+
+# ----------------------------------------------------------------------------
+# Checkpoints.
+
+
+class CheckpointError(DeepPartError):
+    """A checkpoint cannot be saved or loaded."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint's files do not match its metadata (bad checksum,
+    truncated file, malformed metadata)."""
+
+
+class StateMismatchError(CheckpointError):
+    """Ranks disagree on the state's structure or the plan, or the state to
+    load into does not match the checkpoint."""
+
+
+class ReplicaMismatchError(StateMismatchError):
+    """The ranks' copies of the replicated state differ (``verify_replicas``)."""
+
+
+class LevelConfigError(CheckpointError):
+    """A multi-level config is malformed or does not fit the job."""
+
+
+class TopologyMismatchError(CheckpointError):
+    """A node-local (L1-L3) checkpoint was written by another world size or
+    node layout; only L4 (global) checkpoints can be restored there."""
+
+
+class UnrecoverableError(CheckpointError):
+    """More was lost than the checkpoint's levels can repair."""
+
+
+class FTIError(CheckpointError):
+    """libfti is missing, unusable, or an FTI call failed."""
+
+
+class ExportError(CheckpointError):
+    """A checkpoint cannot be exported, or a file cannot be imported."""
+
+
+class DcpPlanError(DeepPartError, RuntimeError):
+    """The ranks' replicated states differ, or a plan does not fit the state
+    (``deeppart.dcp``, the torch.distributed.checkpoint planners)."""
+
+
+# ----------------------------------------------------------------------------
+# The planner service.
+
+
+class PlannerServiceError(DeepPartError):
+    """The planner service refused or failed a request in a way that
+    planning in process would hide: a wrong or missing token, no permission,
+    another planner version, a target that is not a DeepPart service, or a
+    plan that does not check out. (An unreachable service is planned around.)"""
+
+
+class ServiceUnavailable(DeepPartError, RuntimeError):
+    """The service could not give a usable plan (with ``fallback=False``)."""
+
+
+class WireError(DeepPartError, ValueError):
+    """A service message is inconsistent or names something that does not exist."""
+
+
+class ServiceError(DeepPartError):
+    """Server side: ends an RPC with a gRPC status code (``code``, a
+    ``grpc.StatusCode``) and a message naming the problem."""
+
+    def __init__(self, code: Any, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+# ----------------------------------------------------------------------------
+# Warnings.
+
+
+class AsyncSaveWarning(UserWarning):
+    """An asynchronous save that ran synchronously (the reason is in the message)."""
+
+
+class RngStateWarning(UserWarning):
+    """A checkpoint's RNG states could not be restored on this rank."""
+
+
+# ----------------------------------------------------------------------------
+# Carrying an error's type to the other ranks.
+
+#: Every DeepPart exception that can fail a collective step, most derived
+#: first, so that :func:`code_of` finds an error's own class. Its position
+#: (plus one) is the code that the agreement collective sends; code 0 means
+#: no error. Append only at the end: old and new ranks of one job always run
+#: the same code, but a stable order keeps codes readable in logs.
+ERROR_TYPES: tuple[type[DeepPartError], ...] = (
+    ReplicaMismatchError,
+    CorruptCheckpointError,
+    StateMismatchError,
+    LevelConfigError,
+    TopologyMismatchError,
+    UnrecoverableError,
+    FTIError,
+    ExportError,
+    CheckpointError,
+    ValueEncodeError,
+    StateError,
+    CodecError,
+    DcpPlanError,
+    ServiceUnavailable,
+    PlannerServiceError,
+    WireError,
+    ManifestError,
+    PlanError,
+    CacheError,
+    ErasureError,
+    DeepPartError,
+)
+
+
+def code_of(err: BaseException) -> int:
+    """The code of ``err``'s type in :data:`ERROR_TYPES` (1-based); for an
+    exception that is not DeepPart's, the code of :class:`CheckpointError`,
+    as which the other ranks then see it."""
+    for i, cls in enumerate(ERROR_TYPES):
+        if type(err) is cls:
+            return i + 1
+    for i, cls in enumerate(ERROR_TYPES):
+        if isinstance(err, cls):
+            return i + 1
+    return ERROR_TYPES.index(CheckpointError) + 1
+
+
+def type_of_code(code: int) -> type[DeepPartError]:
+    """The exception type a code from :func:`code_of` stands for
+    (:class:`CheckpointError` for a code out of range)."""
+    if 1 <= code <= len(ERROR_TYPES):
+        return ERROR_TYPES[code - 1]
+    return CheckpointError

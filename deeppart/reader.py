@@ -1,0 +1,582 @@
+"""The stages of a load, in their order:
+
+1. :func:`open_checkpoint`: read and check ``metadata.json`` (or, when a
+   save that replaced the directory died before its commit, the committed
+   copy it had moved aside);
+2. :func:`plan_reads`: where each leaf's bytes go (:func:`targets`, also
+   matching an ``into=`` state by path), which leaves ``keys=`` selects,
+   which rank reads which data file (:func:`assign_readers`) and how the
+   bytes reach the other ranks (``exchange``);
+3. :func:`read_share`: each rank reads, verifies and decodes its files;
+4. :func:`exchange_share`: the bytes read reach every rank (broadcast, or a
+   node-shared window);
+5. :func:`assemble`: the state tree rebuilt from the filled targets.
+
+:func:`deeppart.load` runs them with an agreement collective after each
+step that can fail on some ranks only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import socket
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from deeppart import staging as _staging
+from deeppart._planner import Manifest, ManifestError
+from deeppart.comm import Comm, node_shared
+from deeppart.compression import decompress, decompress_into
+from deeppart.errors import CheckpointError, CodecError, CorruptCheckpointError, StateMismatchError
+from deeppart.format import (
+    HEADER_SIZE,
+    MARKER,
+    Metadata,
+    Piece,
+    check_file_sizes,
+    check_header,
+    checksum,
+    data_file_name,
+    decode_metadata,
+    is_committed,
+    max_expansion,
+    open_regular,
+    parse_metadata,
+    read_checked_metadata,
+)
+from deeppart.progress import Progress
+from deeppart.restore import ABSENT, IncompatibleKeys, match, prune, select
+from deeppart.state import FlatLeaf, decode_plain, flatten, unflatten
+from deeppart.tensors import U8, dtype_sizes, torch_dtypes, torch_module, u8_view
+
+__all__ = [
+    "EXCHANGES",
+    "IntoMatch",
+    "ReadBuffers",
+    "ReadPlan",
+    "Target",
+    "all_leaf_targets",
+    "assemble",
+    "assign_readers",
+    "committed_or_replaced",
+    "exchange_share",
+    "leaf_infos",
+    "leaf_targets",
+    "one_host",
+    "open_checkpoint",
+    "plan_reads",
+    "read_file",
+    "read_metadata",
+    "read_pieces",
+    "read_share",
+    "shared_buffers",
+]
+
+#: The ways the bytes read reach the other ranks (see :func:`deeppart.load`).
+EXCHANGES = ("auto", "bcast", "read")
+
+
+# ----------------------------------------------------------------------------
+# 1. Open.
+
+
+def leaf_infos(meta_raw: dict[str, Any]) -> list[dict[str, Any]]:
+    try:
+        manifest = Manifest.from_json(json.dumps(meta_raw.get("manifest")))
+    except (ManifestError, TypeError, ValueError) as e:
+        raise CorruptCheckpointError(f"metadata: bad manifest: {e}") from e
+    return manifest.leaves()
+
+
+def read_metadata(directory: Path) -> tuple[Metadata, bytes]:
+    text = read_checked_metadata(directory)
+    raw = decode_metadata(text)
+    # The leaves come from the manifest, checked by the planner's parser.
+    raw["leaves"] = [
+        {k: (list(v) if isinstance(v, tuple) else v) for k, v in lf.items() if v is not None}
+        for lf in leaf_infos(raw)
+    ]
+    return parse_metadata(raw, dtype_sizes(raw["leaves"])), hashlib.sha256(text).digest()
+
+
+def committed_or_replaced(path: Path) -> Path:
+    """``path`` itself, unless it is not committed and a save with
+    ``overwrite=True`` that was replacing it died before its commit marker:
+    then the previous checkpoint, which that save had moved aside still
+    committed (``.old-NAME-*``), with a warning."""
+    if is_committed(path) or not path.parent.is_dir():
+        return path
+    prefix = f".old-{path.name}-"
+    olds = [p for p in path.parent.iterdir() if p.name.startswith(prefix) and is_committed(p)]
+    if not olds:
+        return path
+    previous = max(olds, key=lambda p: (p / MARKER).stat().st_mtime)
+    warnings.warn(
+        f"{path}: not committed (a save replacing it was interrupted); "
+        f"loading the checkpoint it replaced, {previous}",
+        stacklevel=3,
+    )
+    return previous
+
+
+def open_checkpoint(path: Path) -> tuple[Path, Metadata, bytes]:
+    """The committed checkpoint at ``path`` (or the copy an interrupted
+    overwrite moved aside, see :func:`committed_or_replaced`): its path, its
+    checked metadata and the digest of ``metadata.json`` that the ranks
+    compare."""
+    try:
+        meta, digest = read_metadata(path)
+    except CheckpointError:
+        # Only on failure: the common path reads metadata.json once.
+        previous = committed_or_replaced(path)
+        if previous == path:
+            raise
+        path = previous
+        meta, digest = read_metadata(path)
+    return path, meta, digest
+
+
+# ----------------------------------------------------------------------------
+# 2. Plan the reads.
+
+
+@dataclass
+class Target:
+    """Where a leaf's bytes go: a flat uint8 view of the tensor to return
+    (``tensor``), possibly a staging tensor copied into ``into`` at the end."""
+
+    buf: U8
+    tensor: Any | None
+    copy_into: Any | None
+    #: A device tensor's flat uint8 view, filled through the staging buffer
+    #: (then ``buf`` is empty).
+    sink: Any | None = None
+
+
+@dataclass
+class IntoMatch:
+    """How the checkpoint's leaves map onto an ``into=`` state."""
+
+    leaves: list[FlatLeaf]
+    skeleton: Any
+    #: checkpoint leaf index -> into leaf index
+    pairs: dict[int, int]
+    keys: IncompatibleKeys
+
+
+def all_leaf_targets(meta: Metadata, into: Any) -> tuple[list[Target], IntoMatch | None]:
+    """Targets of every leaf, ``into`` (if any) matching the checkpoint exactly."""
+    targets, matched = leaf_targets(meta, into)
+    full = [t for t in targets if t is not None]
+    assert len(full) == len(targets)
+    return full, matched
+
+
+def leaf_targets(
+    meta: Metadata, into: Any, selected: list[bool] | None = None, strict: bool = True
+) -> tuple[list[Target | None], IntoMatch | None]:
+    """Where each selected leaf's bytes go (None: not read; all leaves are
+    selected by default). With ``into``, its leaves are matched with the
+    checkpoint's by path."""
+    if selected is None:
+        selected = [True] * len(meta.leaves)
+    dtypes = torch_dtypes() if any(lf.kind == "tensor" for lf in meta.leaves) else {}
+    targets: list[Target | None] = [None] * len(meta.leaves)
+    matched: IntoMatch | None = None
+    if into is not None:
+        into_leaves, skeleton = flatten(into)
+        pairs, keys = match(
+            [lf.path for lf in meta.leaves], selected, [lf.path for lf in into_leaves], strict
+        )
+        matched = IntoMatch(into_leaves, skeleton, pairs, keys)
+    for i, info in enumerate(meta.leaves):
+        if not selected[i] or (matched is not None and i not in matched.pairs):
+            continue
+        where = "/".join(map(str, info.path))
+        if info.kind == "object":
+            if matched is not None and matched.leaves[matched.pairs[i]].tensor is not None:
+                raise StateMismatchError(f"into= has a tensor at {where}, the checkpoint a value")
+            targets[i] = Target(np.empty(info.nbytes, dtype=np.uint8), None, None)
+            continue
+        dtype = dtypes[str(info.dtype)]
+        if matched is None:
+            t = torch_module().empty(info.shape, dtype=dtype)
+            targets[i] = Target(u8_view(t), t, None)
+            continue
+        t = matched.leaves[matched.pairs[i]].tensor
+        if t is None:
+            raise StateMismatchError(f"into= has a value at {where}, the checkpoint a tensor")
+        if t.dtype != dtype or list(t.shape) != list(info.shape):
+            raise StateMismatchError(
+                f"{where}: into= has {t.dtype} {list(t.shape)}, the checkpoint "
+                f"{info.dtype} {info.shape}"
+            )
+        plain = t.is_contiguous() and not t.is_conj() and not t.is_neg()
+        if plain and _staging.needs_staging(t):
+            sink = _staging.device_bytes(t)
+            targets[i] = Target(np.empty(0, dtype=np.uint8), t, None, sink)
+        elif t.device.type == "cpu" and plain:
+            targets[i] = Target(u8_view(t), t, None)
+        else:
+            stage = torch_module().empty(info.shape, dtype=dtype)
+            targets[i] = Target(u8_view(stage), t, stage)
+    return targets, matched
+
+
+def assign_readers(file_bytes: list[int], readers: int) -> list[int]:
+    """Reader rank of every data file: largest files first, each to the
+    least-loaded reader (ties: the lowest rank). Deterministic."""
+    load = [0] * readers
+    owner = [0] * len(file_bytes)
+    for f in sorted(range(len(file_bytes)), key=lambda i: (-file_bytes[i], i)):
+        r = min(range(readers), key=lambda k: (load[k], k))
+        owner[f] = r
+        load[r] += file_bytes[f]
+    return owner
+
+
+def one_host(comm: Comm) -> bool:
+    """Whether every rank of ``comm`` runs on this host (collective)."""
+    hosts = comm.allgather_varbytes(socket.gethostname().encode())
+    return len(set(hosts)) == 1
+
+
+@dataclass
+class ReadPlan:
+    """Who reads what, and where it goes."""
+
+    path: Path
+    meta: Metadata
+    #: Per leaf: where its bytes go (None: not read).
+    targets: list[Target | None]
+    #: How the checkpoint's leaves map onto ``into=`` (None without it).
+    matched: IntoMatch | None
+    #: Per data file: the rank that reads it.
+    owner: list[int]
+    #: Every rank reads every piece itself (no exchange).
+    read_all: bool
+    #: The readers decompress into memory that every rank of the host maps
+    #: (an MPI shared window), not a broadcast.
+    via_shared: bool
+    #: Per data file: its pieces that are read.
+    by_file: list[list[Piece]] = field(default_factory=list)
+    #: Per data file: the raw bytes of those pieces.
+    file_raw: list[int] = field(default_factory=list)
+    #: The data files this rank reads.
+    mine: list[int] = field(default_factory=list)
+
+
+def plan_reads(
+    comm: Comm,
+    path: Path,
+    meta: Metadata,
+    *,
+    into: Any,
+    keys: Any,
+    strict: bool,
+    exchange: str,
+    same_host: bool,
+) -> ReadPlan:
+    """The reads of this rank: the same decisions on every rank (they
+    depend only on the metadata, the arguments and ``same_host``)."""
+    selected = select([lf.path for lf in meta.leaves], keys)
+    tgts, matched = leaf_targets(meta, into, selected, strict)
+    raw_per_file = [0] * meta.world_size
+    for p in meta.pieces:
+        if tgts[p.leaf] is not None:
+            raw_per_file[p.rank] += p.length
+    via_shared = False
+    if exchange == "auto":
+        # A compressed piece is decompressed once, by the rank that reads
+        # it, and its raw bytes exchanged: with "read" every rank would
+        # decompress everything.
+        compressed = any(p.codec != "none" for p in meta.pieces)
+        exchange = "read" if same_host and not compressed else "bcast"
+        via_shared = same_host and compressed
+    if exchange not in ("bcast", "read"):
+        raise ValueError(f"exchange must be 'auto', 'bcast' or 'read', not {exchange!r}")
+    read_all = exchange == "read" or comm.size == 1
+    owner = [comm.rank] * meta.world_size if read_all else assign_readers(raw_per_file, comm.size)
+    check_file_sizes(path, meta, [f for f in range(meta.world_size) if owner[f] == comm.rank])
+    by_file: list[list[Piece]] = [[] for _ in range(meta.world_size)]
+    for p in meta.pieces:
+        if tgts[p.leaf] is not None:
+            by_file[p.rank].append(p)
+    file_raw = [sum(p.length for p in ps) for ps in by_file]
+    # A partial load opens only the files holding what it reads.
+    partial = keys is not None or (matched is not None and len(matched.pairs) < len(meta.leaves))
+    mine = [
+        f
+        for f in range(meta.world_size)
+        if owner[f] == comm.rank and (by_file[f] or not partial)
+    ]
+    return ReadPlan(
+        path, meta, tgts, matched, owner, read_all, via_shared, by_file, file_raw, mine
+    )
+
+
+# ----------------------------------------------------------------------------
+# 3. Read.
+
+
+def read_file(
+    directory: Path,
+    meta: Metadata,
+    rank: int,
+    pieces: list[Piece],
+    dest: Callable[[Piece], U8 | _staging.DeviceSink],
+    progress: Progress,
+    staging: _staging.Staging | None = None,
+) -> int:
+    """Reads, verifies and decodes the pieces of one data file into
+    ``dest(piece)``; returns the bytes read."""
+    path = directory / data_file_name(rank)
+    try:
+        f = open_regular(path)
+    except OSError as e:
+        raise CorruptCheckpointError(f"{path}: cannot open ({e.strerror})") from e
+    with f:
+        return read_pieces(f, path, directory, meta, rank, pieces, dest, progress, staging)
+
+
+def read_pieces(
+    f: Any,
+    path: Path,
+    directory: Path,
+    meta: Metadata,
+    rank: int,
+    pieces: list[Piece],
+    dest: Callable[[Piece], U8 | _staging.DeviceSink],
+    progress: Progress,
+    staging: _staging.Staging | None = None,
+) -> int:
+    """:func:`read_file` from ``f`` (an open file, or anything with
+    ``seek``/``read``/``readinto``, e.g. :class:`io.BytesIO`)."""
+    n = 0
+    sizes = {i: lf.itemsize for i, lf in enumerate(meta.leaves)}
+    check_header(path, f.read(HEADER_SIZE), rank, meta.world_size, meta.plan_fingerprint)
+    for p in pieces:
+        out = dest(p)
+        f.seek(p.offset)
+        if isinstance(out, _staging.DeviceSink):
+            _read_staged(f, p, out, staging or _staging.Staging(), directory, sizes[p.leaf])
+            n += p.stored
+            progress.advance(p.length)
+            continue
+        if p.codec == "none":
+            got = f.readinto(out.data)
+            if got != p.length:
+                raise CorruptCheckpointError(f"{p.describe(directory)}: short read")
+            stored: bytes | memoryview = out.data
+        else:
+            stored = f.read(p.stored)
+            if len(stored) != p.stored:
+                raise CorruptCheckpointError(f"{p.describe(directory)}: short read")
+        if checksum(stored) != p.xxh3:
+            raise CorruptCheckpointError(f"{p.describe(directory)}: checksum mismatch (xxh3_64)")
+        if p.codec != "none":
+            try:
+                limit = max_expansion(meta.leaves[p.leaf].kind)
+                decompress_into(p.codec, stored, out, sizes[p.leaf], limit)
+            except CodecError as e:
+                raise CorruptCheckpointError(f"{p.describe(directory)}: {e}") from e
+        n += p.stored
+        progress.advance(p.length)
+    return n
+
+
+def _read_staged(
+    f: Any,
+    p: Piece,
+    sink: _staging.DeviceSink,
+    staging: _staging.Staging,
+    directory: Path,
+    itemsize: int,
+) -> None:
+    """Reads piece ``p`` (at ``f``'s position) into a device tensor: a raw
+    piece chunk by chunk through ``staging``, a compressed one decoded whole
+    and then copied in chunks."""
+    if p.codec == "none":
+        xxh = _staging.read_stream(f, p.length, sink, staging)
+        if xxh is None:
+            raise CorruptCheckpointError(f"{p.describe(directory)}: short read")
+        if xxh != p.xxh3:
+            raise CorruptCheckpointError(f"{p.describe(directory)}: checksum mismatch (xxh3_64)")
+        return
+    stored = f.read(p.stored)
+    if len(stored) != p.stored:
+        raise CorruptCheckpointError(f"{p.describe(directory)}: short read")
+    if checksum(stored) != p.xxh3:
+        raise CorruptCheckpointError(f"{p.describe(directory)}: checksum mismatch (xxh3_64)")
+    try:
+        raw = decompress(p.codec, stored, p.length, itemsize)
+    except CodecError as e:
+        raise CorruptCheckpointError(f"{p.describe(directory)}: {e}") from e
+    staging.put(sink, np.frombuffer(raw, dtype=np.uint8))
+
+
+def _place(buf: U8, pieces: list[Piece]) -> Callable[[Piece], U8]:
+    """Where each of ``pieces`` sits in ``buf``, a file's read bytes (in
+    the order of ``pieces``)."""
+    offsets: dict[int, int] = {}
+    pos = 0
+    for p in pieces:
+        offsets[id(p)] = pos
+        pos += p.length
+    return lambda p: buf[offsets[id(p)] : offsets[id(p)] + p.length]
+
+
+def _direct(rp: ReadPlan) -> Callable[[Piece], U8 | _staging.DeviceSink]:
+    """The final place of a piece's bytes: its slice of the target."""
+
+    def dest(p: Piece) -> U8 | _staging.DeviceSink:
+        info = rp.meta.leaves[p.leaf]
+        isz = info.itemsize if info.kind == "tensor" else 0
+        tgt = rp.targets[p.leaf]
+        assert tgt is not None
+        if isz == 0:
+            return tgt.buf
+        if tgt.sink is not None:
+            return _staging.DeviceSink(tgt.sink, p.start * isz, p.length)
+        return tgt.buf[p.start * isz : p.stop * isz]
+
+    return dest
+
+
+@dataclass
+class ReadBuffers:
+    """Where the data files' raw bytes are read to, before the exchange."""
+
+    #: By data file.
+    files: dict[int, U8] = field(default_factory=dict)
+    #: The buffers are slices of a node-shared window: the exchange is a copy.
+    shared: bool = False
+
+
+@contextmanager
+def shared_buffers(comm: Comm, rp: ReadPlan) -> Iterator[ReadBuffers]:
+    """The buffers that the data files' raw bytes are read into: with
+    ``via_shared`` (and an MPI communicator on one host), slices of a
+    node-shared window (file f in its reader's segment, after that reader's
+    earlier files), which every rank of the host maps; else filled in as the
+    files are read. Collective on exit (nobody still copies out of another
+    rank's segment)."""
+    out = ReadBuffers()
+    shared = None
+    if rp.via_shared and not rp.read_all:
+        shared = node_shared(comm, sum(rp.file_raw[f] for f in rp.mine))
+    if shared is not None:
+        out.shared = True
+        ends = [0] * comm.size
+        for f in range(rp.meta.world_size):
+            seg = shared.segments[rp.owner[f]]
+            out.files[f] = seg[ends[rp.owner[f]] : ends[rp.owner[f]] + rp.file_raw[f]]
+            ends[rp.owner[f]] += rp.file_raw[f]
+    try:
+        yield out
+    finally:
+        if shared is not None:
+            out.files.clear()
+            comm.barrier()
+            shared.close()
+
+
+def read_share(
+    rp: ReadPlan,
+    buffers: ReadBuffers,
+    progress: Progress,
+    stage: _staging.Staging,
+) -> int:
+    """Reads this rank's data files: straight into the targets (every rank
+    reads everything), else into ``buffers`` for :func:`exchange_share`.
+    Returns the bytes read from disk."""
+    nread = 0
+    for f in rp.mine:
+        pieces = rp.by_file[f]
+        if rp.read_all:
+            nread += read_file(rp.path, rp.meta, f, pieces, _direct(rp), progress, stage)
+        else:
+            buf = buffers.files.setdefault(f, np.empty(rp.file_raw[f], dtype=np.uint8))
+            nread += read_file(rp.path, rp.meta, f, pieces, _place(buf, pieces), progress)
+    return nread
+
+
+def exchange_share(
+    comm: Comm, rp: ReadPlan, buffers: ReadBuffers, stage: _staging.Staging
+) -> None:
+    """Every rank gets every file's bytes (by broadcast from its reader, or
+    from the shared window) and copies them into its targets."""
+    if rp.read_all:
+        return
+    dest = _direct(rp)
+    for f in range(rp.meta.world_size):
+        if rp.file_raw[f] == 0:
+            continue
+        buf = buffers.files.pop(f, None)
+        if buf is None:
+            buf = np.empty(rp.file_raw[f], dtype=np.uint8)
+        if not buffers.shared:
+            comm.bcast_u8(buf, root=rp.owner[f])
+        src = _place(buf, rp.by_file[f])
+        for p in rp.by_file[f]:
+            out = dest(p)
+            if isinstance(out, _staging.DeviceSink):
+                stage.put(out, src(p))
+            else:
+                out[:] = src(p)
+        del buf
+
+
+# ----------------------------------------------------------------------------
+# 5. Assemble.
+
+
+def assemble(
+    meta: Metadata,
+    targets: Sequence[Target | None],
+    path: Path,
+    into: IntoMatch | None = None,
+    pruned: bool = False,
+) -> Any:
+    """The state from the filled targets: object leaves decoded, staged
+    tensors copied into ``into``'s, the containers rebuilt (``into``'s
+    when given, its own values kept at its missing leaves; else the
+    checkpoint's, without the leaves not read when ``pruned``)."""
+    values: list[Any] = []
+    try:
+        for i, info in enumerate(meta.leaves):
+            tgt = targets[i]
+            if tgt is None:
+                values.append(ABSENT)
+            elif info.kind == "object":
+                try:
+                    values.append(decode_plain(tgt.buf.tobytes()))
+                except ValueError as e:
+                    raise CorruptCheckpointError(
+                        f"{path}: object leaf {'/'.join(map(str, info.path))}: {e}"
+                    ) from e
+            else:
+                if tgt.copy_into is not None:
+                    assert tgt.tensor is not None
+                    with torch_module().no_grad():
+                        tgt.tensor.copy_(tgt.copy_into)
+                values.append(tgt.tensor)
+        if into is not None:
+            mine: list[Any] = [
+                lf.tensor if lf.tensor is not None else decode_plain(lf.encoded or b"null")
+                for lf in into.leaves
+            ]
+            for i, j in into.pairs.items():
+                mine[j] = values[i]
+            return unflatten(into.skeleton, mine)
+        state = unflatten(meta.skeleton, values, absent=ABSENT)
+        return prune(state) if pruned else state
+    except ValueError as e:
+        raise CorruptCheckpointError(f"{path}: {e}") from e

@@ -1,0 +1,188 @@
+"""Stage 3 of a save: write. Every rank writes its planned pieces into its
+own data file (``rank-NNNNN.bin`` in the save's temporary directory),
+straight from tensor memory, compressing each piece when that makes it
+smaller, and returns the piece records (offset, raw length, stored length,
+xxh3_64, codec) that :mod:`deeppart.commit` puts into ``metadata.json``.
+
+Fault injection: :func:`add_fault_hook` (or :func:`fault_hook`) registers a function that runs on a
+named point of every data-file write (``"before-write"``: the file is not
+open yet; ``"after-write"``: the file is written and fsynced). The demo
+and the failure tests kill or stall a rank there, as FTI's ``FTI_FI_WRITE``
+does, instead of patching this module's functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from deeppart import staging as _staging
+from deeppart.compression import CODECS, compress
+from deeppart.format import HEADER_SIZE, align_up, checksum, header_bytes, max_expansion
+from deeppart.prepare import Prepared
+from deeppart.progress import Progress
+from deeppart.tensors import U8, readable, u8_view
+
+__all__ = [
+    "RECORD_FIELDS",
+    "WRITE_CHUNK",
+    "FaultPoint",
+    "WriteEvent",
+    "add_fault_hook",
+    "fault_hook",
+    "write_pieces",
+]
+
+#: Columns of a rank's piece records: offset, raw length, stored length,
+#: xxh3_64, codec index.
+RECORD_FIELDS = 5
+
+
+#: Bytes per write() call. One huge write() of a large tensor was measured
+#: slower here than the same bytes in chunks (bench/checkpoint.py's raw
+#: ceiling writes in the same chunks).
+WRITE_CHUNK = 8 << 20
+
+# ----------------------------------------------------------------------------
+# Fault injection.
+
+FaultPoint = Literal["before-write", "after-write"]
+FAULT_POINTS: tuple[FaultPoint, ...] = ("before-write", "after-write")
+
+
+@dataclass(frozen=True)
+class WriteEvent:
+    """What a fault hook is told: the point, the writing rank and its data file."""
+
+    point: FaultPoint
+    rank: int
+    path: Path
+
+
+_fault_hooks: dict[FaultPoint, list[Callable[[WriteEvent], None]]] = {p: [] for p in FAULT_POINTS}
+
+
+def add_fault_hook(point: FaultPoint, hook: Callable[[WriteEvent], None]) -> Callable[[], None]:
+    """Runs ``hook(event)`` at ``point`` of every data-file write in this
+    process (from any thread: asynchronous saves write in a background
+    thread), until the returned function is called. An exception from the
+    hook fails that rank's write as an I/O error would; a hook may also kill
+    the process (a simulated node failure)."""
+    if point not in FAULT_POINTS:
+        raise ValueError(f"fault point must be one of {FAULT_POINTS}, not {point!r}")
+    hooks = _fault_hooks[point]
+    hooks.append(hook)
+
+    def remove() -> None:
+        with contextlib.suppress(ValueError):
+            hooks.remove(hook)
+
+    return remove
+
+
+@contextlib.contextmanager
+def fault_hook(point: FaultPoint, hook: Callable[[WriteEvent], None]) -> Iterator[None]:
+    """:func:`add_fault_hook` for the duration of a ``with`` block."""
+    remove = add_fault_hook(point, hook)
+    try:
+        yield
+    finally:
+        remove()
+
+
+def _fire(point: FaultPoint, rank: int, path: Path) -> None:
+    for hook in list(_fault_hooks[point]):
+        hook(WriteEvent(point, rank, path))
+
+
+# ----------------------------------------------------------------------------
+# Writing.
+
+
+def _write_chunked(f: Any, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    for start in range(0, len(view), WRITE_CHUNK):
+        f.write(view[start : start + WRITE_CHUNK])
+
+
+def write_pieces(
+    path: Path,
+    rank: int,
+    prep: Prepared,
+    level: int,
+    progress: Progress,
+    staging: _staging.Staging | None = None,
+) -> tuple[npt.NDArray[np.uint64], int]:
+    """Writes this rank's data file; returns its piece records and size.
+    Pieces of device tensors pass through ``staging`` in bounded chunks."""
+    stage = staging if staging is not None else _staging.Staging()
+    on_device: dict[int, Any] = {}
+    pieces = prep.plan.rank_pieces(rank)
+    records = np.zeros((len(pieces), RECORD_FIELDS), dtype=np.uint64)
+    views: dict[int, tuple[U8, int]] = {}
+    codec_index = CODECS.index(prep.codec)
+    _fire("before-write", rank, path)
+    with open(path, "wb") as f:
+        f.write(header_bytes(rank, prep.plan.world_size, prep.plan.fingerprint))
+        pos = end = HEADER_SIZE
+        for k, (li, start, stop) in enumerate(pieces):
+            leaf = prep.leaves[li]
+            if leaf.tensor is not None and _staging.needs_staging(leaf.tensor):
+                if li not in on_device:
+                    on_device[li] = _staging.device_bytes(leaf.tensor)
+                isz = leaf.tensor.element_size()
+                chunks = stage.read(on_device[li], start * isz, stop * isz)
+                if not codec_index:
+                    # Raw: streamed from the host buffer, checksummed on the way.
+                    f.seek(pos)
+                    n, xxh = _staging.write_stream(f, chunks)
+                    end = pos + n if n else end
+                    records[k] = (pos, n, n, xxh, 0)
+                    pos = align_up(pos + n)
+                    progress.advance(n)
+                    continue
+                # A codec needs the whole piece: staged whole (see deeppart.staging).
+                whole = np.empty((stop - start) * isz, dtype=np.uint8)
+                at = 0
+                for chunk in chunks:
+                    whole[at : at + chunk.size] = chunk
+                    at += chunk.size
+                raw, itemsize = whole.data, isz
+            elif leaf.tensor is not None:
+                if li not in views:
+                    t = readable(leaf.tensor)
+                    views[li] = (u8_view(t), t.element_size())
+                arr, itemsize = views[li]
+                raw = arr[start * itemsize : stop * itemsize].data
+            else:
+                assert leaf.encoded is not None
+                itemsize = 1
+                raw = memoryview(leaf.encoded)
+            data: bytes | memoryview = raw
+            used = 0
+            if codec_index and len(raw):
+                limit = max_expansion("tensor" if leaf.tensor is not None else "object")
+                packed = compress(prep.codec, raw, itemsize, level, limit)
+                if len(packed) < len(raw):
+                    data, used = packed, codec_index
+            if len(data):
+                if f.tell() != pos:
+                    f.seek(pos)
+                _write_chunked(f, data)
+                end = pos + len(data)
+            records[k] = (pos, len(raw), len(data), checksum(data), used)
+            pos = align_up(pos + len(data))
+            progress.advance(len(raw))
+        f.truncate(end)
+        size = end
+        f.flush()
+        os.fsync(f.fileno())
+    _fire("after-write", rank, path)
+    return records, size
