@@ -438,3 +438,56 @@ def test_interrupted_overwrite_keeps_the_previous_checkpoint(
     cp.save(5, {"w": torch.ones(10), "step": 5})
     cp.save(8, {"w": torch.ones(10), "step": 8})
     assert not any(p.name.startswith(".old-") for p in tmp_path.iterdir())
+
+
+# ----------------------------------------------------------------------------
+# The writer's named fault hooks, and the renamed compression level.
+
+
+def test_fault_hooks_fire_around_every_data_file_write(tmp_path: Path) -> None:
+    from deeppart.writer import WriteEvent, fault_hook
+
+    seen: list[tuple[str, int, str, bool]] = []
+
+    def record(event: WriteEvent) -> None:
+        seen.append((event.point, event.rank, event.path.name, event.path.exists()))
+
+    with fault_hook("before-write", record), fault_hook("after-write", record):
+        deeppart.save({"w": torch.arange(100.0), "step": 1}, tmp_path / "a")
+    assert seen == [
+        ("before-write", 0, "rank-00000.bin", False),
+        ("after-write", 0, "rank-00000.bin", True),
+    ]
+    # Removed on leaving the block: the next save fires nothing.
+    deeppart.save({"w": torch.arange(100.0)}, tmp_path / "b")
+    assert len(seen) == 2
+
+
+def test_a_failing_fault_hook_fails_the_save_and_commits_nothing(tmp_path: Path) -> None:
+    from deeppart.writer import WriteEvent, fault_hook
+
+    def disk_full(event: WriteEvent) -> None:
+        raise OSError(28, "No space left on device (injected)", str(event.path))
+
+    deeppart.save({"w": torch.arange(10.0)}, tmp_path / "ck")
+    with fault_hook("after-write", disk_full), pytest.raises(OSError, match="injected"):
+        deeppart.save({"w": torch.zeros(10)}, tmp_path / "ck", overwrite=True)
+    assert torch.equal(deeppart.load(tmp_path / "ck")["w"], torch.arange(10.0))
+    assert [p.name for p in tmp_path.iterdir()] == ["ck"], "the temporary directory is gone"
+    bad_point = "during-write"
+    with pytest.raises(ValueError, match="fault point"), fault_hook(bad_point, disk_full):  # type: ignore[arg-type]
+        pass
+
+
+def test_compression_level_and_its_deprecated_old_name(tmp_path: Path) -> None:
+    state = {"w": torch.zeros(1 << 16)}
+    deeppart.save(state, tmp_path / "new", compression="zstd", compression_level=3)
+    with pytest.warns(DeprecationWarning, match="compression_level"):
+        deeppart.save(state, tmp_path / "old", compression="zstd", level=3)
+    a = (tmp_path / "new" / "rank-00000.bin").read_bytes()
+    b = (tmp_path / "old" / "rank-00000.bin").read_bytes()
+    assert a[64:] == b[64:], "the same level, the same compressed bytes"
+    with pytest.warns(DeprecationWarning, match="compression_level"):
+        cp = deeppart.Checkpointer(tmp_path / "cp", compression="zstd", level=5)
+    assert cp.compression_level == 5
+    assert deeppart.Checkpointer(tmp_path / "cp2", compression_level=7).compression_level == 7

@@ -1,0 +1,69 @@
+"""The package's import structure (docs/ARCHITECTURE.md), checked by
+scripts/check_architecture.py: no import cycle, no module importing the
+package itself, no module using another module's underscore names."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import check_architecture  # noqa: E402
+
+
+def test_deeppart_has_no_cycle_no_self_import_no_private_use() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "check_architecture.py")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "no import cycle" in proc.stdout
+
+
+def _package(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = root / "deeppart" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+def test_the_checker_finds_each_kind_of_problem(tmp_path: Path) -> None:
+    root = _package(
+        tmp_path,
+        {
+            "__init__.py": "from deeppart.a import f\n",
+            "a.py": "from deeppart.b import g\n\ndef f() -> int:\n    return g()\n",
+            # A lazy import still closes the cycle a -> b -> a.
+            "b.py": "def g() -> int:\n    from deeppart import a\n    return 1\n",
+            "c.py": "import deeppart\nfrom deeppart import a as m\nx = m._hidden\n",
+            "d.py": "from deeppart.a import _private\n",
+            "sub/__init__.py": "",
+            "sub/e.py": "from ..a import f\n",
+        },
+    )
+    findings = check_architecture.check(root)
+    assert any(f.startswith("import cycle: deeppart.a -> deeppart.b") for f in findings), findings
+    assert any("deeppart.c:1: imports the package itself" in f for f in findings), findings
+    assert any("deeppart.c:3: uses another module's private name deeppart.a._hidden" in f
+               for f in findings), findings
+    assert any("deeppart.d:1: uses another module's private name deeppart.a._private" in f
+               for f in findings), findings
+    assert len(findings) == 4, findings
+
+
+def test_a_clean_package_passes(tmp_path: Path) -> None:
+    root = _package(
+        tmp_path,
+        {
+            "__init__.py": "from deeppart.a import f\nimport deeppart.b\n",
+            "a.py": "from deeppart.b import g\n\ndef f() -> int:\n    return g()\n",
+            "b.py": "from deeppart._planner import x\n\ndef g() -> int:\n    return 1\n",
+        },
+    )
+    assert check_architecture.check(root) == []
