@@ -15,8 +15,11 @@ a local copy.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any, Protocol
 
@@ -451,3 +454,76 @@ def resolve(comm: Any = None) -> Comm:
     if mpi_mod is not None and mpi_mod.Is_initialized() and not mpi_mod.Is_finalized():
         return MPIComm(mpi_mod.COMM_WORLD)
     return SingleComm()
+
+
+# ----------------------------------------------------------------------------
+# The communicators of background writers (deeppart.async_save).
+
+_WRITERS: dict[Any, tuple[Any, Comm]] = {}
+_WRITERS_LOCK = threading.Lock()
+
+
+_SINGLE = SingleComm()
+
+
+def release_writers() -> None:
+    """Frees the cached writer communicators (an MPI ``Dup``, a gloo group).
+    Runs at interpreter exit (before mpi4py finalizes MPI): a gloo group
+    left for the interpreter's teardown can abort the process ("terminate
+    called without an active exception") after the program has finished.
+    Call it yourself before re-initialising MPI or torch.distributed."""
+    with _WRITERS_LOCK:
+        writers = list(_WRITERS.values())
+        _WRITERS.clear()
+    for _, comm in writers:
+        with contextlib.suppress(Exception):
+            if isinstance(comm, MPIComm):
+                if not comm._MPI.Is_finalized():
+                    comm.comm.Free()
+            elif isinstance(comm, TorchDistComm):
+                import torch.distributed as dist
+
+                if dist.is_initialized() and comm.group is not None:
+                    dist.destroy_process_group(comm.group)
+
+
+atexit.register(release_writers)
+
+
+def writer_comm(c: Comm) -> tuple[Comm | None, str]:
+    """The dedicated communicator of ``c``'s background writer (made once per
+    communicator, collectively), or None and the reason why a background
+    writer cannot be used."""
+    if isinstance(c, SingleComm):
+        return _SINGLE, ""
+    if isinstance(c, MPIComm):
+        mpi = c._MPI
+        level = mpi.Query_thread()
+        if level < mpi.THREAD_MULTIPLE:
+            return None, (
+                f"MPI provides thread level {level}, not MPI_THREAD_MULTIPLE "
+                f"({mpi.THREAD_MULTIPLE}), so a background thread may not call MPI"
+            )
+        key: Any = ("mpi", c.comm.py2f())
+        if key not in _WRITERS:
+            _WRITERS[key] = (c.comm, MPIComm(c.comm.Dup()))
+        return _WRITERS[key][1], ""
+    if isinstance(c, TorchDistComm):
+        import torch.distributed as dist
+
+        # The default group's identity too: a re-initialised
+        # torch.distributed gets new writer groups.
+        world = dist.group.WORLD
+        key = ("torch", id(c.group), id(world))
+        if key not in _WRITERS:
+            if c.group is None:
+                ranks = list(range(dist.get_world_size()))
+            else:
+                ranks = dist.get_process_group_ranks(c.group)
+            # The writer's collectives are small (agreements, piece records):
+            # gloo keeps them on the CPU, off the GPU's NCCL streams.
+            backend = "gloo" if dist.is_gloo_available() else str(dist.get_backend(c.group))
+            group = dist.new_group(ranks, backend=backend, use_local_synchronization=True)
+            _WRITERS[key] = ((c.group, world), TorchDistComm(group))
+        return _WRITERS[key][1], ""
+    return None, f"no dedicated writer communicator for a {type(c).__name__}"
