@@ -32,6 +32,7 @@ from deeppart.format import (
     parse_metadata,
     read_checked_metadata,
     read_regular,
+    step_dir_name,
 )
 from deeppart.progress import Progress, human_bytes
 
@@ -130,7 +131,7 @@ class LevelFiles:
             )
         try:
             nodes = [int(n) for n in lv["nodes"]]
-            name = f"step-{int(lv['step']):08d}"
+            name = step_dir_name(int(lv["step"]))
             exec_id = str(lv["exec_id"])
             glbl = lv.get("glbl_dir")
             return LevelFiles(

@@ -14,7 +14,7 @@ from deeppart.checkpoint import compression_level_of, load, save
 from deeppart.comm import resolve
 from deeppart.compression import check_codec
 from deeppart.errors import CheckpointError
-from deeppart.format import is_committed, remove_tree, step_number
+from deeppart.format import STEP_PREFIX, is_committed, remove_tree, step_dir_name, step_number
 from deeppart.levels import open_backend
 from deeppart.levels.backend import LevelBackend, LevelSaveStats, RecoveryReport
 from deeppart.planning import PlanProvider
@@ -40,7 +40,7 @@ class Checkpointer:
     buffer for device tensors (see :func:`save`).
     """
 
-    PREFIX = "step-"
+    PREFIX = STEP_PREFIX
 
     def __init__(
         self,
@@ -119,7 +119,7 @@ class Checkpointer:
             )
 
     def path(self, step: int) -> Path:
-        return self.root / f"{self.PREFIX}{step:08d}"
+        return self.root / step_dir_name(step)
 
     def _step_of(self, name: str) -> int | None:
         """The step a directory name holds: ``step-N`` or ``.old-step-N-<hex>``

@@ -31,6 +31,9 @@ FORMAT_NAME = "deeppart-checkpoint"
 FORMAT_VERSION = 1
 METADATA = "metadata.json"
 MARKER = "COMMITTED"
+#: Numbered checkpoints (Checkpointer, the level backends) live in
+#: directories STEP_PREFIX + the step as 8 digits: ``step-00000100``.
+STEP_PREFIX = "step-"
 ALIGN = 4096
 HEADER_SIZE = ALIGN
 MAGIC = b"DPCKPT01"
@@ -56,7 +59,12 @@ def data_file_name(rank: int) -> str:
     return f"rank-{rank:05d}.bin"
 
 
-def step_number(name: str, prefix: str) -> int | None:
+def step_dir_name(step: int) -> str:
+    """The directory name of a numbered checkpoint: ``step-00000100``."""
+    return f"{STEP_PREFIX}{step:08d}"
+
+
+def step_number(name: str, prefix: str = STEP_PREFIX) -> int | None:
     """N for a directory name ``prefix + N`` of ASCII digits, else None
     (also for names such as ``step-²``, whose ``isdigit()`` is true but
     which ``int()`` refuses)."""
