@@ -17,7 +17,7 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyMapping};
 
-use crate::DeepPartError;
+use crate::errors::DeepPartError;
 
 create_exception!(
     _planner,

@@ -296,7 +296,7 @@ mod tests {
     #[test]
     fn large_states_use_many_writers() {
         let cost = CostModel::default();
-        let dtype = crate::DType::Float32;
+        let dtype = crate::dtype::DType::Float32;
         let m = Manifest::new(vec![Leaf::tensor(
             vec![PathKey::Str("w".into())],
             dtype,

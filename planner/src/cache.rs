@@ -71,7 +71,7 @@ pub struct CacheOptions {
     /// Size cap of the disk store, in bytes of encoded plans.
     pub max_bytes: u64,
     /// Planner version stored with, and required of, every disk entry.
-    /// [`crate::PLANNER_VERSION`] except in tests.
+    /// [`crate::pipeline::PLANNER_VERSION`] except in tests.
     pub planner_version: String,
 }
 
@@ -81,7 +81,7 @@ impl Default for CacheOptions {
             directory: default_cache_dir(),
             memory_entries: DEFAULT_MEMORY_ENTRIES,
             max_bytes: DEFAULT_MAX_BYTES,
-            planner_version: crate::PLANNER_VERSION.to_string(),
+            planner_version: crate::pipeline::PLANNER_VERSION.to_string(),
         }
     }
 }
@@ -370,7 +370,7 @@ impl PlanCache {
         cost: CostModel,
         algorithm: Algorithm,
     ) -> Result<Request, PlanError> {
-        let world_size = crate::validate_inputs(&manifest, world_size, &topology, &cost)?;
+        let world_size = crate::pipeline::validate_inputs(&manifest, world_size, &topology, &cost)?;
         let fingerprint = self.fingerprint_of(&manifest, world_size, &topology, &cost, algorithm);
         Ok(Request {
             manifest,
@@ -422,7 +422,7 @@ impl PlanCache {
     }
 
     /// Computes a plan, or serves it from memory or disk. Errors only for
-    /// invalid inputs, exactly like [`crate::plan`]; never because of the cache.
+    /// invalid inputs, exactly like [`crate::pipeline::plan`]; never because of the cache.
     pub fn plan(
         &self,
         manifest: Arc<Manifest>,
@@ -438,7 +438,7 @@ impl PlanCache {
         }
         let ranks =
             crate::algorithms::run(algorithm, &req.manifest, req.world_size, &topology, &cost);
-        let plan = crate::assemble_plan_with_fingerprint(
+        let plan = crate::pipeline::assemble_plan_with_fingerprint(
             req.manifest,
             req.world_size,
             topology,
@@ -686,8 +686,8 @@ impl PlanCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dtype::DType;
     use crate::manifest::{Leaf, PathKey};
-    use crate::DType;
 
     fn tmpdir(name: &str) -> PathBuf {
         let d = std::env::temp_dir().join(format!(

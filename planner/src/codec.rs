@@ -2,7 +2,7 @@
 //!
 //! The manifest is not stored: whoever looks a plan up holds the manifest
 //! (it is part of the key), so decoding rebuilds the [`Plan`] from the
-//! caller's manifest and the stored pieces through [`crate::assemble_plan_with_fingerprint`],
+//! caller's manifest and the stored pieces through [`crate::pipeline::assemble_plan_with_fingerprint`],
 //! which validates the assignment like a freshly computed one.
 //!
 //! Layout (integers little-endian, `varint` = unsigned LEB128):
@@ -42,7 +42,9 @@ fn finite_or_none(v: f64) -> Option<f64> {
 }
 use crate::error::PlanError;
 use crate::manifest::Manifest;
-use crate::plan::{Algorithm, Piece, Plan, PlanSource};
+use crate::plan::{
+    check_coverage, check_piece, check_rank_count, Algorithm, Covering, Piece, Plan, PlanSource,
+};
 
 pub const MAGIC: &[u8; 4] = b"DPPC";
 pub const CODEC_VERSION: u16 = 2;
@@ -401,9 +403,9 @@ pub fn decode(
         return mismatch("manifest length");
     }
     let ranks = decode_pieces(&header, body)?;
-    crate::validate_inputs(&manifest, u64::from(world_size), &topology, &cost)?;
+    crate::pipeline::validate_inputs(&manifest, u64::from(world_size), &topology, &cost)?;
     validate_decoded(&manifest, world_size, &ranks)?;
-    Ok(crate::score_plan(
+    Ok(crate::pipeline::score_plan(
         manifest,
         world_size,
         topology,
@@ -426,105 +428,42 @@ pub fn validate_decoded(
     world_size: u32,
     ranks: &[Vec<Piece>],
 ) -> Result<(), PlanError> {
-    let bad = |m: String| Err(PlanError::Malformed(m));
-    if ranks.len() != world_size as usize {
-        return bad(format!(
-            "plan has {} ranks, expected {world_size}",
-            ranks.len()
-        ));
-    }
+    check_rank_count(ranks, world_size)?;
     let leaves = manifest.leaves();
     let mut count = vec![0u32; leaves.len()];
     for (r, list) in ranks.iter().enumerate() {
         for (i, p) in list.iter().enumerate() {
-            let Some(leaf) = leaves.get(p.leaf as usize) else {
-                return bad(format!(
-                    "rank {r} piece {i} names leaf {} of {}",
-                    p.leaf,
-                    leaves.len()
-                ));
-            };
-            let units = leaf.units();
-            if p.start > p.stop || p.stop > units {
-                return bad(format!(
-                    "rank {r} piece {i} [{}, {}) is out of bounds for leaf {} ({}) of {units} units",
-                    p.start, p.stop, p.leaf, leaf.display_path()
-                ));
-            }
-            if p.start == p.stop && units != 0 {
-                return bad(format!("rank {r} piece {i} of leaf {} is empty", p.leaf));
-            }
-            if let Some(owner) = leaf.owner {
-                if owner as usize != r {
-                    return bad(format!(
-                        "leaf {} ({}) is owned by rank {owner} but planned on rank {r}",
-                        p.leaf,
-                        leaf.display_path()
-                    ));
-                }
-            }
-            if i > 0 && list[i - 1] >= *p {
-                return bad(format!(
-                    "rank {r} pieces are not strictly ordered at piece {i}"
-                ));
-            }
+            check_piece(leaves, r, list, i)?;
             let c = &mut count[p.leaf as usize];
             *c = c.saturating_add(1);
         }
     }
     if let Some(missing) = count.iter().position(|&c| c == 0) {
-        return bad(format!(
+        return Err(PlanError::Malformed(format!(
             "leaf {missing} ({}) is not written",
             leaves[missing].display_path()
-        ));
+        )));
     }
-    // Leaves written as one piece: it must be the whole leaf. Pieces of the
+    // A leaf written as one piece is checked on the spot; the pieces of the
     // other leaves are collected and checked like validate_assignment does.
-    let mut split: Vec<(u32, u64, u64)> = Vec::new();
-    for list in ranks {
+    let mut split: Vec<Covering> = Vec::new();
+    for (r, list) in ranks.iter().enumerate() {
         for p in list {
+            let piece = (p.leaf, p.start, p.stop, r as u32);
             if count[p.leaf as usize] == 1 {
-                let units = leaves[p.leaf as usize].units();
-                if p.start != 0 || p.stop != units {
-                    return bad(format!(
-                        "leaf {} ({}) is covered by [{}, {}) only, of {units} units",
-                        p.leaf,
-                        leaves[p.leaf as usize].display_path(),
-                        p.start,
-                        p.stop
-                    ));
-                }
+                check_coverage(p.leaf, &leaves[p.leaf as usize], &[piece])?;
             } else {
-                split.push((p.leaf, p.start, p.stop));
+                split.push(piece);
             }
         }
     }
     split.sort_unstable();
     let mut k = 0;
     while k < split.len() {
-        let leaf_index = split[k].0;
-        let leaf = &leaves[leaf_index as usize];
-        let mut pos = 0u64;
-        let mut first = true;
-        while k < split.len() && split[k].0 == leaf_index {
-            let (_, start, stop) = split[k];
-            if start != pos || (!first && start == stop) {
-                return bad(format!(
-                    "leaf {leaf_index} ({}) is not covered exactly once near unit {pos}",
-                    leaf.display_path()
-                ));
-            }
-            pos = stop;
-            first = false;
-            k += 1;
-        }
-        if pos != leaf.units() {
-            return bad(format!(
-                "leaf {leaf_index} ({}) is covered up to unit {pos} of {}",
-                leaf.display_path(),
-                leaf.units()
-            ));
-        }
+        let index = split[k].0;
+        let end = k + split[k..].partition_point(|c| c.0 == index);
+        check_coverage(index, &leaves[index as usize], &split[k..end])?;
+        k = end;
     }
     Ok(())
 }
@@ -532,8 +471,8 @@ pub fn validate_decoded(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dtype::DType;
     use crate::manifest::{Leaf, PathKey};
-    use crate::DType;
 
     fn manifest(n: usize) -> Arc<Manifest> {
         let mut leaves = Vec::new();
@@ -565,7 +504,7 @@ mod tests {
     }
 
     fn sample(n: usize, world: u64) -> Plan {
-        crate::plan(
+        crate::pipeline::plan(
             manifest(n),
             world,
             Topology::default(),
@@ -747,7 +686,8 @@ mod tests {
         let mut agreed_bad = 0;
         for world in [3u64, 4, 8] {
             for alg in Algorithm::ALL {
-                let p = crate::plan(m.clone(), world, Topology::default(), cost, alg).unwrap();
+                let p = crate::pipeline::plan(m.clone(), world, Topology::default(), cost, alg)
+                    .unwrap();
                 let w = p.world_size;
                 assert!(validate_decoded(&m, w, &p.ranks).is_ok());
                 for _ in 0..300 {

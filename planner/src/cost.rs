@@ -335,13 +335,19 @@ mod tests {
         assert!(c.validate().unwrap_err().to_string().contains("fixed_s"));
     }
 
-    fn tensor(dtype: crate::DType, shape: Vec<u64>) -> Leaf {
-        Leaf::tensor(vec![crate::PathKey::Str("t".into())], dtype, shape, None).unwrap()
+    fn tensor(dtype: crate::dtype::DType, shape: Vec<u64>) -> Leaf {
+        Leaf::tensor(
+            vec![crate::manifest::PathKey::Str("t".into())],
+            dtype,
+            shape,
+            None,
+        )
+        .unwrap()
     }
 
     #[test]
     fn grain_is_aligned_elements_or_rows() {
-        use crate::DType;
+        use crate::dtype::DType;
         let c = CostModel::default();
         // Mixtral's stacked experts: rows of 2 x 14336 x 4096 float32 (470 MB),
         // elements every 4 KiB.
@@ -368,7 +374,12 @@ mod tests {
             c.max_pieces(&tensor(DType::Float32, vec![(1 << 19) + 1])),
             2
         );
-        let obj = Leaf::object(vec![crate::PathKey::Str("o".into())], 1 << 30, None).unwrap();
+        let obj = Leaf::object(
+            vec![crate::manifest::PathKey::Str("o".into())],
+            1 << 30,
+            None,
+        )
+        .unwrap();
         assert_eq!(c.max_pieces(&obj), 1);
         assert_eq!(c.max_pieces(&tensor(DType::Float32, vec![0, 4])), 1);
         assert!(!c.can_cut(&obj));

@@ -25,7 +25,7 @@ pub fn plan_fingerprint(
     let mut hasher = blake3::Hasher::new();
     let mut buf = Vec::with_capacity(CHUNK + 1024);
     buf.extend_from_slice(b"deeppart-plan-v1\0");
-    buf.extend_from_slice(crate::PLANNER_VERSION.as_bytes());
+    buf.extend_from_slice(crate::pipeline::PLANNER_VERSION.as_bytes());
     buf.push(0);
     buf.extend_from_slice(algorithm.name().as_bytes());
     buf.push(0);
@@ -80,8 +80,8 @@ pub fn plan_fingerprint(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dtype::DType;
     use crate::manifest::Leaf;
-    use crate::DType;
 
     /// The definition: one hash over the whole encoding.
     fn reference(
@@ -93,7 +93,7 @@ mod tests {
     ) -> String {
         let mut buf = Vec::new();
         buf.extend_from_slice(b"deeppart-plan-v1\0");
-        buf.extend_from_slice(crate::PLANNER_VERSION.as_bytes());
+        buf.extend_from_slice(crate::pipeline::PLANNER_VERSION.as_bytes());
         buf.push(0);
         buf.extend_from_slice(a.name().as_bytes());
         buf.push(0);

@@ -8,7 +8,7 @@ use serde_json::{json, Value};
 
 use crate::cost::{CostModel, Topology};
 use crate::error::PlanError;
-use crate::manifest::{path_from_json, Manifest};
+use crate::manifest::{path_from_json, Leaf, Manifest};
 
 /// Version of the plan JSON form.
 pub const PLAN_JSON_VERSION: u64 = 1;
@@ -227,6 +227,98 @@ pub fn evaluate(
     }
 }
 
+/// The number of rank lists must be the world size.
+pub(crate) fn check_rank_count(ranks: &[Vec<Piece>], world_size: u32) -> Result<(), PlanError> {
+    if ranks.len() != world_size as usize {
+        return Err(PlanError::Malformed(format!(
+            "plan has {} ranks, expected {world_size}",
+            ranks.len()
+        )));
+    }
+    Ok(())
+}
+
+/// The checks of one piece on its own, shared by [`validate_assignment`] and
+/// the plan codec's linear check: piece `i` of rank `r`'s `list` names a leaf
+/// of the manifest, lies within it, is not empty (unless the leaf is), is
+/// planned on the leaf's owner if it has one, and follows the rank's previous
+/// piece in strict order. Returns the piece's leaf.
+pub(crate) fn check_piece<'m>(
+    leaves: &'m [Leaf],
+    r: usize,
+    list: &[Piece],
+    i: usize,
+) -> Result<&'m Leaf, PlanError> {
+    let bad = |m: String| Err(PlanError::Malformed(m));
+    let p = &list[i];
+    let Some(leaf) = leaves.get(p.leaf as usize) else {
+        return bad(format!(
+            "rank {r} piece {i} names leaf {} of {}",
+            p.leaf,
+            leaves.len()
+        ));
+    };
+    let units = leaf.units();
+    if p.start > p.stop || p.stop > units {
+        return bad(format!(
+            "rank {r} piece {i} [{}, {}) is out of bounds for leaf {} ({}) of {units} units",
+            p.start,
+            p.stop,
+            p.leaf,
+            leaf.display_path(),
+        ));
+    }
+    if p.start == p.stop && units != 0 {
+        return bad(format!("rank {r} piece {i} of leaf {} is empty", p.leaf));
+    }
+    if let Some(owner) = leaf.owner {
+        if owner as usize != r {
+            return bad(format!(
+                "leaf {} ({}) is owned by rank {owner} but planned on rank {r}",
+                p.leaf,
+                leaf.display_path()
+            ));
+        }
+    }
+    if i > 0 && list[i - 1] >= *p {
+        return bad(format!(
+            "rank {r} pieces are not strictly ordered at piece {i}"
+        ));
+    }
+    Ok(leaf)
+}
+
+/// A piece as the coverage check sees it: (leaf, start, stop, rank).
+pub(crate) type Covering = (u32, u64, u64, u32);
+
+/// Checks that `pieces`, all of leaf `index` and sorted by start, cover it
+/// exactly once: they follow each other without gap or overlap from unit 0
+/// to the leaf's end, and only the first may be empty (an empty leaf).
+pub(crate) fn check_coverage(
+    index: u32,
+    leaf: &Leaf,
+    pieces: &[Covering],
+) -> Result<(), PlanError> {
+    let mut pos = 0u64;
+    for (n, &(_, start, stop, r)) in pieces.iter().enumerate() {
+        if start != pos || (n > 0 && start == stop) {
+            return Err(PlanError::Malformed(format!(
+                "leaf {index} ({}) is not covered exactly once near unit {pos} (rank {r})",
+                leaf.display_path()
+            )));
+        }
+        pos = stop;
+    }
+    if pieces.is_empty() || pos != leaf.units() {
+        return Err(PlanError::Malformed(format!(
+            "leaf {index} ({}) is covered up to unit {pos} of {}",
+            leaf.display_path(),
+            leaf.units()
+        )));
+    }
+    Ok(())
+}
+
 /// Checks that an assignment is a valid plan for the manifest: every unit of
 /// every leaf is written exactly once, owned leaves by their owner, pieces lie
 /// within bounds, and each rank's pieces are sorted.
@@ -235,85 +327,24 @@ pub fn validate_assignment(
     world_size: u32,
     ranks: &[Vec<Piece>],
 ) -> Result<(), PlanError> {
-    let bad = |m: String| Err(PlanError::Malformed(m));
-    if ranks.len() != world_size as usize {
-        return bad(format!(
-            "plan has {} ranks, expected {world_size}",
-            ranks.len()
-        ));
-    }
+    check_rank_count(ranks, world_size)?;
     let leaves = manifest.leaves();
-    let mut covering: Vec<(u32, u64, u64, u32)> = Vec::new();
+    let mut covering: Vec<Covering> = Vec::new();
     for (r, list) in ranks.iter().enumerate() {
         for (i, p) in list.iter().enumerate() {
-            let Some(leaf) = leaves.get(p.leaf as usize) else {
-                return bad(format!(
-                    "rank {r} piece {i} names leaf {} of {}",
-                    p.leaf,
-                    leaves.len()
-                ));
-            };
-            if p.start > p.stop || p.stop > leaf.units() {
-                return bad(format!(
-                    "rank {r} piece {i} [{}, {}) is out of bounds for leaf {} ({}) of {} units",
-                    p.start,
-                    p.stop,
-                    p.leaf,
-                    leaf.display_path(),
-                    leaf.units()
-                ));
-            }
-            if p.start == p.stop && leaf.units() != 0 {
-                return bad(format!("rank {r} piece {i} of leaf {} is empty", p.leaf));
-            }
-            if let Some(owner) = leaf.owner {
-                if owner as usize != r {
-                    return bad(format!(
-                        "leaf {} ({}) is owned by rank {owner} but planned on rank {r}",
-                        p.leaf,
-                        leaf.display_path()
-                    ));
-                }
-            }
-            if i > 0 && list[i - 1] >= *p {
-                return bad(format!(
-                    "rank {r} pieces are not strictly ordered at piece {i}"
-                ));
-            }
+            check_piece(leaves, r, list, i)?;
             covering.push((p.leaf, p.start, p.stop, r as u32));
         }
     }
     covering.sort_unstable();
-    let mut next_leaf = 0u32;
     let mut k = 0;
-    while k < covering.len() || (next_leaf as usize) < leaves.len() {
-        let leaf_index = next_leaf;
-        let Some(leaf) = leaves.get(leaf_index as usize) else {
-            return bad("pieces name leaves beyond the manifest".into());
-        };
-        let mut pos = 0u64;
-        let mut count = 0;
-        while k < covering.len() && covering[k].0 == leaf_index {
-            let (_, start, stop, r) = covering[k];
-            if start != pos || (count > 0 && start == stop) {
-                return bad(format!(
-                    "leaf {leaf_index} ({}) is not covered exactly once near unit {pos} (rank {r})",
-                    leaf.display_path()
-                ));
-            }
-            pos = stop;
-            count += 1;
-            k += 1;
-        }
-        if count == 0 || pos != leaf.units() {
-            return bad(format!(
-                "leaf {leaf_index} ({}) is covered up to unit {pos} of {}",
-                leaf.display_path(),
-                leaf.units()
-            ));
-        }
-        next_leaf += 1;
+    for (index, leaf) in leaves.iter().enumerate() {
+        let end = k + covering[k..].partition_point(|c| c.0 as usize == index);
+        check_coverage(index as u32, leaf, &covering[k..end])?;
+        k = end;
     }
+    // Every piece names a leaf of the manifest (check_piece), so none is left.
+    debug_assert_eq!(k, covering.len());
     Ok(())
 }
 
@@ -373,7 +404,7 @@ impl Plan {
         let s = &self.stats;
         json!({
             "version": PLAN_JSON_VERSION,
-            "planner_version": crate::PLANNER_VERSION,
+            "planner_version": crate::pipeline::PLANNER_VERSION,
             "fingerprint": self.fingerprint,
             "world_size": self.world_size,
             "algorithm": self.algorithm.name(),
@@ -415,7 +446,7 @@ impl Plan {
             .get("world_size")
             .and_then(Value::as_u64)
             .ok_or_else(|| bad("missing or invalid world_size".into()))?;
-        let world_size = crate::check_world_size(world_size)?;
+        let world_size = crate::pipeline::check_world_size(world_size)?;
         let algorithm: Algorithm = v
             .get("algorithm")
             .and_then(Value::as_str)
@@ -486,7 +517,7 @@ impl Plan {
             .and_then(|s| s.get("plan_ms"))
             .and_then(Value::as_f64)
             .unwrap_or(0.0);
-        let plan = crate::assemble_plan(
+        let plan = crate::pipeline::assemble_plan(
             Arc::new(manifest),
             world_size,
             topology,

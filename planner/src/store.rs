@@ -208,7 +208,7 @@ impl Store {
                     c.execute_batch(CREATE)?;
                     c.execute(
                         "INSERT OR REPLACE INTO meta VALUES ('schema_version', ?1), ('created_by', ?2)",
-                        params![SCHEMA_VERSION.to_string(), crate::PLANNER_VERSION],
+                        params![SCHEMA_VERSION.to_string(), crate::pipeline::PLANNER_VERSION],
                     )?;
                     c.pragma_update(None, "user_version", SCHEMA_VERSION)?;
                 } else if again != SCHEMA_VERSION {

@@ -1,5 +1,5 @@
 //! The partitioning algorithms. Each returns, per rank, the pieces it writes;
-//! [`crate::assemble_plan`] validates and scores the result.
+//! [`crate::pipeline::assemble_plan`] validates and scores the result.
 
 mod balanced;
 mod deeppart;
