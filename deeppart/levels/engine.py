@@ -164,6 +164,12 @@ class BuiltinBackend:
     def save(
         self, step: int, state: Any, *, level: int | None = None, user: Any = None
     ) -> LevelSaveStats:
+        """Checkpoints ``state`` as ``step`` at ``level`` (collective). In
+        order: prepare (every rank agrees), the L1 write of this rank's data
+        file, the level's extra step (L2 :func:`~deeppart.levels.partner.send_copy`,
+        L3 :func:`~deeppart.levels.erasure.encode`, L4 :func:`deeppart.save`
+        to ``glbl_dir``), the renames to final names, rank 0's commit of the
+        metadata, and the removal of old steps (:meth:`_cleanup`)."""
         c = self.comm
         t0 = time.perf_counter()
         self.count += 1
@@ -392,6 +398,9 @@ class BuiltinBackend:
         return None
 
     def load(self, step: int | None = None, *, into: Any = None) -> tuple[Any, RecoveryReport]:
+        """Restores ``step`` (None: the newest committed step that can be
+        recovered; collective): each candidate, newest first, through
+        :meth:`_try_load`; raises with every candidate's reason if none can."""
         t0 = time.perf_counter()
         reasons: list[str] = []
         for s in recovery.candidates(self.comm, self.layout, step):
@@ -414,7 +423,8 @@ class BuiltinBackend:
         raise cls("no checkpoint can be recovered: " + "; ".join(reasons))
 
     def _try_load(self, step: int, into: Any, t0: float) -> tuple[Any, RecoveryReport] | str:
-        """Restores ``step`` (collective): the state and report, or why not."""
+        """Restores ``step`` (collective) through the steps of
+        :mod:`deeppart.levels.recovery`: the state and report, or why not."""
         c, layout = self.comm, self.layout
         st, why = recovery.read_step(c, layout, step)
         if st is None:
