@@ -33,7 +33,8 @@ from deeppart.comm import Comm, resolve
 from deeppart.errors import CheckpointError, LevelConfigError
 from deeppart.format import HEADER_SIZE, data_file_name
 from deeppart.levels import LevelConfig, RecoveryReport
-from deeppart.levels.engine import BuiltinBackend, step_name
+from deeppart.levels.engine import BuiltinBackend
+from deeppart.levels.layout import step_name
 
 
 class Ctx:
@@ -322,11 +323,11 @@ def s_io_error(x: Ctx) -> None:
     """An I/O error on one rank in the middle of the L2 transfer or the L3
     coding: the group finishes its exchanges (no hang), every rank raises,
     nothing is committed, the previous checkpoint is still served."""
-    from deeppart.levels import engine
+    from deeppart.levels import files
 
     be = x.backend("ioerr")
     be.save(1, mc.make_state(1), level=1)
-    real_write, real_read = engine._write_file, engine._read_own
+    real_write, real_read = files.write_file, files.read_own
     victim = x.comm.size - 1
 
     def bad_write(path: Path, chunks: Any) -> None:
@@ -335,9 +336,9 @@ def s_io_error(x: Ctx) -> None:
     def bad_read(path: Path, size: int) -> Any:
         return real_read(path, size)[0], OSError(f"{path}: unreadable (injected)")
 
-    for level, name, fake in ((2, "_write_file", bad_write), (3, "_read_own", bad_read)):
+    for level, name, fake in ((2, "write_file", bad_write), (3, "read_own", bad_read)):
         if x.comm.rank == victim:
-            setattr(engine, name, fake)
+            setattr(files, name, fake)
         try:
             be.save(2, mc.make_state(2), level=level)
         except CheckpointError as e:
@@ -347,7 +348,7 @@ def s_io_error(x: Ctx) -> None:
         else:
             raise AssertionError(f"L{level}: a failed save did not raise")
         finally:
-            engine._write_file, engine._read_own = real_write, real_read
+            files.write_file, files.read_own = real_write, real_read
         assert be.committed_steps() == [1], be.committed_steps()
     r = x.restore("ioerr", 1)
     assert r.step == 1 and r.levels == [1] * x.comm.size, r

@@ -1,7 +1,7 @@
 """The real-FTI backend (deeppart.levels.fti).
 
 Tests marked ``needs_fti`` run the real library, found by
-:func:`deeppart.levels.fti.find_libfti` (``FTI_LIBRARY`` or the linker's
+:func:`deeppart.levels.libfti.find_libfti` (``FTI_LIBRARY`` or the linker's
 path; scripts/test.sh sets it to ``.fti/lib/libfti.so`` built by
 scripts/build-fti.sh), on 4 and 8 ranks (fake nodes of 2, local_test)
 through ``mpiexec`` with a timeout, every restore in a new job; they are
@@ -25,16 +25,15 @@ import pytest
 
 from deeppart.comm import SingleComm
 from deeppart.errors import FTIError, LevelConfigError
-from deeppart.levels import fti
+from deeppart.levels import fti, libfti
 from deeppart.levels.config import LevelConfig
 from deeppart.levels.fti import (
     MAX_ZERO_COPY,
     ZERO_COPY_MIN,
     FTIBackend,
-    check_same_mpi,
-    find_libfti,
     fti_config_text,
 )
+from deeppart.levels.libfti import check_same_mpi, find_libfti
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "fti_worker.py"
@@ -88,7 +87,7 @@ def test_missing_library_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.Mo
     """A missing path fails before MPI or FTI is touched, naming the path."""
     missing = str(tmp_path / "nowhere" / "libfti.so")
     with pytest.raises(FTIError, match=r"nowhere/libfti\.so.*no such file"):
-        fti.load_libfti(missing)
+        libfti.load_libfti(missing)
     monkeypatch.setenv("FTI_LIBRARY", missing)
     with pytest.raises(FTIError, match="no such file"):
         FTIBackend(_config(tmp_path, node_size=1), SingleComm())
@@ -121,7 +120,8 @@ def test_invalid_library_is_a_clear_error(tmp_path: Path) -> None:
     libm = ctypes.util.find_library("m") or "libm.so.6"
     proc = _run_python(
         f"""
-        from deeppart.levels.fti import FTIError, load_libfti
+        from deeppart.errors import FTIError
+        from deeppart.levels.libfti import load_libfti
         for path in ({str(junk)!r}, {libm!r}):
             try:
                 load_libfti(path)

@@ -4,6 +4,23 @@ copy, L3 Reed-Solomon across a group of nodes, L4 global (docs/LEVELS.md).
 :func:`open_backend` picks a backend for a :class:`LevelConfig`: the
 built-in engine (:mod:`deeppart.levels.engine`) or the real FTI library
 (:mod:`deeppart.levels.fti`, when it and libfti are available).
+
+The modules, in the order a save or a restore meets them:
+
+- :mod:`~deeppart.levels.config`: the INI config, validated against the
+  job before any I/O, and the level of each save;
+- :mod:`~deeppart.levels.backend`: the interface both backends implement;
+- :mod:`~deeppart.levels.engine`: the built-in backend, which orchestrates
+  the steps below around the package's save and load stages;
+- :mod:`~deeppart.levels.layout`: nodes, groups and file names;
+- :mod:`~deeppart.levels.files`: small file I/O helpers and the data file
+  check;
+- :mod:`~deeppart.levels.partner`: L2 partner copies;
+- :mod:`~deeppart.levels.erasure`: L3 Reed-Solomon coding in stripes;
+- :mod:`~deeppart.levels.recovery`: what survives, which level serves each
+  rank, restoring the files and the lost redundancy;
+- :mod:`~deeppart.levels.fti`: the FTI backend, over
+  :mod:`~deeppart.levels.libfti` (finding and loading libfti with ctypes).
 """
 
 from __future__ import annotations

@@ -3,7 +3,12 @@
 Two backends implement it: DeepPart's built-in engine
 (:mod:`deeppart.levels.engine`) and the real FTI library through ctypes
 (:mod:`deeppart.levels.fti`). :class:`deeppart.Checkpointer` with
-``config=`` drives one of them.
+``config=`` drives one of them, in this order: the backend is created
+(which validates the config against the job), then any number of
+:meth:`~LevelBackend.save` calls, :meth:`~LevelBackend.latest` and
+:meth:`~LevelBackend.load` on a restart, and :meth:`~LevelBackend.close`.
+This module also owns what they report: :class:`LevelSaveStats` and
+:class:`RecoveryReport`.
 """
 
 from __future__ import annotations

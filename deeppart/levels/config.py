@@ -24,7 +24,10 @@ level ``L`` with ``ckpt_lL > 0`` and ``c % ckpt_lL == 0``, else at L1.
 
 :meth:`LevelConfig.validate` checks the config against the job's world
 size (and hosts) before anything touches the disk, raising
-:class:`LevelConfigError`.
+:class:`LevelConfigError`: both backends call it first, when they are
+created; :meth:`LevelConfig.level_for` then picks each save's level, and
+the node/group/partner methods and roots give
+:mod:`deeppart.levels.layout` where every rank's files are.
 """
 
 from __future__ import annotations

@@ -1,0 +1,118 @@
+"""Where the built-in level engine's files are: which node and group each
+rank belongs to, and the names of step directories, data files, partner
+copies and parity shards.
+
+Every other part of :mod:`deeppart.levels.engine` asks this module where
+things are; it does no I/O beyond listing directories. For one step::
+
+    ckpt_dir/node<k>/<exec_id>/step-NNNNNNNN/   node-local (L1, L2, L3)
+        rank-RRRRR.bin      a rank's own data file (L1)
+        partner-RRRRR.bin   the copy of its predecessor's file (L2)
+        parity-RRRRR.bin    a rank's Reed-Solomon parity shard (L3)
+    meta_dir/<exec_id>/step-NNNNNNNN/           metadata.json and COMMITTED
+    glbl_dir/<exec_id>/step-NNNNNNNN/           a normal checkpoint (L4)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from deeppart.format import data_file_name, is_committed, step_number
+from deeppart.levels.config import LevelConfig
+
+#: The step directories' prefix: ``step-`` and eight digits.
+PREFIX = "step-"
+
+
+def step_name(step: int) -> str:
+    """The directory name of ``step`` (in every root)."""
+    return f"{PREFIX}{step:08d}"
+
+
+def partner_file(source: int) -> str:
+    """The L2 copy of rank ``source``'s file, held by its partner."""
+    return f"partner-{source:05d}.bin"
+
+
+def parity_file(holder: int) -> str:
+    """The L3 parity shard held by rank ``holder``."""
+    return f"parity-{holder:05d}.bin"
+
+
+def rank_files(step_dir: Path) -> Callable[[int], Path]:
+    """The node-local data file of a rank in ``step_dir`` (for tools)."""
+    return lambda r: step_dir / data_file_name(r)
+
+
+def steps_in(root: Path, committed: bool) -> list[int]:
+    """The steps with a directory in ``root`` (only committed ones when
+    ``committed``), oldest first."""
+    out: list[int] = []
+    if not root.is_dir():
+        return out
+    for child in root.iterdir():
+        n = step_number(child.name, PREFIX)
+        if n is not None and (not committed or is_committed(child)):
+            out.append(n)
+    return sorted(out)
+
+
+@dataclass
+class Layout:
+    """Where this job's ranks sit: node of every rank, and groups; and the
+    step directories of the config's roots."""
+
+    config: LevelConfig
+    size: int
+    hosts: list[str] | None
+
+    def node(self, rank: int) -> int:
+        return self.config.node_of(rank, self.hosts)
+
+    def group(self, rank: int) -> list[int]:
+        return self.config.group_members(rank, self.hosts)
+
+    def partner(self, rank: int) -> int:
+        """The rank that holds ``rank``'s L2 copy (same position, next node
+        of its group)."""
+        return self.config.partner_of(rank, self.hosts)
+
+    def pred(self, rank: int) -> int:
+        """The rank whose L2 copy ``rank`` holds."""
+        g = self.group(rank)
+        return g[(g.index(rank) - 1) % len(g)]
+
+    def describe(self) -> dict[str, Any]:
+        """The layout as written into a step's metadata (and compared on
+        restore: only L4 survives another layout)."""
+        return {
+            "node_size": self.config.node_size,
+            "group_size": self.config.group_size,
+            "nodes": [self.node(r) for r in range(self.size)],
+        }
+
+    def local_step(self, step: int, rank: int) -> Path:
+        """``step``'s directory on the node of ``rank``."""
+        return self.config.local_root(self.node(rank)) / step_name(step)
+
+    def meta_step(self, step: int) -> Path:
+        """``step``'s metadata directory (shared by all ranks)."""
+        return self.config.meta_root() / step_name(step)
+
+    def global_step(self, step: int) -> Path:
+        """``step``'s L4 checkpoint in ``glbl_dir``."""
+        return self.config.global_root() / step_name(step)
+
+    def has_global(self) -> bool:
+        """Whether the config has a ``glbl_dir`` (L4)."""
+        return bool(self.config.glbl_dir.strip())
+
+    def committed_steps(self) -> list[int]:
+        """Committed steps (node-local or global), oldest first."""
+        steps = set(steps_in(self.config.meta_root(), True))
+        if self.has_global():
+            steps |= set(steps_in(self.config.global_root(), True))
+        return sorted(steps)

@@ -1,0 +1,388 @@
+"""Restoring a step of the built-in level engine: what survives, which
+level serves each rank, getting every rank's data file back, restoring
+the lost redundancy, and handing the files to the reader stage.
+
+:meth:`deeppart.levels.engine.BuiltinBackend.load` tries the committed
+steps newest first; for one step it calls, in this order (every function
+is collective over the job's communicator):
+
+1. :func:`read_step`: the step's metadata, the same on every rank, and
+   whether it was written by this layout (else only L4 can serve it,
+   through :func:`load_global`);
+2. :func:`survey`: which files survive on each node (verified against their
+   checksums), and :func:`decide`: the level that serves each rank's data
+   (L1 own file, L2 partner copy, L3 parity decoding, L4 global);
+3. :func:`recover_own`: every rank gets its own data file back (from the
+   partner, :func:`deeppart.levels.partner.hand_back`, or by decoding the
+   group, :func:`deeppart.levels.erasure.decode`), verifies it and rewrites
+   the lost L1 file;
+4. :func:`restore_redundancy`: the partner copies and parity shards lost
+   with a node are made again;
+5. :func:`distribute`: every rank broadcasts its file and places the pieces
+   it needs (the reader stage's :func:`~deeppart.reader.read_pieces`).
+
+:meth:`~deeppart.levels.engine.BuiltinBackend.latest` uses steps 1 and 2
+with sizes only (no reads).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from deeppart.agreement import agree
+from deeppart.checkpoint import load
+from deeppart.comm import Comm
+from deeppart.errors import CheckpointError, CorruptCheckpointError, UnrecoverableError
+from deeppart.format import Metadata, Piece, checksum, data_file_name, fsync_dir, is_committed
+from deeppart.levels import erasure, files, partner
+from deeppart.levels.backend import RecoveryReport
+from deeppart.levels.files import U8, BufReader, by_rank, file_ok, read_all, size_is
+from deeppart.levels.layout import Layout, parity_file, partner_file
+from deeppart.progress import Progress
+from deeppart.reader import Target, read_metadata, read_pieces
+
+# Status bits a rank reports for a step during recovery.
+OWN, COPY, PARITY, GLOBAL = 1, 2, 4, 8
+
+#: Why a step written by another layout cannot be restored (also how
+#: :meth:`~deeppart.levels.engine.BuiltinBackend.load` tells a topology
+#: mismatch from a loss).
+TOPOLOGY = "only L4 checkpoints can be restored on another world size or node layout"
+
+
+@dataclass
+class Step:
+    """A step's metadata as recovery sees it."""
+
+    step: int
+    meta: Metadata
+    level: int
+    layout: dict[str, Any]
+    stripe: int
+    parity_sizes: list[int]
+    parity_xxh3: list[int]
+
+
+@dataclass
+class Survey:
+    """What survives of a step, agreed on every rank."""
+
+    #: Per rank, the level serving its data (empty: the step is lost).
+    levels: list[int] = field(default_factory=list)
+    #: Why the step is lost.
+    reason: str = ""
+    #: Per rank, the OWN/COPY/PARITY/GLOBAL bits of what its node holds.
+    status: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Recovered:
+    """This rank's part of :func:`recover_own`."""
+
+    #: This rank's verified data file (None when ``failure``).
+    own: U8 | None
+    #: The L1 file this rank rewrote, or "".
+    rewritten: str
+    #: Why the step cannot be restored (the same on every rank), or "".
+    failure: str
+    #: CPU seconds and data bytes of Reed-Solomon decoding on this rank.
+    decode_seconds: float = 0.0
+    decode_bytes: int = 0
+
+
+def global_ok(layout: Layout, step: int) -> bool:
+    """Whether ``step`` has a committed L4 checkpoint."""
+    return layout.has_global() and is_committed(layout.global_step(step))
+
+
+def candidates(comm: Comm, layout: Layout, step: int | None) -> list[int]:
+    """The steps to try, newest first: ``step``, else every committed one
+    (the same list on every rank, else every rank raises)."""
+    if step is not None:
+        return [step]
+    steps = layout.committed_steps()
+    # Every rank must try the same steps.
+    rows = comm.allgather_varbytes(json.dumps(steps).encode())
+    if len(set(rows)) != 1:
+        raise CheckpointError(f"{layout.config.meta_root()}: ranks see different checkpoints")
+    return steps[::-1]
+
+
+def read_step(comm: Comm, layout: Layout, step: int) -> tuple[Step | None, str]:
+    """The step's node-local metadata (collective), or None and why."""
+    err: BaseException | None = None
+    meta: Metadata | None = None
+    digest = b""
+    where = layout.meta_step(step)
+    try:
+        meta, digest = read_metadata(where)
+    except CheckpointError as e:
+        err = e
+    bad = comm.allgather_bytes(b"\1" if err else b"\0", 1)
+    if any(b != b"\0" for b in bad):
+        return None, f"no node-local checkpoint ({err})" if err else "no node-local checkpoint"
+    digests = comm.allgather_bytes(digest, 32)
+    if len(set(digests)) != 1:
+        raise CheckpointError(f"{where}: ranks read different metadata")
+    assert meta is not None
+    lv = meta.raw.get("levels")
+    if not isinstance(lv, dict):
+        return None, "metadata has no levels section"
+    try:
+        st = Step(
+            step,
+            meta,
+            int(lv["level"]),
+            {k: lv[k] for k in ("node_size", "group_size", "nodes")},
+            int(lv["stripe_bytes"]),
+            [int(x) for x in lv["parity_sizes"]],
+            [int(x) for x in lv["parity_xxh3"]],
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise CorruptCheckpointError(f"{where}: bad levels section: {e}") from e
+    if st.layout != layout.describe() or meta.world_size != comm.size:
+        return None, (
+            f"written by {meta.world_size} ranks as nodes {st.layout['nodes']} "
+            f"(node_size {st.layout['node_size']}, group_size {st.layout['group_size']}), "
+            f"this job is {comm.size} ranks as nodes {layout.describe()['nodes']}; " + TOPOLOGY
+        )
+    return st, ""
+
+
+def survey(comm: Comm, layout: Layout, st: Step, deep: bool) -> tuple[Survey, dict[str, U8 | None]]:
+    """Which files survive on this rank's node (read and verified when
+    ``deep``, else only their sizes), agreed on every rank; and the
+    per-rank level serving each rank's data. Also returns the files this
+    rank read (``own``, ``copy``, ``parity``, ``global``)."""
+    r = comm.rank
+    meta = st.meta
+    local = layout.local_step(st.step, r)
+    pieces = by_rank(meta)
+    bits = 0
+    held: dict[str, U8 | None] = {}
+
+    def probe(key: str, path: Path, size: int, verify: Callable[[U8 | None], bool]) -> bool:
+        if not deep:
+            return size_is(path, size)
+        held[key] = read_all(path, size)
+        return verify(held[key])
+
+    def data_ok(rank: int) -> Callable[[U8 | None], bool]:
+        return lambda buf: file_ok(buf, meta, rank, pieces[rank])
+
+    size = meta.file_sizes[r]
+    if probe("own", local / data_file_name(r), size, data_ok(r)):
+        bits |= OWN
+    if st.level == 2:
+        src = layout.pred(r)
+        if probe("copy", local / partner_file(src), meta.file_sizes[src], data_ok(src)):
+            bits |= COPY
+    if st.level == 3 and probe(
+        "parity",
+        local / parity_file(r),
+        st.parity_sizes[r],
+        lambda buf: buf is not None and checksum(buf.data) == st.parity_xxh3[r],
+    ):
+        bits |= PARITY
+    gdir = layout.global_step(st.step)
+    if (
+        st.level == 4
+        and not bits & OWN
+        and is_committed(gdir)
+        and probe("global", gdir / data_file_name(r), size, data_ok(r))
+    ):
+        bits |= GLOBAL
+    status = [row[0] for row in comm.allgather_bytes(bytes([bits]), 1)]
+    return decide(layout, st, status), held
+
+
+def decide(layout: Layout, st: Step, status: list[int]) -> Survey:
+    """The level serving each rank's data, from every rank's status bits:
+    its own file (L1), else its partner's copy (L2), else its group's
+    decoding when at least ``group_size`` of the group's files survive
+    (L3), else the global checkpoint (L4)."""
+    n = layout.size
+    levels = [0] * n
+    for r in range(n):
+        if status[r] & OWN:
+            levels[r] = 1
+        elif st.level == 2 and status[layout.partner(r)] & COPY:
+            levels[r] = 2
+        elif st.level == 4 and status[r] & GLOBAL:
+            levels[r] = 4
+    if st.level == 3:
+        for r in range(n):
+            if levels[r]:
+                continue
+            group = layout.group(r)
+            alive = sum(1 for m in group if status[m] & OWN)
+            alive += sum(1 for m in group if status[m] & PARITY)
+            if alive >= len(group):
+                levels[r] = 3
+    lost = [r for r in range(n) if not levels[r]]
+    if lost:
+        return Survey(
+            [],
+            f"the data of rank(s) {lost} is lost at every level the step has "
+            f"(L{st.level} checkpoint)",
+            status,
+        )
+    return Survey(levels, "", status)
+
+
+def recover_own(
+    comm: Comm, layout: Layout, st: Step, levels: list[int], held: dict[str, U8 | None]
+) -> Recovered:
+    """Every rank gets its own data file back from the level serving it
+    (``levels``, from :func:`decide`; ``held``: the files :func:`survey`
+    read), verifies it and rewrites a lost L1 file. A rank whose file fails
+    its checksums makes the step fail on every rank (``failure``)."""
+    r = comm.rank
+    own = held.get("own") if levels[r] == 1 else None
+    seconds, decoded = 0.0, 0
+    # L2: every rank hands the copy it holds back to its source.
+    if st.level == 2 and any(lv == 2 for lv in levels):
+        copy = partner.hand_back(comm, layout, levels, held.get("copy"), st.meta.file_sizes[r])
+        if levels[r] == 2:
+            own = copy
+    if st.level == 3 and any(lv == 3 for lv in levels):
+        group = layout.group(r)
+        if any(levels[m] == 3 for m in group):
+            status_own = [levels[m] == 1 for m in group]
+            parity = held.get("parity")
+            p_ok = parity is not None and checksum(parity.data) == st.parity_xxh3[r]
+            rows = comm.allgather_bytes(b"\1" if p_ok else b"\0", 1)
+            parity_alive = [rows[m] == b"\1" for m in group]
+            lost = [levels[m] == 3 for m in group]
+            restored, seconds, decoded = erasure.decode(
+                comm,
+                group,
+                st.meta.file_sizes,
+                st.stripe,
+                own,
+                parity if p_ok else None,
+                status_own,
+                parity_alive,
+                lost,
+            )
+            if levels[r] == 3:
+                own = restored
+        else:
+            comm.allgather_bytes(b"\0", 1)
+    if levels[r] == 4:
+        own = held.get("global")
+    # Verify what came from another level; rewrite the lost L1 file.
+    err: UnrecoverableError | None = None
+    rewritten = ""
+    try:
+        pieces = by_rank(st.meta)
+        if not file_ok(own, st.meta, r, pieces[r]):
+            raise UnrecoverableError(
+                f"rank {r}: the L{levels[r]} copy of its data fails its checksums"
+            )
+        assert own is not None
+        if levels[r] != 1:
+            local = layout.local_step(st.step, r)
+            local.mkdir(parents=True, exist_ok=True)
+            final = local / data_file_name(r)
+            tmp = local / (data_file_name(r) + ".tmp")
+            files.write_file(tmp, [own])
+            tmp.replace(final)
+            fsync_dir(local)
+            rewritten = str(final)
+    except UnrecoverableError as e:
+        err = e
+    except OSError:
+        pass  # recovery still works; the file stays lost
+    failure = ""
+    bad = comm.allgather_bytes(b"\1" if err is not None else b"\0", 1)
+    if any(b != b"\0" for b in bad):
+        msgs = comm.allgather_varbytes(str(err).encode() if err else b"")
+        failure = "; ".join(m.decode() for m in msgs if m)
+    return Recovered(own, rewritten, failure, seconds, decoded)
+
+
+def restore_redundancy(
+    comm: Comm, layout: Layout, st: Step, own: U8, status: list[int]
+) -> list[str]:
+    """After recovery every rank holds its verified file (``own``): the
+    partner copies (L2) and parity shards (L3) that were lost with a
+    node are made again, so the step survives the next loss too.
+    Collective (L2: the group ring; L3: each group that lost a shard).
+    Returns the paths this rank rewrote. A write that fails leaves that
+    redundancy missing; recovery itself still succeeds."""
+    r = comm.rank
+    local = layout.local_step(st.step, r)
+    if st.level == 2:
+        need = [not status[q] & COPY for q in range(comm.size)]
+        if not any(need):
+            return []
+        return partner.restore_copy(comm, layout, local, own, need, st.meta.file_sizes)
+    if st.level == 3:
+        group = layout.group(r)
+        if all(status[m] & PARITY for m in group):
+            return []
+        return erasure.restore_parity(
+            comm,
+            group,
+            local,
+            own,
+            st.meta.file_sizes,
+            st.stripe,
+            have=bool(status[r] & PARITY),
+            expected=(st.parity_sizes[r], st.parity_xxh3[r]),
+        )
+    return []
+
+
+def distribute(comm: Comm, meta: Metadata, where: Path, own: U8, targets: list[Target]) -> None:
+    """Every rank holds its own data file (``own``): each is broadcast in
+    turn and every rank places the pieces it needs into ``targets``
+    (``where``: the step's metadata directory, for messages)."""
+    by = by_rank(meta)
+    prog = Progress("load", 0, enabled=False)
+
+    def direct(p: Piece) -> U8:
+        info = meta.leaves[p.leaf]
+        if info.kind != "tensor":
+            return targets[p.leaf].buf
+        return targets[p.leaf].buf[p.start * info.itemsize : p.stop * info.itemsize]
+
+    err: BaseException | None = None
+    for f in range(meta.world_size):
+        buf = own if f == comm.rank else np.empty(meta.file_sizes[f], dtype=np.uint8)
+        comm.bcast_u8(buf, root=f)
+        if err is None:
+            try:
+                read_pieces(
+                    BufReader(buf),
+                    where / data_file_name(f),
+                    where,
+                    meta,
+                    f,
+                    by[f],
+                    direct,
+                    prog,
+                )
+            except Exception as e:
+                err = e
+    agree(comm, err)
+
+
+def load_global(
+    comm: Comm, layout: Layout, step: int, into: Any, exchange: str, t0: float
+) -> tuple[Any, RecoveryReport]:
+    """Loads ``step``'s L4 checkpoint (a normal DeepPart checkpoint, any
+    world size); ``t0``: when the load started, for the report."""
+    path = layout.global_step(step)
+    state = load(path, comm=comm, into=into, exchange=exchange)
+    meta, _ = read_metadata(path)
+    report = RecoveryReport(step, [4] * meta.world_size, [], time.perf_counter() - t0)
+    return state, report
