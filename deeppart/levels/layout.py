@@ -20,16 +20,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from deeppart.format import data_file_name, is_committed, step_number
+from deeppart.format import STEP_PREFIX, data_file_name, is_committed, step_dir_name, step_number
 from deeppart.levels.config import LevelConfig
 
 #: The step directories' prefix: ``step-`` and eight digits.
-PREFIX = "step-"
+#: The step directories' prefix (format.STEP_PREFIX: one spelling for all).
+PREFIX = STEP_PREFIX
 
 
 def step_name(step: int) -> str:
-    """The directory name of ``step`` (in every root)."""
-    return f"{PREFIX}{step:08d}"
+    """The directory name of ``step`` (in every root): format.step_dir_name."""
+    return step_dir_name(step)
 
 
 def partner_file(source: int) -> str:
