@@ -5,12 +5,15 @@ Each hostile action runs in a fresh process (tests/hostile_child.py), which
 reports the peak RSS the action added beyond its own baseline (torch,
 deeppart and gRPC imported) and how long it took. The bar: a checkpoint
 directory or a service request of at most 1 MB (and the bigger bombs here)
-costs less than 512 MB and returns; the time limit only proves that nothing
-hung.
+costs less than 512 MB and returns within 10 s (the action itself, the
+child's imports excluded); the child's time limit only proves that nothing
+hung. ``DEEPPART_HOSTILE_LOG=FILE`` appends every measurement to FILE (one
+JSON line each), for the maxima in docs/SECURITY.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -28,6 +31,7 @@ import torch
 import zstandard
 
 import deeppart
+from deeppart._planner import ManifestError
 from deeppart.checkpointer import Checkpointer
 from deeppart.compression import MAX_EXPANSION, decompress
 from deeppart.errors import CheckpointError, CodecError, CorruptCheckpointError, StateError
@@ -48,6 +52,7 @@ CHILD = ROOT / "tests" / "hostile_child.py"
 MPI_WORKER = ROOT / "tests" / "hostile_mpi.py"
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 MAX_RSS_MB = 512
+MAX_S = 10
 HANG_S = 300  # a generous limit that proves nothing hung (machines under load are slow)
 GIB = 1 << 30
 
@@ -68,14 +73,25 @@ def measure(action: str, *args: str) -> dict[str, Any]:
             cwd=ROOT,
         )
     except subprocess.TimeoutExpired as e:
+        _log(action, {"hung_s": HANG_S})
         pytest.fail(f"{action} {args} hung (no result after {HANG_S} s): {e.stdout!r}")
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("HOSTILE ")]
+    out: dict[str, Any] = json.loads(lines[-1].removeprefix("HOSTILE ")) if lines else {}
+    _log(action, {**out, "rc": proc.returncode})
     assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    out: dict[str, Any] = json.loads(lines[-1].removeprefix("HOSTILE "))
     out["stdout"], out["stderr"] = proc.stdout, proc.stderr
     assert out["rss_mb"] < MAX_RSS_MB, f"{action} {args}: peak RSS grew by {out['rss_mb']} MB"
+    assert out["seconds"] < MAX_S, f"{action} {args}: took {out['seconds']:.1f} s"
     assert "Traceback" not in proc.stderr, proc.stderr
     return out
+
+
+def _log(action: str, result: dict[str, Any]) -> None:
+    if log := os.environ.get("DEEPPART_HOSTILE_LOG"):
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
+        keep = {k: result[k] for k in ("error", "rss_mb", "seconds", "hung_s", "rc") if k in result}
+        with open(log, "a") as f:
+            f.write(json.dumps({"test": test, "action": action, **keep}) + "\n")
 
 
 def raised(out: dict[str, Any], cls: type[BaseException]) -> None:
@@ -203,6 +219,47 @@ def test_bomb_metadata_claiming_a_huge_tensor(tmp_path: Path, codec: str) -> Non
         assert measure("inspect", str(d), *flags)["result"] == 2
 
 
+@pytest.mark.parametrize("declare", [True, False])
+@pytest.mark.parametrize("codec", CODECS)
+def test_bomb_in_a_plain_value_piece(tmp_path: Path, codec: str, declare: bool) -> None:
+    """The piece of a plain value (JSON, its own expansion limit) replaced
+    by a frame of 1 GiB, declared or not: refused, bounded."""
+    d = save_small(tmp_path / "ck", {"o": {"x": list(range(100))}, "w": torch.ones(4)}, codec)
+    meta = read_meta(d)
+    assert meta["manifest"]["leaves"][0]["kind"] == "object"
+    (li, start, end, rank, offset, raw_len, stored, _, _), *rest = meta["pieces"]
+    payload = frame(codec, GIB, declare=declare)
+    data = d / data_file_name(rank)
+    old = data.read_bytes()
+    data.write_bytes(old[:offset] + payload + old[offset + stored :])
+    shift = len(payload) - stored
+    meta["pieces"] = [[li, start, end, rank, offset, raw_len, len(payload), codec,
+                       checksum(payload)]] + [
+        [*row[:4], row[4] + shift if row[3] == rank and row[4] > offset else row[4], *row[5:]]
+        for row in rest
+    ]  # fmt: skip
+    meta["file_sizes"][rank] += shift
+    commit(d, meta)
+    raised(measure("load", str(d)), CorruptCheckpointError)
+
+
+def test_zstd_frame_asking_for_a_huge_window(tmp_path: Path) -> None:
+    """A 16-byte piece whose zstd frame (no content size) asks for a 128 MiB
+    window, the most zstd's default decoder takes: refused before the
+    decoder allocates it (the window may not exceed the piece)."""
+    d = save_small(tmp_path / "ck")
+    params = zstandard.ZstdCompressionParameters(
+        window_log=27, compression_level=1, write_content_size=False
+    )
+    obj = zstandard.ZstdCompressor(compression_params=params).compressobj()
+    payload = obj.compress(bytes(16)) + obj.flush()
+    assert zstandard.get_frame_parameters(payload).window_size == 1 << 27
+    replace_piece(d, payload, "zstd", [4])
+    out = measure("load", str(d))
+    raised(out, CorruptCheckpointError)
+    assert "piece of leaf 0" in out["message"], out
+
+
 @pytest.mark.parametrize("codec", CODECS)
 def test_truncated_and_undecodable_frames(tmp_path: Path, codec: str) -> None:
     raw = torch.arange(1 << 14, dtype=torch.float32)
@@ -271,8 +328,10 @@ def _wide_manifest(leaves: int, key_chars: int) -> pb.Manifest:
 
 
 @pytest.mark.parametrize(
-    "case", ["deep", "wide", "shared-beyond-previous", "key-out-of-range", "dims-mismatch"]
-)
+    "case",
+    ["deep", "wide", "shared-beyond-previous", "key-out-of-range", "dims-mismatch", "ndim-huge",
+     "dims-overflow", "owned-out-of-range", "suffix-len-huge", "dtype-out-of-range", "many-keys"],
+)  # fmt: skip
 def test_wire_manifest_decoding_is_bounded(tmp_path: Path, case: str) -> None:
     msg = {
         "deep": lambda: _deep_manifest(100_000),
@@ -286,12 +345,35 @@ def test_wire_manifest_decoding_is_bounded(tmp_path: Path, case: str) -> None:
         "dims-mismatch": lambda: pb.Manifest(
             version=1, string_keys=["a"], dtypes=["float32"], shared=[0], suffix_len=[1],
             suffix_keys=[0], dtype=[1], ndim=[3], dims=[1 << 40]),
+        "ndim-huge": lambda: pb.Manifest(
+            version=1, string_keys=["a"], dtypes=["float32"], shared=[0], suffix_len=[1],
+            suffix_keys=[0], dtype=[1], ndim=[(1 << 32) - 1], dims=[1]),
+        "dims-overflow": lambda: pb.Manifest(
+            version=1, string_keys=["a"], dtypes=["float32"], shared=[0], suffix_len=[1],
+            suffix_keys=[0], dtype=[1], ndim=[3], dims=[1 << 62] * 3),
+        "owned-out-of-range": lambda: pb.Manifest(
+            version=1, string_keys=["a"], shared=[0], suffix_len=[1], suffix_keys=[0],
+            dtype=[0], object_nbytes=[1], owned_leaves=[(1 << 32) - 1], owner_ranks=[0]),
+        "suffix-len-huge": lambda: pb.Manifest(
+            version=1, string_keys=["a"], shared=[0], suffix_len=[(1 << 32) - 1],
+            suffix_keys=[0] * 100, dtype=[0], object_nbytes=[1]),
+        "dtype-out-of-range": lambda: pb.Manifest(
+            version=1, string_keys=["a"], dtypes=["float32"], shared=[0], suffix_len=[1],
+            suffix_keys=[0], dtype=[7], ndim=[1], dims=[1]),
+        # valid: 350,000 keys in the tables, one leaf using one of them
+        "many-keys": lambda: pb.Manifest(
+            version=1, string_keys=[""] * 300_000, int_keys=range(50_000), shared=[0],
+            suffix_len=[1], suffix_keys=[0], dtype=[0], object_nbytes=[1]),
     }[case]()  # fmt: skip
     data = msg.SerializeToString()
     assert len(data) <= 1 << 20
     f = tmp_path / "manifest.pb"
     f.write_bytes(data)
-    raised(measure("wire", str(f)), ValueError)
+    out = measure("wire", str(f))
+    if case == "many-keys":
+        assert out["error"] is None and out["result"] == 1, out
+    else:  # the service answers both with INVALID_ARGUMENT
+        raised(out, ManifestError if case == "dims-overflow" else ValueError)
 
 
 @pytest.mark.parametrize("case", ["deep", "wide"])
@@ -395,6 +477,17 @@ def _make_special(path: Path, kind: str) -> None:
         os.mkfifo(path)
     elif kind == "dev-zero":
         path.symlink_to("/dev/zero")
+    elif kind == "dev-urandom":
+        path.symlink_to("/dev/urandom")
+    elif kind == "symlink-loop":
+        path.symlink_to(path.name)
+    elif kind == "dangling-symlink":
+        path.symlink_to("/nonexistent/deeppart")
+    elif kind == "socket":
+        import socket
+
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.bind(str(path))  # the socket file stays after the close
     else:
         path.mkdir()
 
@@ -421,6 +514,15 @@ def test_special_file_in_a_checkpoint(tmp_path: Path, name: str, kind: str) -> N
     latest = measure("latest", str(root))
     assert latest["error"] is None
     assert latest["result"] == (1 if name == data_file_name(0) else None)
+
+
+@pytest.mark.parametrize("kind", ["socket", "symlink-loop", "dangling-symlink", "dev-urandom"])
+@pytest.mark.parametrize("name", [MARKER, METADATA, data_file_name(0)])
+def test_other_special_files_in_a_checkpoint(tmp_path: Path, name: str, kind: str) -> None:
+    """The rest of the family: a load ends at once with a CheckpointError."""
+    d = save_small(tmp_path / "ck")
+    _make_special(d / name, kind)
+    raised(measure("load", str(d)), CheckpointError)
 
 
 @pytest.mark.parametrize("kind", [*SPECIAL, "socket"])
@@ -671,22 +773,85 @@ def test_small_hostile_metadata(tmp_path: Path, mutate: str) -> None:
         raised(out, CheckpointError)
 
 
-@pytest.mark.parametrize("world", [1 << 20])
+def _plan_request(
+    m: deeppart.Manifest, world: int, cost: dict[str, Any] | None = None, **fields: Any
+) -> pb.PlanRequest:
+    """A request with the plan fingerprint a client computes (so the server
+    plans instead of refusing a mismatch), or zeros where it cannot be
+    computed (parameters the planner refuses)."""
+    req = pb.PlanRequest(
+        **{
+            "world_size": world,
+            "algorithm": "balanced",
+            "planner_version": deeppart.PLANNER_VERSION,
+            "manifest_fingerprint": m.fingerprint,
+            "plan_fingerprint": "0" * 64,
+            **fields,
+        }
+    )
+    req.manifest.CopyFrom(wire.manifest_to_proto(m))
+    if cost is not None:
+        req.cost.CopyFrom(pb.CostModel(**cost))
+    with contextlib.suppress(ValueError, deeppart.DeepPartError):
+        req.plan_fingerprint = deeppart.plan_fingerprint(
+            m,
+            world,
+            algorithm=req.algorithm,
+            cost=wire.cost_from_proto(req.cost),
+            topology=wire.topology_from_proto(req.topology),
+        )
+    return req
+
+
+def _serve_measured(tmp_path: Path, req: pb.PlanRequest) -> dict[str, Any]:
+    f = tmp_path / "request.pb"
+    f.write_bytes(req.SerializeToString())
+    assert f.stat().st_size <= 1 << 20
+    return measure("serve", str(f))
+
+
+@pytest.mark.parametrize("world", [1 << 20, (1 << 20) + 1, (1 << 32) - 1])
 def test_service_request_with_the_largest_world_size(tmp_path: Path, world: int) -> None:
     """A valid small manifest planned for the most ranks the planner takes
-    (and one more): the server's memory stays bounded either way."""
+    (and beyond): the server plans it (or refuses the world size at once)
+    in bounded memory."""
     m = deeppart.Manifest.from_leaves(
         [{"path": ["w", i], "dtype": "float32", "shape": [1024, 1024]} for i in range(64)]
     )
-    req = pb.PlanRequest(
-        world_size=world,
-        algorithm="balanced",
-        planner_version=deeppart.PLANNER_VERSION,
-        manifest_fingerprint=m.fingerprint,
-        plan_fingerprint="0" * 64,
+    out = _serve_measured(tmp_path, _plan_request(m, world))
+    assert out["result"] == ("OK" if world <= 1 << 20 else "INVALID_ARGUMENT"), out
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["many-leaves", "row-grain-tiny-pieces", "tiny-bandwidth", "subnormal-bandwidth",
+     "tiny-node-bandwidth", "tiny-aggregate-bandwidth", "huge-fixed-s", "long-strings"],
+)  # fmt: skip
+def test_service_request_parameters_are_bounded(tmp_path: Path, case: str) -> None:
+    """Requests of at most 1 MB that make planning expensive: many leaves
+    over the largest world, tiny pieces, extreme cost models (a bandwidth of
+    1e-305 made balanced double its level forever, holding a server thread
+    for good), long strings. Each is planned or refused, within the bounds."""
+    small = deeppart.Manifest.from_leaves(
+        [{"path": ["w", i], "dtype": "float32", "shape": [1024, 1024]} for i in range(64)]
     )
-    req.manifest.CopyFrom(wire.manifest_to_proto(m))
-    f = tmp_path / "request.pb"
-    f.write_bytes(req.SerializeToString())
-    out = measure("serve", str(f))
-    assert out["result"] in ("OK", "INVALID_ARGUMENT", "FAILED_PRECONDITION"), out
+    world = 1 << 20
+    req = {
+        "many-leaves": lambda: _plan_request(deeppart.Manifest.from_leaves(
+            [{"path": [i], "dtype": "int8", "shape": [1]} for i in range(60_000)]), world),
+        "row-grain-tiny-pieces": lambda: _plan_request(deeppart.Manifest.from_leaves(
+            [{"path": [i], "dtype": "int8", "shape": [3, 1 << 40]} for i in range(30_000)]),
+            world, {"grain": "row", "min_piece_bytes": 1, "align_bytes": 1}),
+        "tiny-bandwidth": lambda: _plan_request(small, world, {"bandwidth": 1e-300}),
+        "subnormal-bandwidth": lambda: _plan_request(small, world, {"bandwidth": 5e-324}),
+        "tiny-node-bandwidth": lambda: _plan_request(small, world, {"node_bandwidth": 1e-305},
+                                                     topology=pb.Topology(ranks_per_node=8)),
+        "tiny-aggregate-bandwidth": lambda: _plan_request(
+            small, world, {"aggregate_bandwidth": 1e-305}),
+        "huge-fixed-s": lambda: _plan_request(small, world, {"fixed_s": 1e300, "piece_s": 1e300}),
+        "long-strings": lambda: _plan_request(small, 4, algorithm="x" * 300_000,
+                                              job_id="j" * 300_000),
+    }[case]()  # fmt: skip
+    out = _serve_measured(tmp_path, req)
+    planned = case in ("many-leaves", "row-grain-tiny-pieces")
+    assert out["result"] == ("OK" if planned else "INVALID_ARGUMENT"), out

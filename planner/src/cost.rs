@@ -137,6 +137,15 @@ fn gcd(mut a: u64, mut b: u64) -> u64 {
     a
 }
 
+/// The slowest bandwidth a cost model may state (bytes per second) and its
+/// longest time (seconds, 31 years). No storage is outside them, and within
+/// them every time the planner adds up stays finite with room to spare: with
+/// a bandwidth of 1e-305 one piece's time overflows to infinity and
+/// `balanced` doubled its level forever (a planner service request of a few
+/// hundred bytes held a server thread for good; issue 13).
+pub const MIN_BANDWIDTH: f64 = 1.0;
+pub const MAX_SECONDS: f64 = 1e9;
+
 impl CostModel {
     /// Checks that every parameter is finite and in range.
     pub fn validate(&self) -> Result<(), PlanError> {
@@ -167,6 +176,29 @@ impl CostModel {
         }
         if let Some(v) = self.aggregate_bandwidth {
             finite_pos("aggregate_bandwidth", v)?;
+        }
+        for (name, v) in [
+            ("fixed_s", self.fixed_s),
+            ("piece_s", self.piece_s),
+            ("writer_s", self.writer_s),
+        ] {
+            if v > MAX_SECONDS {
+                return Err(PlanError::Cost(format!(
+                    "{name} must be at most {MAX_SECONDS:e} s, got {v}"
+                )));
+            }
+        }
+        for (name, v) in [
+            ("bandwidth", Some(self.bandwidth)),
+            ("node_bandwidth", self.node_bandwidth),
+            ("aggregate_bandwidth", self.aggregate_bandwidth),
+        ] {
+            if v.is_some_and(|v| v < MIN_BANDWIDTH) {
+                return Err(PlanError::Cost(format!(
+                    "{name} must be at least {MIN_BANDWIDTH} byte/s, got {}",
+                    v.unwrap_or_default()
+                )));
+            }
         }
         if self.min_piece_bytes == 0 {
             return Err(PlanError::Cost("min_piece_bytes must be at least 1".into()));
@@ -333,6 +365,76 @@ mod tests {
             ..CostModel::default()
         };
         assert!(c.validate().unwrap_err().to_string().contains("fixed_s"));
+    }
+
+    #[test]
+    fn validation_keeps_every_time_finite() {
+        // Issue 13: a bandwidth of 1e-305 made `balanced` double its level
+        // forever (one piece's time is infinite, so no level fits).
+        for (c, name) in [
+            (
+                CostModel {
+                    bandwidth: 1e-305,
+                    ..CostModel::default()
+                },
+                "bandwidth",
+            ),
+            (
+                CostModel {
+                    bandwidth: 5e-324,
+                    ..CostModel::default()
+                },
+                "bandwidth",
+            ),
+            (
+                CostModel {
+                    node_bandwidth: Some(0.5),
+                    ..CostModel::default()
+                },
+                "node_bandwidth",
+            ),
+            (
+                CostModel {
+                    aggregate_bandwidth: Some(1e-300),
+                    ..CostModel::default()
+                },
+                "aggregate_bandwidth",
+            ),
+            (
+                CostModel {
+                    fixed_s: 1e300,
+                    ..CostModel::default()
+                },
+                "fixed_s",
+            ),
+            (
+                CostModel {
+                    piece_s: 2e9,
+                    ..CostModel::default()
+                },
+                "piece_s",
+            ),
+            (
+                CostModel {
+                    writer_s: f64::MAX,
+                    ..CostModel::default()
+                },
+                "writer_s",
+            ),
+        ] {
+            let e = c.validate().unwrap_err().to_string();
+            assert!(e.contains(name), "{e}");
+        }
+        let edge = CostModel {
+            bandwidth: MIN_BANDWIDTH,
+            node_bandwidth: Some(MIN_BANDWIDTH),
+            aggregate_bandwidth: Some(f64::MAX),
+            fixed_s: MAX_SECONDS,
+            piece_s: MAX_SECONDS,
+            writer_s: MAX_SECONDS,
+            ..CostModel::default()
+        };
+        assert!(edge.validate().is_ok());
     }
 
     fn tensor(dtype: crate::dtype::DType, shape: Vec<u64>) -> Leaf {
