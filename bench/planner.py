@@ -11,8 +11,8 @@ that ``DefaultSavePlanner`` would gather from the same ranks: every rank lists
 every replicated leaf (a tensor as a ``WriteItemType.TENSOR`` item with its
 ``TensorWriteData`` and one whole ``ChunkStorageMetadata``, an object as a
 ``WriteItemType.BYTE_IO`` item, under the dotted FQN). DCP's deduplicated
-assignment is scored in Python with the planner's own cost model
-(:func:`modelled_makespan`, the formula of ``planner/src/plan.rs`` ``evaluate``)
+assignment is scored with the planner's own model, the one that scores every
+plan (:func:`modelled_makespan`, over ``_planner.model_time``)
 and divided by the proven lower bound of DeepPart's plan, so both gaps are
 measured against the same bound.
 
@@ -39,6 +39,7 @@ if __package__ in (None, ""):
 
 import deeppart
 from bench import models, zoo
+from deeppart import _planner
 
 # Skip torch on the synthetic manifest where its estimated time exceeds this (seconds).
 TORCH_BUDGET_S = 60.0
@@ -52,28 +53,26 @@ def plan_uncached(manifest: deeppart.Manifest, world_size: int, **kwargs: Any) -
 
 
 # ----------------------------------------------------------------------------
-# The cost model, in Python.
+# The cost model: the planner's own (``deeppart._planner.model_time``).
 
 
 def modelled_makespan(
-    rank_piece_bytes: Sequence[Sequence[int]], cost: deeppart.CostModel
+    rank_piece_bytes: Sequence[Sequence[int]],
+    cost: deeppart.CostModel,
+    topology: deeppart.Topology | None = None,
 ) -> tuple[float, list[float]]:
-    """The makespan of an assignment given, per rank, the bytes of each piece
-    it writes: ``max_r (fixed_s + sum(piece_s + bytes / bandwidth)) +
-    writers * writer_s``, where only ranks that write anything pay ``fixed_s``
-    and count as writers. Also returns the per-rank costs."""
-    costs: list[float] = []
-    writers = 0
-    for pieces in rank_piece_bytes:
-        if not pieces:
-            costs.append(0.0)
-            continue
-        writers += 1
-        c = cost.fixed_s
-        for b in pieces:
-            c += cost.piece_s + b / cost.bandwidth
-        costs.append(c)
-    return max(costs, default=0.0) + writers * cost.writer_s, costs
+    """The planner's modelled time of an assignment given, per rank, the
+    bytes of each piece it writes (for DCP's plans, which are no DeepPart
+    plans), and the per-rank costs: ``_planner.model_time``, the model that
+    scores every plan, so the two sides of the table cannot be scored
+    differently."""
+    t = _planner.model_time(
+        cost,
+        [len(p) for p in rank_piece_bytes],
+        [sum(p) for p in rank_piece_bytes],
+        topology=topology,
+    )
+    return t["makespan"], t["rank_costs"]
 
 
 def plan_piece_bytes(plan: deeppart.Plan) -> list[list[int]]:

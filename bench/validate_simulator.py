@@ -68,17 +68,16 @@ def worker(directory: str, repeats: int) -> None:
 
 def predict(world: int, profile: dict[str, Any]) -> float:
     import deeppart
-    from deeppart.simulate import StorageModel, evaluate
+    from deeppart.simulate import StorageModel, predict_plan
 
     m = manifest()
     # The plan deeppart.save makes (its default cost model, one rank per node).
     plan = deeppart.plan(m, world, cache=False)
-    rb = plan.rank_bytes()
-    rp = [len(plan.rank_pieces(r)) for r in range(world)]
     # One node: the ranks share the disk (its calibrated parallel bandwidth).
+    # The prediction is the planner's own modelled time of that plan under
+    # the calibrated cost model of this node (Plan.modelled_time).
     model = StorageModel.from_profile(profile, ranks_per_node=world)
-    seconds, _, _ = evaluate(model, rb, rp, "L1")
-    return seconds
+    return predict_plan(model, plan, "L1", "balanced").seconds
 
 
 def main() -> int:

@@ -29,6 +29,7 @@ __all__ = [
     "Topology",
     "default_cache_dir",
     "differing_leaves",
+    "model_time",
     "plan",
     "plan_fingerprint",
     "replica_digests",
@@ -221,6 +222,17 @@ class PlanStats:
     def to_dict(self) -> dict[str, float | int | str]:
         """The figures as a dict keyed by the property names."""
 
+class _ModelledTime(TypedDict):
+    """A modelled save time (``Plan.modelled_time``, ``model_time``)."""
+
+    makespan: float
+    rank_costs: list[float]
+    rank_bytes: list[int]
+    node_s: float
+    aggregate_s: float
+    writers: int
+    pieces: int
+
 @final
 class Plan:
     """Which rank writes which pieces of which leaves, with its inputs and
@@ -267,6 +279,14 @@ class Plan:
     def rank_costs(self) -> list[float]:
         """Modelled write time of each rank in seconds (``fixed_s`` plus its
         pieces; 0 for a rank that writes nothing)."""
+    def modelled_time(
+        self, cost: CostModel | None = None, topology: Topology | None = None
+    ) -> _ModelledTime:
+        """The planner's modelled time of this plan, from the one model that
+        scores every plan (docs/PLANNER.md, "Cost model"), under ``cost``
+        and ``topology`` (default: the plan's own, so that ``makespan`` is
+        ``stats.makespan`` exactly). Raises ``PlanError`` for a topology that
+        does not fit the world size."""
     def to_json(self) -> str:
         """The plan as JSON (inputs, fingerprint, pieces with their paths,
         stats), written with the GIL released."""
@@ -304,6 +324,20 @@ def plan(
     inputs give the same plan on every run and machine. With ``cache``, a
     plan for the same inputs is served from it, and a new one stored in it.
     Raises ``PlanError`` (invalid inputs; never because of the cache)."""
+
+def model_time(
+    cost: CostModel,
+    rank_pieces: Sequence[int],
+    rank_bytes: Sequence[int],
+    *,
+    topology: Topology | None = None,
+) -> _ModelledTime:
+    """The planner's modelled time of a save in which rank ``r`` writes
+    ``rank_bytes[r]`` bytes in ``rank_pieces[r]`` pieces (a rank with no
+    pieces does not write): the model that scores every plan, for
+    assignments that are not DeepPart plans (torch.distributed.checkpoint's,
+    for instance). Raises ``PlanError`` for lists of different lengths, an
+    empty or too large world, or a topology that does not fit it."""
 
 def plan_fingerprint(
     manifest: Manifest,

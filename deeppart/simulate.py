@@ -2,17 +2,21 @@
 planning algorithm, rank-0 ``torch.save``, DCP-style dedup and DeepPart's
 storage levels. The model and its assumptions: docs/SIMULATOR.md.
 
-The prediction for one plan is a *fluid bottleneck* model: every resource
-(a rank's own write stream, a node's local storage, a node's network link,
-the parallel file system) moves bytes at its bandwidth, shared perfectly
-among its users, and the save takes as long as its most loaded resource::
+The prediction for one plan is the planner's own modelled time of it
+(``Plan.modelled_time``, the one model in ``planner/src/plan.rs``), under
+this machine's cost model for the level written to (``StorageModel.cost_model``):
+a *fluid bottleneck* model in which every resource (a rank's own write
+stream, a node's local storage or network link, the parallel file system)
+moves bytes at its bandwidth, shared perfectly among its users::
 
-    T = fixed_s
-      + max( max_r (pieces_r * piece_s + bytes_r / rank_bw),     # one stream
-             max_n  bytes_n / node_bw(level),                     # one node
-             bytes  / shared_bw(level) )                          # all nodes
+    T = max( fixed_s + max_r (pieces_r * piece_s + bytes_r / rank_bw),  # one stream
+             fixed_s + max_n  bytes_n / node_bw(level),                  # one node
+             fixed_s + bytes  / shared_bw(level) )                       # all nodes
       + writers * writer_s
-      + level extra (partner copy, parity)
+      + level extra (partner copy, parity: phases after the write)
+
+Nothing here restates that formula: the simulator and the planner cannot
+disagree.
 """
 
 from __future__ import annotations
@@ -141,6 +145,42 @@ def planning_bandwidth(
     return min(model.rank_bw, node_bw / per_node, shared_bw / k)
 
 
+def _binding(model: StorageModel, t: _planner._ModelledTime, cost: _planner.CostModel) -> str:
+    """The resource that decides a modelled time: "rank", "node", "shared",
+    or "fixed" when the fixed and per-writer costs outweigh it."""
+    terms = {
+        "rank": max(t["rank_costs"], default=0.0) - cost.fixed_s,
+        "node": t["node_s"] - cost.fixed_s,
+        "shared": t["aggregate_s"] - cost.fixed_s,
+    }
+    bound = max(terms, key=lambda k: terms[k])
+    if terms[bound] < cost.fixed_s + t["writers"] * cost.writer_s:
+        bound = "fixed"
+    return bound
+
+
+def _level_extra(model: StorageModel, level: str, nodes: int, big: int) -> float:
+    """Seconds a level adds after the write, for the busiest node's ``big``
+    bytes: L2's partner copy, L3's parity (NaN where the level needs more
+    nodes than there are). Not part of the planner's model: these phases
+    come after the planned write and do not depend on the plan's choices."""
+    if level == "L2":
+        # Partner copy: every node sends its part to a partner node, which
+        # writes it to its own local storage, after the local write.
+        return big / min(model.net_bw, model.local_bw) if nodes > 1 else math.nan
+    if level == "L3":
+        g = min(model.rs_group, nodes)
+        m = model.rs_parity
+        if g <= m:
+            return math.nan
+        # Encoding a group's parity moves each node's data over the network
+        # once per parity block (reduce-scatter), encodes it, and writes the
+        # node's share of parity, m/(g-m) of its data.
+        parity = big * m / (g - m)
+        return big * m / model.net_bw + big * m / model.encode_bw + parity / model.local_bw
+    return 0.0
+
+
 def evaluate(
     model: StorageModel,
     rank_bytes: Sequence[int],
@@ -148,57 +188,47 @@ def evaluate(
     level: str,
 ) -> tuple[float, str, float]:
     """(seconds, binding resource, level extra seconds) of writing
-    ``rank_bytes[r]`` in ``rank_pieces[r]`` pieces from every rank r."""
+    ``rank_bytes[r]`` in ``rank_pieces[r]`` pieces from every rank r: the
+    planner's own model (``_planner.model_time``) with this machine's cost
+    model for ``level``, plus the level's extra phases."""
     world = len(rank_bytes)
     rpn = ranks_per_node(model, world)
-    nodes = world // rpn
-    node_bw, shared_bw = _level_limits(model, level, nodes)
-    node_bytes = [0] * nodes
-    rank_t = 0.0
-    writers = 0
-    for r, (b, n) in enumerate(zip(rank_bytes, rank_pieces, strict=True)):
-        if b or n:
-            writers += 1
-        node_bytes[r // rpn] += b
-        rank_t = max(rank_t, n * model.piece_s + b / model.rank_bw)
-    total = sum(node_bytes)
-    node_t = max(node_bytes) / node_bw
-    shared_t = total / shared_bw
-    terms = {"rank": rank_t, "node": node_t, "shared": shared_t}
-    bound = max(terms, key=lambda k: terms[k])
-    base = model.fixed_s + terms[bound] + writers * model.writer_s
-    if terms[bound] < model.fixed_s + writers * model.writer_s:
-        bound = "fixed"
-    extra = 0.0
-    big = max(node_bytes)
-    if level == "L2":
-        # Partner copy: every node sends its part to a partner node, which
-        # writes it to its own local storage, after the local write.
-        extra = big / min(model.net_bw, model.local_bw) if nodes > 1 else math.nan
-    elif level == "L3":
-        g = min(model.rs_group, nodes)
-        m = model.rs_parity
-        if g <= m:
-            extra = math.nan
-        else:
-            # Encoding a group's parity moves each node's data over the
-            # network once per parity block (reduce-scatter), encodes it, and
-            # writes the node's share of parity, m/(g-m) of its data.
-            parity = big * m / (g - m)
-            extra = big * m / model.net_bw + big * m / model.encode_bw + parity / model.local_bw
-    return base + extra, bound, extra
+    cost = model.cost_model(level=level)
+    t = _planner.model_time(
+        cost, list(rank_pieces), list(rank_bytes), topology=_planner.Topology(rpn)
+    )
+    return _result(model, t, cost, level, world // rpn, rpn)
+
+
+def _result(
+    model: StorageModel,
+    t: _planner._ModelledTime,
+    cost: _planner.CostModel,
+    level: str,
+    nodes: int,
+    rpn: int,
+) -> tuple[float, str, float]:
+    rb = t["rank_bytes"]
+    big = max((sum(rb[n * rpn : (n + 1) * rpn]) for n in range(nodes)), default=0)
+    extra = _level_extra(model, level, nodes, big)
+    return t["makespan"] + extra, _binding(model, t, cost), extra
 
 
 def predict_plan(model: StorageModel, plan: _planner.Plan, level: str, method: str) -> Prediction:
-    rb = plan.rank_bytes()
-    rp = [len(plan.rank_pieces(r)) if b else 0 for r, b in enumerate(rb)]
-    # A rank that owns only empty pieces still writes (and pays fixed_s).
-    seconds, bound, extra = evaluate(model, rb, rp, level)
+    """The prediction for one plan: the planner's modelled time of it under
+    this machine's cost model for ``level`` (``Plan.modelled_time``; for a
+    plan made with that cost model, exactly its ``stats.makespan``), plus
+    the level's extra phases."""
+    cost = model.cost_model(level=level)
+    t = plan.modelled_time(cost)
+    rpn = plan.topology.ranks_per_node
+    seconds, bound, extra = _result(model, t, cost, level, plan.world_size // rpn, rpn)
+    rb = t["rank_bytes"]
     return Prediction(
         method=method,
         world_size=plan.world_size,
         seconds=seconds,
-        writers=sum(1 for b in rb if b),
+        writers=t["writers"],
         max_rank_bytes=max(rb),
         bound=bound,
         plan_ms=plan.stats.plan_ms,

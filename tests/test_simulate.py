@@ -26,7 +26,9 @@ from deeppart.simulate import (
     evaluate,
     parse_world_sizes,
     planning_bandwidth,
+    predict_plan,
     predict_torch_save,
+    ranks_per_node,
     simulate,
 )
 
@@ -73,6 +75,40 @@ def test_evaluate_shared_and_node_limits() -> None:
     # Levels that need other nodes are not available on one node.
     assert math.isnan(evaluate(m, [1] * 4, [1] * 4, "L2")[0])
     assert math.isnan(evaluate(m, [1] * 4, [1] * 4, "L3")[0])
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("world_size", [1, 8, 64, 512])
+def test_prediction_is_the_planners_modelled_time(
+    bert_base: _planner.Manifest, level: str, world_size: int
+) -> None:
+    """One model: the simulator predicts exactly the modelled time the
+    planner reports for the plan (plus the level's phases after the write)."""
+    model = StorageModel()
+    topo = _planner.Topology(ranks_per_node(model, world_size))
+    plan = _planner.plan(bert_base, world_size, cost=model.cost_model(level=level), topology=topo)
+    pred = predict_plan(model, plan, level, "balanced")
+    assert plan.modelled_time()["makespan"] == plan.stats.makespan
+    if math.isnan(pred.extra_s):
+        assert math.isnan(pred.seconds)
+    else:
+        assert pred.seconds == plan.stats.makespan + pred.extra_s
+        if level in ("L1", "L4"):
+            assert pred.seconds == plan.stats.makespan
+    assert pred.writers == plan.stats.writers
+
+
+def test_model_time_checks_its_arguments() -> None:
+    cost = _planner.CostModel()
+    with pytest.raises(_planner.PlanError):
+        _planner.model_time(cost, [1, 2], [3])
+    with pytest.raises(_planner.PlanError):
+        _planner.model_time(cost, [], [])
+    with pytest.raises(_planner.PlanError):
+        _planner.model_time(cost, [1, 1, 1], [1, 1, 1], topology=_planner.Topology(2))
+    t = _planner.model_time(cost, [2, 0], [10**9, 0])
+    assert t["writers"] == 1 and t["rank_costs"][1] == 0.0
+    assert t["makespan"] == cost.fixed_s + 2 * cost.piece_s + 1.0 + cost.writer_s
 
 
 def test_planning_bandwidth_is_the_least_share() -> None:

@@ -218,6 +218,25 @@ impl Plan {
         .rank_cost
     }
 
+    /// The planner's modelled time of this plan (the one model,
+    /// `deeppart_planner::plan::model_time`), under `cost` and `topology`
+    /// (default: the plan's own, so that `makespan` is `stats.makespan`).
+    #[pyo3(signature = (cost=None, topology=None))]
+    fn modelled_time<'py>(
+        &self,
+        py: Python<'py>,
+        cost: Option<&CostModel>,
+        topology: Option<&Topology>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let cost = cost.map_or(self.inner.cost, |c| c.inner);
+        let topology = topology.map_or(self.inner.topology, |t| t.inner);
+        topology.validate(self.inner.world_size).map_err(plan_err)?;
+        let inner = self.inner.clone();
+        let eval = py
+            .detach(move || core::plan::evaluate(&inner.manifest, &topology, &cost, &inner.ranks));
+        evaluation_dict(py, &eval)
+    }
+
     fn to_json(&self, py: Python<'_>) -> String {
         let inner = self.inner.clone();
         py.detach(move || inner.to_json())
@@ -289,9 +308,60 @@ impl Plan {
     }
 }
 
+/// A modelled time as a dict: `makespan`, `rank_costs`, `rank_bytes`,
+/// `node_s`, `aggregate_s`, `writers`, `pieces`.
+fn evaluation_dict<'py>(
+    py: Python<'py>,
+    eval: &core::plan::Evaluation,
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("makespan", eval.makespan_s)?;
+    d.set_item("rank_costs", eval.rank_cost.clone())?;
+    d.set_item("rank_bytes", eval.rank_bytes.clone())?;
+    d.set_item("node_s", eval.node_s)?;
+    d.set_item("aggregate_s", eval.aggregate_s)?;
+    d.set_item("writers", eval.writers)?;
+    d.set_item("pieces", eval.pieces)?;
+    Ok(d)
+}
+
+/// The planner's modelled time of a save in which rank `r` writes
+/// `rank_bytes[r]` bytes in `rank_pieces[r]` pieces, under `cost` and
+/// `topology`: the model that scores every plan, for assignments that are
+/// not DeepPart plans (torch.distributed.checkpoint's, for instance).
+#[pyfunction]
+#[pyo3(signature = (cost, rank_pieces, rank_bytes, *, topology=None))]
+fn model_time<'py>(
+    py: Python<'py>,
+    cost: &CostModel,
+    rank_pieces: Vec<u64>,
+    rank_bytes: Vec<u64>,
+    topology: Option<&Topology>,
+) -> PyResult<Bound<'py, PyDict>> {
+    if rank_pieces.len() != rank_bytes.len() {
+        return Err(PlanError::new_err(format!(
+            "{} piece counts for {} byte counts",
+            rank_pieces.len(),
+            rank_bytes.len()
+        )));
+    }
+    let world_size = u32::try_from(rank_pieces.len())
+        .ok()
+        .filter(|&w| w >= 1)
+        .ok_or_else(|| PlanError::new_err("model_time needs 1 to 2^20 ranks"))?;
+    core::check_world_size(u64::from(world_size)).map_err(plan_err)?;
+    let topology = topology.map_or(core::Topology::default(), |t| t.inner);
+    topology.validate(world_size).map_err(plan_err)?;
+    let cost = cost.inner;
+    let eval =
+        py.detach(move || core::plan::model_time(&cost, &topology, &rank_pieces, rank_bytes));
+    evaluation_dict(py, &eval)
+}
+
 /// Adds this module's classes and functions to `deeppart._planner`.
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Plan>()?;
     m.add_class::<PlanStats>()?;
+    m.add_function(wrap_pyfunction!(model_time, m)?)?;
     Ok(())
 }

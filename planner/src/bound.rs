@@ -47,6 +47,9 @@ pub struct LoadSummary {
     pub replicated_work: f64,
     /// Number of replicated leaves.
     pub replicated_leaves: usize,
+    /// The most pieces the replicated leaves can be cut into, together
+    /// (the sum of their [`CostModel::max_pieces`], saturating).
+    pub replicated_max_pieces: u64,
     /// Per rank: the summed cost of the leaves it owns (`o_r`), fixed cost excluded.
     pub owned_load: Vec<f64>,
     /// Per rank: the bytes of the leaves it owns.
@@ -79,6 +82,7 @@ impl LoadSummary {
         let mut is_owner = vec![false; ws];
         let mut replicated_work = 0.0;
         let mut replicated_leaves = 0;
+        let mut replicated_max_pieces = 0u64;
         let mut per_piece_bytes = vec![0.0f64; ws + 1];
         let mut leaf_bytes_by_pieces = vec![0.0f64; ws + 2];
         for leaf in manifest.leaves() {
@@ -93,6 +97,7 @@ impl LoadSummary {
                     replicated_work += c;
                     replicated_leaves += 1;
                     let n = cost.max_pieces(leaf);
+                    replicated_max_pieces = replicated_max_pieces.saturating_add(n);
                     let bytes = leaf.nbytes as f64;
                     if n <= world_size as u64 {
                         let slot = &mut per_piece_bytes[n as usize];
@@ -107,6 +112,7 @@ impl LoadSummary {
         LoadSummary {
             replicated_work,
             replicated_leaves,
+            replicated_max_pieces,
             owned_load,
             owned_bytes,
             is_owner,
@@ -161,7 +167,7 @@ pub fn writer_capacity(cost: &CostModel, nodes: u32, k: u32) -> f64 {
 }
 
 /// `M(k)` with the sums over ranks done once, for evaluating many `k`.
-struct Levels {
+pub(crate) struct Levels {
     fixed_s: f64,
     piece_s: f64,
     bandwidth: f64,
@@ -183,7 +189,7 @@ struct Levels {
 }
 
 impl Levels {
-    fn new(summary: &LoadSummary, cost: &CostModel) -> Levels {
+    pub(crate) fn new(summary: &LoadSummary, cost: &CostModel) -> Levels {
         let mut cut_prefix = summary.per_piece_bytes.clone();
         for i in 1..cut_prefix.len() {
             cut_prefix[i] = cut_prefix[i].max(cut_prefix[i - 1]);
@@ -208,7 +214,17 @@ impl Levels {
         }
     }
 
-    fn at(&self, k: u32) -> f64 {
+    pub(crate) fn at(&self, k: u32) -> f64 {
+        self.at_capacity(k, writer_capacity(&self.cost, self.nodes, k))
+    }
+
+    /// `M(k)` with bound 5's `C(k)` replaced by `capacity`: the bound on the
+    /// largest rank cost of any plan whose `k` writers together move at most
+    /// `capacity` bytes per second (for writers confined to some nodes, the
+    /// even spread over those nodes). It depends on the world size only
+    /// through `capacity`: the other terms are the same for every world that
+    /// holds `k` ranks.
+    pub(crate) fn at_capacity(&self, k: u32, capacity: f64) -> f64 {
         if k == 0 {
             return 0.0;
         }
@@ -219,7 +235,6 @@ impl Levels {
             m = m.max(self.fixed_s + self.piece_s + largest / self.bandwidth);
         }
         if self.total_bytes > 0.0 {
-            let capacity = writer_capacity(&self.cost, self.nodes, k);
             m = m.max(self.fixed_s + self.total_bytes / capacity);
         }
         m

@@ -25,7 +25,7 @@ use crate::plan::{Algorithm, Piece, Plan, PlanSource, PlanStats};
 /// version plus an algorithm revision. Bump the `+algN` suffix whenever any
 /// algorithm's output can change, so that no cache ever serves a plan from an
 /// older planner.
-pub const PLANNER_VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), "+alg4");
+pub const PLANNER_VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), "+alg5");
 
 /// Largest supported world size.
 pub const MAX_WORLD_SIZE: u64 = 1 << 20;

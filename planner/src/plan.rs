@@ -175,26 +175,40 @@ pub fn evaluate(
     ranks: &[Vec<Piece>],
 ) -> Evaluation {
     let leaves = manifest.leaves();
-    let mut rank_cost = vec![0.0; ranks.len()];
-    let mut rank_bytes = vec![0u64; ranks.len()];
+    let pieces: Vec<u64> = ranks.iter().map(|list| list.len() as u64).collect();
+    let bytes: Vec<u64> = ranks
+        .iter()
+        .map(|list| {
+            list.iter()
+                .map(|p| leaves[p.leaf as usize].range_bytes(p.start, p.stop))
+                .sum()
+        })
+        .collect();
+    model_time(cost, topology, &pieces, bytes)
+}
+
+/// The model itself (see [`crate::cost`]): the modelled time of a save in
+/// which rank `r` writes `rank_bytes[r]` bytes in `rank_pieces[r]` pieces
+/// (a rank with no pieces does not write). Every modelled time, a plan's
+/// stats, the planner's choice of writers and the simulator's prediction,
+/// comes from here. The result does not depend on the order of a rank's
+/// pieces: a rank's cost is `fixed_s + pieces * piece_s + bytes / bandwidth`.
+pub fn model_time(
+    cost: &CostModel,
+    topology: &Topology,
+    rank_pieces: &[u64],
+    rank_bytes: Vec<u64>,
+) -> Evaluation {
+    debug_assert_eq!(rank_pieces.len(), rank_bytes.len());
+    let mut rank_cost = vec![0.0; rank_pieces.len()];
     let mut writers = 0;
-    let mut pieces = 0u64;
-    for (r, list) in ranks.iter().enumerate() {
-        if list.is_empty() {
-            continue;
+    for (r, (&p, &b)) in rank_pieces.iter().zip(&rank_bytes).enumerate() {
+        if p > 0 {
+            writers += 1;
+            rank_cost[r] = cost.fixed_s + p as f64 * cost.piece_s + b as f64 / cost.bandwidth;
         }
-        writers += 1;
-        let mut c = cost.fixed_s;
-        let mut b = 0u64;
-        for p in list {
-            let bytes = leaves[p.leaf as usize].range_bytes(p.start, p.stop);
-            c += cost.piece_cost(bytes);
-            b += bytes;
-        }
-        pieces += list.len() as u64;
-        rank_cost[r] = c;
-        rank_bytes[r] = b;
     }
+    let pieces = rank_pieces.iter().sum();
     let slowest = rank_cost.iter().copied().fold(0.0, f64::max);
     let mut node_s = 0.0;
     if let Some(nu) = cost.node_bandwidth {

@@ -838,6 +838,65 @@ proptest! {
     }
 }
 
+/// Coarse 3-D tensors, like a Mixture-of-Experts layer's stacked experts
+/// `[experts, 2 x intermediate, hidden]`: few, large dim-0 rows.
+fn coarse_leaf_spec() -> impl Strategy<Value = LeafSpec> {
+    (
+        path(),
+        0..DType::all().len(),
+        1u64..=16,
+        64u64..5000,
+        64u64..5000,
+        prop::option::weighted(0.1, any::<u32>()),
+    )
+        .prop_map(|(path, dtype, e, a, b, owner)| LeafSpec {
+            path,
+            kind: Kind::Tensor {
+                dtype,
+                shape: vec![e, a, b],
+            },
+            owner,
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+
+    /// A planner that chooses its writers is never slower with more ranks:
+    /// the ranks of the smaller world are all there, and `balanced` tries
+    /// every writer set a smaller world would try. Exact, not within a
+    /// tolerance: the same writer set gives the same plan, bit for bit.
+    #[test]
+    fn modelled_time_is_non_increasing_in_world_size(
+        leaves in prop::collection::vec(prop_oneof![3 => leaf_spec(), 1 => coarse_leaf_spec()], 0..=30),
+        ranks_per_node in prop_oneof![Just(1u32), Just(8)],
+        nodes in 1u32..=8,
+        more_nodes in prop::collection::vec(1u32..=40, 1..=2),
+        cost in cost_model(),
+    ) {
+        let topology = Topology { ranks_per_node };
+        let mut worlds = vec![nodes * ranks_per_node];
+        let mut total = nodes;
+        for more in more_nodes {
+            total += more;
+            worlds.push(total * ranks_per_node);
+        }
+        // Owners within the smallest world, so that every world holds the same manifest.
+        let m = Arc::new(build_manifest(&leaves, worlds[0]));
+        let times: Vec<f64> = worlds
+            .iter()
+            .map(|&p| plan(m.clone(), p as u64, topology, cost, Algorithm::Balanced).unwrap().stats.makespan_s)
+            .collect();
+        for i in 1..times.len() {
+            prop_assert!(
+                times[i] <= times[i - 1],
+                "modelled time rose from {} at {} ranks to {} at {} ranks ({worlds:?}: {times:?})",
+                times[i - 1], worlds[i - 1], times[i], worlds[i]
+            );
+        }
+    }
+}
+
 /// Two unsplittable values and a node bandwidth: the level the plan needs
 /// (the larger value's time) lies far above the bound. Trying levels in
 /// doublings from the bound used to stop above it at 30 nodes, where one
@@ -986,4 +1045,39 @@ fn plan_json_keeps_cost_parameters_bit_for_bit() {
     assert_eq!(back.cost.writer_s.to_bits(), cost.writer_s.to_bits());
     assert_eq!(back.cost.fixed_s.to_bits(), cost.fixed_s.to_bits());
     assert_eq!(back.fingerprint, p.fingerprint);
+}
+
+/// Found by `modelled_time_is_non_increasing_in_world_size`: two owned
+/// scalars on node 0 and one replicated 3-D tensor, eight ranks per node,
+/// a node bandwidth below eight ranks' bandwidth.
+#[test]
+fn a_second_node_never_slows_an_owned_and_replicated_state() {
+    let m = Arc::new(
+        Manifest::new(vec![
+            Leaf::tensor(path1("model"), DType::all()[0], vec![], Some(4)).unwrap(),
+            Leaf::tensor(path1("optim"), DType::all()[0], vec![], Some(5)).unwrap(),
+            Leaf::tensor(path1("state"), DType::all()[0], vec![1, 1854, 1197], None).unwrap(),
+        ])
+        .unwrap(),
+    );
+    let cost = CostModel {
+        fixed_s: 0.0,
+        piece_s: 0.0,
+        bandwidth: 40171896241.52521,
+        writer_s: 0.0,
+        min_piece_bytes: 1,
+        align_bytes: 1,
+        grain: Grain::Element,
+        node_bandwidth: Some(76256572187.83295),
+        aggregate_bandwidth: None,
+    };
+    let topology = Topology { ranks_per_node: 8 };
+    let t8 = plan(m.clone(), 8, topology, cost, Algorithm::Balanced).unwrap();
+    let t16 = plan(m.clone(), 16, topology, cost, Algorithm::Balanced).unwrap();
+    assert!(
+        t16.stats.makespan_s <= t8.stats.makespan_s,
+        "{:?} vs {:?}",
+        t8.stats,
+        t16.stats
+    );
 }
