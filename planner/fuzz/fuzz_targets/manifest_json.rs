@@ -8,6 +8,7 @@
 
 use std::sync::Arc;
 
+use deeppart_planner::cost::{MAX_SECONDS, MIN_BANDWIDTH};
 use deeppart_planner::{plan, Algorithm, CostModel, Manifest, Plan, Topology};
 use libfuzzer_sys::fuzz_target;
 
@@ -36,19 +37,47 @@ fuzz_target!(|data: &[u8]| {
         .iter()
         .fold(0u64, |h, &b| h.wrapping_mul(31).wrapping_add(b as u64));
     let world_size = max_owner.max(1 + h % 17);
-    let cost = match (h >> 8) % 3 {
+    let cost = match (h >> 8) % 4 {
         0 => CostModel::default(),
         1 => CostModel {
             writer_s: 0.0,
             min_piece_bytes: 1,
             ..CostModel::default()
         },
-        _ => CostModel {
+        2 => CostModel {
             fixed_s: 0.0,
             piece_s: 0.0,
             min_piece_bytes: 64,
             ..CostModel::default()
         },
+        // Anywhere in the valid range, extremes included (a bandwidth that
+        // made a piece's time overflow once kept `balanced` looping: issue 13).
+        _ => {
+            let at = |shift: u32, lo: f64, hi: f64| {
+                let x = ((h >> shift) & 0x7f) as f64 / 127.0;
+                (lo * (hi / lo).powf(x)).clamp(lo, hi)
+            };
+            let time = |shift: u32| {
+                if (h >> shift) & 0x7f < 16 {
+                    0.0
+                } else {
+                    at(shift, 1e-9, MAX_SECONDS)
+                }
+            };
+            let shared =
+                |shift: u32| ((h >> shift) & 1 == 1).then(|| at(shift + 1, MIN_BANDWIDTH, 1e15));
+            CostModel {
+                fixed_s: time(12),
+                piece_s: time(19),
+                writer_s: time(26),
+                bandwidth: at(33, MIN_BANDWIDTH, 1e15),
+                node_bandwidth: shared(40),
+                aggregate_bandwidth: shared(48),
+                min_piece_bytes: 1 + ((h >> 56) & 0xf) * 4096,
+                align_bytes: 1 << ((h >> 60) & 0xf),
+                ..CostModel::default()
+            }
+        }
     };
     let manifest = Arc::new(manifest);
     for algorithm in Algorithm::ALL {
