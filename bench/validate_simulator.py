@@ -1,9 +1,10 @@
 """Predicted versus measured save time at 1, 2 and 4 ranks on this machine
 (docs/SIMULATOR.md, "Validation").
 
-    .venv/bin/python bench/validate_simulator.py [--dir DIR] [--repeats 3]
+    .venv/bin/python bench/validate_simulator.py [--dir DIR] [--repeats 3] [--runs 1]
 
-Calibrates this machine into a throw-away profile, then for K in 1, 2, 4 runs
+Calibrates this machine into a throw-away profile (files up to 128 MiB;
+``--sizes``), then for K in 1, 2, 4 runs
 ``mpiexec -n K`` saves of a Llama-shaped model with AdamW (about 350 MB) with
 ``deeppart.save`` and compares the median measured time with the
 simulator's prediction for the plan ``deeppart.save`` used (one node, K ranks
@@ -80,32 +81,25 @@ def predict(world: int, profile: dict[str, Any]) -> float:
     return predict_plan(model, plan, "L1", "balanced").seconds
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--dir", default=None, help="target directory [a temporary one under .]")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--ranks", default="1,2,4")
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.worker:
-        worker(args.worker, args.repeats)
-        return 0
+def one_run(
+    base: Path, ranks: list[int], repeats: int, sizes_mib: list[int]
+) -> dict[str, Any] | None:
+    """Calibrates, then measures and predicts a save at each rank count."""
     from deeppart.calibrate import calibrate
 
-    base = Path(args.dir) if args.dir else ROOT
     with tempfile.TemporaryDirectory(prefix=".validate-", dir=base) as tmp:
-        sizes = [x << 20 for x in (1, 4, 16, 64, 128)]
+        sizes = [x << 20 for x in sizes_mib]
         profile = calibrate(Path(tmp), sizes=sizes, repeats=3, serialization=False)
         mpiexec = Path(sys.executable).parent / "mpiexec"
         rows = []
-        for k in (int(x) for x in args.ranks.split(",")):
+        for k in ranks:
             cmd = [str(mpiexec), "-n", str(k), sys.executable, __file__, "--worker", tmp,
-                   "--repeats", str(args.repeats)]  # fmt: skip
+                   "--repeats", str(repeats)]  # fmt: skip
             env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
             if proc.returncode != 0:
                 print(proc.stdout, proc.stderr, file=sys.stderr)
-                return 1
+                return None
             line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
             result = json.loads(line[7:])
             measured = statistics.median(result["seconds"])
@@ -117,12 +111,44 @@ def main() -> int:
     print(f"calibrated: write {p['write_bw'] / 1e9:.3f} GB/s, "
           f"node {p['node_bw'] / 1e9:.3f} GB/s, fixed {p['fixed_s'] * 1e3:.2f} ms, "
           f"piece {p['piece_s'] * 1e6:.1f} us, R2 {profile['fit']['write']['r2']:.3f}")  # fmt: skip
-    print(f"model: {manifest().total_bytes / 1e6:.0f} MB")
     print("ranks  measured_s  write_phase_s  predicted_s   error")
     for r in rows:
         print(f"{r['ranks']:5d}  {r['measured_s']:10.3f}  {r['write_phase_s']:13.3f}  "
               f"{r['predicted_s']:11.3f}  {r['error']:+6.1%}")  # fmt: skip
-    print(json.dumps({"profile": p, "rows": rows}))
+    return {"profile": p, "rows": rows}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dir", default=None, help="target directory [a temporary one under .]")
+    ap.add_argument("--repeats", type=int, default=3, help="timed saves per rank count [3]")
+    ap.add_argument("--runs", type=int, default=1,
+                    help="calibrate-and-measure runs, the error over all [1]")  # fmt: skip
+    ap.add_argument("--ranks", default="1,2,4")
+    # The files calibrated. Files up to 512 MiB (the largest a measured save
+    # writes is 351 MB) did not close the gap: docs/SIMULATOR.md.
+    ap.add_argument("--sizes", default="1,4,16,64,128",
+                    help="calibration file sizes, MiB [1,4,16,64,128]")  # fmt: skip
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args.worker, args.repeats)
+        return 0
+    base = Path(args.dir) if args.dir else ROOT
+    ranks = [int(x) for x in args.ranks.split(",")]
+    print(f"model: {manifest().total_bytes / 1e6:.0f} MB")
+    runs = []
+    for i in range(args.runs):
+        print(f"run {i + 1} of {args.runs}")
+        run = one_run(base, ranks, args.repeats, [int(x) for x in args.sizes.split(",")])
+        if run is None:
+            return 1
+        runs.append(run)
+    errors = sorted(abs(r["error"]) for run in runs for r in run["rows"])
+    signed = ", ".join(f"{r['error']:+.0%}" for run in runs for r in run["rows"])
+    print(f"absolute error over {len(errors)} points: median {statistics.median(errors):.1%}, "
+          f"min {errors[0]:.1%}, max {errors[-1]:.1%}; signed: {signed}")  # fmt: skip
+    print(json.dumps({"runs": runs, "median_abs_error": statistics.median(errors)}))
     return 0
 
 

@@ -216,12 +216,15 @@ def _result(
 
 def predict_plan(model: StorageModel, plan: _planner.Plan, level: str, method: str) -> Prediction:
     """The prediction for one plan: the planner's modelled time of it under
-    this machine's cost model for ``level`` (``Plan.modelled_time``; for a
-    plan made with that cost model, exactly its ``stats.makespan``), plus
-    the level's extra phases."""
+    this machine's cost model for ``level`` and its ranks per node
+    (``Plan.modelled_time``; for a plan made with that cost model and
+    topology, exactly its ``stats.makespan``), plus the level's extra
+    phases. The machine's topology, not the plan's, decides which ranks
+    share a node: a plan made for one rank per node still runs on this
+    machine's nodes."""
     cost = model.cost_model(level=level)
-    t = plan.modelled_time(cost)
-    rpn = plan.topology.ranks_per_node
+    rpn = ranks_per_node(model, plan.world_size)
+    t = plan.modelled_time(cost, _planner.Topology(rpn))
     seconds, bound, extra = _result(model, t, cost, level, plan.world_size // rpn, rpn)
     rb = t["rank_bytes"]
     return Prediction(

@@ -252,7 +252,7 @@ def test_predictions_match_real_saves(tmp_path: Path) -> None:
         env=dict(os.environ, PYTHONPATH=str(ROOT)),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])["rows"]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])["runs"][0]["rows"]
     assert [r["ranks"] for r in rows] == [1, 2, 4]
     for r in rows:
         ratio = r["predicted_s"] / r["measured_s"]
