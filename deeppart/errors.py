@@ -216,10 +216,9 @@ ERROR_TYPES: tuple[type[DeepPartError], ...] = (
 def code_of(err: BaseException) -> int:
     """The code of ``err``'s type in :data:`ERROR_TYPES` (1-based); for an
     exception that is not DeepPart's, the code of :class:`CheckpointError`,
-    as which the other ranks then see it."""
-    for i, cls in enumerate(ERROR_TYPES):
-        if type(err) is cls:
-            return i + 1
+    as which the other ranks then see it. The table lists subclasses before
+    their bases, so the first match is ``err``'s own class (or its nearest
+    listed base)."""
     for i, cls in enumerate(ERROR_TYPES):
         if isinstance(err, cls):
             return i + 1

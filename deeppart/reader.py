@@ -498,10 +498,11 @@ def read_share(
     reads everything), else into ``buffers`` for :func:`exchange_share`.
     Returns the bytes read from disk."""
     nread = 0
+    direct = _direct(rp)
     for f in rp.mine:
         pieces = rp.by_file[f]
         if rp.read_all:
-            nread += read_file(rp.path, rp.meta, f, pieces, _direct(rp), progress, stage)
+            nread += read_file(rp.path, rp.meta, f, pieces, direct, progress, stage)
         else:
             buf = buffers.files.setdefault(f, np.empty(rp.file_raw[f], dtype=np.uint8))
             nread += read_file(rp.path, rp.meta, f, pieces, _place(buf, pieces), progress)
