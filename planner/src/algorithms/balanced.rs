@@ -228,8 +228,61 @@ impl<'a> Slots<'a> {
     }
 }
 
-/// Per writer slot, its pieces and their bytes.
-type Filled = (Vec<Vec<Piece>>, Vec<u64>);
+/// Where a fill puts its pieces. The search only counts them: pieces and
+/// bytes per writer slot are all the model needs to time a candidate. The
+/// winner's fill is then run again, with the same decisions, to record them.
+trait Sink {
+    fn with_slots(slots: usize) -> Self;
+    fn push(&mut self, slot: usize, piece: Piece);
+    fn is_empty(&self, slot: usize) -> bool;
+}
+
+/// Pieces per writer slot, counted.
+struct Counts(Vec<u64>);
+
+impl Sink for Counts {
+    fn with_slots(slots: usize) -> Self {
+        Counts(vec![0; slots])
+    }
+    fn push(&mut self, slot: usize, _piece: Piece) {
+        self.0[slot] += 1;
+    }
+    fn is_empty(&self, slot: usize) -> bool {
+        self.0[slot] == 0
+    }
+}
+
+/// Pieces per writer slot, recorded.
+struct Recorded(Vec<Vec<Piece>>);
+
+impl Sink for Recorded {
+    fn with_slots(slots: usize) -> Self {
+        Recorded(vec![Vec::new(); slots])
+    }
+    fn push(&mut self, slot: usize, piece: Piece) {
+        self.0[slot].push(piece);
+    }
+    fn is_empty(&self, slot: usize) -> bool {
+        self.0[slot].is_empty()
+    }
+}
+
+/// Per writer slot, its pieces (counted or recorded) and their bytes.
+type Filled<S> = (S, Vec<u64>);
+
+/// Which pass of a fill attempt placed everything (step 3 or step 4).
+#[derive(Clone, Copy)]
+enum Pass {
+    Sequential,
+    Spread,
+}
+
+/// How a candidate's fill succeeded: enough to run it again and record it.
+#[derive(Clone, Copy)]
+struct Outcome {
+    level: f64,
+    pass: Pass,
+}
 
 /// A candidate on the heap: its bound, then fewer writers first, then more nodes.
 type Candidate = Reverse<(Key, u32, Reverse<u32>)>;
@@ -264,6 +317,17 @@ pub(super) fn plan(
         let level = levels.at_capacity(k, slots.capacity(k, n));
         (level, level + f64::from(k) * cost.writer_s)
     };
+    // The fill of the replicated leaves on one writer set.
+    let fill_on = |writers: &[u32]| Fill {
+        leaves,
+        cost,
+        order: &order,
+        costs: &costs,
+        node_of: writers
+            .iter()
+            .map(|&r| topology.node_of(r) as usize)
+            .collect(),
+    };
     let mut heap: BinaryHeap<Candidate> = BinaryHeap::new();
     for k in ladder(lo, hi) {
         if let Some((most, _)) = slots.node_range(k) {
@@ -271,7 +335,7 @@ pub(super) fn plan(
         }
     }
     let mut work = 0u64;
-    let mut best: Option<(f64, Vec<u32>, Vec<Vec<Piece>>)> = None;
+    let mut best: Option<(f64, Vec<u32>, Outcome)> = None;
     while let Some(Reverse((Key(lb), k, Reverse(n)))) = heap.pop() {
         if best.as_ref().is_some_and(|(t, _, _)| lb >= *t) {
             break;
@@ -297,40 +361,40 @@ pub(super) fn plan(
             heap.push(Reverse((Key(bound_of(k, n - 1).1), k, Reverse(n - 1))));
         }
         let writers = slots.writers(k, n);
-        let node_of: Vec<usize> = writers
-            .iter()
-            .map(|&r| topology.node_of(r) as usize)
-            .collect();
-        let fill = Fill {
-            leaves,
-            cost,
-            order: &order,
-            costs: &costs,
-            node_of: &node_of,
-        };
+        let fill = fill_on(&writers);
         let (level, _) = bound_of(k, n);
         let (attempts, filled) =
             fill.at_best_level(&summary, &owned_nodes, &writers, slots.owners.len(), level);
         // An attempt reads every leaf, writer slot and node once.
         work += attempts * (order.len() + writers.len() + summary.nodes as usize) as u64
             + u64::from(world_size);
-        let Some((per_writer, slot_bytes)) = filled else {
+        let Some((outcome, (counts, slot_bytes))) = filled else {
             continue;
         };
         let mut pieces = owned_pieces.clone();
         let mut bytes = summary.owned_bytes.clone();
-        for ((&r, list), b) in writers.iter().zip(&per_writer).zip(slot_bytes) {
-            pieces[r as usize] += list.len() as u64;
+        for ((&r, count), b) in writers.iter().zip(&counts.0).zip(slot_bytes) {
+            pieces[r as usize] += count;
             bytes[r as usize] += b;
         }
         let t = model_time(cost, topology, &pieces, bytes).makespan_s;
         if best.as_ref().is_none_or(|(b, _, _)| t < *b) {
-            best = Some((t, writers, per_writer));
+            best = Some((t, writers, outcome));
         }
     }
-    if let Some((_, writers, per_writer)) = best {
-        for (&r, pieces) in writers.iter().zip(per_writer) {
-            ranks[r as usize].extend(pieces);
+    if let Some((_, writers, outcome)) = best {
+        let fill = fill_on(&writers);
+        let (recorded, _) = fill
+            .attempt::<Recorded>(
+                &summary,
+                &owned_nodes,
+                &writers,
+                outcome.level,
+                outcome.pass,
+            )
+            .expect("a fill is deterministic: the winner's fill places everything again");
+        for (&r, list) in writers.iter().zip(recorded.0) {
+            ranks[r as usize].extend(list);
         }
     }
 }
@@ -353,32 +417,28 @@ impl Fill<'_> {
         writers: &[u32],
         owners: usize,
         base: f64,
-    ) -> (u64, Option<Filled>) {
+    ) -> (u64, Option<(Outcome, Filled<Counts>)>) {
         let attempts = std::cell::Cell::new(0u64);
         let cost = self.cost;
         let mut levels = vec![base, base + cost.piece_s, base + 2.0 * cost.piece_s];
         levels.extend(LEVEL_STEPS.iter().map(|r| base * (1.0 + r)));
         levels.sort_by(f64::total_cmp);
         levels.dedup();
-        let attempt = |level: f64, spread: bool| -> Option<Filled> {
+        // Sequential filling needs the fewest writers and copes best with
+        // many cuts; spreading packs better when few leaves may be cut. The
+        // first that fits wins. Spreading starts from the second level, at
+        // most one piece overhead above the bound: at the bound itself
+        // little fits once a leaf must be cut, and skipping it saves a pass.
+        let attempt = |level: f64, spread: bool| -> Option<(Outcome, Filled<Counts>)> {
             attempts.set(attempts.get() + 1);
-            let caps: Vec<f64> = writers
-                .iter()
-                .map(|&r| level - cost.fixed_s - summary.owned_load[r as usize])
-                .collect();
-            let rooms = node_rooms(owned_node_bytes, cost, level);
-            let tolerance = level * 1e-12;
-            // Sequential filling needs the fewest writers and copes best with
-            // many cuts; spreading packs better when few leaves may be cut. The
-            // first that fits wins. Spreading starts from the second level, at
-            // most one piece overhead above the bound: at the bound itself
-            // little fits once a leaf must be cut, and skipping it saves a pass.
-            self.sequential(&caps, &rooms, tolerance).or_else(|| {
-                if spread {
-                    self.spread(&caps, &rooms, tolerance)
-                } else {
-                    None
-                }
+            let passes: &[Pass] = if spread {
+                &[Pass::Sequential, Pass::Spread]
+            } else {
+                &[Pass::Sequential]
+            };
+            passes.iter().find_map(|&pass| {
+                self.attempt::<Counts>(summary, owned_node_bytes, writers, level, pass)
+                    .map(|filled| (Outcome { level, pass }, filled))
             })
         };
         let mut failed = None;
@@ -401,10 +461,12 @@ impl Fill<'_> {
             };
             placed = attempt(level, true);
         }
-        let empty = |filled: &Option<Filled>| {
+        let leaves_one_empty =
+            |counts: &Counts| (owners..writers.len()).any(|j| counts.is_empty(j));
+        let empty = |filled: &Option<(Outcome, Filled<Counts>)>| {
             filled
                 .as_ref()
-                .is_some_and(|(out, _)| out[owners..].iter().any(Vec::is_empty))
+                .is_some_and(|(_, (counts, _))| leaves_one_empty(counts))
         };
         if empty(&placed) {
             return (attempts.get(), None);
@@ -422,8 +484,7 @@ impl Fill<'_> {
                 if mid <= lo || mid >= hi {
                     break;
                 }
-                match attempt(mid, true).filter(|(out, _)| !out[owners..].iter().any(Vec::is_empty))
-                {
+                match attempt(mid, true).filter(|(_, (counts, _))| !leaves_one_empty(counts)) {
                     Some(better) => {
                         hi = mid;
                         placed = Some(better);
@@ -433,6 +494,31 @@ impl Fill<'_> {
             }
         }
         (attempts.get(), placed)
+    }
+}
+
+impl Fill<'_> {
+    /// One fill of the replicated leaves on `writers` under `level`, by one
+    /// pass; `None` when they do not all fit.
+    fn attempt<S: Sink>(
+        &self,
+        summary: &LoadSummary,
+        owned_node_bytes: &[f64],
+        writers: &[u32],
+        level: f64,
+        pass: Pass,
+    ) -> Option<Filled<S>> {
+        let cost = self.cost;
+        let caps: Vec<f64> = writers
+            .iter()
+            .map(|&r| level - cost.fixed_s - summary.owned_load[r as usize])
+            .collect();
+        let rooms = node_rooms(owned_node_bytes, cost, level);
+        let tolerance = level * 1e-12;
+        match pass {
+            Pass::Sequential => self.sequential(&caps, &rooms, tolerance),
+            Pass::Spread => self.spread(&caps, &rooms, tolerance),
+        }
     }
 }
 
@@ -465,7 +551,30 @@ struct Fill<'a> {
     /// Whole-leaf cost of each entry of `order`.
     costs: &'a [f64],
     /// Node of each writer slot.
-    node_of: &'a [usize],
+    node_of: Vec<usize>,
+}
+
+/// The first index from `lo` on whose cost is at most `limit` (`costs`
+/// is non-increasing), or `costs.len()`: `partition_point` on `costs[lo..]`,
+/// but found by galloping from `lo`. A top-up's room only shrinks and its
+/// next search starts past the leaf it just placed, so the answer is most
+/// often `lo` itself, or close to it.
+fn first_at_most(costs: &[f64], lo: usize, limit: f64) -> usize {
+    let n = costs.len();
+    if lo >= n || costs[lo] <= limit {
+        return lo.min(n);
+    }
+    // costs[above] > limit throughout.
+    let (mut above, mut step) = (lo, 1usize);
+    loop {
+        let probe = lo.saturating_add(step);
+        if probe >= n || costs[probe] <= limit {
+            let end = probe.min(n);
+            return above + 1 + costs[above + 1..end].partition_point(|&c| c > limit);
+        }
+        above = probe;
+        step = step.saturating_mul(2);
+    }
 }
 
 /// Skips placed entries of `order`: `next[p] == p` while entry `p` is
@@ -505,7 +614,7 @@ impl Fill<'_> {
         j: usize,
         caps: &mut [f64],
         rooms: &mut [f64],
-        out: &mut [Vec<Piece>],
+        out: &mut impl Sink,
         bytes: &mut [u64],
         tolerance: f64,
     ) -> Result<(), Option<u64>> {
@@ -524,11 +633,14 @@ impl Fill<'_> {
             (rest_bytes, self.cost.piece_cost(rest_bytes))
         };
         if self.fits(rest, rest_bytes, caps[j], rooms[node], tolerance) {
-            out[j].push(Piece {
-                leaf: i,
-                start,
-                stop: units,
-            });
+            out.push(
+                j,
+                Piece {
+                    leaf: i,
+                    start,
+                    stop: units,
+                },
+            );
             caps[j] -= rest;
             rooms[node] -= rest_bytes as f64;
             bytes[j] += rest_bytes;
@@ -539,11 +651,14 @@ impl Fill<'_> {
         match cut(leaf, start, most, self.cost) {
             Some(stop) => {
                 let piece_bytes = leaf.range_bytes(start, stop);
-                out[j].push(Piece {
-                    leaf: i,
-                    start,
-                    stop,
-                });
+                out.push(
+                    j,
+                    Piece {
+                        leaf: i,
+                        start,
+                        stop,
+                    },
+                );
                 caps[j] -= self.cost.piece_cost(piece_bytes);
                 rooms[node] -= piece_bytes as f64;
                 bytes[j] += piece_bytes;
@@ -555,11 +670,16 @@ impl Fill<'_> {
 
     /// Step 3: fills the writers one after the other. `None` when the leaves
     /// do not all fit under the capacities.
-    fn sequential(&self, caps: &[f64], rooms: &[f64], tolerance: f64) -> Option<Filled> {
+    fn sequential<S: Sink>(
+        &self,
+        caps: &[f64],
+        rooms: &[f64],
+        tolerance: f64,
+    ) -> Option<Filled<S>> {
         let n = self.order.len();
         let mut caps = caps.to_vec();
         let mut rooms = rooms.to_vec();
-        let mut out: Vec<Vec<Piece>> = vec![Vec::new(); caps.len()];
+        let mut out = S::with_slots(caps.len());
         let mut bytes = vec![0u64; caps.len()];
         let mut next: Vec<u32> = (0..=n as u32).collect();
         let mut j = 0usize;
@@ -588,7 +708,8 @@ impl Fill<'_> {
                 self.top_up(
                     &mut caps[j],
                     &mut rooms[node],
-                    &mut out[j],
+                    &mut out,
+                    j,
                     &mut bytes[j],
                     &mut next,
                     pos + 1,
@@ -606,7 +727,8 @@ impl Fill<'_> {
         &self,
         cap: &mut f64,
         node_room: &mut f64,
-        out: &mut Vec<Piece>,
+        out: &mut impl Sink,
+        slot: usize,
         bytes: &mut u64,
         next: &mut [u32],
         from: usize,
@@ -617,7 +739,7 @@ impl Fill<'_> {
         loop {
             // `costs` is non-increasing: the leaves that fit are a suffix.
             let room = self.room(*cap, *node_room);
-            let first_fit = lo + self.costs[lo..].partition_point(|&c| c > room + tolerance);
+            let first_fit = first_at_most(self.costs, lo, room + tolerance);
             let p = find(next, first_fit);
             if p >= n {
                 return;
@@ -628,11 +750,14 @@ impl Fill<'_> {
                 units,
                 nbytes,
             } = self.order[p];
-            out.push(Piece {
-                leaf,
-                start: 0,
-                stop: units,
-            });
+            out.push(
+                slot,
+                Piece {
+                    leaf,
+                    start: 0,
+                    stop: units,
+                },
+            );
             *cap -= self.costs[p];
             *node_room -= nbytes as f64;
             *bytes += nbytes;
@@ -642,10 +767,10 @@ impl Fill<'_> {
 
     /// Step 4: each leaf, largest first, to the writer with the most room
     /// left, cut where it does not fit. `None` when the leaves do not fit.
-    fn spread(&self, caps: &[f64], rooms: &[f64], tolerance: f64) -> Option<Filled> {
+    fn spread<S: Sink>(&self, caps: &[f64], rooms: &[f64], tolerance: f64) -> Option<Filled<S>> {
         let mut caps = caps.to_vec();
         let mut rooms = rooms.to_vec();
-        let mut out: Vec<Vec<Piece>> = vec![Vec::new(); caps.len()];
+        let mut out = S::with_slots(caps.len());
         let mut bytes = vec![0u64; caps.len()];
         // Max-heap on room left; ties go to the earlier writer. A writer's
         // room also shrinks when another writer of its node writes, so a
@@ -686,5 +811,39 @@ impl Fill<'_> {
             }
         }
         Some((out, bytes))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::first_at_most;
+
+    #[test]
+    fn galloping_search_is_partition_point() {
+        // Non-increasing costs with runs of equal values, every start and
+        // limit around each value.
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        for len in 0..40usize {
+            let mut costs: Vec<f64> = (0..len)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    (x % 8) as f64
+                })
+                .collect();
+            costs.sort_by(|a, b| b.total_cmp(a));
+            for lo in 0..=len + 1 {
+                for limit in [-1.0, 0.0, 0.5, 1.0, 2.5, 3.0, 6.0, 7.0, 9.0] {
+                    let start = lo.min(len);
+                    let want = start + costs[start..].partition_point(|&c| c > limit);
+                    assert_eq!(
+                        first_at_most(&costs, lo, limit),
+                        want,
+                        "{costs:?} {lo} {limit}"
+                    );
+                }
+            }
+        }
     }
 }
