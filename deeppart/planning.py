@@ -40,6 +40,9 @@ class PlanProvider:
     topology: Any = None
     #: Reuse the last plan while the manifest is the same.
     reuse: bool = False
+    #: The in-process planner's cache (``deeppart.plan``'s ``cache=``; None:
+    #: the default cache, False: none).
+    cache: Any = None
     last: Plan | None = None
 
     def __call__(self, manifest: Manifest) -> Plan:
@@ -70,4 +73,6 @@ class PlanProvider:
 
             made: Plan = plan_with(self.planner, manifest, self.world_size, **kwargs)
             return made
+        if self.cache is not None:
+            kwargs["cache"] = self.cache
         return plan_in_process(manifest, self.world_size, **kwargs)

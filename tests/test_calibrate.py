@@ -16,6 +16,8 @@ from deeppart.calibrate import (
     fit_io,
     fit_linear,
     load_profile,
+    measure_node_saves,
+    measure_saves,
     median_samples,
     profiles_dir,
 )
@@ -90,6 +92,12 @@ def test_calibrate_command_writes_a_usable_profile(
         assert {"r2", "rel_rms", "samples"} <= set(out["fit"][kind])
     assert not list(tmp_path.iterdir()), "the measurement files are removed"
     profile = load_profile("t")
+    # torch is installed: the rank stream is fitted to whole saves, and the
+    # storage's raw figures are kept beside it.
+    assert profile["params"]["write_source"] == "deeppart.save"
+    assert {"storage_write", "write"} <= set(out["fit"])
+    for key in ("storage_fixed_s", "storage_piece_s", "storage_node_bw"):
+        assert profile["params"][key] >= 0
     cost = cost_model_from_profile(profile)
     assert cost.fixed_s == pytest.approx(max(profile["params"]["fixed_s"], 0.0))
     # The storage model's shared parameters are measured and reach the planner;
@@ -104,6 +112,41 @@ def test_calibrate_command_writes_a_usable_profile(
     assert model.fixed_s == pytest.approx(profile["params"]["fixed_s"])
     assert main(["plan", str(Path(__file__).parent.parent / "examples" / "manifest.json"),
                  "-p", "4", "--profile", "t", "--json"]) == 0  # fmt: skip
+
+
+def test_raw_writes_calibrate_the_stream_with_pwrite(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc = main(["calibrate", "--dir", str(tmp_path), "--name", "raw", "--quick",
+               "--repeats", "1", "--no-serialization", "--raw-writes", "--json"])  # fmt: skip
+    assert rc == 0
+    params = json.loads(capsys.readouterr().out)["params"]
+    assert params["write_source"] == "raw pwrite"
+    assert params["fixed_s"] == params["storage_fixed_s"]
+    assert params["write_bw"] == params["storage_write_bw"]
+    assert params["node_bw"] == params["storage_node_bw"]
+
+
+def test_save_measurements_are_whole_saves_that_leave_nothing_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache_dir = tmp_path / "cache"
+    monkeypatch.setenv("DEEPPART_CACHE_DIR", str(cache_dir))
+    target = tmp_path / "target"
+    target.mkdir()
+    samples = measure_saves(target, [1 << 20, 64 << 10], [1, 4], repeats=2)
+    assert samples is not None
+    # (bytes, tensors) of every configuration, twice; 64 KiB in 4 tensors
+    # of 16 KiB is measured, nothing below 4 KiB a tensor is.
+    assert sorted((b, n) for b, n, _ in samples) == sorted(
+        [(1 << 20, 1), (1 << 20, 4), (64 << 10, 1), (64 << 10, 4)] * 2
+    )
+    assert all(t > 0 for *_, t in samples)
+    assert measure_saves(target, [8 << 10], [4], repeats=1) == []
+    bw = measure_node_saves(target, streams=3, size=1 << 20, repeats=2)
+    assert bw is not None and bw > 0
+    assert not list(target.iterdir()), "every checkpoint is removed"
+    assert not cache_dir.exists(), "the synthetic plans stay out of the plan cache"
 
 
 def test_profile_with_unresolved_bandwidth_keeps_defaults(tmp_path: Path) -> None:
