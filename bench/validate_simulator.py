@@ -3,12 +3,14 @@
 
     .venv/bin/python bench/validate_simulator.py [--dir DIR] [--repeats 3] [--runs 1]
 
-Calibrates this machine into a throw-away profile (files up to 128 MiB;
-``--sizes``), then for K in 1, 2, 4 runs
-``mpiexec -n K`` saves of a Llama-shaped model with AdamW (about 350 MB) with
-``deeppart.save`` and compares the median measured time with the
-simulator's prediction for the plan ``deeppart.save`` used (one node, K ranks
-per node, node-local storage). Prints a table and one JSON line.
+Calibrates this machine into a throw-away profile (``deeppart.calibrate``:
+whole single-process saves of files up to 128 MiB, ``--sizes``), then for K
+in 1, 2, 4 runs ``mpiexec -n K`` saves of a Llama-shaped model with AdamW
+(about 350 MB) with ``deeppart.save``, each into a new checkpoint directory,
+and compares the median measured time with the simulator's prediction for
+the plan ``deeppart.save`` used (one node, K ranks per node, node-local
+storage). ``--overwrite`` times saves that replace an earlier checkpoint
+instead, its removal included. Prints a table and one JSON line.
 """
 
 from __future__ import annotations
@@ -35,12 +37,12 @@ def manifest() -> Any:
     )
 
 
-def worker(directory: str, repeats: int) -> None:
+def worker(directory: str, repeats: int, overwrite: bool) -> None:
     import torch
     from mpi4py import MPI
 
     import deeppart
-    from deeppart.state import unflatten  # noqa: F401  (the state is built directly)
+    from deeppart.format import remove_tree
 
     comm = MPI.COMM_WORLD
     state: dict[str, Any] = {}
@@ -56,13 +58,21 @@ def worker(directory: str, repeats: int) -> None:
     times: list[float] = []
     writes: list[float] = []
     for i in range(repeats + 1):
+        # Each save is a new checkpoint, the previous one removed outside the
+        # timing; with --overwrite, two checkpoints are overwritten in turn,
+        # and a save's time includes removing the one it replaces (which the
+        # model does not predict).
+        target = Path(directory) / (f"ck{i % 2}" if overwrite else f"ck{comm.size}-{i}")
         comm.Barrier()
         t0 = time.perf_counter()
-        st = deeppart.save(state, Path(directory) / f"ck{i % 2}", overwrite=True)
+        st = deeppart.save(state, target, progress=False, overwrite=overwrite)
         comm.Barrier()
         if i:  # the first save warms up
             times.append(time.perf_counter() - t0)
             writes.append(max(st.rank_seconds))
+        if comm.rank == 0 and not overwrite:
+            remove_tree(target)
+        comm.Barrier()
     if comm.rank == 0:
         print("RESULT " + json.dumps({"world": comm.size, "seconds": times, "writes": writes}))
 
@@ -82,19 +92,26 @@ def predict(world: int, profile: dict[str, Any]) -> float:
 
 
 def one_run(
-    base: Path, ranks: list[int], repeats: int, sizes_mib: list[int]
+    base: Path,
+    ranks: list[int],
+    repeats: int,
+    sizes_mib: list[int],
+    overwrite: bool = False,
+    raw_writes: bool = False,
 ) -> dict[str, Any] | None:
     """Calibrates, then measures and predicts a save at each rank count."""
     from deeppart.calibrate import calibrate
 
     with tempfile.TemporaryDirectory(prefix=".validate-", dir=base) as tmp:
         sizes = [x << 20 for x in sizes_mib]
-        profile = calibrate(Path(tmp), sizes=sizes, repeats=3, serialization=False)
+        profile = calibrate(
+            Path(tmp), sizes=sizes, repeats=3, serialization=False, save_path=not raw_writes
+        )
         mpiexec = Path(sys.executable).parent / "mpiexec"
         rows = []
         for k in ranks:
             cmd = [str(mpiexec), "-n", str(k), sys.executable, __file__, "--worker", tmp,
-                   "--repeats", str(repeats)]  # fmt: skip
+                   "--repeats", str(repeats)] + (["--overwrite"] if overwrite else [])  # fmt: skip
             env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
             if proc.returncode != 0:
@@ -129,10 +146,16 @@ def main() -> int:
     # writes is 351 MB) did not close the gap: docs/SIMULATOR.md.
     ap.add_argument("--sizes", default="1,4,16,64,128",
                     help="calibration file sizes, MiB [1,4,16,64,128]")  # fmt: skip
+    ap.add_argument("--overwrite", action="store_true",
+                    help="time saves that overwrite an earlier checkpoint, its removal "
+                         "included (not in the model)")  # fmt: skip
+    ap.add_argument("--raw-writes", action="store_true",
+                    help="calibrate with raw pwrite+fsync, not whole saves "
+                         "(deeppart calibrate --raw-writes)")  # fmt: skip
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        worker(args.worker, args.repeats)
+        worker(args.worker, args.repeats, args.overwrite)
         return 0
     base = Path(args.dir) if args.dir else ROOT
     ranks = [int(x) for x in args.ranks.split(",")]
@@ -140,7 +163,8 @@ def main() -> int:
     runs = []
     for i in range(args.runs):
         print(f"run {i + 1} of {args.runs}")
-        run = one_run(base, ranks, args.repeats, [int(x) for x in args.sizes.split(",")])
+        sizes = [int(x) for x in args.sizes.split(",")]
+        run = one_run(base, ranks, args.repeats, sizes, args.overwrite, args.raw_writes)
         if run is None:
             return 1
         runs.append(run)
