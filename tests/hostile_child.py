@@ -76,6 +76,7 @@ def main() -> None:
         _serve(pb.PlanRequest().SerializeToString())
     base = _peak_mb()
     t0 = time.monotonic()
+    cpu0 = time.process_time()
     error: list[str] | None = None
     message = ""
     result: Any = None
@@ -87,12 +88,17 @@ def main() -> None:
             error = [c.__name__ for c in type(e).__mro__]
             message = str(e)[:2000]
     seconds = time.monotonic() - t0
+    # The CPU time of every thread of this process: the work an input costs,
+    # which other jobs on a loaded machine do not stretch as they stretch
+    # the wall clock.
+    cpu_seconds = time.process_time() - cpu0
     out = {
         "error": error,
         "message": message,
         "result": result,
         "rss_mb": _peak_mb() - base,
         "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
     }
     print("HOSTILE " + json.dumps(out), flush=True)
 
