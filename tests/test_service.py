@@ -322,6 +322,80 @@ def test_a_corrupt_manifest_file_is_requested_again(
     assert '"event":"manifest_corrupt"' in second.log.getvalue()
 
 
+def _disk_bytes(directory: Path) -> int:
+    """What the files of ``directory`` take, in whole 4 KiB blocks."""
+    return sum(-(-f.stat().st_size // 4096) * 4096 for f in directory.glob("*.pb"))
+
+
+def test_the_manifest_store_keeps_to_its_disk_budget_least_recently_used_out(
+    tmp_path: Path,
+) -> None:
+    from deeppart.service.server import ManifestStore
+
+    log = io.StringIO()
+    manifests = [_manifest(40 + i, tag=f"m{i}") for i in range(12)]
+    blobs = [wire.manifest_to_proto(m).SerializeToString() for m in manifests]
+    size = -(-max(len(b) for b in blobs) // 4096) * 4096
+    budget = 5 * size
+    store = ManifestStore(tmp_path / "manifests", JsonLog(log), max_bytes=budget)
+    for i, (m, b) in enumerate(zip(manifests, blobs, strict=True)):
+        store.put(m, b)
+        if i >= 1:
+            # Using the first manifest keeps it the most recently used.
+            time.sleep(0.002)  # distinct modification times, not a timing assertion
+            assert store.get(manifests[0].fingerprint) is not None
+        assert _disk_bytes(tmp_path / "manifests") <= budget
+    kept = {f.stem for f in (tmp_path / "manifests").glob("*.pb")}
+    assert manifests[0].fingerprint in kept, "the one in use survives"
+    assert manifests[-1].fingerprint in kept, "the newest survives"
+    assert manifests[1].fingerprint not in kept, "an old unused one is gone"
+    assert '"event":"store_evicted"' in log.getvalue()
+    # In memory they are all still served; after a restart only the kept ones.
+    assert all(store.get(m.fingerprint) is not None for m in manifests)
+    again = ManifestStore(tmp_path / "manifests", JsonLog(io.StringIO()), max_bytes=budget)
+    for m in manifests:
+        got = again.get(m.fingerprint)
+        assert (got is not None) == (m.fingerprint in kept)
+        assert got is None or got.fingerprint == m.fingerprint
+    # A lowered budget is applied when the store opens; a manifest larger than
+    # the whole store is served but not written.
+    small = ManifestStore(tmp_path / "manifests", JsonLog(io.StringIO()), max_bytes=size)
+    assert _disk_bytes(tmp_path / "manifests") <= size
+    tiny = ManifestStore(tmp_path / "tiny", JsonLog(log), max_bytes=100)
+    tiny.put(manifests[3], blobs[3])
+    assert not list((tmp_path / "tiny").glob("*.pb"))
+    assert tiny.get(manifests[3].fingerprint) is not None
+    assert '"event":"not_persisted"' in log.getvalue()
+    del small
+
+
+def test_many_distinct_requests_cannot_grow_the_service_disk_without_bound(
+    make_server: Callable[..., Server], tmp_path: Path
+) -> None:
+    """Distinct valid plans (no token needed by default) fill the service's
+    manifests and plans directories only up to the store budget, and a
+    client whose manifest was evicted is still answered correctly after a
+    restart: the server asks for the manifest again."""
+    budget = 64 * 1024
+    shared = tmp_path / "shared"
+    server = make_server(cache_dir=shared, store_bytes=budget)
+    first = _manifest(30, tag="first")
+    with _client(server) as client:
+        client.plan(first, 4)
+        for i in range(60):
+            client.plan(_manifest(30 + i % 7, tag=f"job{i}"), 2 + i % 5)
+    manifests_dir, plans_dir = shared / "service" / "manifests", shared / "service" / "plans"
+    assert _disk_bytes(manifests_dir) <= budget
+    assert _disk_bytes(plans_dir) <= budget // 16
+    assert not (manifests_dir / f"{first.fingerprint}.pb").exists(), "the first one was evicted"
+    server.close()
+    again = make_server(cache_dir=shared, store_bytes=budget)
+    with _client(again) as client:
+        assert _pieces(client.plan(first, 4)) == _pieces(deeppart.plan(first, 4))
+    s = again.stats()
+    assert (s.need_manifest, s.manifest_uploads) == (1, 1)
+
+
 def test_health_and_reflection(make_server: Callable[..., Server]) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc

@@ -9,6 +9,8 @@ JOB_METADATA_KEY = "x-deeppart-job"
 TOKEN_ENV = "DEEPPART_TOKEN"
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 DEFAULT_RESPONSE_CACHE_BYTES = 256 * 1024 * 1024
+#: Disk for uploaded manifests (and a sixteenth more for plans' parameters).
+DEFAULT_STORE_BYTES = 4 * 1024 * 1024 * 1024
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,6 +28,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_RESPONSE_CACHE_BYTES,
         help="memory for serialized responses of recently used plans",
+    )
+    p.add_argument(
+        "--store-bytes",
+        type=int,
+        default=DEFAULT_STORE_BYTES,
+        help="disk for uploaded manifests, least recently used out (plans' parameters "
+        "get a sixteenth more) [4 GiB]",
     )
     p.add_argument("--workers", type=int, default=32, help="RPC threads")
     p.add_argument("--grace-s", type=float, default=30.0, help="on SIGTERM, in-flight RPCs' limit")

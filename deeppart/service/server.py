@@ -54,6 +54,7 @@ from deeppart.service import wire
 from deeppart.service.options import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_RESPONSE_CACHE_BYTES,
+    DEFAULT_STORE_BYTES,
     JOB_METADATA_KEY,
     SERVICE_NAME,
     TOKEN_ENV,
@@ -145,12 +146,102 @@ def atomic_write(path: Path, data: bytes) -> None:
         os.close(dir_fd)
 
 
-class ManifestStore:
-    """Manifests by manifest fingerprint: wire bytes on disk, parsed ones in memory."""
+#: What a file is charged on disk: its size rounded up to whole blocks.
+_BLOCK = 4096
 
-    def __init__(self, directory: Path, log: JsonLog, memory_leaves: int = 2_000_000) -> None:
+
+def _charge(size: int) -> int:
+    return max(1, -(-size // _BLOCK)) * _BLOCK
+
+
+class DiskBudget:
+    """Bounds the disk that the ``*.pb`` files of one directory take. After a
+    new file pushes the total over ``max_bytes``, the least recently used
+    files (by modification time, which :meth:`touch` renews on use) are
+    removed until the total is below nine tenths of it. Removing a file
+    costs a re-upload, never a wrong answer: a client whose manifest is gone
+    is answered ``NEED_MANIFEST`` and sends it again, and ``GetPlan`` of a
+    forgotten plan is ``NOT_FOUND``, after which the client plans anew."""
+
+    def __init__(self, directory: Path, max_bytes: int, log: JsonLog, what: str) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"a disk budget cannot be negative ({max_bytes})")
+        self.directory = directory
+        self.max_bytes = max_bytes
+        self._log = log
+        self._what = what
+        self._lock = threading.Lock()
+        with self._lock:
+            self.bytes = sum(c for _, _, c in self._files())
+            if self.bytes > self.max_bytes:  # the budget was lowered since the last run
+                self._evict(keep=None)
+
+    def _files(self) -> list[tuple[int, Path, int]]:
+        """(modification time, path, charge) of each file, oldest first."""
+        out = []
+        for path in self.directory.glob("*.pb"):
+            try:
+                st = path.stat()
+            except OSError:
+                continue
+            out.append((st.st_mtime_ns, path, _charge(st.st_size)))
+        out.sort()
+        return out
+
+    def fits(self, size: int) -> bool:
+        """Whether one file of ``size`` bytes may be kept at all."""
+        return _charge(size) <= self.max_bytes
+
+    def added(self, path: Path, size: int) -> None:
+        """Counts the new file ``path``; makes room if the total is over."""
+        with self._lock:
+            self.bytes += _charge(size)
+            if self.bytes > self.max_bytes:
+                self._evict(keep=path)
+
+    def touch(self, path: Path) -> None:
+        """Marks ``path`` as just used."""
+        with contextlib.suppress(OSError):
+            os.utime(path)
+
+    def _evict(self, keep: Path | None) -> None:
+        files = self._files()
+        self.bytes = sum(c for _, _, c in files)  # what is on disk now
+        target = self.max_bytes * 9 // 10
+        removed = freed = 0
+        for _, path, charge in files:
+            if self.bytes <= target:
+                break
+            if path == keep:
+                continue
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                self._log("evict_failed", "warning", path=str(path), error=str(e))
+                continue
+            self.bytes -= charge
+            removed += 1
+            freed += charge
+        self._log("store_evicted", store=self._what, files=removed, bytes=freed,
+                  kept_bytes=self.bytes, max_bytes=self.max_bytes)  # fmt: skip
+
+
+class ManifestStore:
+    """Manifests by manifest fingerprint: wire bytes on disk (at most
+    ``max_bytes`` of them, least recently used out), parsed ones in memory."""
+
+    def __init__(
+        self,
+        directory: Path,
+        log: JsonLog,
+        memory_leaves: int = 2_000_000,
+        max_bytes: int = DEFAULT_STORE_BYTES,
+    ) -> None:
         self.directory = directory
         self.directory.mkdir(parents=True, exist_ok=True)
+        self.disk = DiskBudget(directory, max_bytes, log, "manifests")
         self._log = log
         self._memory: OrderedDict[str, Manifest] = OrderedDict()
         self._memory_leaves = memory_leaves  # bounds the parsed manifests kept in memory
@@ -177,11 +268,18 @@ class ManifestStore:
     def put(self, manifest: Manifest, wire_bytes: bytes) -> None:
         fingerprint = manifest.fingerprint
         path = self._path(fingerprint)
-        if not path.exists():
+        if path.exists():
+            self.disk.touch(path)
+        elif not self.disk.fits(len(wire_bytes)):
+            self._log("not_persisted", "warning", path=str(path), bytes=len(wire_bytes),
+                      reason="larger than the manifest store")  # fmt: skip
+        else:
             try:
                 atomic_write(path, wire_bytes)
             except OSError as e:  # still served from memory; re-uploaded after a restart
                 self._log("persist_failed", "warning", path=str(path), error=str(e))
+            else:
+                self.disk.added(path, len(wire_bytes))
         self._remember(fingerprint, manifest)
 
     def get(self, fingerprint: str) -> Manifest | None:
@@ -189,12 +287,15 @@ class ManifestStore:
             manifest = self._memory.get(fingerprint)
             if manifest is not None:
                 self._memory.move_to_end(fingerprint)
-                return manifest
         path = self._path(fingerprint)
+        if manifest is not None:
+            self.disk.touch(path)
+            return manifest
         try:
             data = path.read_bytes()
         except FileNotFoundError:
             return None
+        self.disk.touch(path)
         try:
             manifest = wire.manifest_from_proto(pb.Manifest.FromString(data))
             if manifest.fingerprint != fingerprint:
@@ -375,6 +476,7 @@ class PlannerService:
         *,
         token: str | None = None,
         response_cache_bytes: int = DEFAULT_RESPONSE_CACHE_BYTES,
+        store_bytes: int = DEFAULT_STORE_BYTES,
         log: JsonLog | None = None,
         test_delay_s: float = 0.0,
     ) -> None:
@@ -382,9 +484,14 @@ class PlannerService:
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         self.log = log if log is not None else JsonLog()
         self._token = token.encode() if token else None
-        self.manifests = ManifestStore(self.cache_dir / "service" / "manifests", self.log)
+        self.manifests = ManifestStore(
+            self.cache_dir / "service" / "manifests", self.log, max_bytes=store_bytes
+        )
         self._requests_dir = self.cache_dir / "service" / "plans"
         self._requests_dir.mkdir(parents=True, exist_ok=True)
+        # A plan's parameters are small, but one per plan fingerprint: a
+        # sixteenth of the manifests' budget bounds them too.
+        self._requests = DiskBudget(self._requests_dir, store_bytes // 16, self.log, "plans")
         self.responses = ResponseCache(response_cache_bytes)
         self.stats = Stats()
         self.serving = True
@@ -630,15 +737,21 @@ class PlannerService:
         """Persists a plan's parameters (not its manifest) for GetPlan after a restart."""
         path = self._requests_dir / f"{req.plan_fingerprint}.pb"
         if path.exists():
+            self._requests.touch(path)
             return
         params = pb.PlanRequest()
         params.CopyFrom(req)
         params.ClearField("manifest")
         params.ClearField("job_id")
+        data = params.SerializeToString()
+        if not self._requests.fits(len(data)):
+            return
         try:
-            atomic_write(path, params.SerializeToString())
+            atomic_write(path, data)
         except OSError as e:
             self.log("persist_failed", "warning", path=str(path), error=str(e))
+        else:
+            self._requests.added(path, len(data))
 
     def get_plan(self, data: bytes, job_id: str) -> bytes:
         req: pb.GetPlanRequest = self._parse(pb.GetPlanRequest, data)
@@ -695,6 +808,7 @@ class ServerConfig:
     tls_key: Path | None = None
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     response_cache_bytes: int = DEFAULT_RESPONSE_CACHE_BYTES
+    store_bytes: int = DEFAULT_STORE_BYTES
     workers: int = 32
     grace_s: float = 30.0
     drain_delay_s: float = 0.0
@@ -711,6 +825,7 @@ class PlannerServer:
             config.cache_dir,
             token=config.token,
             response_cache_bytes=config.response_cache_bytes,
+            store_bytes=config.store_bytes,
             log=self.log,
             test_delay_s=config.test_delay_s,
         )
@@ -805,6 +920,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         tls_key=Path(args.tls_key) if args.tls_key else None,
         max_message_bytes=args.max_message_bytes,
         response_cache_bytes=args.response_cache_bytes,
+        store_bytes=args.store_bytes,
         workers=args.workers,
         grace_s=args.grace_s,
         drain_delay_s=args.drain_delay_s,
