@@ -26,7 +26,7 @@ from typing import Any
 
 from deeppart.checkpoint import load, save
 from deeppart.comm import SingleComm
-from deeppart.errors import CheckpointError, ExportError
+from deeppart.errors import CheckpointError, DeepPartError, ExportError
 from deeppart.format import decode_metadata, read_checked_metadata
 from deeppart.state import skeleton_paths
 
@@ -110,7 +110,6 @@ def export_safetensors(
     one (tied weights) are written under every name. Returns the files."""
     from safetensors.torch import save_file
 
-
     src = Path(checkpoint)
     key = _model_key(src, key)
     paths, sizes, aliases = _tensor_leaves(src, key)
@@ -150,14 +149,24 @@ def export_safetensors(
                 tensors[name(path)] = t if k == 0 else t.clone()
                 weight_map[name(path)] = fname
                 total += t.numel() * t.element_size()
-        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        tmp = _temporary(out / fname)
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        tmp.replace(out / fname)
         files.append(out / fname)
         del part, tensors
     if count > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        tmp = _temporary(out / SAFETENSORS_INDEX)
+        tmp.write_text(json.dumps(index, indent=2) + "\n")
+        tmp.replace(out / SAFETENSORS_INDEX)
         files.append(out / SAFETENSORS_INDEX)
     return files
+
+
+def _temporary(path: Path) -> Path:
+    """Where ``path`` is written before it is renamed into place: a reader,
+    or an export that crashed, never leaves a torn file under its name."""
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
 
 
 def export_torch(checkpoint: str | os.PathLike[str], out_file: str | os.PathLike[str]) -> Path:
@@ -170,7 +179,7 @@ def export_torch(checkpoint: str | os.PathLike[str], out_file: str | os.PathLike
     state = load(checkpoint, comm=SingleComm())
     out = Path(out_file)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
+    tmp = _temporary(out)
     torch.save(state, tmp)
     tmp.replace(out)
     return out
@@ -247,15 +256,29 @@ def import_checkpoint(
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
+    """Exports on one process. Under mpiexec rank 0 exports alone (every rank
+    writing the same files would race) and every rank returns its result."""
+    from deeppart.agreement import agree
+    from deeppart.comm import launched_by_mpiexec, resolve
+
+    comm = resolve(None) if launched_by_mpiexec() else SingleComm()
+    files: list[Path] = []
+    err: BaseException | None = None
+    if comm.rank == 0:
+        try:
+            if args.to == "safetensors":
+                files = export_safetensors(
+                    args.checkpoint, args.out, key=args.key, max_shard_bytes=args.max_shard_bytes
+                )
+            else:
+                files = [export_torch(args.checkpoint, args.out)]
+        except Exception as e:  # agreed first, so that no rank is left waiting
+            err = e
     try:
-        if args.to == "safetensors":
-            files = export_safetensors(
-                args.checkpoint, args.out, key=args.key, max_shard_bytes=args.max_shard_bytes
-            )
-        else:
-            files = [export_torch(args.checkpoint, args.out)]
-    except (CheckpointError, OSError) as e:
-        print(f"deeppart export: error: {e}", file=sys.stderr)
+        agree(comm, err)
+    except (DeepPartError, OSError) as e:
+        if comm.rank == 0:
+            print(f"deeppart export: error: {e}", file=sys.stderr)
         return 2
     for f in files:
         print(f)

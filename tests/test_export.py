@@ -170,3 +170,37 @@ def test_cli(tmp_path: Path) -> None:
         capture_output=True, text=True, cwd=ROOT, timeout=120,
     )  # fmt: skip
     assert r.returncode == 2 and "deeppart export: error" in r.stderr
+
+
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(not MPIEXEC.exists(), reason="mpiexec (the mpich wheel) is not installed")
+def test_export_under_mpiexec_is_written_once_by_rank_zero(tmp_path: Path) -> None:
+    """Every rank writing the same export would race on one file; rank 0
+    writes it alone, every rank exits with its result, and the files are
+    whole (no temporary name left behind)."""
+    w = torch.randn(3000)
+    deeppart.save({"model": {"w": w, "b": torch.arange(7)}}, tmp_path / "ck")
+    export = [str(MPIEXEC), "-n", "3", sys.executable, "-m", "deeppart", "export"]
+    r = subprocess.run(
+        [*export, str(tmp_path / "ck"), "--to", "safetensors", str(tmp_path / "st"),
+         "--max-shard-bytes", "4000"],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    printed = [ln for ln in r.stdout.splitlines() if ln.strip()]
+    assert len(printed) == 3 and len(set(printed)) == 3, printed  # 2 shards and the index, once
+    assert sorted(p.name for p in (tmp_path / "st").iterdir()) == sorted(
+        Path(p).name for p in printed
+    )
+    got = _load_dir(tmp_path / "st")
+    assert torch.equal(got["w"], w) and torch.equal(got["b"], torch.arange(7))
+    r = subprocess.run(
+        [*export, str(tmp_path / "missing"), "--to", "torch", str(tmp_path / "x.pt")],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.count("deeppart export: error") == 1, r.stderr
+    assert not (tmp_path / "x.pt").exists()
