@@ -14,9 +14,10 @@ of synthetic states by this process alone (its planning, checksums, buffered
 writes, fsyncs and commit: the save path a raw write does not see; on the
 development machine a save wrote at 0.73 GB/s where raw ``pwrite`` reached
 1.19 GB/s, alternating in one run), and the node bandwidth to several such
-saves at once; ``--raw-writes`` uses the raw figures instead. It also times ``torch.save``
-of tensor dicts (to memory) and fits ``t = a + tensors * tensor_s + bytes /
-serialize_bw``. Each fit reports R² and its relative RMS error.
+saves at once; ``--raw-writes`` uses the raw figures instead. It also times
+``torch.save`` of tensor dicts (to memory) and fits ``t = a + tensors *
+tensor_s + bytes / serialize_bw``. Each fit reports R² and its relative RMS
+error.
 
 It also measures what writers share (the planner's storage model,
 docs/PLANNER.md): ``node_bw``, the bandwidth of several streams writing at
