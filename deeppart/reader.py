@@ -494,14 +494,17 @@ def read_share(
     progress: Progress,
     stage: _staging.Staging,
 ) -> int:
-    """Reads this rank's data files: straight into the targets (every rank
-    reads everything), else into ``buffers`` for :func:`exchange_share`.
-    Returns the bytes read from disk."""
+    """Reads this rank's data files: straight into the targets (when every
+    rank reads everything, and for a broadcast, which goes out from there),
+    else into ``buffers`` for :func:`exchange_share` (a node-shared window,
+    or a host buffer for a file with device targets). Returns the bytes read
+    from disk."""
     nread = 0
     direct = _direct(rp)
     for f in rp.mine:
         pieces = rp.by_file[f]
-        if rp.read_all:
+        if rp.read_all or (not buffers.shared and not _to_device(rp, pieces)):
+            # Into the targets: a broadcast goes out from there.
             nread += read_file(rp.path, rp.meta, f, pieces, direct, progress, stage)
         else:
             buf = buffers.files.setdefault(f, np.empty(rp.file_raw[f], dtype=np.uint8))
@@ -509,30 +512,133 @@ def read_share(
     return nread
 
 
+#: Pieces shorter than this travel together in one broadcast; longer ones
+#: go straight into their targets.
+DIRECT_PIECE_BYTES = 1 << 20
+#: The most bytes one broadcast of the exchange carries.
+EXCHANGE_MESSAGE_BYTES = 16 << 20
+
+#: One broadcast of the exchange: (piece, byte offset in it, bytes) parts,
+#: consecutive in the reader's buffer.
+Message = list[tuple[Piece, int, int]]
+
+
+def exchange_messages(pieces: Sequence[Piece]) -> Iterator[Message]:
+    """A data file's bytes as the exchange broadcasts them: runs of short
+    pieces together, up to :data:`EXCHANGE_MESSAGE_BYTES`; a long piece
+    alone, in chunks of that size. Every rank derives the same messages from
+    the metadata, so their broadcasts match."""
+    batch: Message = []
+    size = 0
+    for p in pieces:
+        if p.length < DIRECT_PIECE_BYTES:
+            if batch and size + p.length > EXCHANGE_MESSAGE_BYTES:
+                yield batch
+                batch, size = [], 0
+            batch.append((p, 0, p.length))
+            size += p.length
+            continue
+        if batch:
+            yield batch
+            batch, size = [], 0
+        for off in range(0, p.length, EXCHANGE_MESSAGE_BYTES):
+            yield [(p, off, min(EXCHANGE_MESSAGE_BYTES, p.length - off))]
+    if batch:
+        yield batch
+
+
 def exchange_share(
     comm: Comm, rp: ReadPlan, buffers: ReadBuffers, stage: _staging.Staging
 ) -> None:
     """Every rank gets every file's bytes (by broadcast from its reader, or
-    from the shared window) and copies them into its targets."""
+    from the shared window) and copies them into its targets.
+
+    A broadcast goes from the reader's targets straight into the other
+    ranks' targets where it can (a long piece in host memory), else through
+    one small buffer (:func:`exchange_messages`): no rank holds a copy of a
+    data file, except a reader whose file has device targets."""
     if rp.read_all:
         return
     dest = _direct(rp)
+    spare: U8 | None = None
+
+    def spare_of(n: int, f: int) -> U8:
+        nonlocal spare
+        if spare is None or spare.size < n:
+            spare = np.empty(max(n, min(EXCHANGE_MESSAGE_BYTES, rp.file_raw[f])), np.uint8)
+        return spare[:n]
+
     for f in range(rp.meta.world_size):
         if rp.file_raw[f] == 0:
             continue
+        pieces = rp.by_file[f]
+        root = rp.owner[f]
         buf = buffers.files.pop(f, None)
+        if buf is None and comm.rank == root:
+            # The reader, which read straight into its (host) targets:
+            # each message goes out from there, short pieces packed.
+            for message in exchange_messages(pieces):
+                n = sum(part[2] for part in message)
+                p, off, _ = message[0]
+                out = dest(p)
+                assert isinstance(out, np.ndarray)
+                if len(message) == 1:
+                    comm.bcast_u8(out[off : off + n], root=root)
+                    continue
+                packed = spare_of(n, f)
+                at = 0
+                for p, off, length in message:
+                    mine = dest(p)
+                    assert isinstance(mine, np.ndarray)
+                    packed[at : at + length] = mine[off : off + length]
+                    at += length
+                comm.bcast_u8(packed, root=root)
+            continue
         if buf is None:
-            buf = np.empty(rp.file_raw[f], dtype=np.uint8)
+            # A receiver of a broadcast: message by message.
+            for message in exchange_messages(pieces):
+                n = sum(part[2] for part in message)
+                p, off, _ = message[0]
+                out = dest(p)
+                if len(message) == 1 and isinstance(out, np.ndarray):
+                    comm.bcast_u8(out[off : off + n], root=root)
+                    continue
+                got = spare_of(n, f)
+                comm.bcast_u8(got, root=root)
+                at = 0
+                for p, off, length in message:
+                    _copy_to(dest(p), off, got[at : at + length], stage)
+                    at += length
+            continue
         if not buffers.shared:
-            comm.bcast_u8(buf, root=rp.owner[f])
-        src = _place(buf, rp.by_file[f])
-        for p in rp.by_file[f]:
-            out = dest(p)
-            if isinstance(out, _staging.DeviceSink):
-                stage.put(out, src(p))
-            else:
-                out[:] = src(p)
+            # The reader of a file with device targets, read into a host
+            # buffer: it holds the messages back to back.
+            at = 0
+            for message in exchange_messages(pieces):
+                n = sum(part[2] for part in message)
+                comm.bcast_u8(buf[at : at + n], root=root)
+                at += n
+        src = _place(buf, pieces)
+        for p in pieces:
+            _copy_to(dest(p), 0, src(p), stage)
         del buf
+
+
+def _to_device(rp: ReadPlan, pieces: Sequence[Piece]) -> bool:
+    """Whether any of ``pieces`` goes to a device tensor (through staging)."""
+    for p in pieces:
+        tgt = rp.targets[p.leaf]
+        if tgt is not None and tgt.sink is not None:
+            return True
+    return False
+
+
+def _copy_to(out: U8 | _staging.DeviceSink, at: int, data: U8, stage: _staging.Staging) -> None:
+    """Copies ``data`` to byte ``at`` of a piece's target."""
+    if isinstance(out, _staging.DeviceSink):
+        stage.put(out, data, at)
+    else:
+        out[at : at + data.size] = data
 
 
 # ----------------------------------------------------------------------------

@@ -387,6 +387,12 @@ def main() -> None:
     p.add_argument("--expect", default="")
     p.add_argument("--max-message", type=int, default=0, help="chunk size of broadcasts")
     p.add_argument(
+        "--exchange-message",
+        type=int,
+        default=0,
+        help="largest broadcast of the load's exchange (pieces of a quarter of it go direct)",
+    )
+    p.add_argument(
         "--stage",
         type=int,
         default=0,
@@ -412,6 +418,11 @@ def main() -> None:
         import deeppart.comm
 
         deeppart.comm.MAX_MESSAGE = args.max_message
+    if args.exchange_message:
+        from deeppart import reader
+
+        reader.EXCHANGE_MESSAGE_BYTES = args.exchange_message
+        reader.DIRECT_PIECE_BYTES = args.exchange_message // 4
     if args.stage:
         from deeppart import staging
 

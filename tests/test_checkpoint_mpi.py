@@ -80,6 +80,18 @@ def test_large_messages_are_chunked(tmp_path: Path) -> None:
     run(2, "roundtrip", str(tmp_path / "ck"), "--max-message", "4096")
 
 
+def test_exchange_messages_batch_short_pieces_and_split_long_ones(tmp_path: Path) -> None:
+    """With the exchange's broadcasts capped at 8 KiB (pieces of 2 KiB and
+    more go straight into their targets), a load by broadcast batches short
+    pieces, splits long ones across many messages and restores bitwise, on
+    host tensors and through the staged device path."""
+    d = str(tmp_path / "ck")
+    run(3, "save", d)
+    run(4, "load", d, "--exchange-message", "8192")
+    run(2, "load", d, "--exchange-message", "8192", "--stage", "1024")
+    run(3, "roundtrip", str(tmp_path / "ck2"), "--codec", "zstd", "--exchange-message", "8192")
+
+
 @pytest.mark.parametrize(("n", "m"), [(4, 2), (2, 3), (4, 1)])
 def test_elastic_restore(tmp_path: Path, n: int, m: int) -> None:
     """Written by n ranks, loaded on m (m == 1: one process, no MPI)."""

@@ -4,6 +4,7 @@ optimizer state restored into a fresh optimizer."""
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -185,3 +186,49 @@ def test_checkpointer_load_passes_keys_and_strict(tmp_path: Path) -> None:
     cp.load(into=into, strict=False)
     assert torch.equal(into["model"]["w"], torch.ones(3))
     assert deeppart.last_incompatible_keys() == deeppart.IncompatibleKeys(["model/extra"], ["step"])
+
+
+def _piece(length: int, leaf: int = 0) -> Any:
+    from deeppart.format import Piece
+
+    return Piece(leaf=leaf, start=0, stop=length, rank=0, offset=0, length=length,
+                 stored=length, codec="none", xxh3=0)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [
+        [],
+        [0],
+        [10, 20, 30],
+        [100, 5000, 7, 0, 4096, 12000, 1, 1, 8192, 8191, 3000, 3000, 3000],
+        [8192 * 3 + 5],
+        [2047, 2048, 2049],
+    ],
+)
+def test_exchange_messages_cover_each_byte_once_in_order(
+    lengths: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The broadcasts of a load's exchange: every byte of every piece once,
+    in file order; none over the cap; short pieces whole and together; long
+    pieces alone (split at the cap)."""
+    monkeypatch.setattr(reader, "EXCHANGE_MESSAGE_BYTES", 8192)
+    monkeypatch.setattr(reader, "DIRECT_PIECE_BYTES", 2048)
+    pieces = [_piece(n, i) for i, n in enumerate(lengths)]
+    messages = list(reader.exchange_messages(pieces))
+    covered = [(p.leaf, off, n) for m in messages for p, off, n in m]
+    expected = []
+    for i, n in enumerate(lengths):
+        if n < 2048:
+            expected.append((i, 0, n))
+        else:
+            expected += [(i, off, min(8192, n - off)) for off in range(0, n, 8192)]
+    assert covered == expected
+    for m in messages:
+        assert sum(n for *_, n in m) <= 8192
+        if len(m) > 1:
+            assert all(p.length < 2048 and off == 0 and n == p.length for p, off, n in m)
+    # Short pieces are batched: no two consecutive batches could have been one.
+    for a, b in itertools.pairwise(messages):
+        if a[0][0].length < 2048 and b[0][0].length < 2048:
+            assert sum(n for *_, n in a) + b[0][2] > 8192
