@@ -574,28 +574,12 @@ def exchange_share(
         pieces = rp.by_file[f]
         root = rp.owner[f]
         buf = buffers.files.pop(f, None)
-        if buf is None and comm.rank == root:
-            # The reader, which read straight into its (host) targets:
-            # each message goes out from there, short pieces packed.
-            for message in exchange_messages(pieces):
-                n = sum(part[2] for part in message)
-                p, off, _ = message[0]
-                out = dest(p)
-                assert isinstance(out, np.ndarray)
-                if len(message) == 1:
-                    comm.bcast_u8(out[off : off + n], root=root)
-                    continue
-                packed = spare_of(n, f)
-                at = 0
-                for p, off, length in message:
-                    mine = dest(p)
-                    assert isinstance(mine, np.ndarray)
-                    packed[at : at + length] = mine[off : off + length]
-                    at += length
-                comm.bcast_u8(packed, root=root)
-            continue
         if buf is None:
-            # A receiver of a broadcast: message by message.
+            # A broadcast between targets: the reader read straight into its
+            # (host) targets and sends from there, the others receive into
+            # theirs; a message of short pieces (or for a device target)
+            # goes through the spare buffer, packed by the reader.
+            sending = comm.rank == root
             for message in exchange_messages(pieces):
                 n = sum(part[2] for part in message)
                 p, off, _ = message[0]
@@ -603,12 +587,19 @@ def exchange_share(
                 if len(message) == 1 and isinstance(out, np.ndarray):
                     comm.bcast_u8(out[off : off + n], root=root)
                     continue
-                got = spare_of(n, f)
-                comm.bcast_u8(got, root=root)
+                packed = spare_of(n, f)
                 at = 0
-                for p, off, length in message:
-                    _copy_to(dest(p), off, got[at : at + length], stage)
-                    at += length
+                if sending:
+                    for p, off, length in message:
+                        mine = dest(p)
+                        assert isinstance(mine, np.ndarray)
+                        packed[at : at + length] = mine[off : off + length]
+                        at += length
+                comm.bcast_u8(packed, root=root)
+                if not sending:
+                    for p, off, length in message:
+                        _copy_to(dest(p), off, packed[at : at + length], stage)
+                        at += length
             continue
         if not buffers.shared:
             # The reader of a file with device targets, read into a host
