@@ -188,14 +188,22 @@ class DiskBudget:
         out.sort()
         return out
 
-    def fits(self, size: int) -> bool:
-        """Whether one file of ``size`` bytes may be kept at all."""
-        return _charge(size) <= self.max_bytes
-
-    def added(self, path: Path, size: int) -> None:
-        """Counts the new file ``path``; makes room if the total is over."""
+    def persist(self, path: Path, data: bytes) -> None:
+        """Writes ``data`` as the new file ``path`` (atomically) and counts
+        it, making room if the total is then over. A file larger than the
+        whole budget is not written; a failed write is logged (the caller
+        still serves from memory)."""
+        if _charge(len(data)) > self.max_bytes:
+            self._log("not_persisted", "warning", path=str(path), bytes=len(data),
+                      reason=f"larger than the {self._what} store")  # fmt: skip
+            return
+        try:
+            atomic_write(path, data)
+        except OSError as e:
+            self._log("persist_failed", "warning", path=str(path), error=str(e))
+            return
         with self._lock:
-            self.bytes += _charge(size)
+            self.bytes += _charge(len(data))
             if self.bytes > self.max_bytes:
                 self._evict(keep=path)
 
@@ -270,16 +278,8 @@ class ManifestStore:
         path = self._path(fingerprint)
         if path.exists():
             self.disk.touch(path)
-        elif not self.disk.fits(len(wire_bytes)):
-            self._log("not_persisted", "warning", path=str(path), bytes=len(wire_bytes),
-                      reason="larger than the manifest store")  # fmt: skip
-        else:
-            try:
-                atomic_write(path, wire_bytes)
-            except OSError as e:  # still served from memory; re-uploaded after a restart
-                self._log("persist_failed", "warning", path=str(path), error=str(e))
-            else:
-                self.disk.added(path, len(wire_bytes))
+        else:  # if not written, still served from memory; re-uploaded after a restart
+            self.disk.persist(path, wire_bytes)
         self._remember(fingerprint, manifest)
 
     def get(self, fingerprint: str) -> Manifest | None:
@@ -743,15 +743,7 @@ class PlannerService:
         params.CopyFrom(req)
         params.ClearField("manifest")
         params.ClearField("job_id")
-        data = params.SerializeToString()
-        if not self._requests.fits(len(data)):
-            return
-        try:
-            atomic_write(path, data)
-        except OSError as e:
-            self.log("persist_failed", "warning", path=str(path), error=str(e))
-        else:
-            self._requests.added(path, len(data))
+        self._requests.persist(path, params.SerializeToString())
 
     def get_plan(self, data: bytes, job_id: str) -> bytes:
         req: pb.GetPlanRequest = self._parse(pb.GetPlanRequest, data)
