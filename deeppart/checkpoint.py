@@ -36,6 +36,7 @@ from deeppart.comm import Comm, resolve
 from deeppart.commit import TEMP_NAME_MAX, commit_dir, make_temp_dir, metadata_json
 from deeppart.errors import StateMismatchError
 from deeppart.format import Metadata, data_file_name, remove_tree
+from deeppart.ownership import check_target
 from deeppart.planning import PlanProvider
 from deeppart.prepare import Prepared, agree_prepared, prepare
 from deeppart.prepare import verify_replicas as check_replicas
@@ -150,6 +151,7 @@ def save(
     try:
         if user is not None:
             encode_plain(user, ("<user>",))
+        check_target(final)  # on every rank: each may see its own file system
         prep = prepare(state, compression, plan_provider, final)
     except Exception as e:
         err = e

@@ -17,6 +17,7 @@ from deeppart.errors import CheckpointError
 from deeppart.format import STEP_PREFIX, is_committed, remove_tree, step_dir_name, step_number
 from deeppart.levels import open_backend
 from deeppart.levels.backend import LevelBackend, LevelSaveStats, RecoveryReport
+from deeppart.ownership import foreign_entries, owned_dir, side_name
 from deeppart.planning import PlanProvider
 from deeppart.progress import Stats
 
@@ -205,23 +206,44 @@ class Checkpointer:
         """Removes the steps beyond ``keep_last`` and leftovers of
         interrupted saves; returns one line per directory it failed to
         remove. A committed ``.old-step-N-*`` stays while it is the only
-        committed copy of step N (unless step N itself is pruned)."""
+        committed copy of step N (unless step N itself is pruned). Only
+        directories that hold nothing but DeepPart's files are removed
+        (:func:`deeppart.ownership.owned_dir`): a ``step-N`` of the user's
+        stays, and a pruned step that holds other files too is kept and
+        reported."""
         committed = self.steps()
         pruned = set(committed[: -self.keep_last]) if self.keep_last is not None else set()
         doomed: list[Path] = []
+        failures: list[str] = []
         for child in self.root.iterdir():
             name = child.name
             step = self._step_of(name)
-            if name.startswith(".tmp-"):
-                doomed.append(child)
-            elif name.startswith(".old-"):
-                if (step is not None and step in pruned) or self._superseded(child):
+            side = side_name(name)
+            if side is not None and side[0] == "tmp":
+                if step_number(side[1], self.PREFIX) is not None and owned_dir(child):
                     doomed.append(child)
-            elif step is not None and (
-                step in pruned or (step < newest and not is_committed(child))
+            elif side is not None:
+                if ((step is not None and step in pruned) or self._superseded(child)) and (
+                    owned_dir(child)
+                ):
+                    doomed.append(child)
+            elif step is not None and step in pruned:
+                if owned_dir(child):
+                    doomed.append(child)
+                else:
+                    failures.append(
+                        f"{child}: kept, it holds files DeepPart did not write "
+                        f"({', '.join(foreign_entries(child)[:5])})"
+                    )
+            elif (
+                step is not None
+                and step < newest
+                and not is_committed(child)
+                and owned_dir(child, empty=False)
             ):
+                # What a save interrupted between its rename and its marker
+                # left; a user's directory of that name stays.
                 doomed.append(child)
-        failures: list[str] = []
         for d in doomed:
             try:
                 remove_tree(d)

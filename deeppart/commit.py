@@ -35,6 +35,7 @@ from deeppart.format import (
     remove_tree,
     write_durable,
 )
+from deeppart.ownership import check_target
 from deeppart.prepare import Prepared
 from deeppart.writer import RECORD_FIELDS
 
@@ -45,9 +46,12 @@ TEMP_NAME_MAX = len(".tmp--") + 12 + 255
 
 
 def make_temp_dir(final: Path, overwrite: bool) -> str:
-    """Rank 0: refuses to replace a committed ``final`` unless
-    ``overwrite``; makes and returns the name of the temporary directory
-    next to it, in which the ranks write."""
+    """Rank 0: refuses a ``final`` that holds something DeepPart did not
+    write (:func:`deeppart.ownership.check_target`, again: the ranks checked
+    it before they agreed), and a committed ``final`` unless ``overwrite``;
+    makes and returns the name of the temporary directory next to it, in
+    which the ranks write."""
+    check_target(final)
     if final.exists() and not overwrite and is_committed(final):
         raise CheckpointError(
             f"{final}: a committed checkpoint exists "

@@ -99,6 +99,12 @@ class CheckpointError(DeepPartError):
     """A checkpoint cannot be saved or loaded."""
 
 
+class ForeignPathError(CheckpointError):
+    """A save's target holds something DeepPart did not write (a regular
+    file, a symbolic link, a directory with other files): DeepPart replaces
+    and removes only its own checkpoints (:mod:`deeppart.ownership`)."""
+
+
 class CorruptCheckpointError(CheckpointError):
     """A checkpoint's files do not match its metadata (bad checksum,
     truncated file, malformed metadata)."""
@@ -197,6 +203,7 @@ ERROR_TYPES: tuple[type[DeepPartError], ...] = (
     UnrecoverableError,
     FTIError,
     ExportError,
+    ForeignPathError,
     CheckpointError,
     ValueEncodeError,
     StateError,

@@ -100,6 +100,7 @@ def export_safetensors(
     *,
     key: str | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    overwrite: bool = False,
 ) -> list[Path]:
     """Writes the tensors under ``key`` (default ``"model"`` if the
     checkpoint has it, else all) to ``out_dir`` as safetensors: one
@@ -107,7 +108,10 @@ def export_safetensors(
     of at most ``max_shard_bytes`` (a larger tensor gets a shard of its own)
     with ``model.safetensors.index.json``. Tensor names are the paths below
     ``key`` joined with ``"."`` (a state_dict's own keys). Tensors saved as
-    one (tied weights) are written under every name. Returns the files."""
+    one (tied weights) are written under every name. Files already in
+    ``out_dir`` (a model's ``config.json`` beside the weights) are kept; an
+    existing file of a name it writes is refused with :class:`ExportError`
+    before anything is written, unless ``overwrite``. Returns the files."""
     from safetensors.torch import save_file
 
     src = Path(checkpoint)
@@ -132,13 +136,19 @@ def export_safetensors(
         shards[-1].append(i)
         used += size
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     count = len(shards)
+    names = [
+        SAFETENSORS_SINGLE if count == 1 else f"model-{n:05d}-of-{count:05d}.safetensors"
+        for n in range(1, count + 1)
+    ] + ([SAFETENSORS_INDEX] if count > 1 else [])
+    _refuse_existing([out / n for n in names], overwrite)
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out}: exists and is not a directory: name a directory to export to")
+    out.mkdir(parents=True, exist_ok=True)
     files: list[Path] = []
     weight_map: dict[str, str] = {}
     total = 0
-    for n, shard in enumerate(shards, 1):
-        fname = SAFETENSORS_SINGLE if count == 1 else f"model-{n:05d}-of-{count:05d}.safetensors"
+    for fname, shard in zip(names, shards, strict=False):
         part = load(src, keys=[paths[i] for i in shard], comm=SingleComm())
         tensors: dict[str, Any] = {}
         for i in shard:
@@ -163,18 +173,40 @@ def export_safetensors(
     return files
 
 
+def _refuse_existing(paths: list[Path], overwrite: bool) -> None:
+    """Export replaces no file of the user's unless asked: raises
+    :class:`ExportError` naming the ``paths`` that exist (unless
+    ``overwrite``) or that are not regular files (links, directories)."""
+    there = [p for p in paths if p.exists() or p.is_symlink()]
+    odd = [p for p in there if p.is_symlink() or not p.is_file()]
+    if odd:
+        raise ExportError(
+            f"{odd[0]}: exists and is not a regular file: remove it or export elsewhere"
+        )
+    if there and not overwrite:
+        shown = ", ".join(str(p) for p in there[:5])
+        raise ExportError(
+            f"{shown}: already exist(s); pass overwrite=True (--overwrite) to replace, "
+            "or export to another path"
+        )
+
+
 def _temporary(path: Path) -> Path:
     """Where ``path`` is written before it is renamed into place: a reader,
     or an export that crashed, never leaves a torn file under its name."""
     return path.with_name(f".{path.name}.{os.getpid()}.tmp")
 
 
-def export_torch(checkpoint: str | os.PathLike[str], out_file: str | os.PathLike[str]) -> Path:
+def export_torch(
+    checkpoint: str | os.PathLike[str], out_file: str | os.PathLike[str], *, overwrite: bool = False
+) -> Path:
     """Writes the whole state to one ``torch.save`` file (loadable with
     ``torch.load(..., weights_only=True)`` when the state holds tensors and
-    plain Python values). The state is in memory once."""
+    plain Python values). The state is in memory once. An existing
+    ``out_file`` is refused (:class:`ExportError`) unless ``overwrite``."""
     import torch
 
+    _refuse_existing([Path(out_file)], overwrite)
 
     state = load(checkpoint, comm=SingleComm())
     out = Path(out_file)
@@ -234,7 +266,6 @@ def import_checkpoint(
     save's Stats."""
     import torch
 
-
     src = Path(source)
     if src.is_dir() or src.suffix == ".safetensors":
         state: Any = {key: _read_safetensors(src)}
@@ -268,10 +299,14 @@ def _cmd_export(args: argparse.Namespace) -> int:
         try:
             if args.to == "safetensors":
                 files = export_safetensors(
-                    args.checkpoint, args.out, key=args.key, max_shard_bytes=args.max_shard_bytes
+                    args.checkpoint,
+                    args.out,
+                    key=args.key,
+                    max_shard_bytes=args.max_shard_bytes,
+                    overwrite=args.overwrite,
                 )
             else:
-                files = [export_torch(args.checkpoint, args.out)]
+                files = [export_torch(args.checkpoint, args.out, overwrite=args.overwrite)]
         except Exception as e:  # agreed first, so that no rank is left waiting
             err = e
     try:
@@ -311,6 +346,7 @@ def add_parsers(sub: Any) -> None:
     p.add_argument(
         "--max-shard-bytes", type=int, default=DEFAULT_SHARD_BYTES, help="largest safetensors shard"
     )
+    p.add_argument("--overwrite", action="store_true", help="replace files of the same names")
     p.set_defaults(func=_cmd_export)
     p = sub.add_parser("import", help="save a .pt file or safetensors as a DeepPart checkpoint")
     p.add_argument("source", help="a torch.save file, a .safetensors file or a model directory")

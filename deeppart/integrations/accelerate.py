@@ -48,6 +48,7 @@ from deeppart.comm import resolve
 from deeppart.errors import CheckpointError, StateMismatchError
 from deeppart.format import is_committed, remove_tree
 from deeppart.integrations.rng import gather_rng_states, restore_rng_states
+from deeppart.ownership import owned_dir
 
 __all__ = ["load_state", "save_state"]
 
@@ -172,7 +173,8 @@ def save_state(
     if automatic:
         if config.total_limit is not None and c.rank == 0:
             for _, old in _numbered(root)[: -config.total_limit]:
-                remove_tree(old)
+                if owned_dir(old):  # a directory of the user's of that name stays
+                    remove_tree(old)
         c.barrier()
     config.iteration += 1
     return path

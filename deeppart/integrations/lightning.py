@@ -40,6 +40,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from deeppart.checkpoint import load, save
 from deeppart.errors import CheckpointError
 from deeppart.format import remove_tree
+from deeppart.ownership import owned_dir
 
 __all__ = ["DeepPartCheckpointIO", "DeepPartDDPStrategy"]
 
@@ -125,9 +126,12 @@ class DeepPartCheckpointIO(CheckpointIO):
         return out
 
     def remove_checkpoint(self, path: _PATH) -> None:
-        """Removes a checkpoint directory (Lightning calls this on rank 0)."""
+        """Removes a checkpoint directory (Lightning calls this on rank 0);
+        one that holds files DeepPart did not write stays, with a warning."""
         p = Path(path)
-        if p.is_dir():
+        if p.is_dir() and not owned_dir(p):
+            rank_zero_warn(f"{p}: not removed, it holds files DeepPart did not write")
+        elif p.is_dir():
             remove_tree(p)
         elif p.exists():
             p.unlink()

@@ -59,6 +59,7 @@ from deeppart.levels.backend import LevelSaveStats, RecoveryReport
 from deeppart.levels.config import LevelConfig
 from deeppart.levels.erasure import STRIPE_BYTES
 from deeppart.levels.layout import Layout, step_name, steps_in
+from deeppart.ownership import check_target, checkpoint_file, level_file, owned_dir, side_name
 from deeppart.planning import PlanProvider
 from deeppart.prepare import Prepared, agree_prepared, prepare
 from deeppart.progress import Progress
@@ -66,6 +67,12 @@ from deeppart.reader import Target, all_leaf_targets, assemble
 from deeppart.writer import RECORD_FIELDS, write_pieces
 
 _T = TypeVar("_T")
+
+
+def _remove_owned(path: Path, ours: Callable[[str], bool] = checkpoint_file) -> None:
+    """Removes ``path`` if it holds only DeepPart's files; else leaves it."""
+    if owned_dir(path, ours):
+        remove_tree(path)
 
 
 class BuiltinBackend:
@@ -185,6 +192,12 @@ class BuiltinBackend:
                 from deeppart.state import encode_plain
 
                 encode_plain(user, ("<user>",))
+            # Every rank checks its node's directory: only DeepPart's files
+            # may be replaced (the decision is agreed below).
+            check_target(self.local_step(step), level_file)
+            check_target(self.meta_step(step))
+            if lv == 4:
+                check_target(self.global_step(step))
             prep = prepare(state, self.compression, self.plans, self.meta_step(step))
             if c.rank == 0 and self.meta_step(step).exists():
                 # Re-saving a step: uncommit it first, so a crash never
@@ -349,6 +362,10 @@ class BuiltinBackend:
         return self.layout.committed_steps()
 
     def _cleanup(self, newest: int) -> None:
+        """Removes the steps beyond ``keep`` and uncommitted older ones, in
+        every root, and leftovers of interrupted commits: only directories
+        that hold nothing but DeepPart's files (a user's directory of such
+        a name stays)."""
         c = self.comm
         payload = b""
         if c.rank == 0:
@@ -360,13 +377,13 @@ class BuiltinBackend:
                     doomed.add(s)
             payload = json.dumps(sorted(doomed)).encode()
             for s in sorted(doomed):
-                remove_tree(self.meta_step(s))
+                _remove_owned(self.meta_step(s))
                 if self.config.glbl_dir.strip():
-                    remove_tree(self.global_step(s))
+                    _remove_owned(self.global_step(s))
             if meta_root.is_dir():
                 for child in meta_root.iterdir():
-                    if child.name.startswith((".tmp-", ".old-")):
-                        remove_tree(child)
+                    if side_name(child.name) is not None:
+                        _remove_owned(child)
         doomed_steps = set(json.loads(c.allgather_varbytes(payload)[0] or b"[]"))
         # One rank per node removes that node's local leftovers.
         hosts = self.layout
@@ -376,7 +393,7 @@ class BuiltinBackend:
             for s in steps_in(root, False):
                 if s in doomed_steps or (s < newest and s not in kept):
                     with contextlib.suppress(OSError):
-                        remove_tree(root / step_name(s))
+                        _remove_owned(root / step_name(s), level_file)
         c.barrier()
 
     # ------------------------------------------------------------------
