@@ -281,8 +281,10 @@ def load(
 
     With ``into`` (a state of the same structure, e.g. ``model.state_dict()``),
     tensors are filled in place (``copy_`` semantics, no second full copy)
-    and the returned tree holds those same tensor objects; plain values come
-    from the checkpoint. Raises :class:`CheckpointError` (no commit marker,
+    and the returned tree holds those same tensor objects; plain values are
+    written back into ``into``'s dicts and lists (as ``dcp.load`` does; one
+    that cannot be, in a tuple or at the root, is only in the returned tree,
+    with a :class:`NotInPlaceWarning`). Raises :class:`CheckpointError` (no commit marker,
     missing directory), :class:`CorruptCheckpointError` (bad checksum,
     truncated file, naming the file and piece) or
     :class:`StateMismatchError` (``into`` differs), on every rank.

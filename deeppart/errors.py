@@ -182,6 +182,12 @@ class AsyncSaveWarning(UserWarning):
     """An asynchronous save that ran synchronously (the reason is in the message)."""
 
 
+class NotInPlaceWarning(UserWarning):
+    """``load(into=...)`` could not set some plain values in the caller's
+    state in place (they sit in a tuple, or at the root): the returned
+    state holds them."""
+
+
 class RngStateWarning(UserWarning):
     """A checkpoint's RNG states could not be restored on this rank."""
 

@@ -52,7 +52,7 @@ from deeppart.format import (
     read_checked_metadata,
 )
 from deeppart.progress import Progress
-from deeppart.restore import ABSENT, IncompatibleKeys, match, prune, select
+from deeppart.restore import ABSENT, IncompatibleKeys, match, prune, select, write_back_plain
 from deeppart.state import FlatLeaf, decode_plain, flatten, unflatten
 from deeppart.tensors import U8, dtype_sizes, torch_dtypes, torch_module, u8_view
 
@@ -169,6 +169,8 @@ class IntoMatch:
     #: checkpoint leaf index -> into leaf index
     pairs: dict[int, int]
     keys: IncompatibleKeys
+    #: The caller's ``into=`` object, whose plain values are set in place.
+    root: Any = None
 
 
 def all_leaf_targets(meta: Metadata, into: Any) -> tuple[list[Target], IntoMatch | None]:
@@ -195,7 +197,7 @@ def leaf_targets(
         pairs, keys = match(
             [lf.path for lf in meta.leaves], selected, [lf.path for lf in into_leaves], strict
         )
-        matched = IntoMatch(into_leaves, skeleton, pairs, keys)
+        matched = IntoMatch(into_leaves, skeleton, pairs, keys, into)
     for i, info in enumerate(meta.leaves):
         if not selected[i] or (matched is not None and i not in matched.pairs):
             continue
@@ -313,13 +315,9 @@ def plan_reads(
     # A partial load opens only the files holding what it reads.
     partial = keys is not None or (matched is not None and len(matched.pairs) < len(meta.leaves))
     mine = [
-        f
-        for f in range(meta.world_size)
-        if owner[f] == comm.rank and (by_file[f] or not partial)
+        f for f in range(meta.world_size) if owner[f] == comm.rank and (by_file[f] or not partial)
     ]
-    return ReadPlan(
-        path, meta, tgts, matched, owner, read_all, via_shared, by_file, file_raw, mine
-    )
+    return ReadPlan(path, meta, tgts, matched, owner, read_all, via_shared, by_file, file_raw, mine)
 
 
 # ----------------------------------------------------------------------------
@@ -547,9 +545,7 @@ def exchange_messages(pieces: Sequence[Piece]) -> Iterator[Message]:
         yield batch
 
 
-def exchange_share(
-    comm: Comm, rp: ReadPlan, buffers: ReadBuffers, stage: _staging.Staging
-) -> None:
+def exchange_share(comm: Comm, rp: ReadPlan, buffers: ReadBuffers, stage: _staging.Staging) -> None:
     """Every rank gets every file's bytes (by broadcast from its reader, or
     from the shared window) and copies them into its targets.
 
@@ -673,6 +669,7 @@ def assemble(
             ]
             for i, j in into.pairs.items():
                 mine[j] = values[i]
+            write_back_plain(into.root, into.leaves, into.pairs, values)
             return unflatten(into.skeleton, mine)
         state = unflatten(meta.skeleton, values, absent=ABSENT)
         return prune(state) if pruned else state

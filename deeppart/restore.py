@@ -8,11 +8,14 @@ position, so a subset, a superset or a reordered state can be filled.
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from typing import Any, NamedTuple
 
-from deeppart.errors import StateMismatchError
+import numpy as np
+
+from deeppart.errors import NotInPlaceWarning, StateMismatchError
 from deeppart.state import legacy_path, path_key
 
 PathLike = tuple[Any, ...]
@@ -138,3 +141,121 @@ def prune(tree: Any) -> Any:
 
     out = walk(tree)
     return {} if out is ABSENT else out
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two plain values are equal (arrays element-wise), never raising."""
+    try:
+        if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+            return bool(
+                isinstance(a, np.ndarray)
+                and isinstance(b, np.ndarray)
+                and a.dtype == b.dtype
+                and np.array_equal(a, b)
+            )
+        return type(a) is type(b) and bool(a == b)
+    except Exception:
+        return False
+
+
+def _merge(old: Any, new: Any) -> bool:
+    """Makes ``old`` equal ``new`` in its own memory where both are the same
+    kind of container (dict, list) or numpy arrays of one dtype and shape;
+    False (``old`` untouched) where it must be replaced instead."""
+    if isinstance(old, np.ndarray) and isinstance(new, np.ndarray):
+        same = old.dtype == new.dtype and old.shape == new.shape and old.flags.writeable
+        if same:
+            np.copyto(old, new)
+        return bool(same)
+    if type(old) is not type(new):
+        return False
+    if isinstance(old, dict):
+        for k in [k for k in old if k not in new]:
+            del old[k]
+        for k, v in new.items():
+            if not (k in old and _merge(old[k], v)):
+                old[k] = v
+        return list(old) == list(new) or not isinstance(old, OrderedDict)
+    if isinstance(old, list):
+        if len(old) != len(new):
+            old[:] = new
+            return True
+        for i, v in enumerate(new):
+            if not _merge(old[i], v):
+                old[i] = v
+        return True
+    return False
+
+
+def _set(parent: Any, key: Any, value: Any) -> bool:
+    """Sets ``parent[key]`` if ``parent`` is a mutable dict or a list."""
+    if isinstance(parent, MutableMapping):
+        parent[key] = value
+        return True
+    if isinstance(parent, list) and isinstance(key, int):
+        parent[key] = value
+        return True
+    return False
+
+
+def _child(node: Any, step: Any) -> tuple[bool, Any]:
+    """(found, the key or index of ``node`` whose path key is ``step``)."""
+    if isinstance(node, Mapping):
+        for k in node:
+            if path_key(k) == step:
+                return True, k
+        return False, None
+    if isinstance(node, list | tuple) and isinstance(step, int) and 0 <= step < len(node):
+        return True, step
+    return False, None
+
+
+def write_back(into: Any, paths: Sequence[Sequence[Any]], values: dict[int, Any]) -> list[str]:
+    """Sets the plain values ``values`` (into= leaf index -> the checkpoint's
+    value) at their ``paths`` in the caller's ``into`` tree, in place: a
+    dict entry or a list item is replaced, as DCP's ``load`` writes
+    non-tensor values back into the state dict. Returns the paths of
+    values that differ but cannot be set in place (an item of a tuple, or a
+    value at the root): those are only in the returned state. Dicts, lists
+    and numpy arrays the caller holds are updated in their own objects."""
+    stuck: list[str] = []
+    for j, new in values.items():
+        path = tuple(paths[j])
+        node, parent, key = into, None, None
+        ok = True
+        for step in path:
+            found, k = _child(node, step)
+            if not found:
+                ok = False
+                break
+            parent, key, node = node, k, node[k]
+        if ok and _merge(node, new):
+            continue
+        if ok and _set(parent, key, new):
+            continue
+        if not _same(node, new):
+            stuck.append(describe(path))
+    return stuck
+
+
+def write_back_plain(
+    root: Any, leaves: Sequence[Any], pairs: dict[int, int], values: Sequence[Any]
+) -> None:
+    """``load(into=root)``'s last step: the checkpoint's plain values
+    (``values``, by checkpoint leaf; ``pairs``: checkpoint leaf -> into
+    leaf among ``leaves``, FlatLeafs of ``root``) set in ``root`` in place
+    (:func:`write_back`); a :class:`NotInPlaceWarning` names those that
+    cannot be."""
+    plain = {j: values[i] for i, j in pairs.items() if leaves[j].tensor is None}
+    if root is None or not plain:
+        return
+    stuck = write_back(root, [lf.path for lf in leaves], plain)
+    if stuck:
+        warnings.warn(
+            f"load(into=...): {len(stuck)} plain value(s) differ from the checkpoint's but sit "
+            f"where they cannot be set in place (in a tuple, or at the root): "
+            f"{', '.join(stuck[:5])}; use the state that load() returns, or hold them in a "
+            "dict or a list",
+            NotInPlaceWarning,
+            stacklevel=2,
+        )

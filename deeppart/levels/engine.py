@@ -63,7 +63,7 @@ from deeppart.ownership import check_target, checkpoint_file, level_file, owned_
 from deeppart.planning import PlanProvider
 from deeppart.prepare import Prepared, agree_prepared, prepare
 from deeppart.progress import Progress
-from deeppart.reader import Target, all_leaf_targets, assemble
+from deeppart.reader import IntoMatch, Target, all_leaf_targets, assemble
 from deeppart.writer import RECORD_FIELDS, write_pieces
 
 _T = TypeVar("_T")
@@ -450,8 +450,9 @@ class BuiltinBackend:
             return why
         err: BaseException | None = None
         targets: list[Target] = []
+        matched: IntoMatch | None = None
         try:
-            targets, _ = all_leaf_targets(st.meta, into)  # checks into= before any I/O
+            targets, matched = all_leaf_targets(st.meta, into)  # checks into= before any I/O
         except Exception as e:
             err = e
         agree(c, err)
@@ -474,7 +475,7 @@ class BuiltinBackend:
         all_rewritten = [path for row in rows for path in json.loads(row)]
         # Every rank now holds its own file: broadcast each and place it.
         recovery.distribute(c, st.meta, self.meta_step(step), own, targets)
-        state = assemble(st.meta, targets, self.meta_step(step))
+        state = assemble(st.meta, targets, self.meta_step(step), matched)
         report = RecoveryReport(step, survey.levels, all_rewritten, time.perf_counter() - t0)
         return state, report
 

@@ -800,7 +800,7 @@ class FTIBackend:
                         f"rank {c.rank}: piece of leaf {p.leaf} [{p.start}:{p.stop}] "
                         "recovered by FTI fails its xxh3 checksum"
                     )
-            targets, _ = all_leaf_targets(meta, into)
+            targets, matched = all_leaf_targets(meta, into)
         except Exception as e:
             err = e
         agree(c, err)
@@ -824,7 +824,7 @@ class FTIBackend:
                         p.offset - HEADER_SIZE : p.offset - HEADER_SIZE + p.length
                     ]
 
-        state = assemble(meta, targets, self._index_path(have))
+        state = assemble(meta, targets, self._index_path(have), matched)
         level = 4 if self._recovered_status == 2 and self._last_step is None else int(fti["level"])
         report = RecoveryReport(
             step=have,
