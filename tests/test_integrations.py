@@ -15,6 +15,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -326,3 +327,196 @@ def test_hf_trainer_in_one_process_loads_the_best_model(tmp_path: Path) -> None:
     empty.mkdir(parents=True)
     with pytest.raises(ValueError, match="Can't find a valid checkpoint"):
         trainer.train(resume_from_checkpoint=str(empty))
+
+
+def _rng_now() -> tuple[Any, ...]:
+    import random
+
+    import numpy as np
+
+    numpy_state: Any = np.random.get_state()
+    return (random.getstate(), numpy_state[1].tobytes(), torch.get_rng_state())
+
+
+def _reseed(seed: int) -> None:
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def test_accelerate_resume_restores_every_plain_value(tmp_path: Path) -> None:
+    """load_state puts the scheduler's state, ``accelerator.step``, a
+    registered object's counters, the optimizer's learning rates and the RNG
+    states back into the caller's own objects (they were changed after
+    the save)."""
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+
+    from deeppart.integrations.accelerate import load_state, save_state
+
+    class Counter:
+        def __init__(self) -> None:
+            self.count, self.history = 0, [0.0]
+
+        def state_dict(self) -> dict[str, Any]:
+            return {"count": self.count, "history": list(self.history)}
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            self.count, self.history = state["count"], list(state["history"])
+
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    model, opt, sched = accelerator.prepare(model, opt, sched)
+    counter = Counter()
+    accelerator.register_for_checkpointing(counter)
+    for _ in range(3):
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        counter.count += 1
+        counter.history.append(opt.param_groups[0]["lr"])
+    accelerator.step = 100
+    _reseed(11)
+    save_state(accelerator, tmp_path / "ck")
+    want = (sched.state_dict(), opt.state_dict()["param_groups"], counter.state_dict(), _rng_now())
+
+    for _ in range(2):  # the run goes on, then resumes from the checkpoint
+        opt.step()
+        sched.step()
+    accelerator.step, counter.count, counter.history = 0, 0, []
+    _reseed(99)
+    load_state(accelerator, tmp_path / "ck")
+    assert accelerator.step == 100
+    assert sched.state_dict() == want[0] and sched.scheduler.last_epoch == 3
+    assert opt.state_dict()["param_groups"] == want[1]
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.01 * 0.5**3)
+    assert counter.state_dict() == want[2]
+    got = _rng_now()
+    assert got[0] == want[3][0] and got[1] == want[3][1] and torch.equal(got[2], want[3][2])
+
+
+@pytest.mark.slow
+def test_hf_trainer_resume_restores_plain_values_and_exports(tmp_path: Path) -> None:
+    """DeepPartTrainer in one process, resumed from ``checkpoint-4`` with a
+    fresh model and Trainer: the global step, the scheduler's state and the
+    optimizer's step counters are the saved ones. ``deeppart export`` into
+    the checkpoint directory makes it loadable by ``from_pretrained``."""
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
+
+    import deeppart
+    from deeppart.export import export_safetensors
+    from deeppart.integrations.transformers import SUBDIR, DeepPartTrainer
+
+    config = GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2,
+        bos_token_id=0, eos_token_id=0,
+    )
+    ids = torch.randint(0, 64, (16, 8), generator=torch.Generator().manual_seed(1))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+
+    def make(max_steps: int) -> DeepPartTrainer:
+        torch.manual_seed(0)
+        args = TrainingArguments(
+            output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=max_steps,
+            save_strategy="steps", save_steps=4, learning_rate=0.05, lr_scheduler_type="linear",
+            report_to=[], use_cpu=True, disable_tqdm=True,
+        )
+        return DeepPartTrainer(model=GPT2LMHeadModel(config), args=args, train_dataset=data)
+
+    first = make(6)
+    first.train()
+    ckpt = tmp_path / "out" / "checkpoint-4"
+    saved = deeppart.load(ckpt / SUBDIR)
+
+    seen: dict[str, Any] = {}
+
+    class Peek(TrainerCallback):
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if not seen:
+                seen["step"] = state.global_step
+                seen["sched"] = kw["lr_scheduler"].state_dict()
+                seen["opt_steps"] = [
+                    float(s["step"]) for s in kw["optimizer"].state_dict()["state"].values()
+                ]
+
+    resumed = make(6)
+    resumed.add_callback(Peek())
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    assert seen["step"] == 4
+    assert seen["sched"] == saved["scheduler"] and seen["sched"]["last_epoch"] == 4
+    want_steps = [float(s["step"]) for s in saved["optimizer"]["state"].values()]
+    assert seen["opt_steps"] == want_steps and set(want_steps) == {4.0}
+
+    assert not (ckpt / "model.safetensors").exists()
+    export_safetensors(ckpt / SUBDIR, ckpt)
+    back = GPT2LMHeadModel.from_pretrained(str(ckpt))
+    for key, value in back.state_dict().items():
+        assert torch.equal(value, saved["model"][key]), key
+
+
+@pytest.mark.slow
+def test_lightning_resume_restores_plain_values(tmp_path: Path) -> None:
+    """Lightning (one process, DeepPartCheckpointIO): ``fit(ckpt_path=...)``
+    from the epoch-0 checkpoint, with a fresh model and Trainer, starts at
+    the saved global step with the saved scheduler state and optimizer step
+    counters."""
+    pytest.importorskip("lightning")
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+    import deeppart
+    from deeppart.integrations.lightning import DeepPartCheckpointIO
+
+    class Net(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.layer(x), y)
+
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.AdamW(self.parameters(), lr=0.01)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 8, generator=g), torch.randn(16, 1))
+    seen: dict[str, Any] = {}
+
+    class Peek(Callback):
+        def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, i: int) -> None:
+            if not seen:
+                seen["step"] = trainer.global_step
+                seen["epoch"] = trainer.current_epoch
+                seen["sched"] = trainer.lr_scheduler_configs[0].scheduler.state_dict()
+                opt_state = trainer.optimizers[0].state_dict()["state"]
+                seen["opt_steps"] = {float(s["step"]) for s in opt_state.values()}
+
+    def fit(ckpt_path: str | None, callbacks: list[Any]) -> None:
+        torch.manual_seed(0)
+        trainer = L.Trainer(
+            max_epochs=2, accelerator="cpu", devices=1, plugins=[DeepPartCheckpointIO()],
+            callbacks=callbacks, default_root_dir=str(tmp_path), logger=False,
+            enable_progress_bar=False, enable_model_summary=False,
+        )
+        loader = torch.utils.data.DataLoader(data, batch_size=4)
+        trainer.fit(Net(), loader, ckpt_path=ckpt_path)
+
+    keep = ModelCheckpoint(dirpath=tmp_path / "ckpts", every_n_epochs=1, save_top_k=-1)
+    fit(None, [keep])
+    ckpt = tmp_path / "ckpts" / "epoch=0-step=4.ckpt"
+    saved = deeppart.load(ckpt)
+    fit(str(ckpt), [Peek()])
+    assert (seen["step"], seen["epoch"]) == (4, 1) == (saved["global_step"], saved["epoch"] + 1)
+    assert seen["sched"] == saved["lr_schedulers"][0] and seen["sched"]["last_epoch"] == 4
+    assert seen["opt_steps"] == {4.0}
