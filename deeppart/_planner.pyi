@@ -272,8 +272,10 @@ class Plan:
         element units (an object is ``(i, 0, 1)``), ordered by leaf then
         start. Raises ``PlanError`` for a rank outside the world."""
     def pieces(self, rank: int) -> list[tuple[tuple[PathKey, ...], int, int]]:
-        """The pieces of one rank as ``(leaf_path, start, stop)``. Raises
-        ``PlanError`` for a rank outside the world."""
+        """The pieces of one rank as ``(leaf_path, start, stop)``: ``start``
+        and ``stop`` are flat element offsets into the leaf (elements, not
+        bytes; an object is ``(path, 0, 1)``), ordered by leaf then start.
+        Raises ``PlanError`` for a rank outside the world."""
     def rank_bytes(self) -> list[int]:
         """Bytes each rank writes."""
     def rank_costs(self) -> list[float]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import struct
 import sys
 from pathlib import Path
@@ -139,6 +140,15 @@ def read_manifest(source: str, *, adamw: bool = False) -> Manifest:
     path = Path(source)
     if key in MODELS and not path.exists():
         return MODELS[key]()
+    looks_like_a_name = os.sep not in source and "." not in source
+    if looks_like_a_name and not path.exists() and not path.is_symlink():
+        names = ", ".join(sorted(MODELS))
+        raise ManifestError(
+            f"{source}: no such file or directory, and not a built-in model name "
+            f"(those are: {names}; add +adamw for the optimizer state); give a checkpoint "
+            "directory, its metadata.json, a .safetensors file, a manifest JSON file or "
+            "one of those names"
+        )
     if path.is_dir():
         return from_checkpoint(path)
     if path.suffix == ".safetensors":

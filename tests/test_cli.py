@@ -209,3 +209,12 @@ def test_manifest_from_safetensors_header(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "bad safetensors header" in proc.stderr, proc.stderr
     proc = run_cli("manifest", str(tmp_path / "nope"))
     assert proc.returncode == 2 and "cannot read" in proc.stderr, proc.stderr
+
+
+def test_unknown_model_name_lists_the_built_in_ones() -> None:
+    from deeppart.models import MODELS
+
+    proc = run_cli("manifest", "bert-lrge")
+    assert proc.returncode == 2
+    assert "bert-lrge: no such file or directory, and not a built-in model name" in proc.stderr
+    assert all(name in proc.stderr for name in MODELS), proc.stderr

@@ -173,7 +173,9 @@ impl Plan {
             .collect())
     }
 
-    /// The pieces of one rank as `(leaf_path, start, stop)`.
+    /// The pieces of one rank as `(leaf_path, start, stop)`: `start` and
+    /// `stop` are flat element offsets into the leaf (elements, not bytes;
+    /// an object is `(path, 0, 1)`), ordered by leaf then start.
     fn pieces<'py>(
         &self,
         py: Python<'py>,

@@ -1,0 +1,211 @@
+"""Every ```python and ```bash block of README.md runs, as written, in a
+fresh process, and says what it claims.
+
+- A block preceded by the line ``<!-- readme: fragment -->`` is a fragment
+  (it names the reader's own objects or paths) and is not run.
+- A block preceded by ``<!-- readme: file NAME -->`` (any language) is a
+  file the following blocks use: it is written to ``NAME`` first.
+- A Python block whose first line is a comment naming a launch command
+  that ends in ``train.py`` (``# mpiexec -n 2 python train.py``,
+  ``# python -m torch.distributed.run ... train.py``) is saved as
+  ``train.py`` and run with that command; any other Python block with
+  ``python``.
+- A bash block runs under ``set -e``; its comment lines that start at the
+  beginning of a line (``# rank 0/2: ...``) are output it must print.
+- The blocks run in order, in one working directory (as a reader who
+  follows the README), with ``examples/`` linked from the repository; so
+  later blocks may use what earlier ones wrote (``ckpt/step-100``).
+- The first block names the two top commands: the demo is run (what
+  ``scripts/demo.sh`` runs after its set-up: ``deeppart demo``), and
+  ``scripts/test.sh`` is not, as it runs this test.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from launching import run_in_session
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+FRAGMENT = "<!-- readme: fragment -->"
+FILE = re.compile(r"<!-- readme: file (\S+) -->")
+RUN = ("python", "bash")
+TIMEOUT_S = 600
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+
+
+@dataclass
+class Block:
+    line: int  # 1-based line of the opening fence
+    lang: str
+    text: str
+    fragment: bool
+    file: str | None  # written to this name, not run
+
+    @property
+    def runnable(self) -> bool:
+        return self.lang in RUN and not self.fragment and self.file is None
+
+    def name(self) -> str:
+        return f"README.md:{self.line} ({self.lang})"
+
+
+def blocks(text: str) -> list[Block]:
+    """The fenced blocks of ``text`` with what precedes each."""
+    out: list[Block] = []
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        m = re.match(r"^```(\w*)\s*$", lines[i])
+        if not m or not m.group(1):
+            i += 1
+            continue
+        j = i + 1
+        while j < len(lines) and lines[j].rstrip() != "```":
+            j += 1
+        before = next((lines[k].strip() for k in range(i - 1, -1, -1) if lines[k].strip()), "")
+        named = FILE.fullmatch(before)
+        out.append(
+            Block(
+                line=i + 1,
+                lang=m.group(1),
+                text="\n".join(lines[i + 1 : j]) + "\n",
+                fragment=before == FRAGMENT,
+                file=named.group(1) if named else None,
+            )
+        )
+        i = j + 1
+    return out
+
+
+def launch_of(block: Block) -> str:
+    """The shell command that runs a Python block saved as train.py."""
+    first = block.text.splitlines()[0] if block.text.strip() else ""
+    m = re.match(r"#\s*(.*?\btrain\.py)\b", first)
+    return m.group(1) if m else "python train.py"
+
+
+def expected_output(block: Block) -> list[str]:
+    return [ln[2:].strip() for ln in block.text.splitlines() if ln.startswith("# ")]
+
+
+def top_commands(block: Block) -> str:
+    """The first block as it is run here: the demo's own command instead of
+    its set-up script, and not the test suite (this test is in it)."""
+    lines = []
+    for ln in block.text.splitlines():
+        cmd = ln.split("#", 1)[0].strip()
+        if cmd == "bash scripts/test.sh":
+            continue
+        if cmd.startswith("bash scripts/demo.sh"):
+            cmd = "deeppart demo --ranks 4" + cmd[len("bash scripts/demo.sh") :]
+        if cmd:
+            lines.append(cmd)
+    return "\n".join(lines) + "\n"
+
+
+def environment() -> dict[str, str]:
+    bin_dir = str(Path(sys.executable).parent)
+    return dict(
+        os.environ,
+        PATH=bin_dir + os.pathsep + os.environ.get("PATH", ""),
+        PYTHONPATH=str(ROOT),
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        MPLBACKEND="Agg",
+    )
+
+
+def run_block(block: Block, cwd: Path, script: str | None = None) -> str:
+    """Runs one block in ``cwd``; fails with the block and its output if it
+    exits non-zero or does not print what it says."""
+    if block.lang == "python":
+        (cwd / "train.py").write_text(block.text)
+        command = launch_of(block)
+    else:
+        command = script if script is not None else block.text
+    path = cwd / "block.sh"
+    path.write_text("set -euo pipefail\n" + command)
+    rc, out = run_in_session(["bash", str(path)], environment(), cwd, TIMEOUT_S)
+    assert rc == 0, f"{block.name()} failed (rc={rc}):\n{block.text}\n--- output:\n{out[-6000:]}"
+    if block.lang == "bash" and script is None:
+        for want in expected_output(block):
+            assert want in out, f"{block.name()} did not print {want!r}:\n{out[-6000:]}"
+    return out
+
+
+def workdir(tmp_path: Path) -> Path:
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    return tmp_path
+
+
+ALL = blocks(README.read_text())
+
+
+def test_every_block_is_runnable_or_marked() -> None:
+    """The README's blocks: each python/bash block runs here unless it is
+    marked a fragment, and only that exact marker line marks one."""
+    assert sum(b.runnable for b in ALL) >= 7, [b.name() for b in ALL if b.runnable]
+    text = README.read_text()
+    for line in text.splitlines():
+        if "readme:" in line and line.strip().startswith("<!--"):
+            assert line.strip() == FRAGMENT or FILE.fullmatch(line.strip()), line
+    assert ALL[0].runnable and "scripts/demo.sh" in ALL[0].text
+    assert "bash scripts/test.sh" in ALL[0].text
+    assert "deeppart demo --ranks 4" in top_commands(ALL[0])
+    assert "test.sh" not in top_commands(ALL[0])
+    demo_sh = (ROOT / "scripts" / "demo.sh").read_text()
+    assert "deeppart demo --ranks 4" in demo_sh  # what top_commands runs instead
+    for b in ALL:
+        if b.lang == "python" and b.runnable:
+            compile(b.text, b.name(), "exec")
+    first = next(b for b in ALL if b.runnable and b.lang == "python")
+    assert launch_of(first).startswith("mpiexec -n 2 python")
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.skipif(not MPIEXEC.exists(), reason="mpiexec (the mpich wheel) is not installed")
+def test_readme_blocks_run_in_order(tmp_path: Path) -> None:
+    cwd = workdir(tmp_path)
+    for b in ALL[1:]:
+        if b.file is not None:
+            (cwd / b.file).write_text(b.text)
+        elif b.runnable:
+            run_block(b, cwd)
+    # What the blocks say they write.
+    for made in (
+        "ckpt/step-100/COMMITTED",
+        "ckpt/step-00000100/COMMITTED",
+        "ckpt/accelerate/COMMITTED",
+        "ckpt-levels/meta/deeppart/step-00000040/COMMITTED",
+        "manifest.json",
+        "bert.json",
+        "scaling.png",
+        "hf-model/model.safetensors",
+        "state.pt",
+        "ckpt/imported/COMMITTED",
+    ):
+        assert (cwd / made).exists(), made
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.skipif(not MPIEXEC.exists(), reason="mpiexec (the mpich wheel) is not installed")
+def test_readme_top_commands(tmp_path: Path) -> None:
+    """The first block: the 4-rank demo (checkpoint, crash, recovery,
+    bitwise check) passes; scripts/test.sh is this suite, not run again."""
+    script = top_commands(ALL[0])
+    assert shlex.split(script.splitlines()[0])[:2] == ["deeppart", "demo"]
+    out = run_block(ALL[0], workdir(tmp_path), script=script)
+    assert "ALL CHECKS PASSED" in out and "BITWISE IDENTICAL" in out, out[-4000:]
