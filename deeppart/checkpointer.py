@@ -4,6 +4,7 @@ through multi-level storage (``config=``, :mod:`deeppart.levels`)."""
 
 from __future__ import annotations
 
+import operator
 import os
 import warnings
 from pathlib import Path
@@ -22,6 +23,23 @@ from deeppart.planning import PlanProvider
 from deeppart.progress import Stats
 
 __all__ = ["Checkpointer"]
+
+
+def _step_index(step: Any, state: Any) -> int:
+    """``step`` as an int >= 0 (numpy integers too), else a CheckpointError
+    that says how to call ``save``."""
+    try:
+        n = operator.index(step) if not isinstance(step, bool) else -1
+    except TypeError:
+        n = -1
+    if n < 0:
+        got = repr(step) if isinstance(step, int) else type(step).__name__
+        hint = " (the arguments are swapped?)" if isinstance(state, int) else ""
+        raise CheckpointError(
+            f"Checkpointer.save(step, state): step must be an int >= 0, got {got}{hint}; "
+            "call it as ckpt.save(100, state)"
+        )
+    return n
 
 
 class Checkpointer:
@@ -157,6 +175,7 @@ class Checkpointer:
         ``overwrite=True`` (the old one stays loadable until the new one
         commits). With ``config=`` the level backend re-saves a step as FTI
         does."""
+        step = _step_index(step, state)
         if self.levels is not None:
             return self.levels.save(step, state)
         kwargs: dict[str, Any] = {

@@ -27,6 +27,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -384,11 +385,19 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def plain_text(doc: str) -> str:
+    """A reST docstring as ``--help`` prints it: without its markup
+    (````code````, ``:role:`target```, ``*emphasis*``)."""
+    doc = re.sub(r":\w+:`~?([^`]+)`", r"\1", doc)
+    doc = re.sub(r"``([^`]+)``", r"\1", doc)
+    return re.sub(r"(?<![\w*])\*([^*\s][^*]*)\*(?![\w*])", r"\1", doc)
+
+
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "demo",
         help="train on several MPI ranks, checkpoint, crash, restore, verify bitwise",
-        description=__doc__,
+        description=plain_text(__doc__ or ""),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--ranks", "-n", type=int, default=4, help="MPI ranks (default 4)")

@@ -218,3 +218,10 @@ def test_unknown_model_name_lists_the_built_in_ones() -> None:
     assert proc.returncode == 2
     assert "bert-lrge: no such file or directory, and not a built-in model name" in proc.stderr
     assert all(name in proc.stderr for name in MODELS), proc.stderr
+
+
+def test_demo_help_is_plain_text() -> None:
+    proc = run_cli("demo", "--help")
+    assert proc.returncode == 0
+    assert "launches mpiexec -n RANKS" in proc.stdout and "deeppart.Checkpointer;" in proc.stdout
+    assert "``" not in proc.stdout and ":func:" not in proc.stdout and ":class:" not in proc.stdout

@@ -194,3 +194,12 @@ def test_multi_rank_refusal_is_agreed(tmp_path: Path, scenario: str) -> None:
     assert rc == 0, out[-8000:]
     for r in range(n):
         assert f"OK {scenario} rank {r}/{n}" in out, out[-8000:]
+
+
+def test_checkpointer_save_with_swapped_arguments_says_so(tmp_path: Path) -> None:
+    ck = deeppart.Checkpointer(tmp_path / "ck")
+    with pytest.raises(deeppart.CheckpointError, match=r"got dict \(the arguments are swapped"):
+        ck.save(state(), 5)  # type: ignore[arg-type]
+    with pytest.raises(deeppart.CheckpointError, match="int >= 0, got -1"):
+        ck.save(-1, state())
+    assert not (tmp_path / "ck").exists()
