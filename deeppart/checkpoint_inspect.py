@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,6 +83,12 @@ class VerifyReport:
     pieces_checked: int = 0
     bytes_read: int = 0
     failures: list[dict[str, Any]] = field(default_factory=list)
+    #: Multi-level checkpoints on real nodes: the nodes whose files were
+    #: checked, those that were not (not visible from here), and the ranks
+    #: of a collective verify (0: not collective).
+    nodes_checked: list[int] | None = None
+    nodes_unseen: list[int] = field(default_factory=list)
+    collective: int = 0
 
     @property
     def ok(self) -> bool:
@@ -103,17 +110,24 @@ _LEVEL_NAMES = {
 @dataclass
 class LevelFiles:
     """Where a multi-level checkpoint's files are (docs/LEVELS.md): every
-    rank's data file under ``ckpt_dir/node<k>/<exec_id>/step-N/``, its L2
-    partner copy, its L3 parity shard. Built from the metadata's ``levels``
-    section (and ``ckpt_dir``, recorded there, or given)."""
+    rank's data file under ``ckpt_dir/<node>/<exec_id>/step-N/`` (``<node>``:
+    the node's host name, or ``node<k>`` with fake nodes), its L2 partner
+    copy, its L3 parity shard. Built from the metadata's ``levels`` section
+    (and ``ckpt_dir``, recorded there, or given)."""
 
     level: int
+    root: Path  # ckpt_dir
+    node_dirs: list[str]  # per node: its directory under root
     step_dir: list[Path]  # per node
     nodes: list[int]  # per rank
     group_size: int
     parity_sizes: list[int]
     parity_xxh3: list[int]
     glbl_step: Path | None
+    #: Fake nodes (local_test): every node's files are in one shared
+    #: ckpt_dir, so any of them missing is a failure. Real nodes keep them
+    #: on private storage: one node sees only its own.
+    shared: bool = True
 
     @staticmethod
     def from_metadata(raw: dict[str, Any], ckpt_dir: str | None) -> LevelFiles | None:
@@ -134,14 +148,21 @@ class LevelFiles:
             name = step_dir_name(int(lv["step"]))
             exec_id = str(lv["exec_id"])
             glbl = lv.get("glbl_dir")
+            count = max(nodes) + 1
+            dirs = [str(d) for d in lv.get("node_dirs", [f"node{k}" for k in range(count)])]
+            if len(dirs) != count or any(not d or "/" in d or d in (".", "..") for d in dirs):
+                raise ValueError(f"node_dirs {dirs!r}")
             return LevelFiles(
                 level=int(lv["level"]),
-                step_dir=[Path(root) / f"node{k}" / exec_id / name for k in range(max(nodes) + 1)],
+                root=Path(root),
+                node_dirs=dirs,
+                step_dir=[Path(root) / d / exec_id / name for d in dirs],
                 nodes=nodes,
                 group_size=int(lv.get("group_size", 1)),
                 parity_sizes=[int(x) for x in lv.get("parity_sizes", [])],
                 parity_xxh3=[int(x) for x in lv.get("parity_xxh3", [])],
                 glbl_step=Path(glbl) / exec_id / name if isinstance(glbl, str) and glbl else None,
+                shared=bool(lv.get("local_test", 1)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptCheckpointError(f"metadata: bad levels section: {e!r}") from e
@@ -160,14 +181,32 @@ class LevelFiles:
             out.append(on[pos])
         return out
 
-    def copy_file(self, rank: int) -> Path:
-        """Where rank's L2 copy is: on its partner's node (next of its group)."""
+    def copy_node(self, rank: int) -> int:
+        """The node that holds rank's L2 copy: its partner's (next of its group)."""
         g = self._group(rank)
-        partner = g[(g.index(rank) + 1) % len(g)]
-        return self.step_dir[self.nodes[partner]] / f"partner-{rank:05d}.bin"
+        return self.nodes[g[(g.index(rank) + 1) % len(g)]]
+
+    def copy_file(self, rank: int) -> Path:
+        """Where rank's L2 copy is: on its partner's node."""
+        return self.step_dir[self.copy_node(rank)] / f"partner-{rank:05d}.bin"
 
     def parity_file(self, rank: int) -> Path:
         return self.step_dir[self.nodes[rank]] / f"parity-{rank:05d}.bin"
+
+    def node_index(self, name: str) -> int:
+        """A node by its directory name (host name, ``node<k>``) or index."""
+        if name in self.node_dirs:
+            return self.node_dirs.index(name)
+        if name.isdigit() and int(name) < len(self.node_dirs):
+            return int(name)
+        raise CheckpointError(
+            f"node {name!r} holds no part of this checkpoint (its nodes: "
+            f"{', '.join(self.node_dirs)}): pass --node with one of them"
+        )
+
+    def visible(self) -> list[int]:
+        """The nodes whose directory this process can see."""
+        return [k for k, d in enumerate(self.node_dirs) if (self.root / d).is_dir()]
 
     def describe(self) -> str:
         return f"L{self.level} ({_LEVEL_NAMES.get(self.level, 'unknown level')})"
@@ -179,27 +218,37 @@ def verify(
     *,
     progress: bool | None = None,
     levels: LevelFiles | None = None,
+    nodes: set[int] | None = None,
 ) -> VerifyReport:
     """Reads every piece of every data file and checks its xxh3_64; collects
     every failure (file, piece, leaf path, reason) rather than stopping.
     ``levels``: a multi-level checkpoint's layout; its node-local data files
     are checked, and its L2 partner copies (every piece) or L3 parity shards
-    (size and xxh3) too."""
+    (size and xxh3) too; ``nodes``: only the files those nodes hold (None:
+    every node's)."""
     report = VerifyReport()
     by_rank: dict[int, list[tuple[int, Piece]]] = {}
     for i, p in enumerate(meta.pieces):
         by_rank.setdefault(p.rank, []).append((i, p))
-    files: list[tuple[int, Path]] = [
-        (r, levels.data_file(r) if levels else directory / data_file_name(r))
-        for r in range(meta.world_size)
-    ]
+    files: list[tuple[int, Path]] = []
+    for r in range(meta.world_size):
+        if levels is None:
+            files.append((r, directory / data_file_name(r)))
+        elif nodes is None or levels.nodes[r] in nodes:
+            files.append((r, levels.data_file(r)))
     if levels is not None and levels.level == 2:
-        files += [(r, levels.copy_file(r)) for r in range(meta.world_size)]
-    total = sum(p.stored for p in meta.pieces) * (len(files) // max(meta.world_size, 1))
-    bar = Progress("verify", total, enabled=progress)
+        files += [
+            (r, levels.copy_file(r))
+            for r in range(meta.world_size)
+            if nodes is None or levels.copy_node(r) in nodes
+        ]
+    stored = [0] * meta.world_size
+    for p in meta.pieces:
+        stored[p.rank] += p.stored
+    bar = Progress("verify", sum(stored[r] for r, _ in files), enabled=progress)
     try:
         if levels is not None and levels.level == 3:
-            _verify_parity(levels, meta.world_size, report)
+            _verify_parity(levels, meta.world_size, report, nodes)
         for rank, path in files:
             pieces = sorted(by_rank.get(rank, []), key=lambda ip: ip[1].offset)
 
@@ -259,8 +308,12 @@ def verify(
     return report
 
 
-def _verify_parity(levels: LevelFiles, world: int, report: VerifyReport) -> None:
+def _verify_parity(
+    levels: LevelFiles, world: int, report: VerifyReport, nodes: set[int] | None
+) -> None:
     for rank in range(world):
+        if nodes is not None and levels.nodes[rank] not in nodes:
+            continue
         path = levels.parity_file(rank)
         entry: dict[str, Any] = {"file": str(path), "rank": rank}
         try:
@@ -349,7 +402,9 @@ def describe(
             {
                 "rank": r,
                 "file": (
-                    f"node{levels.nodes[r]}/{data_file_name(r)}" if levels else data_file_name(r)
+                    f"{levels.node_dirs[levels.nodes[r]]}/{data_file_name(r)}"
+                    if levels
+                    else data_file_name(r)
                 ),
                 "file_bytes": meta.file_sizes[r],
                 "raw_bytes": rank_raw[r],
@@ -359,7 +414,12 @@ def describe(
             for r in range(world)
         ],
         "tree": [{"path": k, **v} for k, v in tree.items()],
-        **({"global_copy": str(levels.glbl_step)} if levels and levels.glbl_step else {}),
+        # Only L4 writes a global copy (glbl_dir may be set for every level).
+        **(
+            {"global_copy": str(levels.glbl_step)}
+            if levels and levels.glbl_step and levels.level == 4
+            else {}
+        ),
         "leaf_table": leaves,
     }
 
@@ -448,6 +508,104 @@ def _ranks_str(ranks: list[int]) -> str:
     return f"{ranks[0]}..{ranks[-1]} ({len(ranks)})"
 
 
+def verify_nodes(
+    directory: Path,
+    meta: Metadata,
+    levels: LevelFiles | None,
+    node: str | None,
+    collective: bool,
+) -> VerifyReport:
+    """``--verify`` as asked: a plain checkpoint or fake nodes (one shared
+    ``ckpt_dir``), every file; ``node``: only the files that node holds
+    (``""``: this host's); ``collective``: every rank of an mpiexec job
+    checks what its node holds (one rank per node suffices), one report on
+    rank 0 (:func:`verify_collective`). Otherwise, on real nodes: the
+    nodes whose storage is visible from here, naming the others."""
+    if levels is None:
+        return verify(directory, meta)
+    if collective:
+        return verify_collective(directory, meta, levels)
+    if node is not None:
+        chosen = {levels.node_index(node or socket.gethostname())}
+    elif levels.shared:
+        return verify(directory, meta, levels=levels)
+    else:
+        chosen = set(levels.visible())
+    report = verify(directory, meta, levels=levels, nodes=chosen)
+    report.nodes_checked = sorted(chosen)
+    report.nodes_unseen = [k for k in range(len(levels.node_dirs)) if k not in chosen]
+    return report
+
+
+def verify_collective(directory: Path, meta: Metadata, levels: LevelFiles) -> VerifyReport:
+    """Collective ``--verify`` (under mpiexec): each node's files are
+    checked by the lowest rank that sees its directory; every rank gets the
+    merged report. A node no rank sees is a failure: its storage is lost,
+    or no rank of this job runs there."""
+    from deeppart.comm import resolve
+
+    comm = resolve(None)
+    rows = [json.loads(b) for b in comm.allgather_varbytes(json.dumps(levels.visible()).encode())]
+    count = len(levels.node_dirs)
+    owner = {k: next((r for r, row in enumerate(rows) if k in row), -1) for k in range(count)}
+    mine = {k for k, r in owner.items() if r == comm.rank}
+    part = verify(directory, meta, levels=levels, nodes=mine)
+    payload = json.dumps([part.pieces_checked, part.bytes_read, part.failures]).encode()
+    report = VerifyReport(nodes_checked=sorted(k for k, r in owner.items() if r >= 0))
+    for row in comm.allgather_varbytes(payload):
+        pieces, nbytes, failures = json.loads(row)
+        report.pieces_checked += pieces
+        report.bytes_read += nbytes
+        report.failures += failures
+    for k, r in owner.items():
+        if r < 0:
+            report.failures.append(
+                {
+                    "file": str(levels.root / levels.node_dirs[k]),
+                    "rank": -1,
+                    "reason": f"node {levels.node_dirs[k]}: not visible from any rank of this "
+                    "job (its storage is lost, or no rank runs there: start one per node)",
+                }
+            )
+    report.collective = comm.size
+    return report
+
+
+def _print_verify(report: VerifyReport, levels: LevelFiles | None) -> None:
+    if report.ok:
+        print(
+            f"verify: OK, {report.pieces_checked} pieces, "
+            f"{human_bytes(report.bytes_read)} read, every xxh3_64 matches"
+        )
+    else:
+        print(f"verify: {len(report.failures)} FAILURE(S)")
+        for fl in report.failures:
+            where = fl["file"]
+            if "piece" in fl:
+                where += (
+                    f": piece {fl['piece']} (leaf {fl['leaf']} {fl['path']} "
+                    f"[{fl['start']}:{fl['stop']}], offset {fl['offset']}, "
+                    f"{fl['stored']} bytes)"
+                )
+            print(f"  {where}: {fl['reason']}")
+    if levels is None or report.nodes_checked is None:
+        return
+    names = [levels.node_dirs[k] for k in report.nodes_checked]
+    total = len(levels.node_dirs)
+    if report.collective:
+        print(f"verify: collective over {report.collective} rank(s), {len(names)} of {total} nodes")
+        return
+    shown = ", ".join(names) or "none"
+    print(f"verify: checked the files of node(s) {shown} ({len(names)} of {total})")
+    if report.nodes_unseen:
+        unseen = ", ".join(levels.node_dirs[k] for k in report.nodes_unseen)
+        print(
+            f"verify: not checked: node(s) {unseen}, whose node-local storage is not visible "
+            "from here; to check every node run under mpiexec with one rank per node and "
+            "--collective"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     directory = Path(args.checkpoint)
     if directory.name == METADATA:
@@ -461,40 +619,43 @@ def run(args: argparse.Namespace) -> int:
     info = describe(directory, meta, committed, levels)
     report: VerifyReport | None = None
     if args.verify:
-        report = verify(directory, meta, levels=levels)
+        try:
+            report = verify_nodes(directory, meta, levels, args.node, args.collective)
+        except CheckpointError as e:
+            print(f"deeppart: error: {e}", file=sys.stderr)
+            return 2
         info["verify"] = {
             "ok": report.ok,
             "pieces_checked": report.pieces_checked,
             "bytes_read": report.bytes_read,
             "failures": report.failures,
         }
-    if args.json:
-        if not args.leaves_in_json:
-            info.pop("leaf_table")
-        print(json.dumps(info))
-    else:
-        print(format_text(info, max_leaves=args.leaves, max_ranks=args.ranks))
-        if report is not None:
-            print()
-            if report.ok:
-                print(
-                    f"verify: OK, {report.pieces_checked} pieces, "
-                    f"{human_bytes(report.bytes_read)} read, every xxh3_64 matches"
-                )
-            else:
-                print(f"verify: {len(report.failures)} FAILURE(S)")
-                for fl in report.failures:
-                    where = fl["file"]
-                    if "piece" in fl:
-                        where += (
-                            f": piece {fl['piece']} (leaf {fl['leaf']} {fl['path']} "
-                            f"[{fl['start']}:{fl['stop']}], offset {fl['offset']}, "
-                            f"{fl['stored']} bytes)"
-                        )
-                    print(f"  {where}: {fl['reason']}")
+        if levels is not None and report.nodes_checked is not None:
+            info["verify"]["nodes_checked"] = [levels.node_dirs[k] for k in report.nodes_checked]
+            info["verify"]["nodes_not_checked"] = [levels.node_dirs[k] for k in report.nodes_unseen]
+    # Collective: one report, from rank 0.
+    quiet = report is not None and report.collective and _rank() != 0
+    if not quiet:
+        if args.json:
+            if not args.leaves_in_json:
+                info.pop("leaf_table")
+            print(json.dumps(info))
+        else:
+            print(format_text(info, max_leaves=args.leaves, max_ranks=args.ranks))
+            if report is not None:
+                print()
+                _print_verify(report, levels)
     if report is not None and not report.ok:
         return 1
+    if report is not None and report.nodes_checked == []:
+        return 1  # nothing here could be checked
     return 0 if committed else 1
+
+
+def _rank() -> int:
+    from deeppart.comm import resolve
+
+    return resolve(None).rank
 
 
 def add_parser(sub: Any) -> None:
@@ -511,6 +672,14 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--verify", action="store_true", help="read every piece and check its checksum (exit 1 "
         "on corruption)"
+    )  # fmt: skip
+    p.add_argument(
+        "--node", nargs="?", const="", default=None, help="multi-level checkpoints on real nodes: "
+        "verify only the files this node holds (or node NAME's: its host name or index)"
+    )  # fmt: skip
+    p.add_argument(
+        "--collective", action="store_true", help="under mpiexec, one rank per node or more: "
+        "each node verifies the files it holds; rank 0 prints one report"
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument(

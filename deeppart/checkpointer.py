@@ -150,7 +150,11 @@ class Checkpointer:
     def steps(self) -> list[int]:
         """Committed steps, oldest first: also a step whose committed copy
         sits in ``.old-step-N-*`` because a save replacing it was
-        interrupted (:meth:`load` serves that copy)."""
+        interrupted (:meth:`load` serves that copy). With ``config=``: the
+        level backend's committed steps that can still be recovered (the
+        last is :meth:`latest`; collective, like :meth:`latest`)."""
+        if self.levels is not None:
+            return self.levels.steps()
         out: set[int] = set()
         if not self.root.is_dir():
             return []

@@ -24,4 +24,7 @@ log "pytest"
 # Real-FTI tests (tests/test_fti.py): run with $FTI_LIBRARY, else .fti/ (scripts/build-fti.sh).
 if [ -z "${FTI_LIBRARY:-}" ] && [ -f .fti/lib/libfti.so ]; then export FTI_LIBRARY="$PWD/.fti/lib/libfti.so"; fi
 [ -n "${FTI_LIBRARY:-}" ] || log "real-FTI tests skipped: no libfti (build it: bash scripts/build-fti.sh FTI_SOURCE_DIR, or set FTI_LIBRARY)"
+# The multi-node harness (tests/test_cluster.py) needs root and namespaces.
+why=$(python tests/cluster.py)
+[ -z "$why" ] || log "multi-node harness (tests/test_cluster.py) skipped: $why"
 pytest -q "$@"

@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -365,7 +366,9 @@ def s_real_hosts(x: Ctx) -> None:
         assert f"runs {x.comm.size} rank(s)" in str(e), e
     else:
         raise AssertionError("node_size below the ranks per host was accepted")
-    assert not (x.root / "local" / "node0" / "hosts").exists()
+    # Real nodes: the node directory is named by the host.
+    node_dir = x.root / "local" / socket.gethostname()
+    assert not (node_dir / "hosts").exists()
     cfg = bad.replace(node_size=x.comm.size)
     be = BuiltinBackend(cfg, x.comm)
     be.save(1, mc.make_state(1), level=1)
@@ -373,7 +376,8 @@ def s_real_hosts(x: Ctx) -> None:
     state, report = BuiltinBackend(cfg, x.comm).load(1)
     mc.assert_bitwise_equal(mc.make_state(1), state, "hosts")
     assert report.levels == [1] * x.comm.size, report
-    x.on_root(lambda: shutil.rmtree(x.root / "local" / "node0" / "hosts", ignore_errors=True))
+    assert (node_dir / "hosts").is_dir()
+    x.on_root(lambda: shutil.rmtree(node_dir / "hosts", ignore_errors=True))
     _, report = BuiltinBackend(cfg, x.comm).load()
     assert report.step == 2 and report.levels == [4] * x.comm.size, report
 
@@ -410,21 +414,8 @@ def main() -> None:
             x = Ctx(Path(root) / f"g{group}", int(node_size), int(group), comm)
             x.results = Path(root)
         SCENARIOS[name](x)
-        comm.barrier()
-        (x.results / "ok" / f"{name}.{comm.rank}").touch()
-        print(f"OK {name} rank {comm.rank}/{comm.size}", flush=True)
+        mc.scenario_done(x.results, name, comm)
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BaseException:
-        # Fail fast: without this the other ranks wait in their next
-        # collective until the test's timeout.
-        import traceback
-
-        traceback.print_exc()
-        sys.stderr.flush()
-        from mpi4py import MPI
-
-        MPI.COMM_WORLD.Abort(1)
+    mc.abort_on_failure(main)

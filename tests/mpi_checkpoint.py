@@ -90,6 +90,31 @@ def assert_bitwise_equal(a: Any, b: Any, where: str = "") -> None:
         assert type(a) is type(b) and (a == b or (a != a and b != b)), f"{where}: {a!r} != {b!r}"
 
 
+def scenario_done(results: Path, name: str, comm: Any) -> None:
+    """After scenario ``name`` passed on this rank: a barrier, then the
+    marker ``results/ok/<name>.<rank>`` and an ``OK`` line (the markers
+    are what tests count: mpiexec may interleave the ranks' lines)."""
+    comm.barrier()
+    (results / "ok" / f"{name}.{comm.rank}").touch()
+    print(f"OK {name} rank {comm.rank}/{comm.size}", flush=True)
+
+
+def abort_on_failure(main: Callable[[], None]) -> None:
+    """Runs a worker's ``main``; on any failure prints the traceback and
+    aborts the whole MPI job (fail fast: without this the other ranks wait
+    in their next collective until the test's timeout)."""
+    try:
+        main()
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.flush()
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Abort(1)
+
+
 def ok(name: str) -> None:
     c = resolve()
     print(f"OK {name} rank {c.rank}/{c.size}", flush=True)

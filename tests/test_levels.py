@@ -81,6 +81,43 @@ def test_ini_parsing_levels_and_groups(tmp_path: Path) -> None:
     real.validate(4, hosts)
     assert real.node_of(1, hosts) == 1 and real.group_members(0, hosts) == [0, 1]
     assert real.partner_of(2, hosts) == 3
+    # Real nodes' directories are named by host, whatever the node's index.
+    assert real.local_dir(1, hosts) == Path("/x/local/a/deeppart")
+    assert real.local_dir(1, ["a", "b", "a", "b"]) == Path("/x/local/b/deeppart")
+    with pytest.raises(LevelConfigError, match="cannot name a node directory"):
+        real.validate(4, ["a/b", "a/b", "c", "c"])
+
+
+def test_survey_finds_files_on_other_nodes() -> None:
+    """A restart on reordered nodes: every file a rank needs is on the other
+    node; find_moves sends each from a rank of the node that holds it, and
+    nothing for files already in place or held nowhere."""
+    from types import SimpleNamespace
+
+    from deeppart.levels.layout import Layout
+    from deeppart.levels.recovery import find_moves
+
+    layout = Layout(cfg(node_size=2, group_size=2, ckpt_l2=1), 4, ["a", "a", "b", "b"])
+    meta = SimpleNamespace(file_sizes=[10, 11, 12, 13])
+    st = SimpleNamespace(level=2, meta=meta, parity_sizes=[0] * 4)
+    # Saved with ranks 0, 1 on "b": "a" (now ranks 0, 1) holds 2, 3 and their
+    # partners' copies (of 0, 1); rank 3's own file is lost.
+    held_a = {"rank-00002.bin": 12, "partner-00000.bin": 10, "partner-00001.bin": 11}
+    held_b = {"rank-00000.bin": 10, "rank-00001.bin": 11, "partner-00002.bin": 12}
+    held_b["partner-00003.bin"] = 13
+    moves = find_moves(layout, st, [held_a, held_a, held_b, held_b])  # type: ignore[arg-type]
+    got = {(m.src // 2, m.dst, m.name) for m in moves}
+    assert got == {
+        (1, 0, "rank-00000.bin"),
+        (1, 1, "rank-00001.bin"),
+        (0, 2, "rank-00002.bin"),
+        (1, 0, "partner-00002.bin"),
+        (1, 1, "partner-00003.bin"),
+        (0, 2, "partner-00000.bin"),
+        (0, 3, "partner-00001.bin"),
+    }, got
+    # Senders are spread over the node's ranks.
+    assert len({m.src for m in moves}) == 4
 
 
 def test_level_intervals_off_and_default() -> None:

@@ -42,13 +42,19 @@ class RecoveryReport:
     #: that the lost node held, so the step is fully redundant again.
     rewritten: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    #: Files found on another node than the one that needs them (the nodes
+    #: were reordered or partly replaced since the save), sent there and
+    #: stored: the paths written. Their data counts as L1 (own file), L2
+    #: (partner copy) or L3 (parity shard), as if they had been in place.
+    moved: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         by: dict[int, list[int]] = {}
         for rank, level in enumerate(self.levels):
             by.setdefault(level, []).append(rank)
         parts = ", ".join(f"L{lv}: ranks {rs}" for lv, rs in sorted(by.items()))
-        return f"recovered step {self.step} ({parts}) in {self.seconds:.2f} s"
+        extra = f", {len(self.moved)} file(s) moved between nodes" if self.moved else ""
+        return f"recovered step {self.step} ({parts}{extra}) in {self.seconds:.2f} s"
 
 
 class LevelBackend(Protocol):
@@ -64,6 +70,11 @@ class LevelBackend(Protocol):
 
     def latest(self) -> int | None:
         """The newest committed step that can still be recovered, or None."""
+        ...
+
+    def steps(self) -> list[int]:
+        """The committed steps that can still be recovered, oldest first
+        (the last one is :meth:`latest`)."""
         ...
 
     def load(self, step: int | None = None, *, into: Any = None) -> tuple[Any, RecoveryReport]:

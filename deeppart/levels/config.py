@@ -370,11 +370,22 @@ class LevelConfig:
         return members[(members.index(rank) + 1) % len(members)]
 
     def local_root(self, node: int) -> Path:
-        """The node-local directory of node ``node``."""
+        """The node-local directory of node ``node`` with fake nodes
+        (``local_test``): ``ckpt_dir/node<k>/<exec_id>``."""
         return Path(self.ckpt_dir) / f"node{node}" / self.exec_id
 
+    def node_dir_name(self, rank: int, hosts: Sequence[str] | None = None) -> str:
+        """The name of ``rank``'s node directory under ``ckpt_dir``: its
+        host name on real nodes (so a node's files keep their directory
+        whatever the node's index in a later job), ``node<k>`` with fake
+        nodes (``local_test``, or no ``hosts``)."""
+        if self.local_test or hosts is None:
+            return f"node{self.node_of(rank, hosts)}"
+        return hosts[rank]
+
     def local_dir(self, rank: int, hosts: Sequence[str] | None = None) -> Path:
-        return self.local_root(self.node_of(rank, hosts))
+        """``rank``'s node-local directory: ``ckpt_dir/<node dir>/<exec_id>``."""
+        return Path(self.ckpt_dir) / self.node_dir_name(rank, hosts) / self.exec_id
 
     def meta_root(self) -> Path:
         return Path(self.meta_dir) / self.exec_id
@@ -397,6 +408,12 @@ class LevelConfig:
         if not self.local_test and hosts is not None:
             if len(hosts) != world_size:
                 raise LevelConfigError(f"{len(hosts)} hostnames for {world_size} ranks")
+            for h in hosts:
+                if not h or "/" in h or h in (".", "..") or "\0" in h:
+                    raise LevelConfigError(
+                        f"host name {h!r} cannot name a node directory under ckpt_dir "
+                        "(set local_test = 1 to fake nodes)"
+                    )
             per: dict[str, int] = {}
             for h in hosts:
                 per[h] = per.get(h, 0) + 1

@@ -337,6 +337,10 @@ class BuiltinBackend:
                 os.path.abspath(self.config.glbl_dir) if self.config.glbl_dir.strip() else ""
             ),
             **self.layout.describe(),
+            # Per node, its directory under ckpt_dir (host names on real
+            # nodes), and whether nodes were fake (one shared ckpt_dir).
+            "node_dirs": self.layout.node_dirs(),
+            "local_test": self.config.local_test,
             "stripe_bytes": self.stripe,
             "parity_sizes": parity_sizes,
             "parity_xxh3": parity_xxh3,
@@ -389,7 +393,7 @@ class BuiltinBackend:
         hosts = self.layout
         if all(hosts.node(r) != hosts.node(self.rank) for r in range(self.rank)):
             kept = set(self.committed_steps())
-            root = self.config.local_root(self.layout.node(self.rank))
+            root = self.layout.local_root(self.rank)
             for s in steps_in(root, False):
                 if s in doomed_steps or (s < newest and s not in kept):
                     with contextlib.suppress(OSError):
@@ -399,20 +403,29 @@ class BuiltinBackend:
     # ------------------------------------------------------------------
     # Restore (the steps of deeppart.levels.recovery).
 
+    def _recoverable(self, step: int) -> bool:
+        """Whether ``step``'s files (checked by size, not read) suffice to
+        recover it (collective)."""
+        c, layout = self.comm, self.layout
+        st, _ = recovery.read_step(c, layout, step)
+        if st is None:
+            return recovery.global_ok(layout, step)
+        survey, _, _ = recovery.survey(c, layout, st, deep=False)
+        return bool(survey.levels)
+
     def latest(self) -> int | None:
         """The newest committed step whose files (checked by size, not
         read) suffice to recover it, or None."""
-        c, layout = self.comm, self.layout
-        for s in recovery.candidates(c, layout, None):
-            st, _ = recovery.read_step(c, layout, s)
-            if st is None:
-                if recovery.global_ok(layout, s):
-                    return s
-                continue
-            survey, _ = recovery.survey(c, layout, st, deep=False)
-            if survey.levels:
+        for s in recovery.candidates(self.comm, self.layout, None):
+            if self._recoverable(s):
                 return s
         return None
+
+    def steps(self) -> list[int]:
+        """Every committed step that :meth:`latest` would accept, oldest
+        first (its last is :meth:`latest`)."""
+        return sorted(s for s in recovery.candidates(self.comm, self.layout, None)
+                      if self._recoverable(s))  # fmt: skip
 
     def load(self, step: int | None = None, *, into: Any = None) -> tuple[Any, RecoveryReport]:
         """Restores ``step`` (None: the newest committed step that can be
@@ -456,7 +469,7 @@ class BuiltinBackend:
         except Exception as e:
             err = e
         agree(c, err)
-        survey, held = recovery.survey(c, layout, st, deep=True)
+        survey, held, moved = recovery.survey(c, layout, st, deep=True)
         if not survey.levels:
             if recovery.global_ok(layout, step) and st.level == 4:
                 return recovery.load_global(c, layout, step, into, self.exchange, t0)
@@ -471,12 +484,15 @@ class BuiltinBackend:
         rebuilt = recovery.restore_redundancy(c, layout, st, own, survey.status)
         if got.rewritten:
             rebuilt.insert(0, got.rewritten)
-        rows = c.allgather_varbytes(json.dumps(rebuilt).encode())
-        all_rewritten = [path for row in rows for path in json.loads(row)]
+        rows = c.allgather_varbytes(json.dumps([rebuilt, moved]).encode())
+        all_rewritten = [path for row in rows for path in json.loads(row)[0]]
+        all_moved = [path for row in rows for path in json.loads(row)[1]]
         # Every rank now holds its own file: broadcast each and place it.
         recovery.distribute(c, st.meta, self.meta_step(step), own, targets)
         state = assemble(st.meta, targets, self.meta_step(step), matched)
-        report = RecoveryReport(step, survey.levels, all_rewritten, time.perf_counter() - t0)
+        report = RecoveryReport(
+            step, survey.levels, all_rewritten, time.perf_counter() - t0, all_moved
+        )
         return state, report
 
     def close(self) -> None:

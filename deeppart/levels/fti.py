@@ -686,6 +686,11 @@ class FTIBackend:
         steps = self._indexed_steps()
         return steps[-1] if steps else None
 
+    def steps(self) -> list[int]:
+        """FTI keeps one checkpoint: [:meth:`latest`], or []."""
+        have = self.latest()
+        return [] if have is None else [have]
+
     def load(self, step: int | None = None, *, into: Any = None) -> tuple[Any, RecoveryReport]:
         """Restores the checkpoint FTI holds (``step``: None or that step)
         on every rank, verifying every piece's xxh3 checksum."""

@@ -5,7 +5,8 @@ copies and parity shards.
 Every other part of :mod:`deeppart.levels.engine` asks this module where
 things are; it does no I/O beyond listing directories. For one step::
 
-    ckpt_dir/node<k>/<exec_id>/step-NNNNNNNN/   node-local (L1, L2, L3)
+    ckpt_dir/<node>/<exec_id>/step-NNNNNNNN/    node-local (L1, L2, L3); <node>:
+                                                its host name (node<k> with local_test)
         rank-RRRRR.bin      a rank's own data file (L1)
         partner-RRRRR.bin   the copy of its predecessor's file (L2)
         parity-RRRRR.bin    a rank's Reed-Solomon parity shard (L3)
@@ -86,6 +87,18 @@ class Layout:
         g = self.group(rank)
         return g[(g.index(rank) - 1) % len(g)]
 
+    def local_root(self, rank: int) -> Path:
+        """The node-local directory of ``rank``'s node (named by its host
+        on real nodes, ``node<k>`` with fake ones)."""
+        return self.config.local_dir(rank, self.hosts)
+
+    def node_dirs(self) -> list[str]:
+        """Per node, the name of its directory under ``ckpt_dir``."""
+        first: dict[int, int] = {}
+        for r in range(self.size):
+            first.setdefault(self.node(r), r)
+        return [self.config.node_dir_name(first[k], self.hosts) for k in sorted(first)]
+
     def describe(self) -> dict[str, Any]:
         """The layout as written into a step's metadata (and compared on
         restore: only L4 survives another layout)."""
@@ -97,7 +110,7 @@ class Layout:
 
     def local_step(self, step: int, rank: int) -> Path:
         """``step``'s directory on the node of ``rank``."""
-        return self.config.local_root(self.node(rank)) / step_name(step)
+        return self.local_root(rank) / step_name(step)
 
     def meta_step(self, step: int) -> Path:
         """``step``'s metadata directory (shared by all ranks)."""

@@ -28,6 +28,7 @@ with sizes only (no reads).
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ from deeppart.errors import CheckpointError, CorruptCheckpointError, Unrecoverab
 from deeppart.format import Metadata, Piece, checksum, data_file_name, fsync_dir, is_committed
 from deeppart.levels import erasure, files, partner
 from deeppart.levels.backend import RecoveryReport
-from deeppart.levels.files import U8, BufReader, by_rank, file_ok, read_all, size_is
+from deeppart.levels.files import EMPTY, U8, BufReader, by_rank, file_ok, read_all, size_is
 from deeppart.levels.layout import Layout, parity_file, partner_file
 from deeppart.progress import Progress
 from deeppart.reader import Target, read_metadata, read_pieces
@@ -80,6 +81,21 @@ class Survey:
     reason: str = ""
     #: Per rank, the OWN/COPY/PARITY/GLOBAL bits of what its node holds.
     status: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Move:
+    """A file one rank sends another during the survey."""
+
+    src: int
+    dst: int
+    key: str  # "own", "copy" or "parity": what it is to the receiver
+    name: str
+    size: int
+
+
+#: The node-local level files' name prefixes.
+_KINDS = ("rank-", "partner-", "parity-")
 
 
 @dataclass
@@ -156,19 +172,120 @@ def read_step(comm: Comm, layout: Layout, step: int) -> tuple[Step | None, str]:
     return st, ""
 
 
-def survey(comm: Comm, layout: Layout, st: Step, deep: bool) -> tuple[Survey, dict[str, U8 | None]]:
-    """Which files survive on this rank's node (read and verified when
-    ``deep``, else only their sizes), agreed on every rank; and the
-    per-rank level serving each rank's data. Also returns the files this
-    rank read (``own``, ``copy``, ``parity``, ``global``)."""
+def listing(directory: Path) -> dict[str, int]:
+    """The level files in a node-local step directory: name -> size."""
+    out: dict[str, int] = {}
+    try:
+        with os.scandir(directory) as it:
+            for e in it:
+                if e.name.endswith(".bin") and e.name.startswith(_KINDS) and e.is_file():
+                    out[e.name] = e.stat().st_size
+    except OSError:
+        pass
+    return out
+
+
+def wanted(layout: Layout, st: Step, rank: int) -> dict[str, tuple[str, int]]:
+    """What ``rank`` must hold for ``st``: key -> (file name, size): its
+    own data file, its predecessor's partner copy (L2), its parity shard (L3)."""
+    sizes = st.meta.file_sizes
+    out = {"own": (data_file_name(rank), sizes[rank])}
+    if st.level == 2:
+        src = layout.pred(rank)
+        out["copy"] = (partner_file(src), sizes[src])
+    if st.level == 3:
+        out["parity"] = (parity_file(rank), st.parity_sizes[rank])
+    return out
+
+
+def find_moves(layout: Layout, st: Step, rows: list[dict[str, int]]) -> list[Move]:
+    """The files a rank needs that its node does not hold but another node
+    does (nodes reordered or partly replaced since the save): from which
+    rank to which, in one order every rank computes alike. ``rows``: every
+    rank's :func:`listing`. Senders are spread (fewest sends first)."""
+    moves: list[Move] = []
+    sends = [0] * len(rows)
+    for q in range(len(rows)):
+        for key, (name, size) in wanted(layout, st, q).items():
+            if rows[q].get(name) == size:
+                continue
+            holders = [s for s in range(len(rows)) if rows[s].get(name) == size]
+            if holders:
+                src = min(holders, key=lambda s: (sends[s], s))
+                sends[src] += 1
+                moves.append(Move(src, q, key, name, size))
+    return moves
+
+
+def fetch(comm: Comm, local: Path, moves: list[Move]) -> dict[str, U8]:
+    """Carries out ``moves`` (collective: each is one transfer between its
+    two ranks, in the list's order, so none waits on another): this rank
+    sends what it holds, and returns what it received, by key. A file that
+    cannot be read is sent as zeros (its checksums then fail)."""
+    got: dict[str, U8] = {}
+    r = comm.rank
+    for m in moves:
+        if r == m.src:
+            data = read_all(local / m.name, m.size)
+            comm.sendrecv_u8(data if data is not None else np.zeros(m.size, np.uint8),
+                             m.dst, EMPTY, m.dst)  # fmt: skip
+        elif r == m.dst:
+            buf = np.empty(m.size, dtype=np.uint8)
+            comm.sendrecv_u8(EMPTY, m.src, buf, m.src)
+            got[m.key] = buf
+    return got
+
+
+def store(path: Path, buf: U8) -> str:
+    """Writes a file received from another node where this node keeps it
+    (temporary name, fsync, rename); returns the path, or "" on failure
+    (recovery does not need the file on disk)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        files.write_file(tmp, [buf])
+        tmp.replace(path)
+        fsync_dir(path.parent)
+    except OSError:
+        return ""
+    return str(path)
+
+
+def survey(
+    comm: Comm, layout: Layout, st: Step, deep: bool
+) -> tuple[Survey, dict[str, U8 | None], list[str]]:
+    """Which files survive, agreed on every rank; and the per-rank level
+    serving each rank's data. Every rank lists its node's step directory
+    and the lists are exchanged, so a file is found on whichever node holds
+    it (the nodes may have been reordered or partly replaced since the
+    save): a file a rank needs from another node is sent to it
+    (:func:`find_moves`, :func:`fetch`) and stored on its node. When
+    ``deep`` every file is read and verified, else only sizes are checked
+    (and nothing moves). Also returns the files this rank holds in memory
+    (``own``, ``copy``, ``parity``, ``global``) and the paths it stored."""
     r = comm.rank
     meta = st.meta
     local = layout.local_step(st.step, r)
     pieces = by_rank(meta)
+    rows = [json.loads(b) for b in comm.allgather_varbytes(json.dumps(listing(local)).encode())]
+    moves = find_moves(layout, st, rows)
+    incoming = {m.key for m in moves if m.dst == r}
+    received = fetch(comm, local, moves) if deep else {}
     bits = 0
     held: dict[str, U8 | None] = {}
+    moved: list[str] = []
 
     def probe(key: str, path: Path, size: int, verify: Callable[[U8 | None], bool]) -> bool:
+        if key in incoming:
+            if not deep:
+                return True
+            buf = received[key]
+            if not verify(buf):
+                return False
+            held[key] = buf
+            if stored := store(path, buf):
+                moved.append(stored)
+            return True
         if not deep:
             return size_is(path, size)
         held[key] = read_all(path, size)
@@ -177,30 +294,33 @@ def survey(comm: Comm, layout: Layout, st: Step, deep: bool) -> tuple[Survey, di
     def data_ok(rank: int) -> Callable[[U8 | None], bool]:
         return lambda buf: file_ok(buf, meta, rank, pieces[rank])
 
-    size = meta.file_sizes[r]
-    if probe("own", local / data_file_name(r), size, data_ok(r)):
+    need = wanted(layout, st, r)
+    name, size = need["own"]
+    if probe("own", local / name, size, data_ok(r)):
         bits |= OWN
     if st.level == 2:
-        src = layout.pred(r)
-        if probe("copy", local / partner_file(src), meta.file_sizes[src], data_ok(src)):
+        name, size = need["copy"]
+        if probe("copy", local / name, size, data_ok(layout.pred(r))):
             bits |= COPY
-    if st.level == 3 and probe(
-        "parity",
-        local / parity_file(r),
-        st.parity_sizes[r],
-        lambda buf: buf is not None and checksum(buf.data) == st.parity_xxh3[r],
-    ):
-        bits |= PARITY
+    if st.level == 3:
+        name, size = need["parity"]
+        if probe(
+            "parity",
+            local / name,
+            size,
+            lambda buf: buf is not None and checksum(buf.data) == st.parity_xxh3[r],
+        ):
+            bits |= PARITY
     gdir = layout.global_step(st.step)
     if (
         st.level == 4
         and not bits & OWN
         and is_committed(gdir)
-        and probe("global", gdir / data_file_name(r), size, data_ok(r))
+        and probe("global", gdir / data_file_name(r), meta.file_sizes[r], data_ok(r))
     ):
         bits |= GLOBAL
     status = [row[0] for row in comm.allgather_bytes(bytes([bits]), 1)]
-    return decide(layout, st, status), held
+    return decide(layout, st, status), held, moved
 
 
 def decide(layout: Layout, st: Step, status: list[int]) -> Survey:
