@@ -1,16 +1,18 @@
-"""Asynchronous save: snapshot the state to host memory, write it in a
-background thread while training goes on.
+"""Asynchronous save: snapshot this rank's share of the state to host
+memory, write it in a background thread while training goes on.
 
 :func:`async_save` (and :class:`deeppart.Checkpointer` with ``async_=True``)
 
 1. waits for this communicator's previous asynchronous save, and raises its
    error if nobody has seen it yet;
-2. copies every tensor of the state to host memory (reusable buffers in a
-   ``Checkpointer``; pinned when CUDA is available) and deep-copies the plain
-   values (through their plain encoding), on every rank, then agrees with
-   one small collective that every rank has its snapshot;
-3. returns an :class:`AsyncSave` handle; a background thread runs
-   :func:`deeppart.save` on the snapshot, over a *dedicated* communicator.
+2. plans and prepares the save as :func:`deeppart.save` does
+   (:func:`deeppart.checkpoint.plan_save`, over the caller's communicator);
+3. copies only the byte ranges this rank will write into one host buffer
+   (:mod:`deeppart.snapshot`: reused by a ``Checkpointer``, sized to the
+   share, pinned for CUDA tensors), then agrees with one small collective
+   that every rank has its snapshot;
+4. returns an :class:`AsyncSave` handle; a background thread writes and
+   commits from the snapshot, over a *dedicated* communicator.
 
 The writer's collectives never share a communicator with the training
 loop's: with MPI it uses a ``Dup`` of the communicator (made once, cached)
@@ -18,14 +20,15 @@ and needs ``MPI_THREAD_MULTIPLE`` (``MPI.Query_thread()``; mpi4py asks for
 it by default); with torch.distributed it uses its own process group
 (``new_group`` over the same ranks, gloo even under NCCL, made once,
 cached). Without a thread
-level that allows it, or with a communicator of another kind, or when the
-state's tensors exceed ``max_staging_bytes``, the save runs synchronously
+level that allows it, or with a communicator of another kind, or when a
+rank's share exceeds ``max_staging_bytes``, the save runs synchronously
 instead, after a warning, and the handle returned is already done. See
 docs/ASYNC.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import warnings
@@ -34,15 +37,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from deeppart.agreement import agree
-from deeppart.checkpoint import save
+from deeppart.checkpoint import plan_save
 from deeppart.comm import Comm, resolve, writer_comm
 from deeppart.errors import AsyncSaveWarning
+from deeppart.prepare import Prepared
 from deeppart.progress import Stats
-from deeppart.state import check_has_data, decode_plain, flatten, unflatten
+from deeppart.snapshot import ShareSnapshot, share_bytes
 
 if TYPE_CHECKING:
     import os
-
 
 
 class AsyncSave:
@@ -62,6 +65,11 @@ class AsyncSave:
         self.snapshot_seconds = 0.0
         #: Whether the save ran synchronously instead (see the warning).
         self.synchronous = False
+        #: Bytes this rank copied into its snapshot (its planned share:
+        #: tensor pieces, plus the plain values it writes), and the size of
+        #: the host buffer holding them; 0 for a synchronous save.
+        self.staged_bytes = 0
+        self.staging_capacity = 0
         self._finished = threading.Event()
         self._stats: Stats | None = None
         self._error: BaseException | None = None
@@ -110,60 +118,6 @@ _LOCK = threading.Lock()
 
 
 # ----------------------------------------------------------------------------
-# The snapshot.
-
-
-class Snapshot:
-    """Host copies of a state's tensors, in buffers reused from one
-    snapshot to the next when a leaf keeps its dtype and shape."""
-
-    def __init__(self) -> None:
-        self._buffers: list[Any] = []
-
-    def take(self, state: Any) -> Any:
-        """A copy of ``state``: every tensor copied to host memory, every
-        plain value copied through its plain encoding."""
-        import torch
-
-        leaves, skeleton = flatten(state)
-        check_has_data(leaves)
-        pin = torch.cuda.is_available()
-        values: list[Any] = []
-        buffers: list[Any] = []
-        pending: set[Any] = set()
-        for i, leaf in enumerate(leaves):
-            if leaf.tensor is None:
-                assert leaf.encoded is not None
-                values.append(decode_plain(leaf.encoded))
-                buffers.append(None)
-                continue
-            t = leaf.tensor.detach()
-            old = self._buffers[i] if i < len(self._buffers) else None
-            if old is not None and old.dtype == t.dtype and old.shape == t.shape:
-                buf = old
-            else:
-                on_gpu = pin and t.device.type == "cuda"
-                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=on_gpu)
-            non_blocking = t.device.type == "cuda" and buf.is_pinned()
-            buf.copy_(t, non_blocking=non_blocking)
-            if non_blocking:
-                pending.add(t.device)
-            values.append(buf)
-            buffers.append(buf)
-        for device in pending:
-            torch.cuda.synchronize(device)
-        self._buffers = buffers
-        return unflatten(skeleton, values)
-
-
-def tensor_bytes(state: Any) -> int:
-    """The bytes of all tensors in ``state``."""
-    leaves, _ = flatten(state)
-    tensors = [lf.tensor for lf in leaves if lf.tensor is not None]
-    return sum(int(t.numel()) * int(t.element_size()) for t in tensors)
-
-
-# ----------------------------------------------------------------------------
 # Starting a save.
 
 
@@ -174,11 +128,12 @@ def start(
     save_kwargs: dict[str, Any],
     *,
     max_staging_bytes: int | None = None,
-    snapshot: Snapshot | None = None,
+    snapshot: ShareSnapshot | None = None,
     after: Callable[[], None] | None = None,
 ) -> AsyncSave:
-    """Snapshots ``state`` and starts writing it (collective over ``c``);
-    ``after`` runs once the save is committed (on the writer thread)."""
+    """Plans the save, snapshots this rank's share of ``state`` and starts
+    writing it (collective over ``c``); ``after`` runs once the save is
+    committed (on the writer thread)."""
     writer, why = writer_comm(c)
     key = id(writer)  # writers are cached: one key per communicator
     with _LOCK:
@@ -187,20 +142,22 @@ def start(
         prev._settle()
 
     t0 = time.perf_counter()
+    # Planning and prepare, as save() does them (raises on every rank).
+    planned = plan_save(c, state, directory, **save_kwargs)
     err: BaseException | None = None
-    copy: Any = None
+    staged: Prepared | None = None
     too_big = False
+    snap = snapshot if snapshot is not None else ShareSnapshot()
     try:
-        if max_staging_bytes is not None:
-            nbytes = tensor_bytes(state)
-            too_big = nbytes > max_staging_bytes
-            if too_big:
-                why = (
-                    f"the state's {nbytes} tensor bytes exceed "
-                    f"max_staging_bytes={max_staging_bytes}"
-                )
+        need = share_bytes(planned.prep, c.rank)
+        if max_staging_bytes is not None and need > max_staging_bytes:
+            too_big = True
+            why = (
+                f"this rank's share of the state ({need} tensor bytes) exceeds "
+                f"max_staging_bytes={max_staging_bytes}"
+            )
         if writer is not None and not too_big:
-            copy = (snapshot or Snapshot()).take(state)
+            staged = snap.take(planned.prep, c.rank)
     except Exception as e:
         err = e
     # Every rank snapshotted (or every rank raises), and all take one road.
@@ -216,16 +173,20 @@ def start(
             stacklevel=3,
         )
         handle.synchronous = True
-        stats = save(state, directory, comm=c, **save_kwargs)
+        stats = planned.finish(c, t0)
         _after(after, directory)
         handle._finish(stats, None)
         return handle
 
-    assert writer is not None
+    assert writer is not None and staged is not None
+    handle.staged_bytes, handle.staging_capacity = snap.staged_bytes, snap.capacity
+    # The writer thread sees the snapshot only, never the live state.
+    background = dataclasses.replace(planned, prep=staged)
+    del planned, state
 
     def run() -> None:
         try:
-            stats = save(copy, directory, comm=writer, **save_kwargs)
+            stats = background.finish(writer)
         except BaseException as e:  # surfaced by wait() or the next save
             handle._finish(None, e)
             return
@@ -263,14 +224,15 @@ def async_save(
     **save_kwargs: Any,
 ) -> AsyncSave:
     """Saves ``state`` like :func:`deeppart.save` (same keyword arguments),
-    but returns as soon as the state is copied to host memory; a background
-    thread writes and commits it. Collective.
+    but returns as soon as this rank's planned share of the state is copied
+    to host memory; a background thread writes and commits it. Collective.
 
     The state may change right after the call returns: the checkpoint holds
     the snapshot. A second ``async_save`` on the same communicator first waits
-    for this one. ``max_staging_bytes``: the most tensor bytes the snapshot
-    may hold in host memory (None: no limit); a larger state is saved
-    synchronously, with an :class:`AsyncSaveWarning`.
+    for this one. ``max_staging_bytes``: the most tensor bytes a rank's
+    snapshot (its share) may hold in host memory (None: no limit); when a
+    rank's share is larger, the save runs synchronously on every rank, with
+    an :class:`AsyncSaveWarning`.
     """
     return start(
         resolve(comm),
@@ -288,7 +250,7 @@ class AsyncCheckpointer:
     def __init__(self, comm: Comm, max_staging_bytes: int | None) -> None:
         self.comm = comm
         self.max_staging_bytes = max_staging_bytes
-        self._snapshot = Snapshot()
+        self._snapshot = ShareSnapshot()
         self.pending: AsyncSave | None = None
 
     def wait(self) -> Stats | None:

@@ -24,8 +24,9 @@ import os
 import struct
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import numpy as np
 
@@ -56,10 +57,13 @@ from deeppart.state import encode_plain
 from deeppart.writer import RECORD_FIELDS, write_pieces
 
 __all__ = [
+    "PlannedSave",
+    "SaveOptions",
     "compression_level_of",
     "last_incompatible_keys",
     "last_stats",
     "load",
+    "plan_save",
     "save",
 ]
 
@@ -138,73 +142,164 @@ def save(
     """
     c = resolve(comm)
     t0 = time.perf_counter()
+    planned = plan_save(
+        c,
+        state,
+        directory,
+        planner=planner,
+        compression=compression,
+        algorithm=algorithm,
+        plan=plan,
+        compression_level=compression_level,
+        cost=cost,
+        topology=topology,
+        overwrite=overwrite,
+        user=user,
+        progress=progress,
+        verbose=verbose,
+        staging_bytes=staging_bytes,
+        verify_replicas=verify_replicas,
+        plan_provider=plan_provider,
+        level=level,
+    )
+    return planned.finish(c, t0)
+
+
+@dataclass
+class PlannedSave:
+    """A save past its planning and prepare stages on every rank (nothing
+    written yet); :meth:`finish` runs the rest. An asynchronous save plans
+    on the caller's thread and finishes on its writer thread, from a
+    snapshot of this rank's pieces (``prep.staged``)."""
+
+    prep: Prepared
+    final: Path
+    zstd_level: int
+    overwrite: bool
+    user: Any
+    progress: bool | None
+    verbose: bool
+    staging_bytes: int | None
+
+    def finish(self, c: Comm, t0: float | None = None) -> Stats:
+        """Temporary directory, write, commit (collective over ``c``);
+        the save's :class:`Stats` count from ``t0`` (default: now)."""
+        t0 = time.perf_counter() if t0 is None else t0
+        prep, final = self.prep, self.final
+        # Rank 0 makes the temporary directory.
+        err: BaseException | None = None
+        tmp_name = b""
+        if c.rank == 0:
+            try:
+                tmp_name = make_temp_dir(final, self.overwrite).encode()
+            except Exception as e:
+                err = e
+        names = agree(c, err, tmp_name, width=TEMP_NAME_MAX)
+        # Every rank leaves that agreement at about the same moment: a rank's
+        # time in save() is its time before it plus the common time after it.
+        t_sync = time.perf_counter()
+        before_sync = t_sync - t0
+        tmp = final.parent / names[0].rstrip(b"\0").decode()
+
+        # Every rank writes its pieces; rank 0 gathers the piece records.
+        gathered = _write(c, prep, tmp, self.zstd_level, self.progress, self.staging_bytes)
+
+        # Rank 0 commits: metadata, fsyncs, rename, marker.
+        stored_total = 0
+        if c.rank == 0:
+            assert gathered is not None
+            try:
+                meta = metadata_json(prep, gathered, self.user)
+                stored_total = int(json.loads(meta)["stored_bytes"])
+                commit_dir(tmp, final, meta)
+            except Exception as e:
+                err = e
+                remove_tree(tmp)
+        rows = agree(c, err, struct.pack("<dQ", before_sync, stored_total), width=16)
+
+        after_sync = time.perf_counter() - t_sync
+        rank_seconds = [struct.unpack("<dQ", row[:16])[0] + after_sync for row in rows]
+        stats = Stats(
+            op="save",
+            directory=str(final),
+            world_size=c.size,
+            raw_bytes=prep.manifest.total_bytes,
+            stored_bytes=struct.unpack("<dQ", rows[0][:16])[1],
+            seconds=max(rank_seconds),
+            rank_seconds=rank_seconds,
+            codec=prep.codec,
+        )
+        _last_stats["save"] = stats
+        if self.verbose and c.rank == 0:
+            print(stats.summary(), flush=True)
+        return stats
+
+
+class SaveOptions(TypedDict, total=False):
+    """The keywords of :func:`save` other than ``comm`` (their defaults are
+    save's)."""
+
+    planner: Any
+    compression: str | None
+    algorithm: str | None
+    plan: Plan | None
+    compression_level: int
+    cost: Any
+    topology: Any
+    overwrite: bool
+    user: Any
+    progress: bool | None
+    verbose: bool
+    staging_bytes: int | None
+    verify_replicas: bool
+    plan_provider: PlanProvider | None
+    level: int | None
+
+
+def plan_save(
+    c: Comm, state: Any, directory: str | os.PathLike[str], **options: Unpack[SaveOptions]
+) -> PlannedSave:
+    """The planning and prepare stages of :func:`save` (same keywords),
+    with their agreement (and ``verify_replicas``'s check): collective over
+    ``c``; raises on every rank before anything is written."""
+    o = options
     final = Path(directory)
-    zstd_level = compression_level_of(compression_level, level)
+    zstd_level = compression_level_of(o.get("compression_level", 1), o.get("level"), 4)
+    plan_provider = o.get("plan_provider")
     if plan_provider is None:
         plan_provider = PlanProvider(
-            c.size, plan, planner=planner, algorithm=algorithm, cost=cost, topology=topology
+            c.size,
+            o.get("plan"),
+            planner=o.get("planner"),
+            algorithm=o.get("algorithm"),
+            cost=o.get("cost"),
+            topology=o.get("topology"),
         )
 
     # Plan and prepare; every rank checks that all prepared the same save.
     err: BaseException | None = None
     prep: Prepared | None = None
+    user = o.get("user")
     try:
         if user is not None:
             encode_plain(user, ("<user>",))
         check_target(final)  # on every rank: each may see its own file system
-        prep = prepare(state, compression, plan_provider, final)
+        prep = prepare(state, o.get("compression"), plan_provider, final)
     except Exception as e:
         err = e
     prep = agree_prepared(c, err, prep)
-    if verify_replicas:
+    if o.get("verify_replicas", False):
         check_replicas(c, prep)
-
-    # Rank 0 makes the temporary directory.
-    tmp_name = b""
-    if c.rank == 0:
-        try:
-            tmp_name = make_temp_dir(final, overwrite).encode()
-        except Exception as e:
-            err = e
-    names = agree(c, err, tmp_name, width=TEMP_NAME_MAX)
-    # Every rank leaves that agreement at about the same moment: a rank's
-    # time in save() is its time before it plus the common time after it.
-    t_sync = time.perf_counter()
-    before_sync = t_sync - t0
-    tmp = final.parent / names[0].rstrip(b"\0").decode()
-
-    # Every rank writes its pieces; rank 0 gathers the piece records.
-    gathered = _write(c, prep, tmp, zstd_level, progress, staging_bytes)
-
-    # Rank 0 commits: metadata, fsyncs, rename, marker.
-    stored_total = 0
-    if c.rank == 0:
-        assert gathered is not None
-        try:
-            meta = metadata_json(prep, gathered, user)
-            stored_total = int(json.loads(meta)["stored_bytes"])
-            commit_dir(tmp, final, meta)
-        except Exception as e:
-            err = e
-            remove_tree(tmp)
-    rows = agree(c, err, struct.pack("<dQ", before_sync, stored_total), width=16)
-
-    after_sync = time.perf_counter() - t_sync
-    rank_seconds = [struct.unpack("<dQ", row[:16])[0] + after_sync for row in rows]
-    stats = Stats(
-        op="save",
-        directory=str(final),
-        world_size=c.size,
-        raw_bytes=prep.manifest.total_bytes,
-        stored_bytes=struct.unpack("<dQ", rows[0][:16])[1],
-        seconds=max(rank_seconds),
-        rank_seconds=rank_seconds,
-        codec=prep.codec,
+    return PlannedSave(
+        prep,
+        final,
+        zstd_level,
+        o.get("overwrite", False),
+        user,
+        o.get("progress"),
+        o.get("verbose", False),
+        o.get("staging_bytes"),
     )
-    _last_stats["save"] = stats
-    if verbose and c.rank == 0:
-        print(stats.summary(), flush=True)
-    return stats
 
 
 def _write(

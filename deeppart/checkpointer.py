@@ -51,9 +51,9 @@ class Checkpointer:
     committed); ``latest()`` is the newest committed step; ``load(step)``.
 
     With ``async_=True``, ``save`` returns an :class:`deeppart.AsyncSave`
-    as soon as the state is copied to host memory (at most
-    ``max_staging_bytes`` of tensors, else it saves synchronously with a
-    warning) and writes it in a background thread; the next ``save``,
+    as soon as this rank's planned share of the state is copied to host
+    memory (at most ``max_staging_bytes`` of tensors, else it saves
+    synchronously with a warning) and writes it in a background thread; the next ``save``,
     ``load``, ``wait`` or ``close`` first waits for it and raises its error,
     if nobody has seen it yet (docs/ASYNC.md). ``staging_bytes``: the host
     buffer for device tensors (see :func:`save`).

@@ -27,13 +27,28 @@ from deeppart.errors import ReplicaMismatchError, StateMismatchError
 from deeppart.state import FlatLeaf, check_has_data, describe_leaf, flatten
 from deeppart.tensors import U8, readable, u8_view
 
-__all__ = ["Prepared", "agree_prepared", "prepare", "verify_replicas"]
+__all__ = ["Prepared", "StagedPiece", "agree_prepared", "prepare", "verify_replicas"]
+
+
+@dataclass(frozen=True)
+class StagedPiece:
+    """The raw bytes of one of this rank's planned pieces, held apart from
+    the live state (an asynchronous save's snapshot, :mod:`deeppart.snapshot`)."""
+
+    data: memoryview
+    itemsize: int
+    #: Whether the piece is of a tensor (else of a plain value).
+    tensor: bool
 
 
 @dataclass
 class Prepared:
     """One rank's prepared save: its leaves, the skeleton that rebuilds the
-    tree, manifest, plan, codec, and the digest the ranks compare."""
+    tree, manifest, plan, codec, and the digest the ranks compare.
+
+    ``staged``: when not None, the bytes of this rank's pieces
+    (``plan.rank_pieces(rank)``, in that order), which the writer writes
+    instead of reading ``leaves`` (an asynchronous save's snapshot)."""
 
     leaves: list[FlatLeaf]
     skeleton: Any
@@ -41,6 +56,7 @@ class Prepared:
     plan: Plan
     codec: str
     digest: bytes
+    staged: list[StagedPiece] | None = None
 
 
 def prepare(

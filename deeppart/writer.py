@@ -134,7 +134,12 @@ def write_pieces(
         pos = end = HEADER_SIZE
         for k, (li, start, stop) in enumerate(pieces):
             leaf = prep.leaves[li]
-            if leaf.tensor is not None and _staging.needs_staging(leaf.tensor):
+            is_tensor = leaf.tensor is not None
+            if prep.staged is not None:
+                # An asynchronous save's snapshot of this rank's pieces.
+                piece = prep.staged[k]
+                raw, itemsize, is_tensor = piece.data, piece.itemsize, piece.tensor
+            elif leaf.tensor is not None and _staging.needs_staging(leaf.tensor):
                 if li not in on_device:
                     on_device[li] = _staging.device_bytes(leaf.tensor)
                 isz = leaf.tensor.element_size()
@@ -168,7 +173,7 @@ def write_pieces(
             data: bytes | memoryview = raw
             used = 0
             if codec_index and len(raw):
-                limit = max_expansion("tensor" if leaf.tensor is not None else "object")
+                limit = max_expansion("tensor" if is_tensor else "object")
                 packed = compress(prep.codec, raw, itemsize, level, limit)
                 if len(packed) < len(raw):
                     data, used = packed, codec_index

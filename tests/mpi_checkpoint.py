@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 import deeppart
@@ -197,7 +198,6 @@ def scenario_decompress_once(d: Path) -> None:
     compressed piece decompressed exactly once over all ranks, by the rank
     that read it, and raw bytes exchanged; exchange="read" still has every
     rank decompress everything. Bitwise equal either way."""
-    import numpy as np
 
     c = resolve()
     state = make_state()
@@ -380,6 +380,51 @@ def scenario_async(root: Path, allreduce: Callable[[torch.Tensor], None]) -> Non
     ok("async")
 
 
+def scenario_async_share(d: Path, codec: str | None) -> None:
+    """async_save stages only this rank's planned share: the bytes it copied
+    are the raw bytes of the pieces it wrote (read back from the committed
+    metadata), the ranks' shares add up to the state, each is well under the
+    state, and the host buffer is sized to the share. Right after the call
+    returns (the writer held at its gate) every tensor is changed in place
+    (a non-contiguous view's base too) and a plain value is mutated; the
+    checkpoint holds the state as it was at the call, bitwise."""
+    c = resolve()
+    state = make_state()
+    gen = torch.Generator().manual_seed(7)
+    base = torch.randn(1000, 300, generator=gen)
+    state["big"] = [torch.randn(1 << 18, generator=gen) for _ in range(3)] + [base.t()]
+    expected = host_copy(state)
+    with WriterGate() as gate:
+        handle = deeppart.async_save(state, d, compression=codec)
+        assert gate.started.wait(120), "the writer never started"
+        assert not handle.done() and not handle.synchronous
+        leaves, _ = deeppart.state.flatten(state)
+        for lf in leaves:
+            t = lf.tensor
+            if t is None or not t.numel():
+                continue
+            if t.is_contiguous():
+                t.reshape(-1).view(torch.uint8).bitwise_not_()
+            else:
+                t.zero_()
+        base.mul_(-3.0)
+        state["meta"]["name"] = "changed after the call"
+        state["step"] = 99
+        gate.gate.set()
+        stats = handle.wait()
+    total = stats.raw_bytes
+    meta = json.loads((d / "metadata.json").read_text())
+    written = sum(int(row[5]) for row in meta["pieces"] if int(row[3]) == c.rank)
+    assert handle.staged_bytes == written, (handle.staged_bytes, written)
+    shares = c.allgather_f64(np.array([handle.staged_bytes], dtype=np.float64))
+    assert int(shares.sum()) == total, (shares, total)
+    assert handle.staged_bytes <= total // 2, (handle.staged_bytes, total)
+    pieces = sum(1 for row in meta["pieces"] if int(row[3]) == c.rank)
+    assert handle.staging_capacity <= handle.staged_bytes + 64 * pieces + 64
+    assert_bitwise_equal(expected, deeppart.load(d))
+    ok("async_share")
+
+
 def mpi_allreduce(t: torch.Tensor) -> None:
     """Sums ``t`` (a CPU float tensor) over MPI.COMM_WORLD, in place."""
     from mpi4py import MPI
@@ -435,6 +480,7 @@ def main() -> None:
         "nonplain": lambda: scenario_nonplain(args.dir),
         "crash": lambda: scenario_crash(args.dir),
         "async": lambda: scenario_async(args.dir, mpi_allreduce),
+        "async_share": lambda: scenario_async_share(args.dir, args.codec),
         "experts-save": lambda: scenario_experts_save(args.dir),
         "experts-load": lambda: scenario_experts_load(args.dir),
     }

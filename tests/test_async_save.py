@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -23,7 +24,10 @@ torch = pytest.importorskip("torch")
 import deeppart  # noqa: E402
 
 # (deeppart.async_save is the function; the module is imported by name.)
-from deeppart.async_save import AsyncSave, Snapshot  # noqa: E402
+from deeppart.async_save import AsyncSave  # noqa: E402
+from deeppart.checkpoint import plan_save  # noqa: E402
+from deeppart.comm import SingleComm  # noqa: E402
+from deeppart.snapshot import ShareSnapshot  # noqa: E402
 from deeppart.writer import WriteEvent, fault_hook  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -192,12 +196,35 @@ def test_over_budget_saves_synchronously_with_a_warning(tmp_path: Path) -> None:
     assert not big.synchronous
 
 
-def test_snapshot_buffers_are_reused(tmp_path: Path) -> None:
-    snap = Snapshot()
+def test_snapshot_buffer_is_reused_and_holds_the_share(tmp_path: Path) -> None:
+    """One process writes every piece: the snapshot's buffer holds the
+    state's tensor bytes (no more than alignment), is reused from one take
+    to the next, and the writer writes from it (the live state changed)."""
+    snap = ShareSnapshot()
     state = make_state()
-    first = snap.take(state)
-    second = snap.take(state)
-    w1, w2 = first["model"]["layers.0.linear1.weight"], second["model"]["layers.0.linear1.weight"]
-    assert w1.data_ptr() == w2.data_ptr()
-    assert w1.data_ptr() != state["model"]["layers.0.linear1.weight"].data_ptr()
-    assert_bitwise_equal(state, second)
+    planned = plan_save(SingleComm(), state, tmp_path / "ck")
+    tensor_bytes = sum(
+        lf.tensor.numel() * lf.tensor.element_size()
+        for lf in planned.prep.leaves
+        if lf.tensor is not None
+    )
+    first = snap.take(planned.prep, 0)
+    second = snap.take(planned.prep, 0)
+    assert first.staged is not None and second.staged is not None
+
+    def address(piece: Any) -> int:
+        return int(np.frombuffer(piece.data, dtype=np.uint8).ctypes.data)
+
+    assert address(first.staged[0]) == address(second.staged[0])  # the same host buffer
+    live = planned.prep.leaves[planned.prep.plan.rank_pieces(0)[0][0]].tensor
+    assert live is not None and address(first.staged[0]) != live.data_ptr()
+    assert snap.staged_bytes == planned.prep.plan.rank_bytes()[0]
+    assert tensor_bytes <= snap.capacity < tensor_bytes + 64 * len(first.staged)
+    assert all(lf.tensor is None and lf.encoded is None for lf in second.leaves)
+    expected = host_copy(state)
+    for v in state["model"].values():
+        if v.is_floating_point():
+            v.add_(1.0)
+    planned.prep = second
+    planned.finish(SingleComm())
+    assert_bitwise_equal(expected, deeppart.load(tmp_path / "ck"))

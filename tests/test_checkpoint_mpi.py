@@ -167,6 +167,17 @@ def test_async_checkpointer_overlaps_training(tmp_path: Path) -> None:
     assert proc.stdout.count("OK async") == 2
 
 
+@pytest.mark.parametrize("codec", [None, "shuffle-zstd"])
+def test_async_save_stages_only_the_share(tmp_path: Path, codec: str | None) -> None:
+    """async_save on 3 MPI ranks: each rank copies only the bytes it writes
+    (counted, and checked against the committed metadata), the shares add
+    up to the state, and the checkpoint is the state at the call although
+    every tensor and plain value changed right after it returned."""
+    args = ["--codec", codec] if codec else []
+    proc = run(3, "async_share", str(tmp_path / "ck"), *args)
+    assert proc.stdout.count("OK async_share") == 3
+
+
 def _piece_in(d: Path, rank: int) -> list[int]:
     """The largest piece that ``rank`` wrote (a metadata row)."""
     meta = json.loads((d / METADATA).read_text())
