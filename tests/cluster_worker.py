@@ -280,6 +280,41 @@ def s_inspect_save(x: Ctx) -> None:
         x.backend(f"insp{level}").save(70 + level, mc.make_state(70 + level), level=level)
 
 
+# Real FTI (tests/test_cluster.py runs these when libfti is found): one
+# FTI_Init per process, so each job saves or restores one checkpoint.
+# "fti_save:L" saves at level L and ends without FTI_Finalize (a crash:
+# FTI keeps its files); "fti_restore:L" is the restart, after the test
+# removed what level L protects against.
+
+
+def fti_backend(x: Ctx, level: int) -> Any:
+    from deeppart.levels.fti import FTIBackend
+
+    # FTI's groups: every node of the job (2 or 4).
+    cfg = x.config(f"fti{level}", group_size=x.nodes, ckpt_l2=0)
+    return FTIBackend(cfg, x.comm)
+
+
+def s_fti_save(x: Ctx) -> None:
+    level = x.group
+    be = fti_backend(x, level)
+    be.save(80 + level, mc.make_state(80 + level), level=level)
+    assert be.latest() == 80 + level
+    be.close(finalize=False)
+
+
+def s_fti_restore(x: Ctx) -> None:
+    level = x.group
+    be = fti_backend(x, level)
+    try:
+        assert be.latest() == 80 + level, be.latest()
+        state, report = be.load()
+        mc.assert_bitwise_equal(mc.make_state(80 + level), state, f"fti L{level}")
+        x.record(f"fti{level}", report)
+    finally:
+        be.close()
+
+
 SCENARIOS: dict[str, Callable[[Ctx], None]] = {
     "private": s_private,
     "steps": s_steps,
@@ -296,6 +331,8 @@ SCENARIOS: dict[str, Callable[[Ctx], None]] = {
     "reorder_save": s_reorder_save,
     "reorder_check": s_reorder_check,
     "inspect_save": s_inspect_save,
+    "fti_save": s_fti_save,
+    "fti_restore": s_fti_restore,
 }
 
 

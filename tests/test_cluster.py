@@ -27,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cluster
 from launching import run_in_session
 
+from deeppart.levels.libfti import find_libfti
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "cluster_worker.py"
 TIMEOUT_S = 600
@@ -251,3 +253,51 @@ def test_reordered_restart_over_tcp() -> None:
         # The moved files and every load's broadcasts went over the bridge
         # (UCX on tcp): several MB, far more than hydra's control traffic.
         assert c.net_bytes() - before > 2_000_000, (before, c.net_bytes())
+
+
+# ----------------------------------------------------------------------------
+# Real FTI on the same nodes (when libfti is found).
+
+needs_fti = pytest.mark.skipif(
+    find_libfti() is None, reason="libfti not found: set FTI_LIBRARY (docs/FTI.md)"
+)
+
+
+def fti_case(
+    c: cluster.Cluster, nranks: int, level: int, lost: list[int], order: list[int] | None = None
+) -> list[int]:
+    """Saved through real FTI at ``level`` by one job; nodes ``lost``
+    replaced (fresh, empty storage); restored bitwise by a new job (on the
+    nodes in ``order``). Returns the restore's levels."""
+    launch(c, nranks, f"fti_save:{level}")
+    for k in lost:
+        c.replace(k)
+    rows, _ = launch(c, nranks, f"fti_restore:{level}", order=order)
+    got: list[int] = rows[f"fti{level}"][0]["levels"]
+    return got
+
+
+@needs_fti
+def test_fti_matrix_4_ranks_2_nodes(two: cluster.Cluster) -> None:
+    """Real FTI on private node-local storage (groups of 2): L1 (nothing
+    lost), L2 and L3 (node 1 replaced), L4 (all local storage lost)."""
+    for level, lost in ((1, []), (2, [1]), (3, [1]), (4, [0, 1])):
+        assert fti_case(two, 4, level, lost) == [level] * 4
+
+
+@needs_fti
+def test_fti_matrix_8_ranks_4_nodes(four: cluster.Cluster) -> None:
+    """Real FTI, 4 nodes in one group: L2 (node 1 replaced), L3 (two
+    adjacent nodes replaced: half the group), L4 (all local storage lost)."""
+    for level, lost in ((2, [1]), (3, [1, 2]), (4, [0, 1, 2, 3])):
+        assert fti_case(four, 8, level, lost) == [level] * 8
+
+
+@needs_fti
+def test_fti_reordered_restart(two: cluster.Cluster) -> None:
+    """Real FTI saved on nodes (0, 1), restarted on (1, 0): FTI recovers.
+    It records its topology (host name per node id, Topology.fti in
+    meta_dir) and on a restart renumbers its communicator so that every
+    host keeps its node id (FTI_ReorderNodes), so the files are where it
+    looks; the state comes back bitwise (checked in the worker)."""
+    assert fti_case(two, 4, 2, [], order=[1, 0]) == [2] * 4
