@@ -36,7 +36,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from deeppart.agreement import agree
 from deeppart.checkpoint import plan_save
 from deeppart.comm import Comm, resolve, writer_comm
 from deeppart.errors import AsyncSaveWarning
@@ -142,30 +141,33 @@ def start(
         prev._settle()
 
     t0 = time.perf_counter()
-    # Planning and prepare, as save() does them (raises on every rank).
-    planned = plan_save(c, state, directory, **save_kwargs)
-    err: BaseException | None = None
     staged: Prepared | None = None
-    too_big = False
     snap = snapshot if snapshot is not None else ShareSnapshot()
-    try:
-        need = share_bytes(planned.prep, c.rank)
+
+    def take(prep: Prepared) -> int:
+        """This rank's snapshot, between preparing and the agreement; 1 if
+        this rank must save synchronously."""
+        nonlocal staged, why
+        need = share_bytes(prep, c.rank)
         if max_staging_bytes is not None and need > max_staging_bytes:
-            too_big = True
             why = (
                 f"this rank's share of the state ({need} tensor bytes) exceeds "
                 f"max_staging_bytes={max_staging_bytes}"
             )
-        if writer is not None and not too_big:
-            staged = snap.take(planned.prep, c.rank)
-    except Exception as e:
-        err = e
-    # Every rank snapshotted (or every rank raises), and all take one road.
-    flags = agree(c, err, bytes([writer is None or too_big]), width=1)
+            return 1
+        if writer is None:
+            return 1
+        staged = snap.take(prep, c.rank)
+        return 0
+
+    # Planning and prepare as save() does them, then the snapshot; one
+    # agreement: every rank prepared the same save and has its snapshot (or
+    # every rank raises), and all take one road.
+    planned = plan_save(c, state, directory, local=take, **save_kwargs)
     handle = AsyncSave(directory)
     handle.snapshot_seconds = time.perf_counter() - t0
 
-    if any(row[0] for row in flags):
+    if any(planned.flags):
         why = why or "another rank cannot save in the background"
         warnings.warn(
             f"{directory}: saving synchronously: {why}",

@@ -24,7 +24,8 @@ import os
 import struct
 import time
 import warnings
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict, Unpack
 
@@ -39,7 +40,7 @@ from deeppart.errors import StateMismatchError
 from deeppart.format import Metadata, data_file_name, remove_tree
 from deeppart.ownership import check_target
 from deeppart.planning import PlanProvider
-from deeppart.prepare import Prepared, agree_prepared, prepare
+from deeppart.prepare import Prepared, agree_prepared_flags, prepare
 from deeppart.prepare import verify_replicas as check_replicas
 from deeppart.progress import Progress, Stats
 from deeppart.reader import (
@@ -180,6 +181,8 @@ class PlannedSave:
     progress: bool | None
     verbose: bool
     staging_bytes: int | None
+    #: Each rank's byte from ``plan_save(local=...)`` (empty without it).
+    flags: list[int] = field(default_factory=list)
 
     def finish(self, c: Comm, t0: float | None = None) -> Stats:
         """Temporary directory, write, commit (collective over ``c``);
@@ -257,11 +260,21 @@ class SaveOptions(TypedDict, total=False):
 
 
 def plan_save(
-    c: Comm, state: Any, directory: str | os.PathLike[str], **options: Unpack[SaveOptions]
+    c: Comm,
+    state: Any,
+    directory: str | os.PathLike[str],
+    *,
+    local: Callable[[Prepared], int] | None = None,
+    **options: Unpack[SaveOptions],
 ) -> PlannedSave:
     """The planning and prepare stages of :func:`save` (same keywords),
     with their agreement (and ``verify_replicas``'s check): collective over
-    ``c``; raises on every rank before anything is written."""
+    ``c``; raises on every rank before anything is written.
+
+    ``local``: a step run on this rank once it is prepared (an asynchronous
+    save's snapshot), before the agreement; it returns one byte (0-255)
+    that the same collective shares (``PlannedSave.flags``), and its
+    failure fails the agreement on every rank."""
     o = options
     final = Path(directory)
     zstd_level = compression_level_of(o.get("compression_level", 1), o.get("level"), 4)
@@ -280,14 +293,17 @@ def plan_save(
     err: BaseException | None = None
     prep: Prepared | None = None
     user = o.get("user")
+    flag = None if local is None else 0
     try:
         if user is not None:
             encode_plain(user, ("<user>",))
         check_target(final)  # on every rank: each may see its own file system
         prep = prepare(state, o.get("compression"), plan_provider, final)
+        if local is not None:
+            flag = local(prep)
     except Exception as e:
         err = e
-    prep = agree_prepared(c, err, prep)
+    prep, flags = agree_prepared_flags(c, err, prep, flag)
     if o.get("verify_replicas", False):
         check_replicas(c, prep)
     return PlannedSave(
@@ -299,6 +315,7 @@ def plan_save(
         o.get("progress"),
         o.get("verbose", False),
         o.get("staging_bytes"),
+        flags,
     )
 
 

@@ -27,7 +27,14 @@ from deeppart.errors import ReplicaMismatchError, StateMismatchError
 from deeppart.state import FlatLeaf, check_has_data, describe_leaf, flatten
 from deeppart.tensors import U8, readable, u8_view
 
-__all__ = ["Prepared", "StagedPiece", "agree_prepared", "prepare", "verify_replicas"]
+__all__ = [
+    "Prepared",
+    "StagedPiece",
+    "agree_prepared",
+    "agree_prepared_flags",
+    "prepare",
+    "verify_replicas",
+]
 
 
 @dataclass(frozen=True)
@@ -85,7 +92,18 @@ def prepare(
 def agree_prepared(c: Comm, err: BaseException | None, prep: Prepared | None) -> Prepared:
     """Every rank raises if any failed to prepare, or if ranks disagree on
     the state's structure, plan, codec or directory (nothing written yet)."""
-    digests = agree(c, err, prep.digest if prep else b"")
+    return agree_prepared_flags(c, err, prep)[0]
+
+
+def agree_prepared_flags(
+    c: Comm, err: BaseException | None, prep: Prepared | None, flag: int | None = None
+) -> tuple[Prepared, list[int]]:
+    """:func:`agree_prepared`, in the same collective sharing one byte
+    ``flag`` of each rank (when given; an empty list otherwise)."""
+    extra = b"" if flag is None else bytes([flag])
+    rows = agree(c, err, (prep.digest if prep else b"\0" * 32) + extra, width=32 + len(extra))
+    digests = [row[:32] for row in rows]
+    flags = [row[32] for row in rows] if flag is not None else []
     assert prep is not None
     if len(set(digests)) != 1:
         groups: dict[bytes, list[int]] = {}
@@ -96,7 +114,7 @@ def agree_prepared(c: Comm, err: BaseException | None, prep: Prepared | None) ->
             "ranks disagree on the state's structure, its plan, the codec or the directory "
             f"(groups of agreeing ranks: {desc}); nothing was written"
         )
-    return prep
+    return prep, flags
 
 
 def _leaf_buffer(leaf: FlatLeaf) -> U8 | memoryview:

@@ -97,6 +97,7 @@ class ShareSnapshot:
         on_device = any(t is not None and t.device.type == "cuda" for t in tensors)
         total = sum(_align(n) for n in sizes)
         buf = self._host(total, on_device and torch.cuda.is_available())
+        view = buf.numpy()  # one numpy view of the buffer, sliced per piece
         flat: dict[int, Any] = {}
         pending: set[Any] = set()
         staged: list[StagedPiece] = []
@@ -118,7 +119,7 @@ class ShareSnapshot:
                 dst.copy_(src, non_blocking=non_blocking)
                 if non_blocking:
                     pending.add(src.device)
-            staged.append(StagedPiece(dst.numpy().data, isz, True))
+            staged.append(StagedPiece(view[at : at + n].data, isz, True))
             at += _align(n)
         for device in pending:
             torch.cuda.synchronize(device)

@@ -228,3 +228,22 @@ def test_snapshot_buffer_is_reused_and_holds_the_share(tmp_path: Path) -> None:
     planned.prep = second
     planned.finish(SingleComm())
     assert_bitwise_equal(expected, deeppart.load(tmp_path / "ck"))
+
+
+def test_a_failed_snapshot_raises_at_the_call_and_writes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The snapshot runs inside the call's one agreement: its failure is
+    raised by async_save itself, no thread starts, nothing is written, and
+    the next save goes ahead."""
+
+    def broken(self: ShareSnapshot, prep: Any, rank: int) -> Any:
+        raise MemoryError("injected: no host memory for the snapshot")
+
+    with monkeypatch.context() as m:
+        m.setattr(ShareSnapshot, "take", broken)
+        with pytest.raises(MemoryError, match="injected"):
+            deeppart.async_save(make_state(), tmp_path / "ck")
+    assert list(tmp_path.iterdir()) == []
+    deeppart.async_save(make_state(), tmp_path / "ck").wait()
+    assert_bitwise_equal(make_state(), deeppart.load(tmp_path / "ck"))
