@@ -9,7 +9,7 @@ position, so a subset, a superset or a reordered state can be filled.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any, NamedTuple
 
 from deeppart.errors import StateMismatchError
@@ -73,16 +73,19 @@ def match(
     selected: Sequence[bool],
     wanted: Sequence[Sequence[Any]],
     strict: bool,
+    elsewhere: Collection[int] = (),
 ) -> tuple[dict[int, int], IncompatibleKeys]:
     """Matches the selected checkpoint leaves (``saved`` paths) with the
     ``into=`` leaves (``wanted`` paths) by path: returns checkpoint index ->
-    into index, and what did not match. With ``strict``, any difference
-    raises StateMismatchError naming the first differing leaves and the fix."""
+    into index, and what did not match (``into=`` leaves in ``elsewhere``
+    are filled by another stage: neither matched nor missing). With
+    ``strict``, any difference raises StateMismatchError naming the first
+    differing leaves and the fix."""
     where = {tuple(p): j for j, p in enumerate(wanted)}
     # A checkpoint written before typed keys spells non-string keys bare.
     legacy = {tuple(legacy_path(p)): j for j, p in enumerate(wanted)}
     pairs: dict[int, int] = {}
-    used: set[int] = set()
+    used: set[int] = set(elsewhere)
     unexpected: list[str] = []
     for i, p in enumerate(saved):
         if not selected[i]:
