@@ -199,6 +199,36 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def sample_cost(scale: float, reps: int) -> None:
+    """The sampled replica check's share of a save: one process, the state
+    of bench/checkpoint.py (BERT-large + AdamW at ``scale``), the median
+    over ``reps`` of ``prepare.replica_sample`` against ``deeppart.save``."""
+    import deeppart
+    from bench.checkpoint import build_state
+    from deeppart.dtensor import expand
+    from deeppart.prepare import replica_sample
+    from deeppart.state import flatten
+
+    state = build_state(scale)
+    leaves, skeleton = flatten(state)
+    ex = expand(leaves, skeleton)
+    samples, saves = [], []
+    with tempfile.TemporaryDirectory(prefix="deeppart-bench-sample-") as tmp:
+        for rep in range(reps):
+            t0 = time.perf_counter()
+            replica_sample(ex.leaves, ex.descs)
+            samples.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            deeppart.save(state, Path(tmp) / f"c{rep}")
+            saves.append(time.perf_counter() - t0)
+    mb = sum(lf.tensor.numel() * lf.tensor.element_size() for lf in leaves if lf.tensor is not None)
+    print(
+        f"sampled replica check: {len(leaves)} leaves, {mb / 1e6:.0f} MB: "
+        f"{statistics.median(samples) * 1e3:.2f} ms of a {statistics.median(saves):.3f} s save "
+        f"({statistics.median(samples) / statistics.median(saves) * 100:.2f} %)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -210,9 +240,17 @@ def main(argv: list[str] | None = None) -> int:
         help="the MLP's in, hidden, out sizes (default: 7.7 MB of float32 "
         "parameters, ~23 MB with AdamW's two moments)",
     )
+    ap.add_argument(
+        "--sample-cost", type=float, metavar="SCALE", default=None,
+        help="instead: the sampled replica check's cost against a one-process save of "
+        "bench/checkpoint.py's state at SCALE (e.g. 0.1)",
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--dir", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.sample_cost is not None:
+        sample_cost(args.sample_cost, args.reps)
+        return 0
     if args.worker:
         worker(args)
         return 0

@@ -24,9 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import lightning.pytorch as pl
-from framework_runs import RunRecord, worker_args
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning_worker import KillAtStep, Regressor
+from framework_runs import worker_args
+from lightning_worker import Regressor, start
 from mpi_checkpoint import ok, run_then_exit
 
 from deeppart.integrations.lightning import DeepPartModelParallelStrategy
@@ -63,15 +62,7 @@ def local_tensors(model: Any, optimizer: Any) -> dict[str, torch.Tensor]:
 
 def main() -> None:
     args = worker_args()
-    pl.seed_everything(1234, verbose=False)
-    dist.init_process_group("gloo")
-    rank, size = dist.get_rank(), dist.get_world_size()
-    record = RunRecord(args.dir, args.run, rank)
-    callbacks: list[pl.Callback] = [
-        ModelCheckpoint(dirpath=args.dir / f"{args.run}-ckpts", save_top_k=-1, every_n_epochs=1)
-    ]
-    if args.kill_at_step:
-        callbacks.append(KillAtStep(args.kill_at_step))
+    size, record, callbacks = start(args)
     strategy = DeepPartModelParallelStrategy(
         data_parallel_size=size, tensor_parallel_size=1, process_group_backend="gloo"
     )
