@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from deeppart.errors import StateError
@@ -141,18 +141,31 @@ class Expanded:
     #: The skeleton, renumbered: a DTensor's node names its first shard leaf.
     skeleton: Any
     records: list[DTensorRecord]
+    #: The holder groups that ``descs`` index (``Manifest.from_leaves``).
+    groups: list[list[int]] = field(default_factory=list)
 
 
-def holder_field(holders: list[int], world: int) -> dict[str, Any]:
-    """How a leaf's holders are told to the planner (nothing: every rank of
-    the ``world`` holds it).
+class HolderGroups:
+    """The holder groups of a manifest (issue 22): each distinct set of
+    holders once, in the order first met."""
 
-    The planner's holder groups (issue 22) are not merged yet: a group is
-    given to its lowest rank as the leaf's ``owner``, which is always one of
-    its holders (a correct plan, not a balanced one)."""
-    if holders == list(range(world)):
-        return {}
-    return {"owner": holders[0]}
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.groups: list[list[int]] = []
+        self._index: dict[tuple[int, ...], int] = {}
+
+    def field(self, holders: list[int]) -> dict[str, Any]:
+        """How a leaf held by ``holders`` is described to the planner:
+        nothing (every rank), ``owner`` (one rank) or ``holders`` (a group)."""
+        if holders == list(range(self.world)):
+            return {}
+        if len(holders) == 1:
+            return {"owner": holders[0]}
+        key = tuple(holders)
+        if key not in self._index:
+            self._index[key] = len(self.groups)
+            self.groups.append(list(holders))
+        return {"holders": self._index[key]}
 
 
 def _world() -> int:
@@ -170,7 +183,7 @@ def expand(leaves: list[FlatLeaf], skeleton: Any) -> Expanded:
     out: list[FlatLeaf] = []
     descs: list[dict[str, Any]] = []
     records: list[DTensorRecord] = []
-    world = _world()
+    groups = HolderGroups(_world())
     renumber: list[int] = []
     for lf in leaves:
         renumber.append(len(out))
@@ -196,11 +209,11 @@ def expand(leaves: list[FlatLeaf], skeleton: Any) -> Expanded:
             out.append(FlatLeaf(path, held, None))
             descs.append(
                 {"path": list(path), "dtype": dtype, "shape": list(region.shape),
-                 **holder_field(holders, world)}
+                 **groups.field(holders)}
             )
             shards.append(ShardRecord(len(out) - 1, region))
         records.append(DTensorRecord(list(lf.path), dtype, list(dt.shape), shards))
-    return Expanded(out, descs, _renumber(skeleton, renumber), records)
+    return Expanded(out, descs, _renumber(skeleton, renumber), records, groups.groups)
 
 
 def _renumber(node: Any, new: list[int]) -> Any:

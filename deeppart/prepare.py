@@ -109,7 +109,7 @@ def prepare(
     check_has_data(flat)
     ex = expand(flat, skeleton)
     leaves, skeleton = ex.leaves, ex.skeleton
-    manifest = Manifest.from_leaves(ex.descs)
+    manifest = Manifest.from_leaves(ex.descs, ex.groups or None)
     plan = plan_for(manifest)
     h = hashlib.sha256()
     h.update(plan.fingerprint.encode())
