@@ -140,6 +140,17 @@ def scenario_dcp(d: Path, layouts: list[str]) -> None:
     ok("dcp")
 
 
+def scenario_balance(d: Path, layouts: list[str]) -> None:
+    """The bench's 23 MB model + AdamW on each layout, saved with
+    deeppart.save: prints the slowest rank's data bytes over the ideal."""
+    for layout in layouts:
+        m, opt = build(layout, seed=1, dims=(1000, 966, 1000))
+        deeppart.save(sharded_state(m, opt), d / layout)
+        if dist.get_rank() == 0:
+            print(f"BALANCE {layout} {deeppart_balance(d / layout):.4f}", flush=True)
+    ok("balance")
+
+
 class CountingReader:
     """A DCP FileSystemReader that counts the bytes its load plan reads."""
 
