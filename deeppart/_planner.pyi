@@ -58,10 +58,12 @@ class ManifestError(DeepPartError):
 
 class PlanError(DeepPartError):
     """A plan cannot be computed or accepted: a world size or topology out of
-    range, an invalid cost model, an unknown algorithm, an owner outside the
-    world, or a plan (from JSON, pieces, a service or the cache) whose pieces
-    do not cover every leaf exactly once or whose fingerprint does not
-    match its inputs."""
+    range, an invalid cost model, an unknown algorithm, an owner or a holder
+    group's rank outside the world, an algorithm that does not plan holder
+    groups (``deeppart``), or a plan (from JSON, pieces, a service or the
+    cache) whose pieces do not cover every leaf exactly once, put a piece on
+    a rank that does not hold its leaf, or whose fingerprint does not match
+    its inputs."""
 
 class CacheError(DeepPartError):
     """The plan cache's disk store cannot be opened, read or written, in
@@ -80,18 +82,25 @@ class CacheWarning(UserWarning):
 @final
 class Manifest:
     """An ordered list of the leaves of a state tree: paths, dtypes, shapes,
-    sizes and owners. Immutable; equal manifests have equal fingerprints."""
+    sizes and holders (every rank, an owner, or a holder group). Immutable;
+    equal manifests have equal fingerprints."""
 
     @staticmethod
     def from_json(text: str) -> Manifest:
         """Parses the JSON interchange form (docs/PLANNER.md), with the GIL
         released. Raises ``ManifestError``."""
     @staticmethod
-    def from_leaves(leaves: Iterable[Mapping[str, Any]]) -> Manifest:
+    def from_leaves(
+        leaves: Iterable[Mapping[str, Any]], groups: Sequence[Sequence[int]] | None = None
+    ) -> Manifest:
         """Builds a manifest from leaf descriptions: dicts with the keys of
         the JSON form (``path``, ``dtype`` and ``shape``, or ``kind="object"``
-        and ``nbytes``; optional ``owner``), validated exactly like JSON.
-        Raises ``ManifestError``."""
+        and ``nbytes``; optional ``owner``, or ``holders``: an index into
+        ``groups``), validated exactly like JSON. ``groups`` are the holder
+        groups, each a sorted list of distinct ranks (a leaf with
+        ``holders=i`` is held, with identical bytes, by exactly the ranks of
+        ``groups[i]``; one without ``owner`` or ``holders`` by every rank).
+        Raises ``ManifestError`` naming the leaf or group."""
     @staticmethod
     def from_state_dict(state: Any) -> Manifest:
         """Walks nested dicts, lists and tuples of torch tensors and plain
@@ -103,7 +112,12 @@ class Manifest:
         and ``deeppart simulate --model FILE`` read."""
     def leaves(self) -> list[dict[str, Any]]:
         """Leaf descriptions as dicts (``path``, ``kind``, ``dtype``,
-        ``shape``, ``nbytes``, ``owner``), in manifest order."""
+        ``shape``, ``nbytes``, ``owner``, ``holders``: a group index or
+        None), in manifest order."""
+    @property
+    def groups(self) -> list[list[int]]:
+        """The holder groups (each a sorted list of distinct ranks) that the
+        leaves' ``holders`` index; empty for a manifest without groups."""
     def paths(self) -> list[tuple[PathKey, ...]]:
         """Leaf paths as tuples, in manifest order."""
     @property
@@ -112,7 +126,7 @@ class Manifest:
     @property
     def fingerprint(self) -> str:
         """Hex blake3 hash of the structure (paths, kinds, dtypes, shapes,
-        sizes, owners), computed on first use."""
+        sizes, owners, holder groups), computed on first use."""
     def __len__(self) -> int:
         """The number of leaves."""
     def __eq__(self, other: object, /) -> bool:

@@ -53,6 +53,15 @@ from deeppart.reader import (
     read_share,
     shared_buffers,
 )
+from deeppart.reshard import (
+    ShardReads,
+    ShardTargets,
+    exchange_shards,
+    fill_shards,
+    plan_shard_reads,
+    read_shards,
+    shard_targets,
+)
 from deeppart.restore import IncompatibleKeys
 from deeppart.state import encode_plain
 from deeppart.writer import RECORD_FIELDS, write_pieces
@@ -303,8 +312,9 @@ def plan_save(
             flag = local(prep)
     except Exception as e:
         err = e
-    prep, flags = agree_prepared_flags(c, err, prep, flag)
-    if o.get("verify_replicas", False):
+    verify_replicas = o.get("verify_replicas", False)
+    prep, flags = agree_prepared_flags(c, err, prep, flag, samples=not verify_replicas)
+    if verify_replicas:
         check_replicas(c, prep)
     return PlannedSave(
         prep,
@@ -420,9 +430,11 @@ def load(
     # read the same metadata.
     err: BaseException | None = None
     rp: ReadPlan | None = None
+    st: ShardTargets | None = None
     digest = b""
     try:
         path, meta, digest = open_checkpoint(Path(directory))
+        st = shard_targets(meta, into, keys, strict)
         rp = plan_reads(
             c,
             path,
@@ -432,13 +444,16 @@ def load(
             strict=strict,
             exchange=exchange,
             same_host=same_host,
+            elsewhere=st.leaves,
+            into_elsewhere=st.into_leaves,
         )
     except Exception as e:
         err = e
     digests = agree(c, err, digest)
-    assert rp is not None
+    assert rp is not None and st is not None
     if len(set(digests)) != 1:
         raise StateMismatchError(f"{rp.path}: ranks read different metadata.json files")
+    sr = plan_shard_reads(c, rp.meta, st) if st.active else None
 
     # Read this rank's share, then exchange it.
     prog = Progress(
@@ -449,31 +464,39 @@ def load(
     with shared_buffers(c, rp) as buffers:
         try:
             nread = read_share(rp, buffers, prog, stage)
+            if sr is not None:
+                nread += read_shards(rp.path, rp.meta, sr, prog)
         except Exception as e:
             err = e
         finally:
             prog.close()
         agree(c, err)  # also: every reader has filled its shared segment
         exchange_share(c, rp, buffers, stage)
+        if sr is not None:
+            exchange_shards(c, rp.meta, sr)
 
-    state = assemble(rp.meta, rp.targets, rp.path, rp.matched, keys is not None)
+    filled = fill_shards(rp.meta, sr) if sr is not None else None
+    state = assemble(rp.meta, rp.targets, rp.path, rp.matched, keys is not None, filled)
     if rp.matched is not None:
         _last_keys[:] = [rp.matched.keys]
-    _last_stats["load"] = stats = _load_stats(c, rp, time.perf_counter() - t0, nread)
+    _last_stats["load"] = stats = _load_stats(c, rp, time.perf_counter() - t0, nread, sr)
     if verbose and c.rank == 0:
         print(stats.summary(), flush=True)
     return state
 
 
-def _load_stats(c: Comm, rp: ReadPlan, seconds: float, nread: int) -> Stats:
-    """The load's Stats, the same on every rank (one small collective)."""
+def _load_stats(
+    c: Comm, rp: ReadPlan, seconds: float, nread: int, sr: ShardReads | None = None
+) -> Stats:
+    """The load's Stats, the same on every rank (one small collective);
+    ``stored_bytes`` is what all ranks read from storage together."""
     rows = c.allgather_f64(np.array([seconds, float(nread)], dtype=np.float64))
     meta: Metadata = rp.meta
     return Stats(
         op="load",
         directory=str(rp.path),
         world_size=c.size,
-        raw_bytes=sum(rp.file_raw),
+        raw_bytes=sum(rp.file_raw) + (sr.raw_bytes(rp.meta) if sr is not None else 0),
         stored_bytes=int(rows[:, 1].sum()),
         seconds=float(rows[:, 0].max()),
         rank_seconds=[float(x) for x in rows[:, 0]],

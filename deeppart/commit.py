@@ -28,6 +28,7 @@ from deeppart.format import (
     HEADER_SIZE,
     MARKER,
     METADATA,
+    METADATA_VERSION_SHARDED,
     PIECE_FIELDS,
     fsync_dir,
     is_committed,
@@ -77,7 +78,16 @@ def metadata_head(prep: Prepared, codec: str) -> dict[str, Any]:
         "skeleton": prep.skeleton,
         "compression": codec,
         "checksum": "xxh3_64",
+        **dtensor_keys(prep),
     }
+
+
+def dtensor_keys(prep: Prepared) -> dict[str, Any]:
+    """The ``dtensors`` records of a state with sharded tensors, which
+    version 2 of the metadata adds (docs/FORMAT.md); nothing otherwise."""
+    if not prep.dtensors:
+        return {}
+    return {"version": METADATA_VERSION_SHARDED, "dtensors": [r.to_json() for r in prep.dtensors]}
 
 
 def metadata_json(

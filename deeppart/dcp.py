@@ -53,7 +53,7 @@ import pickle
 import time
 from collections import ChainMap
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -80,7 +80,7 @@ from deeppart.errors import DcpPlanError
 from deeppart.plan_cache import CacheArg
 from deeppart.plan_cache import plan as deeppart_plan
 
-__all__ = ["BalancedSavePlanner", "DcpPlanError"]
+__all__ = ["BalancedSavePlanner", "DcpPlanError", "split_shard"]
 
 # The key of DeepPart's entry in a SavePlan's ``planner_data``.
 _KEY = "deeppart"
@@ -102,6 +102,19 @@ def _plain_tensor(obj: object) -> bool:
     # A DTensor, ShardedTensor or other checkpointable tensor subclass knows
     # its own chunks; only plain tensors are replicated values.
     return type(obj) in (torch.Tensor, torch.nn.Parameter)
+
+
+def _is_dtensor(obj: object) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(obj, DTensor)
+
+
+def _strided(obj: object) -> bool:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(obj, DTensor) and any(isinstance(p, _StridedShard) for p in obj.placements)
 
 
 def _object_nbytes(obj: object) -> int:
@@ -259,6 +272,55 @@ def _assign(plan: Plan, leaves: list[_Leaf]) -> list[list[WriteItem]]:
     return out
 
 
+def _owned_leaf(item: WriteItem, owner: int) -> _Leaf:
+    if item.type == WriteItemType.BYTE_IO:
+        return _Leaf(item.index.fqn, 1, 1, item, owner)
+    rows, rb = _row_split(item)
+    return _Leaf(item.index.fqn, rows, rb, item, owner)
+
+
+def _item_bytes(item: WriteItem) -> int:
+    if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+        return 1
+    return math.prod(item.tensor_data.chunk.sizes) * _itemsize(item)
+
+
+def split_shard(item: WriteItem, parts: int) -> list[list[WriteItem]]:
+    """A shard's WriteItem cut into up to ``parts`` parts of about equal size,
+    on unit boundaries (:func:`unit_elements`), each part the WriteItems of
+    its boxes (:func:`flat_range_boxes`) in global coordinates. One part,
+    the item itself, when it cannot be cut."""
+    td = item.tensor_data
+    if item.type == WriteItemType.BYTE_IO or td is None or parts < 2:
+        return [[item]]
+    sizes = list(td.chunk.sizes)
+    offsets = list(td.chunk.offsets)
+    unit = unit_elements(sizes, _itemsize(item))
+    units = math.prod(sizes) // unit if sizes else 0
+    if units < 2:
+        return [[item]]
+    out: list[list[WriteItem]] = []
+    for k in range(parts):
+        a, b = k * units // parts, (k + 1) * units // parts
+        if a == b:
+            continue
+        part = []
+        for off, size in flat_range_boxes(sizes, a * unit, b * unit):
+            at = torch.Size([o + base for o, base in zip(off, offsets, strict=True)])
+            chunk = ChunkStorageMetadata(offsets=at, sizes=torch.Size(size))
+            part.append(
+                WriteItem(
+                    index=MetadataIndex(item.index.fqn, at),
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=chunk, properties=td.properties, size=td.size
+                    ),
+                )
+            )
+        out.append(part)
+    return out
+
+
 def row_grain(cost: CostModel | None) -> CostModel:
     """``cost`` (default: the default model) with cuts on whole rows only."""
     fields = {} if cost is None else cost.to_dict()
@@ -373,6 +435,11 @@ class BalancedSavePlanner(DefaultSavePlanner):
         own_fqns = {it.index.fqn for it in own}
         data = {
             _KEY: {
+                # Shards whose WriteItem chunk is not a box of the local
+                # tensor (_StridedShard): written whole, never cut.
+                "whole": sorted(
+                    fqn for fqn, obj in self.state_dict.items() if _strided(obj)
+                ),
                 "fingerprint": self._fingerprint,
                 "rank": rank,
                 "world": world,
@@ -396,20 +463,33 @@ class BalancedSavePlanner(DefaultSavePlanner):
                 "hold the same plain tensors and objects; keep per-rank values in "
                 "DTensor/ShardedTensor or use DefaultSavePlanner"
             )
-        # Owned shards, each written once (a replicated DTensor is listed by
-        # every rank of its mesh: its lowest rank keeps it).
+        # Owned shards. A shard that several ranks list (a DTensor replicated
+        # over part of its mesh: HSDP, DDP in a 2-D mesh, TP x DP) is cut into
+        # as many box-aligned parts as it has holders, each part given to its
+        # least-loaded holder (largest parts first, after the shards that one
+        # rank holds alone).
         leaves = list(self._leaves)
-        seen: set[MetadataIndex] = set()
+        holders: dict[MetadataIndex, list[int]] = {}
+        first: dict[MetadataIndex, WriteItem] = {}
         for r, local in enumerate(all_plans):
             for item in local.items:
-                if item.index in seen:
-                    continue
-                seen.add(item.index)
-                if item.type == WriteItemType.BYTE_IO:
-                    leaves.append(_Leaf(item.index.fqn, 1, 1, item, r))
-                else:
-                    rows, rb = _row_split(item)
-                    leaves.append(_Leaf(item.index.fqn, rows, rb, item, r))
+                holders.setdefault(item.index, []).append(r)
+                first.setdefault(item.index, item)
+        whole = {fqn for info in infos for fqn in info.get("whole", [])}
+        load = [0] * world
+        shared: list[tuple[int, list[WriteItem], list[int]]] = []
+        for index, item in first.items():
+            ranks = holders[index]
+            if len(ranks) == 1:
+                leaves.append(_owned_leaf(item, ranks[0]))
+                load[ranks[0]] += _item_bytes(item)
+                continue
+            cut = [[item]] if index.fqn in whole else split_shard(item, len(ranks))
+            shared += [(sum(map(_item_bytes, part)), part, ranks) for part in cut]
+        for nbytes, part, ranks in sorted(shared, key=lambda x: -x[0]):
+            r = min(ranks, key=lambda k: (load[k], k))
+            load[r] += nbytes
+            leaves += [_owned_leaf(item, r) for item in part]
         owned = len(leaves) > len(self._leaves)
         speculation_holds = not owned and all(
             info["rank"] == r and info["world"] == world for r, info in enumerate(infos)
@@ -450,6 +530,19 @@ class BalancedSavePlanner(DefaultSavePlanner):
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         if write_item.type == WriteItemType.SHARD and write_item.tensor_data is not None:
             obj = self.state_dict.get(write_item.index.fqn)
+            if _is_dtensor(obj) and not _strided(obj):
+                # A part of this rank's shard (split_shard): its box of the local tensor.
+                from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+                assert isinstance(obj, torch.Tensor)
+                _, base = compute_local_shape_and_global_offset(
+                    obj.shape, obj.device_mesh, obj.placements  # type: ignore[attr-defined]
+                )
+                chunk = write_item.tensor_data.chunk
+                part = obj.to_local().detach()  # type: ignore[attr-defined]
+                for dim, (offset, size) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
+                    part = part.narrow(dim, offset - base[dim], size)
+                return cast(torch.Tensor, part)
             if _plain_tensor(obj):
                 assert isinstance(obj, torch.Tensor)
                 chunk = write_item.tensor_data.chunk

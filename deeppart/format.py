@@ -20,15 +20,19 @@ import json
 import os
 import stat
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from deeppart.compression import CODECS, MAX_EXPANSION, MAX_OBJECT_EXPANSION
 from deeppart.errors import CheckpointError, CorruptCheckpointError
+from deeppart.regions import DTensorRecord, parse_records
 
 FORMAT_NAME = "deeppart-checkpoint"
 FORMAT_VERSION = 1
+#: metadata.json's version when the state holds sharded tensors (its
+#: ``dtensors`` records); the data files keep FORMAT_VERSION.
+METADATA_VERSION_SHARDED = 2
 METADATA = "metadata.json"
 MARKER = "COMMITTED"
 #: Numbered checkpoints (Checkpointer, the level backends) live in
@@ -251,6 +255,8 @@ class Metadata:
     plan_fingerprint: str
     skeleton: Any
     file_sizes: list[int]
+    #: The sharded tensors (DTensors) of the state, checked.
+    dtensors: list[DTensorRecord] = field(default_factory=list)
 
 
 def _int(value: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
@@ -277,8 +283,11 @@ def parse_metadata(raw: dict[str, Any], dtype_sizes: dict[str, int]) -> Metadata
     descriptions: every leaf is covered exactly once by its pieces, pieces of
     one file do not overlap, every length is consistent. File sizes are
     checked separately by :func:`check_file_sizes`."""
-    if raw.get("version") != FORMAT_VERSION:
+    version = raw.get("version")
+    if version not in (FORMAT_VERSION, METADATA_VERSION_SHARDED) or isinstance(version, bool):
         raise CheckpointError(f"unsupported checkpoint format version {raw.get('version')!r}")
+    if (version == METADATA_VERSION_SHARDED) != ("dtensors" in raw):
+        raise CorruptCheckpointError("metadata: version 2 goes with dtensors records, and only it")
     world = _int(raw.get("world_size"), "world_size", 1, MAX_WORLD_SIZE)
     fingerprint = raw.get("plan_fingerprint")
     if not isinstance(fingerprint, str) or len(fingerprint) > 64:
@@ -374,6 +383,7 @@ def parse_metadata(raw: dict[str, Any], dtype_sizes: dict[str, int]) -> Metadata
         plan_fingerprint=fingerprint,
         skeleton=raw.get("skeleton"),
         file_sizes=[int(n) for n in declared],
+        dtensors=parse_records(raw.get("dtensors"), leaves, dtype_sizes.__contains__),
     )
 
 

@@ -5,6 +5,12 @@ describes them as a :class:`~deeppart.Manifest`, gets the plan
 and that all ranks prepared the same save; :func:`verify_replicas`
 (optional) checks that their copies of the state hold the same bytes.
 Nothing is written before both pass.
+
+DTensors become shard leaves held by a subset of the ranks
+(:mod:`deeppart.dtensor`). Leaves that every rank holds are also sampled
+(:func:`replica_sample`: a few bytes of each, hashed) and the samples
+compared in the same collective: ranks that pass different tensors at one
+path, e.g. DTensor shards converted with ``to_local()``, fail by default.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import hashlib
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +29,10 @@ from deeppart._planner import Manifest, Plan
 from deeppart.agreement import agree
 from deeppart.comm import Comm
 from deeppart.compression import check_codec
+from deeppart.dtensor import expand
 from deeppart.errors import ReplicaMismatchError, StateMismatchError
-from deeppart.state import FlatLeaf, check_has_data, describe_leaf, flatten
+from deeppart.regions import DTensorRecord
+from deeppart.state import FlatLeaf, check_has_data, flatten
 from deeppart.tensors import U8, readable, u8_view
 
 __all__ = [
@@ -33,8 +41,13 @@ __all__ = [
     "agree_prepared",
     "agree_prepared_flags",
     "prepare",
+    "replica_sample",
     "verify_replicas",
 ]
+
+#: Bytes of each sampled block, and the blocks per leaf (start, middle, end).
+SAMPLE_BYTES = 64
+SAMPLE_BLOCKS = 3
 
 
 @dataclass(frozen=True)
@@ -63,7 +76,49 @@ class Prepared:
     plan: Plan
     codec: str
     digest: bytes
+    #: The sharded tensors (DTensors) among the leaves.
+    dtensors: list[DTensorRecord] = field(default_factory=list)
+    #: Per leaf held by every rank: 8 bytes of the hash of its sampled bytes.
+    samples: dict[int, bytes] = field(default_factory=dict)
+    #: An asynchronous save's snapshot of this rank's pieces (:mod:`deeppart.snapshot`).
     staged: list[StagedPiece] | None = None
+
+    @property
+    def sample(self) -> bytes:
+        """One 16-byte digest of :attr:`samples`, compared across the ranks."""
+        h = hashlib.blake2b(digest_size=16)
+        for i in sorted(self.samples):
+            h.update(self.samples[i])
+        return h.digest()
+
+
+def _sample_bytes(t: Any) -> bytes:
+    """A few blocks of a tensor's bytes (its start, middle and end)."""
+    n = t.numel()
+    if n == 0:
+        return b""
+    if t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg():
+        u8 = u8_view(t)
+        step = max(1, (u8.size - SAMPLE_BYTES) // max(1, SAMPLE_BLOCKS - 1))
+        last = max(0, u8.size - SAMPLE_BYTES)
+        starts = sorted({min(k * step, last) for k in range(SAMPLE_BLOCKS)})
+        return b"".join(u8[a : a + SAMPLE_BYTES].tobytes() for a in starts)
+    picks = sorted({0, n // 2, n - 1})
+    idx = [np.unravel_index(k, tuple(t.shape)) for k in picks]
+    elems = [t[tuple(int(x) for x in i)].reshape(1) for i in idx]
+    return b"".join(u8_view(readable(e)).tobytes() for e in elems)
+
+
+def replica_sample(leaves: list[FlatLeaf], descs: list[dict[str, Any]]) -> dict[int, bytes]:
+    """Per tensor leaf that every rank holds (no owner, no holders): an
+    8-byte hash of a few of its bytes. Costs a few small copies per leaf, not
+    a pass over the data; :func:`verify_replicas` is the full check."""
+    out: dict[int, bytes] = {}
+    for i, (leaf, desc) in enumerate(zip(leaves, descs, strict=True)):
+        if leaf.tensor is None or "owner" in desc or "holders" in desc:
+            continue
+        out[i] = hashlib.blake2b(_sample_bytes(leaf.tensor), digest_size=8).digest()
+    return out
 
 
 def prepare(
@@ -75,9 +130,11 @@ def prepare(
     """Flattens ``state``, plans it with ``plan_for`` and digests what the
     ranks must agree on (plan, manifest, skeleton, codec, ``directory``)."""
     codec = check_codec(compression)
-    leaves, skeleton = flatten(state)
-    check_has_data(leaves)
-    manifest = Manifest.from_leaves([describe_leaf(leaf) for leaf in leaves])
+    flat, skeleton = flatten(state)
+    check_has_data(flat)
+    ex = expand(flat, skeleton)
+    leaves, skeleton = ex.leaves, ex.skeleton
+    manifest = Manifest.from_leaves(ex.descs, ex.groups or None)
     plan = plan_for(manifest)
     h = hashlib.sha256()
     h.update(plan.fingerprint.encode())
@@ -86,25 +143,36 @@ def prepare(
     h.update(json.dumps(skeleton, separators=(",", ":")).encode())
     h.update(codec.encode())
     h.update(os.path.abspath(directory).encode())
-    return Prepared(leaves, skeleton, manifest, plan, codec, h.digest())
+    h.update(json.dumps([r.to_json() for r in ex.records], separators=(",", ":")).encode())
+    samples = replica_sample(leaves, ex.descs)
+    return Prepared(leaves, skeleton, manifest, plan, codec, h.digest(), ex.records, samples)
 
 
-def agree_prepared(c: Comm, err: BaseException | None, prep: Prepared | None) -> Prepared:
+def agree_prepared(
+    c: Comm, err: BaseException | None, prep: Prepared | None, samples: bool = True
+) -> Prepared:
     """Every rank raises if any failed to prepare, or if ranks disagree on
-    the state's structure, plan, codec or directory (nothing written yet)."""
-    return agree_prepared_flags(c, err, prep)[0]
+    the state's structure, plan, codec or directory (nothing written yet);
+    with ``samples``, also if the sampled bytes of the leaves every rank
+    holds differ (:class:`ReplicaMismatchError`)."""
+    return agree_prepared_flags(c, err, prep, samples=samples)[0]
 
 
 def agree_prepared_flags(
-    c: Comm, err: BaseException | None, prep: Prepared | None, flag: int | None = None
+    c: Comm,
+    err: BaseException | None,
+    prep: Prepared | None,
+    flag: int | None = None,
+    samples: bool = True,
 ) -> tuple[Prepared, list[int]]:
     """:func:`agree_prepared`, in the same collective sharing one byte
     ``flag`` of each rank (when given; an empty list otherwise)."""
     extra = b"" if flag is None else bytes([flag])
-    rows = agree(c, err, (prep.digest if prep else b"\0" * 32) + extra, width=32 + len(extra))
-    digests = [row[:32] for row in rows]
-    flags = [row[32] for row in rows] if flag is not None else []
+    mine = (prep.digest + prep.sample if prep else b"\0" * 48) + extra
+    rows = agree(c, err, mine, width=48 + len(extra))
+    flags = [row[48] for row in rows] if flag is not None else []
     assert prep is not None
+    digests = [row[:32] for row in rows]
     if len(set(digests)) != 1:
         groups: dict[bytes, list[int]] = {}
         for r, d in enumerate(digests):
@@ -112,12 +180,45 @@ def agree_prepared_flags(
         desc = "; ".join(f"ranks {v}" for v in groups.values())
         raise StateMismatchError(
             "ranks disagree on the state's structure, its plan, the codec or the directory "
-            f"(groups of agreeing ranks: {desc}); nothing was written"
+            f"(groups of agreeing ranks: {desc}); nothing was written. If the state holds "
+            "shards of DTensors converted with to_local(), pass the DTensors themselves "
+            "(get_state_dict(model, optimizer) returns them). With get_state_dict(..., "
+            "options=StateDictOptions(full_state_dict=True, cpu_offload=True)) only rank 0 "
+            "holds the values: save the sharded state (the default options; every rank writes "
+            "its part), or pass full_state_dict=True without cpu_offload"
         )
+    if samples and len({row[32:48] for row in rows}) != 1:
+        _replicas_differ(c, prep)
     return prep, flags
 
 
-def _leaf_buffer(leaf: FlatLeaf) -> U8 | memoryview:
+def _replicas_differ(c: Comm, prep: Prepared) -> None:
+    """The sampled bytes of leaves every rank holds differ: every rank
+    raises ReplicaMismatchError naming the leaves (one more collective)."""
+    mine = b"".join(prep.samples[i] for i in sorted(prep.samples))
+    per_rank = c.allgather_varbytes(mine)
+    order = sorted(prep.samples)
+    differ: list[str] = []
+    for k, i in enumerate(order):
+        seen = [row[8 * k : 8 * k + 8] for row in per_rank]
+        if len(set(seen)) > 1:
+            common = max(set(seen), key=seen.count)
+            ranks = [r for r, x in enumerate(seen) if x != common]
+            where = "/".join(map(str, prep.leaves[i].path))
+            differ.append(f"{where} on rank(s) {', '.join(map(str, ranks))}")
+    raise ReplicaMismatchError(
+        f"{len(differ)} tensor leaves that every rank passes differ between the ranks "
+        f"(sampled bytes; first: {', '.join(differ[:5])}); nothing was written. If these are "
+        "shards of DTensors (to_local() or ._local_tensor), pass the DTensors themselves "
+        "(get_state_dict(model, optimizer) returns them) and each rank saves its shard; if "
+        "each rank holds its own values, give each rank's leaves their own path"
+    )
+
+
+def _leaf_buffer(leaf: FlatLeaf, sharded: bool = False) -> U8 | memoryview:
+    if sharded or (leaf.tensor is None and leaf.encoded is None):
+        # A DTensor shard: held by some ranks only (not compared here).
+        return memoryview(b"")
     if leaf.tensor is None:
         assert leaf.encoded is not None
         return memoryview(leaf.encoded)
@@ -135,7 +236,8 @@ def verify_replicas(c: Comm, prep: Prepared) -> None:
     err: BaseException | None = None
     digests = b""
     try:
-        views = [_leaf_buffer(leaf) for leaf in prep.leaves]
+        shards = {s.leaf for r in prep.dtensors for s in r.shards}
+        views = [_leaf_buffer(leaf, i in shards) for i, leaf in enumerate(prep.leaves)]
         buffers = [v.data if isinstance(v, np.ndarray) else v for v in views]
         digests = replica_digests(buffers, max(1, (os.cpu_count() or 1) // c.size))
     except Exception as e:

@@ -22,7 +22,7 @@ import hashlib
 import json
 import socket
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -182,11 +182,16 @@ def all_leaf_targets(meta: Metadata, into: Any) -> tuple[list[Target], IntoMatch
 
 
 def leaf_targets(
-    meta: Metadata, into: Any, selected: list[bool] | None = None, strict: bool = True
+    meta: Metadata,
+    into: Any,
+    selected: list[bool] | None = None,
+    strict: bool = True,
+    into_elsewhere: Collection[int] = (),
 ) -> tuple[list[Target | None], IntoMatch | None]:
     """Where each selected leaf's bytes go (None: not read; all leaves are
     selected by default). With ``into``, its leaves are matched with the
-    checkpoint's by path."""
+    checkpoint's by path (except ``into_elsewhere``, which the sharded
+    stages of :mod:`deeppart.reshard` fill)."""
     if selected is None:
         selected = [True] * len(meta.leaves)
     dtypes = torch_dtypes() if any(lf.kind == "tensor" for lf in meta.leaves) else {}
@@ -195,7 +200,11 @@ def leaf_targets(
     if into is not None:
         into_leaves, skeleton = flatten(into)
         pairs, keys = match(
-            [lf.path for lf in meta.leaves], selected, [lf.path for lf in into_leaves], strict
+            [lf.path for lf in meta.leaves],
+            selected,
+            [lf.path for lf in into_leaves],
+            strict,
+            into_elsewhere,
         )
         matched = IntoMatch(into_leaves, skeleton, pairs, keys, into)
     for i, info in enumerate(meta.leaves):
@@ -285,11 +294,16 @@ def plan_reads(
     strict: bool,
     exchange: str,
     same_host: bool,
+    elsewhere: Collection[int] = (),
+    into_elsewhere: Collection[int] = (),
 ) -> ReadPlan:
     """The reads of this rank: the same decisions on every rank (they
-    depend only on the metadata, the arguments and ``same_host``)."""
+    depend only on the metadata, the arguments and ``same_host``). The
+    checkpoint leaves in ``elsewhere`` and the ``into=`` leaves in
+    ``into_elsewhere`` are left to :mod:`deeppart.reshard` (sharded tensors)."""
     selected = select([lf.path for lf in meta.leaves], keys)
-    tgts, matched = leaf_targets(meta, into, selected, strict)
+    selected = [s and i not in elsewhere for i, s in enumerate(selected)]
+    tgts, matched = leaf_targets(meta, into, selected, strict, into_elsewhere)
     raw_per_file = [0] * meta.world_size
     for p in meta.pieces:
         if tgts[p.leaf] is not None:
@@ -313,7 +327,11 @@ def plan_reads(
             by_file[p.rank].append(p)
     file_raw = [sum(p.length for p in ps) for ps in by_file]
     # A partial load opens only the files holding what it reads.
-    partial = keys is not None or (matched is not None and len(matched.pairs) < len(meta.leaves))
+    partial = (
+        keys is not None
+        or bool(elsewhere)
+        or (matched is not None and len(matched.pairs) < len(meta.leaves))
+    )
     mine = [
         f for f in range(meta.world_size) if owner[f] == comm.rank and (by_file[f] or not partial)
     ]
@@ -638,11 +656,13 @@ def assemble(
     path: Path,
     into: IntoMatch | None = None,
     pruned: bool = False,
+    filled: dict[int, Any] | None = None,
 ) -> Any:
     """The state from the filled targets: object leaves decoded, staged
     tensors copied into ``into``'s, the containers rebuilt (``into``'s
     when given, its own values kept at its missing leaves; else the
-    checkpoint's, without the leaves not read when ``pruned``)."""
+    checkpoint's, without the leaves not read when ``pruned``). ``filled``:
+    values loaded by another stage, by leaf (the sharded tensors)."""
     values: list[Any] = []
     try:
         for i, info in enumerate(meta.leaves):
@@ -662,6 +682,8 @@ def assemble(
                     with torch_module().no_grad():
                         tgt.tensor.copy_(tgt.copy_into)
                 values.append(tgt.tensor)
+        for i, value in (filled or {}).items():
+            values[i] = value
         if into is not None:
             mine: list[Any] = [
                 lf.tensor if lf.tensor is not None else decode_plain(lf.encoded or b"null")

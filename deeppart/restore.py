@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, MutableMapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, MutableMapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -76,16 +76,19 @@ def match(
     selected: Sequence[bool],
     wanted: Sequence[Sequence[Any]],
     strict: bool,
+    elsewhere: Collection[int] = (),
 ) -> tuple[dict[int, int], IncompatibleKeys]:
     """Matches the selected checkpoint leaves (``saved`` paths) with the
     ``into=`` leaves (``wanted`` paths) by path: returns checkpoint index ->
-    into index, and what did not match. With ``strict``, any difference
-    raises StateMismatchError naming the first differing leaves and the fix."""
+    into index, and what did not match (``into=`` leaves in ``elsewhere``
+    are filled by another stage: neither matched nor missing). With
+    ``strict``, any difference raises StateMismatchError naming the first
+    differing leaves and the fix."""
     where = {tuple(p): j for j, p in enumerate(wanted)}
     # A checkpoint written before typed keys spells non-string keys bare.
     legacy = {tuple(legacy_path(p)): j for j, p in enumerate(wanted)}
     pairs: dict[int, int] = {}
-    used: set[int] = set()
+    used: set[int] = set(elsewhere)
     unexpected: list[str] = []
     for i, p in enumerate(saved):
         if not selected[i]:

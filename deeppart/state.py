@@ -226,10 +226,24 @@ def check_has_data(leaves: list[FlatLeaf]) -> None:
             raise StateError(f"{_describe_path(leaf.path)}: a meta tensor holds no data to save")
 
 
+def is_dtensor(value: Any) -> bool:
+    """Whether ``value`` is a torch ``DTensor`` (False while torch's DTensor
+    module is not loaded)."""
+    import sys
+
+    mod = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(mod, "DTensor", None) if mod is not None else None
+    return cls is not None and isinstance(value, cls)
+
+
 def _alias_key(t: Any) -> tuple[Any, ...] | None:
     """What makes two tensors the same data: the same memory, viewed the same
     way (tied weights: ``state_dict()`` returns two tensor objects over one
-    storage). None for empty tensors, which share no data."""
+    storage). None for empty tensors, which share no data. A DTensor is
+    its local shard's memory with its global shape and placements."""
+    if is_dtensor(t):
+        local = _alias_key(t._local_tensor)
+        return None if local is None else ("dtensor", tuple(t.shape), str(t.placements), local)
     if t.numel() == 0:
         return None
     return (

@@ -25,6 +25,7 @@ import numpy.typing as npt
 
 from deeppart import staging as _staging
 from deeppart.compression import CODECS, compress
+from deeppart.errors import StateError
 from deeppart.format import HEADER_SIZE, align_up, checksum, header_bytes, max_expansion
 from deeppart.prepare import Prepared
 from deeppart.progress import Progress
@@ -167,7 +168,12 @@ def write_pieces(
                 arr, itemsize = views[li]
                 raw = arr[start * itemsize : stop * itemsize].data
             else:
-                assert leaf.encoded is not None
+                if leaf.encoded is None:
+                    raise StateError(
+                        f"{'/'.join(map(str, leaf.path))}: rank {rank} was planned to write a "
+                        "DTensor shard it does not hold; save DTensors with the default "
+                        "process group (the mesh's ranks must be the communicator's ranks)"
+                    )
                 itemsize = 1
                 raw = memoryview(leaf.encoded)
             data: bytes | memoryview = raw

@@ -33,3 +33,15 @@ def run_in_session(
         out, _ = proc.communicate()
         pytest.fail(f"{' '.join(cmd)} hung (no result after {timeout_s} s):\n{out[-8000:]}")
     return proc.returncode, out
+
+
+def worker_cmd(worker: Path, ranks: int, *args: str) -> list[str]:
+    """The command that runs ``worker`` on ``ranks`` torchrun ranks (gloo,
+    ``--standalone``), or as one plain process when ``ranks`` is 0."""
+    import sys
+
+    cmd = [sys.executable, str(worker), *args]
+    if ranks:
+        launcher = [sys.executable, "-m", "torch.distributed.run"]
+        cmd = [*launcher, "--nproc-per-node", str(ranks), "--standalone", *cmd[1:]]
+    return cmd

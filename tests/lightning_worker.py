@@ -82,17 +82,23 @@ class KillAtStep(pl.Callback):
             kill_self()
 
 
-def main() -> None:
-    args = worker_args()
+def start(args: Any) -> tuple[int, RunRecord, list[pl.Callback]]:
+    """Seeds, joins the gloo group; the world size, this rank's record and
+    the callbacks (a checkpoint every epoch, the kill if asked)."""
     pl.seed_everything(1234, verbose=False)
     dist.init_process_group("gloo")
-    rank, size = dist.get_rank(), dist.get_world_size()
-    record = RunRecord(args.dir, args.run, rank)
+    record = RunRecord(args.dir, args.run, dist.get_rank())
     callbacks: list[pl.Callback] = [
         ModelCheckpoint(dirpath=args.dir / f"{args.run}-ckpts", save_top_k=-1, every_n_epochs=1)
     ]
     if args.kill_at_step:
         callbacks.append(KillAtStep(args.kill_at_step))
+    return dist.get_world_size(), record, callbacks
+
+
+def main() -> None:
+    args = worker_args()
+    size, record, callbacks = start(args)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=size,

@@ -126,6 +126,27 @@ def test_lightning_ddp_strategy_resumes_exactly(tmp_path: Path) -> None:
         assert facts(d, "full", r)["start"] == [0, 0]
 
 
+@pytest.mark.slow
+def test_lightning_fsdp2_model_parallel_resumes_exactly(tmp_path: Path) -> None:
+    """Lightning's ModelParallelStrategy with FSDP2 ``fully_shard`` in
+    ``configure_model`` (gloo, CPU), as DeepPartModelParallelStrategy:
+    its checkpoints hold the model's and AdamW's DTensor shards, written by
+    both ranks; killed at step 6 and resumed from the epoch-0 checkpoint,
+    every later loss and each rank's final shards of the weights and the
+    optimizer state are bitwise those of the uninterrupted run."""
+    pytest.importorskip("lightning")
+    d = tmp_path
+    worker = "lightning_fsdp_worker.py"
+    train_and_interrupt(worker, "lightning-fsdp", d, kill_at=6)
+    ckpt = d / "cut-ckpts" / "epoch=0-step=4.ckpt"
+    assert_written_by_every_rank(ckpt)
+    meta = json.loads((ckpt / METADATA).read_text())
+    assert meta["version"] == 2 and meta["dtensors"], "the checkpoint holds no DTensor records"
+    resume_and_compare(worker, "lightning-fsdp", d, ckpt, kill_at=6, ckpt_step=4)
+    for r in range(RANKS):
+        assert facts(d, "resumed", r)["start"] == [1, 4]
+
+
 def test_accelerate_save_state_resumes_exactly(tmp_path: Path) -> None:
     """Accelerate with deeppart's save_state/load_state: a checkpoint after
     every epoch of 4 steps, written by both ranks; killed at step 6, the

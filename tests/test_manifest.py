@@ -261,7 +261,7 @@ BAD_JSON: list[tuple[str, str, str]] = [
         _text({"path": ["a"], "kind": "object", "nbytes": 1})[:-3],
         "malformed manifest JSON",
     ),
-    ("wrong version", json.dumps({"version": 2, "leaves": []}), "unsupported manifest version 2"),
+    ("wrong version", json.dumps({"version": 3, "leaves": []}), "unsupported manifest version 3"),
     ("missing version", json.dumps({"leaves": []}), 'malformed manifest JSON: missing "version"'),
     ("missing leaves", json.dumps({"version": 1}), 'missing "leaves"'),
     ("unknown top-level key", _text(extra=1), 'unknown top-level key "extra"'),
@@ -547,3 +547,89 @@ def test_leaves_round_trip_through_from_leaves() -> None:
         )
     )
     assert deeppart.Manifest.from_leaves(manifest.leaves()) == manifest
+
+
+# ----------------------------------------------------------------------------
+# Holder groups (manifest version 2): leaves held by a subset of the ranks.
+
+
+def _grouped() -> deeppart.Manifest:
+    return deeppart.Manifest.from_leaves(
+        [
+            {"path": ["shard0"], "dtype": "float32", "shape": [4096, 64], "holders": 0},
+            {"path": ["shard1"], "dtype": "float32", "shape": [4096, 64], "holders": 1},
+            {"path": ["norm"], "dtype": "float32", "shape": [64]},
+            {"path": ["rng"], "kind": "object", "nbytes": 16, "owner": 3},
+        ],
+        groups=[[0, 2], [1, 3]],
+    )
+
+
+def test_groups_round_trip_through_json_and_leaves() -> None:
+    m = _grouped()
+    assert m.groups == [[0, 2], [1, 3]]
+    leaves = m.leaves()
+    assert [leaf["holders"] for leaf in leaves] == [0, 1, None, None]
+    assert leaves[3]["owner"] == 3
+    doc = json.loads(m.to_json())
+    assert doc["version"] == 2 and doc["groups"] == [[0, 2], [1, 3]]
+    assert deeppart.Manifest.from_json(m.to_json()) == m
+    assert deeppart.Manifest.from_leaves(leaves, groups=m.groups) == m
+    # A manifest without groups stays version 1, with an empty group list.
+    plain = deeppart.Manifest.from_leaves([{"path": ["a"], "kind": "object", "nbytes": 1}])
+    assert plain.groups == [] and json.loads(plain.to_json())["version"] == 1
+    assert plain.leaves()[0]["holders"] is None
+
+
+def test_holders_are_part_of_the_fingerprint() -> None:
+    m = _grouped()
+    leaves = m.leaves()
+    other = deeppart.Manifest.from_leaves(leaves, groups=[[0, 2], [1, 2]])
+    assert other != m and other.fingerprint != m.fingerprint
+    leaves[0]["holders"] = 1
+    moved = deeppart.Manifest.from_leaves(leaves, groups=m.groups)
+    assert moved != m and moved.fingerprint != m.fingerprint
+
+
+@pytest.mark.parametrize(
+    ("groups", "holders", "message"),
+    [
+        ([[0, 1], []], 0, "holder group 1: is empty"),
+        ([[0, 1, 1]], 0, "holder group 0: lists rank 1 twice"),
+        ([[3, 1]], 0, "holder group 0: is not sorted"),
+        ([[0, -1]], 0, "holder group 0: rank -1"),
+        ([[0, True]], 0, "holder group 0: rank true"),
+        ([[0, 1]], 1, "leaf 0 (a): holders 1 names no group"),
+        ([[0, 1]], -1, "leaf 0 (a): holders -1 is not a group index"),
+        ([[0, 1]], "0", 'leaf 0 (a): holders "0" is not a group index'),
+        ([[0] for _ in range(65537)], 0, "holder groups, more than the limit of 65536"),
+        ([list(range(1024))] * 4097, 0, "ranks together, more than the limit of 4194304"),
+    ],
+)
+def test_bad_groups_are_named(groups: Any, holders: Any, message: str) -> None:
+    leaf = {"path": ["a"], "kind": "object", "nbytes": 1, "holders": holders}
+    with pytest.raises(deeppart.ManifestError) as info:
+        deeppart.Manifest.from_leaves([leaf], groups=groups)
+    assert message in str(info.value)
+
+
+def test_bad_grouped_json() -> None:
+    leaf = {"path": ["a"], "kind": "object", "nbytes": 1, "holders": 0}
+    for doc, message in [
+        ({"version": 1, "groups": [[0]], "leaves": []}, 'needs "version": 2'),
+        ({"version": 1, "leaves": [leaf]}, 'needs "version": 2'),
+        ({"version": 2, "groups": {"a": 1}, "leaves": []}, '"groups" must be an array'),
+        ({"version": 2, "groups": [[0, 1]], "leaves": [dict(leaf, owner=1)]}, "not both"),
+    ]:
+        with pytest.raises(deeppart.ManifestError, match=message):
+            deeppart.Manifest.from_json(json.dumps(doc))
+
+
+def test_group_rank_beyond_world_size_fails_at_plan_time() -> None:
+    leaves = _grouped().leaves()[:3]
+    m = deeppart.Manifest.from_leaves(leaves, groups=[[0, 2], [1, 3]])
+    with pytest.raises(deeppart.PlanError) as info:
+        deeppart.plan(m, 3)
+    assert "holder group 1 lists rank 3, but the world size is 3" in str(info.value)
+    assert "leaf 1 (shard1)" in str(info.value)
+    deeppart.plan(m, 4)

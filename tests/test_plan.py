@@ -502,3 +502,84 @@ def test_assignment_digest_tells_plans_with_equal_inputs_apart() -> None:
     other = deeppart.Plan.from_pieces(manifest, 3, moved)
     assert other.fingerprint == planned.fingerprint
     assert other.assignment_digest() != planned.assignment_digest()
+
+
+# ----------------------------------------------------------------------------
+# Holder groups: every piece on a holder of its leaf.
+
+
+def _hsdp(world_size: int, shard: int) -> deeppart.Manifest:
+    """An HSDP-like layout: `shard` shard groups, each replicated over the
+    ranks with the same shard index, and small leaves on every rank."""
+    groups = [list(range(s, world_size, shard)) for s in range(shard)]
+    leaves: list[dict[str, Any]] = []
+    for layer in range(6):
+        for s in range(shard):
+            rows = 1000 + 37 * layer
+            leaves.append(
+                {"path": [f"l{layer}", s], "dtype": "float32", "shape": [rows, 256], "holders": s}
+            )
+        leaves.append({"path": [f"l{layer}", "norm"], "dtype": "float32", "shape": [256]})
+    leaves.append({"path": ["rng"], "kind": "object", "nbytes": 64, "owner": world_size - 1})
+    return deeppart.Manifest.from_leaves(leaves, groups=groups)
+
+
+@pytest.mark.parametrize("algorithm", ["balanced", "lpt", "greedy"])
+def test_grouped_plans_put_every_piece_on_a_holder(algorithm: str) -> None:
+    m = _hsdp(16, 4)
+    p = deeppart.plan(m, 16, algorithm=algorithm)
+    leaves = m.leaves()
+    covered = [0] * len(leaves)
+    for r in range(16):
+        for leaf, start, stop in p.rank_pieces(r):
+            g = leaves[leaf]["holders"]
+            owner = leaves[leaf]["owner"]
+            assert g is None or r in m.groups[g], (algorithm, r, leaf)
+            assert owner is None or r == owner
+            covered[leaf] += stop - start
+    assert covered == [
+        math.prod(leaf["shape"]) if leaf["kind"] == "tensor" else 1 for leaf in leaves
+    ]
+    assert p.stats.makespan >= p.stats.lower_bound * (1 - 1e-9)
+    if algorithm == "balanced":
+        assert p.stats.gap < 1.05
+
+
+def test_a_piece_off_its_holders_is_rejected() -> None:
+    m = deeppart.Manifest.from_leaves(
+        [{"path": ["a"], "kind": "object", "nbytes": 10, "holders": 0}], groups=[[1, 2]]
+    )
+    deeppart.Plan.from_pieces(m, 3, [[], [(0, 0, 1)], []])
+    with pytest.raises(deeppart.PlanError, match=r"held by group 0 but planned on rank 0"):
+        deeppart.Plan.from_pieces(m, 3, [[(0, 0, 1)], [], []])
+    # The same check on a plan read back from JSON.
+    good = json.loads(deeppart.Plan.from_pieces(m, 3, [[], [], [(0, 0, 1)]]).to_json())
+    good["ranks"] = [good["ranks"][2], [], []]
+    with pytest.raises(deeppart.PlanError, match="not in it"):
+        deeppart.Plan.from_json(json.dumps(good))
+
+
+def test_deeppart_refuses_holder_groups() -> None:
+    with pytest.raises(
+        deeppart.PlanError, match=r'does not plan leaves held by a group.*use "balanced"'
+    ):
+        deeppart.plan(_hsdp(8, 2), 8, algorithm="deeppart")
+
+
+def test_grouped_bytes_only_plan_is_at_the_fractional_optimum() -> None:
+    # Disjoint groups plus leaves on every rank: the fractional optimum is
+    # max(max_g B_g / |g|, B / P) (Hall's condition on a partition).
+    world = 16
+    m = _hsdp(world, 4)
+    cost = deeppart.CostModel(
+        fixed_s=0.0, piece_s=0.0, writer_s=0.0, min_piece_bytes=1, bandwidth=1e9
+    )
+    p = deeppart.plan(m, world, cost=cost)
+    per_group = [0] * len(m.groups)
+    for leaf in m.leaves():
+        if leaf["holders"] is not None:
+            per_group[leaf["holders"]] += leaf["nbytes"]
+    optimum = max(
+        max(b / len(g) for b, g in zip(per_group, m.groups, strict=True)), m.total_bytes / world
+    )
+    assert optimum <= p.stats.max_rank_bytes <= optimum * 1.01 + 4096

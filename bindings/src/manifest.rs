@@ -40,15 +40,30 @@ impl Manifest {
     }
 
     /// Builds a manifest from leaf descriptions: dicts with the keys of the
-    /// JSON form (`path`, `dtype`, `shape`, or `kind="object"` and `nbytes`, `owner`).
+    /// JSON form (`path`, `dtype`, `shape`, or `kind="object"` and `nbytes`,
+    /// `owner`, `holders`), and the holder groups (lists of ranks) that the
+    /// leaves' `holders` index.
     #[staticmethod]
-    fn from_leaves(leaves: &Bound<'_, PyAny>) -> PyResult<Manifest> {
+    #[pyo3(signature = (leaves, groups=None))]
+    fn from_leaves(
+        leaves: &Bound<'_, PyAny>,
+        groups: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Manifest> {
+        // The groups first: their size is checked before the leaves are read.
+        let groups = match groups {
+            None => Vec::new(),
+            Some(g) if g.is_none() => Vec::new(),
+            Some(g) => {
+                let value = to_json(g, 0)?;
+                core::manifest::groups_from_json(&value).map_err(manifest_err)?
+            }
+        };
         let mut parsed = Vec::new();
         for (index, item) in leaves.try_iter()?.enumerate() {
             let value = to_json(&item?, 0)?;
             parsed.push(core::manifest::leaf_from_json(index, &value).map_err(manifest_err)?);
         }
-        let m = core::Manifest::new(parsed).map_err(manifest_err)?;
+        let m = core::Manifest::with_groups(parsed, groups).map_err(manifest_err)?;
         Ok(Manifest::wrap(Arc::new(m)))
     }
 
@@ -62,11 +77,12 @@ impl Manifest {
     fn from_state_dict(py: Python<'_>, state: &Bound<'_, PyAny>) -> PyResult<Manifest> {
         let walker = py.import("deeppart.state")?;
         let leaves = walker.call_method1("describe_leaves", (state,))?;
-        Manifest::from_leaves(&leaves)
+        Manifest::from_leaves(&leaves, None)
     }
 
     /// The JSON interchange form (docs/PLANNER.md): `{"version": 1, "leaves":
-    /// [{"path": [...], "dtype": ..., "shape": [...]}, ...]}`, what `deeppart
+    /// [{"path": [...], "dtype": ..., "shape": [...]}, ...]}` (version 2 with
+    /// `"groups"` when the manifest has holder groups), what `deeppart
     /// plan` and `deeppart simulate --model FILE` read and `Manifest.from_json`
     /// parses. E.g. `Manifest.from_state_dict(state).to_json()`.
     fn to_json(&self) -> String {
@@ -89,6 +105,7 @@ impl Manifest {
             }
             d.set_item("nbytes", leaf.nbytes)?;
             d.set_item("owner", leaf.owner)?;
+            d.set_item("holders", leaf.holders)?;
             list.append(d)?;
         }
         Ok(list)
@@ -101,6 +118,13 @@ impl Manifest {
             .iter()
             .map(|l| path_to_py(py, &l.path))
             .collect()
+    }
+
+    /// The holder groups, each a sorted list of distinct ranks; a leaf's
+    /// `holders` is an index into it. Empty for a manifest without groups.
+    #[getter]
+    fn groups(&self) -> Vec<Vec<u32>> {
+        self.inner.groups().to_vec()
     }
 
     #[getter]

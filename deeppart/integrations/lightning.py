@@ -34,7 +34,7 @@ from typing import Any
 import torch.distributed as dist
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.utilities import rank_zero_warn
 
 from deeppart.checkpoint import load, save
@@ -42,7 +42,7 @@ from deeppart.errors import CheckpointError
 from deeppart.format import remove_tree
 from deeppart.ownership import owned_dir
 
-__all__ = ["DeepPartCheckpointIO", "DeepPartDDPStrategy"]
+__all__ = ["DeepPartCheckpointIO", "DeepPartDDPStrategy", "DeepPartModelParallelStrategy"]
 
 
 def _default_comm(comm: Any) -> Any:
@@ -196,6 +196,78 @@ class DeepPartDDPStrategy(DDPStrategy):
             )
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
+
+#: The checkpoint keys that hold DTensor state under ModelParallelStrategy.
+_SHARDED_KEYS = ("state_dict", "optimizer_states")
+
+
+class DeepPartModelParallelStrategy(ModelParallelStrategy):
+    """``ModelParallelStrategy`` (FSDP2, tensor parallelism through the
+    LightningModule's ``configure_model``) whose checkpoints are DeepPart
+    checkpoints: the sharded model and optimizer state (DTensors) and
+    Lightning's own values in one directory, each rank writing its shards;
+    resumed into the same or another mesh or number of ranks. Takes
+    ``ModelParallelStrategy``'s arguments (``save_distributed_checkpoint``
+    must stay True: the point is not to gather the state on rank 0)."""
+
+    strategy_name = "deeppart_model_parallel"
+
+    def __init__(self, *, comm: Any = None, **kwargs: Any) -> None:
+        if kwargs.get("save_distributed_checkpoint") is False:
+            raise ValueError(
+                "DeepPartModelParallelStrategy saves the sharded state; "
+                "save_distributed_checkpoint=False gathers it on rank 0 (use ModelParallelStrategy)"
+            )
+        super().__init__(**kwargs)
+        self.comm = comm
+
+    def save_checkpoint(
+        self,
+        checkpoint: dict[str, Any],
+        filepath: _PATH,
+        storage_options: Any | None = None,
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError("DeepPartModelParallelStrategy takes no storage_options")
+        path = Path(self.broadcast(filepath))
+        save(checkpoint, path, comm=_default_comm(self.comm), overwrite=True)
+
+    def load_checkpoint(
+        self, checkpoint_path: _PATH, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        from deeppart.reader import open_checkpoint
+
+        path = Path(self.broadcast(checkpoint_path))
+        comm = _default_comm(self.comm)
+        # The model's and optimizers' DTensors are filled in place (resharded
+        # if the mesh differs); Lightning's values are read as they are.
+        target = {
+            "state_dict": self.lightning_module_state_dict(),
+            "optimizer_states": [self.optimizer_state(o) for o in self.optimizers],
+        }
+        sharded = load(path, comm=comm, into=target, keys=list(_SHARDED_KEYS))
+        _, meta, _ = open_checkpoint(path)
+        rest = sorted({str(lf.path[0]) for lf in meta.leaves} - set(_SHARDED_KEYS))
+        out: dict[str, Any] = load(path, comm=comm, keys=rest) if rest else {}
+        assert self.model is not None
+        set_model_state_dict(self.model, sharded["state_dict"])
+        for opt, osd in zip(self.optimizers, sharded["optimizer_states"], strict=True):
+            set_optimizer_state_dict(self.model, opt, osd)
+        out.update(sharded)
+        return out
+
+
+if DeepPartModelParallelStrategy.strategy_name not in StrategyRegistry:
+    StrategyRegistry.register(
+        DeepPartModelParallelStrategy.strategy_name,
+        DeepPartModelParallelStrategy,
+        description="ModelParallelStrategy (FSDP2/TP) with DeepPart checkpoints",
+    )
 
 if DeepPartDDPStrategy.strategy_name not in StrategyRegistry:
     StrategyRegistry.register(

@@ -31,14 +31,27 @@
 //!    (`k mod N` nodes with `⌈k/N⌉`, the others `⌊k/N⌋`); call that `C(k)`.
 //!    So `T >= F + B / C(k)`.
 //!
+//! 6. With holder groups (docs/PLANNER.md): a leaf held by the ranks `H_l`
+//!    (every rank, or a group) is written by ranks of `H_l` only. Bound 4
+//!    holds with `min(k, n_l, |H_l|)` pieces on distinct writers. And the
+//!    pieces of a plan are a *fractional* assignment: rank `r` carries the
+//!    costs of its pieces, at least `c(l)` per leaf in total over the
+//!    leaf's holders, on top of `o_r` (leaves with one holder count as
+//!    owned). So `T - F` is at least the fractional optimum `Φ`: the least
+//!    `t` at which every leaf's `c(l)` can be spread over its holders with
+//!    no rank above `t` ([`crate::holders`]: a max-flow over the leaves
+//!    aggregated by holder set, Hall's condition over unions of groups).
+//!    `T >= F + Φ`, for every `k`.
+//!
 //! So `makespan = T + k w >= M(k) + k w` with `M(k)` the largest of the
-//! bounds 2-5, and the minimum of that over the feasible `k` is a lower bound
+//! bounds 2-6, and the minimum of that over the feasible `k` is a lower bound
 //! for every legal plan. `M(k)` is non-increasing in `k` and in the number of
 //! nodes, so the bound never rises with the world size. It is cheap:
 //! `O(leaves + world_size)`.
 
 use crate::cost::{CostModel, Topology};
-use crate::manifest::Manifest;
+use crate::holders::HolderFlow;
+use crate::manifest::{Holders, Manifest};
 
 /// The loads that the bound, and the algorithms, start from.
 #[derive(Debug, Clone)]
@@ -58,6 +71,15 @@ pub struct LoadSummary {
     pub is_owner: Vec<bool>,
     /// Bytes of all leaves, owned and replicated (`B`).
     pub total_bytes: u64,
+    /// Summed single-piece cost of the leaves held by a group of several
+    /// ranks (part of `W` in the proof), and how many there are.
+    pub grouped_work: f64,
+    pub grouped_leaves: usize,
+    /// The network of the shared leaves, when some leaf is held by a group
+    /// of several ranks; with it, the fractional optimum `Φ` (bound 6; 0
+    /// without groups).
+    pub holders: Option<HolderFlow>,
+    pub fractional_level: f64,
     /// Index `n` in `1..=world_size`: the largest `B_l / n` over replicated
     /// leaves with `n_l == n`.
     per_piece_bytes: Vec<f64>,
@@ -85,19 +107,32 @@ impl LoadSummary {
         let mut replicated_max_pieces = 0u64;
         let mut per_piece_bytes = vec![0.0f64; ws + 1];
         let mut leaf_bytes_by_pieces = vec![0.0f64; ws + 2];
+        let mut grouped_work = 0.0;
+        let mut grouped_leaves = 0;
         for leaf in manifest.leaves() {
             let c = cost.piece_cost(leaf.nbytes);
-            match leaf.owner {
+            let holders = manifest.holders(leaf);
+            let sole = match holders {
+                Holders::Ranks(&[o]) => Some(o),
+                _ => None,
+            };
+            match sole {
                 Some(o) => {
                     owned_load[o as usize] += c;
                     owned_bytes[o as usize] += leaf.nbytes;
                     is_owner[o as usize] = true;
                 }
                 None => {
-                    replicated_work += c;
-                    replicated_leaves += 1;
-                    let n = cost.max_pieces(leaf);
-                    replicated_max_pieces = replicated_max_pieces.saturating_add(n);
+                    let mut n = cost.max_pieces(leaf);
+                    if let Holders::Ranks(rs) = holders {
+                        grouped_work += c;
+                        grouped_leaves += 1;
+                        n = n.min(rs.len() as u64);
+                    } else {
+                        replicated_work += c;
+                        replicated_leaves += 1;
+                        replicated_max_pieces = replicated_max_pieces.saturating_add(n);
+                    }
                     let bytes = leaf.nbytes as f64;
                     if n <= world_size as u64 {
                         let slot = &mut per_piece_bytes[n as usize];
@@ -109,7 +144,17 @@ impl LoadSummary {
             }
         }
         let ranks_per_node = topology.ranks_per_node.max(1);
+        let holders = HolderFlow::new(manifest, world_size, cost);
+        let fractional_level = holders.as_ref().map_or(0.0, |f| {
+            let everyone: Vec<u32> = (0..world_size).collect();
+            // The infeasible end of the bisection: below the optimum.
+            f.level(&everyone, &owned_load, 1e-9).0
+        });
         LoadSummary {
+            grouped_work,
+            grouped_leaves,
+            holders,
+            fractional_level,
             replicated_work,
             replicated_leaves,
             replicated_max_pieces,
@@ -134,6 +179,11 @@ impl LoadSummary {
 
     pub fn max_owned(&self) -> f64 {
         self.owned_load.iter().copied().fold(0.0, f64::max)
+    }
+
+    /// Leaves held by more than one rank (every rank, or a group).
+    pub fn shared_leaves(&self) -> usize {
+        self.replicated_leaves + self.grouped_leaves
     }
 }
 
@@ -203,9 +253,9 @@ impl Levels {
             fixed_s: cost.fixed_s,
             piece_s: cost.piece_s,
             bandwidth: cost.bandwidth,
-            work: summary.replicated_work + summary.total_owned(),
-            floor: cost.fixed_s + summary.max_owned(),
-            replicated: summary.replicated_leaves > 0,
+            work: summary.replicated_work + summary.grouped_work + summary.total_owned(),
+            floor: cost.fixed_s + summary.max_owned().max(summary.fractional_level),
+            replicated: summary.shared_leaves() > 0,
             cut_prefix,
             whole_suffix,
             total_bytes: summary.total_bytes as f64,
@@ -245,12 +295,12 @@ impl Levels {
 /// replicated must be written) to the world size.
 pub fn writer_range(summary: &LoadSummary, world_size: u32) -> (u32, u32) {
     let owners = summary.owners() as u32;
-    let lo = if summary.replicated_leaves > 0 {
+    let lo = if summary.shared_leaves() > 0 {
         owners.max(1)
     } else {
         owners
     };
-    let hi = if summary.replicated_leaves > 0 {
+    let hi = if summary.shared_leaves() > 0 {
         world_size
     } else {
         owners

@@ -437,7 +437,7 @@ impl PlanCache {
             return Ok(p);
         }
         let ranks =
-            crate::algorithms::run(algorithm, &req.manifest, req.world_size, &topology, &cost);
+            crate::algorithms::run(algorithm, &req.manifest, req.world_size, &topology, &cost)?;
         let plan = crate::pipeline::assemble_plan_with_fingerprint(
             req.manifest,
             req.world_size,

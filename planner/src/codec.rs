@@ -420,7 +420,7 @@ pub fn decode(
 
 /// Checks a decoded assignment: accepts exactly what
 /// [`crate::plan::validate_assignment`] accepts (every unit of every leaf
-/// written exactly once, owned leaves by their owner, pieces within bounds,
+/// written exactly once, every piece on a holder of its leaf, pieces within bounds,
 /// each rank's pieces strictly ordered), in linear time: a leaf written as
 /// one piece needs no sort, and only the pieces of split leaves are sorted.
 pub fn validate_decoded(
@@ -433,7 +433,7 @@ pub fn validate_decoded(
     let mut count = vec![0u32; leaves.len()];
     for (r, list) in ranks.iter().enumerate() {
         for (i, p) in list.iter().enumerate() {
-            check_piece(leaves, r, list, i)?;
+            check_piece(manifest, r, list, i)?;
             let c = &mut count[p.leaf as usize];
             *c = c.saturating_add(1);
         }

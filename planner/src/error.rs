@@ -26,6 +26,12 @@ pub enum ManifestError {
     TooManyLeaves { count: usize, limit: usize },
     #[error("manifest total size overflows: the leaves add up to more than {limit} bytes")]
     TotalTooLarge { limit: u64 },
+    #[error("holder group {index}: {reason}")]
+    Group { index: usize, reason: String },
+    #[error("manifest has {count} holder groups, more than the limit of {limit}; merge leaves with the same holders into one group")]
+    TooManyGroups { count: usize, limit: usize },
+    #[error("manifest's holder groups list {count} ranks together, more than the limit of {limit}; list each distinct rank set once")]
+    TooManyGroupEntries { count: usize, limit: usize },
 }
 
 /// Inputs that a plan cannot be computed or accepted for.
@@ -41,6 +47,19 @@ pub enum PlanError {
         path: String,
         owner: u32,
         world_size: u32,
+    },
+    #[error("holder group {group} lists rank {rank}, but the world size is {world_size} (first leaf it holds: {leaf}); plan for the world the groups were made for")]
+    HolderOutOfRange {
+        group: usize,
+        rank: u32,
+        world_size: u32,
+        leaf: String,
+    },
+    #[error("algorithm {algorithm} does not plan leaves held by a group of ranks (leaf {index} ({path})); use \"balanced\", \"lpt\" or \"greedy\"")]
+    HoldersUnsupported {
+        algorithm: &'static str,
+        index: usize,
+        path: String,
     },
     #[error("invalid topology: {0}")]
     Topology(String),

@@ -2,7 +2,7 @@
 //! fingerprint must get the same plan; a new planner version never shares one.
 
 use crate::cost::{CostModel, Topology};
-use crate::manifest::{LeafKind, Manifest, PathKey};
+use crate::manifest::{encode_groups, encode_leaf, Manifest};
 use crate::plan::Algorithm;
 
 /// Bytes hashed per `blake3` update: the encoding is streamed through a
@@ -35,44 +35,13 @@ pub fn plan_fingerprint(
     // The same bytes as Manifest::encode_canonical, a chunk at a time.
     buf.extend_from_slice(&(manifest.len() as u64).to_le_bytes());
     for leaf in manifest.leaves() {
-        buf.extend_from_slice(&(leaf.path.len() as u32).to_le_bytes());
-        for key in &leaf.path {
-            match key {
-                PathKey::Str(s) => {
-                    buf.push(b's');
-                    buf.extend_from_slice(&(s.len() as u64).to_le_bytes());
-                    buf.extend_from_slice(s.as_bytes());
-                }
-                PathKey::Int(i) => {
-                    buf.push(b'i');
-                    buf.extend_from_slice(&i.to_le_bytes());
-                }
-            }
-        }
-        match &leaf.kind {
-            LeafKind::Tensor { dtype, shape } => {
-                buf.push(b'T');
-                buf.push(dtype.code());
-                buf.extend_from_slice(&(shape.len() as u32).to_le_bytes());
-                for d in shape {
-                    buf.extend_from_slice(&d.to_le_bytes());
-                }
-            }
-            LeafKind::Object => buf.push(b'O'),
-        }
-        buf.extend_from_slice(&leaf.nbytes.to_le_bytes());
-        match leaf.owner {
-            Some(o) => {
-                buf.push(1);
-                buf.extend_from_slice(&o.to_le_bytes());
-            }
-            None => buf.push(0),
-        }
+        encode_leaf(leaf, &mut buf);
         if buf.len() >= CHUNK {
             hasher.update(&buf);
             buf.clear();
         }
     }
+    encode_groups(manifest.groups(), &mut buf);
     hasher.update(&buf);
     hasher.finalize().to_hex().to_string()
 }
@@ -81,7 +50,7 @@ pub fn plan_fingerprint(
 mod tests {
     use super::*;
     use crate::dtype::DType;
-    use crate::manifest::Leaf;
+    use crate::manifest::{Leaf, PathKey};
 
     /// The definition: one hash over the whole encoding.
     fn reference(
@@ -128,7 +97,24 @@ mod tests {
                     }
                 })
                 .collect();
-            let m = Manifest::new(leaves).unwrap();
+            let leaves: Vec<Leaf> = leaves;
+            let groups = if n % 2 == 1 {
+                vec![vec![0, 3], vec![1, 2, 5]]
+            } else {
+                Vec::new()
+            };
+            let leaves = leaves
+                .into_iter()
+                .enumerate()
+                .map(|(i, l)| {
+                    if !groups.is_empty() && l.owner.is_none() && i % 5 == 0 {
+                        l.with_holders(Some((i % 2) as u32))
+                    } else {
+                        l
+                    }
+                })
+                .collect();
+            let m = Manifest::with_groups(leaves, groups).unwrap();
             let t = Topology { ranks_per_node: 2 };
             let c = CostModel {
                 piece_s: 3e-5,

@@ -14,6 +14,7 @@ pub mod dtype;
 pub mod erasure;
 pub mod error;
 pub mod fingerprint;
+pub mod holders;
 pub mod manifest;
 pub mod pipeline;
 pub mod plan;
@@ -23,7 +24,7 @@ pub mod store;
 pub use cost::{CostModel, Grain, Topology};
 pub use dtype::DType;
 pub use error::{ManifestError, PlanError};
-pub use manifest::{Leaf, LeafKind, Manifest, PathKey};
+pub use manifest::{Holders, Leaf, LeafKind, Manifest, PathKey};
 pub use pipeline::{
     assemble_plan, assemble_plan_with_fingerprint, check_world_size, plan, validate_inputs,
     MAX_WORLD_SIZE, PLANNER_VERSION,

@@ -1,5 +1,10 @@
 //! The manifest: an ordered list of the leaves of a state tree, with their
-//! sizes and owners. It is what the planner partitions.
+//! sizes and holders. It is what the planner partitions.
+//!
+//! Who holds a leaf: every rank (the default), one rank (`owner`), or the
+//! ranks of one of the manifest's holder *groups* (`holders`, an index into
+//! [`Manifest::groups`]; version 2 of the JSON form). The holders of a leaf
+//! have identical bytes of it, and only they may write it.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -9,8 +14,18 @@ use serde_json::{json, Map, Value};
 use crate::dtype::DType;
 use crate::error::ManifestError;
 
-/// Version of the JSON interchange form that this crate reads and writes.
+/// Version of the JSON interchange form without holder groups; written for
+/// every manifest that has none, so that such manifests read and write as before.
 pub const MANIFEST_VERSION: u64 = 1;
+/// Version of the JSON interchange form with holder groups (`"groups"` and
+/// a leaf's `"holders"`).
+pub const MANIFEST_VERSION_GROUPS: u64 = 2;
+/// Most holder groups a manifest may have.
+pub const MAX_GROUPS: usize = 1 << 16;
+/// Most rank entries all holder groups of a manifest may have together.
+pub const MAX_GROUP_ENTRIES: usize = 1 << 22;
+/// Ranks in a holder group are below this (the largest world size).
+pub const MAX_GROUP_RANK: u64 = 1 << 20;
 /// Largest accepted size of one leaf, and of a whole manifest (1 EiB).
 pub const MAX_BYTES: u64 = 1 << 60;
 /// Most leaves a manifest may have.
@@ -63,8 +78,13 @@ pub struct Leaf {
     pub kind: LeafKind,
     /// Size in bytes (derived from dtype and shape for tensors).
     pub nbytes: u64,
-    /// The only rank that has this leaf; `None` means replicated on all ranks.
+    /// The only rank that has this leaf; `None` means replicated on all ranks
+    /// (unless `holders` names a group).
     pub owner: Option<u32>,
+    /// The holder group of this leaf: an index into [`Manifest::groups`].
+    /// `None` (and no `owner`) means held by every rank. A leaf has at most
+    /// one of `owner` and `holders`.
+    pub holders: Option<u32>,
 }
 
 impl Leaf {
@@ -100,6 +120,7 @@ impl Leaf {
             kind: LeafKind::Tensor { dtype, shape },
             nbytes,
             owner,
+            holders: None,
         })
     }
 
@@ -115,7 +136,20 @@ impl Leaf {
             kind: LeafKind::Object,
             nbytes,
             owner,
+            holders: None,
         })
+    }
+
+    /// The same leaf, held by the ranks of group `holders` (an index into
+    /// the groups of the manifest it goes into).
+    pub fn with_holders(mut self, holders: Option<u32>) -> Leaf {
+        self.holders = holders;
+        self
+    }
+
+    /// Whether every rank holds this leaf (no owner, no holder group).
+    pub fn is_replicated(&self) -> bool {
+        self.owner.is_none() && self.holders.is_none()
     }
 
     /// Number of plan units: elements for a tensor, 1 for an object.
@@ -177,13 +211,48 @@ impl Leaf {
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Manifest {
     leaves: Vec<Leaf>,
+    /// Holder groups: each a sorted list of distinct ranks, not empty.
+    groups: Vec<Vec<u32>>,
     total_bytes: u64,
 }
 
+/// The ranks that hold a leaf.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Holders<'a> {
+    /// Every rank of the world.
+    All,
+    /// These ranks (sorted, distinct, not empty): the owner, or a group.
+    Ranks(&'a [u32]),
+}
+
+impl Holders<'_> {
+    /// Whether `rank` holds the leaf.
+    pub fn contains(&self, rank: u32) -> bool {
+        match self {
+            Holders::All => true,
+            Holders::Ranks(ranks) => ranks.binary_search(&rank).is_ok(),
+        }
+    }
+}
+
 impl Manifest {
-    /// Validates and builds a manifest: no duplicate or empty paths, sizes in
-    /// range, total size without overflow.
+    /// Validates and builds a manifest without holder groups: no duplicate or
+    /// empty paths, sizes in range, total size without overflow.
     pub fn new(leaves: Vec<Leaf>) -> Result<Manifest, ManifestError> {
+        Manifest::with_groups(leaves, Vec::new())
+    }
+
+    /// Validates and builds a manifest with holder groups: as [`Manifest::new`],
+    /// and every group is a non-empty, sorted list of distinct ranks below
+    /// [`MAX_GROUP_RANK`], there are at most [`MAX_GROUPS`] groups of at most
+    /// [`MAX_GROUP_ENTRIES`] entries together, and every leaf's `holders`
+    /// names a group (and the leaf has no `owner` too). Whether the ranks
+    /// are below the world size is checked when planning.
+    pub fn with_groups(
+        leaves: Vec<Leaf>,
+        groups: Vec<Vec<u32>>,
+    ) -> Result<Manifest, ManifestError> {
+        check_groups(&groups)?;
         if leaves.len() > MAX_LEAVES {
             return Err(ManifestError::TooManyLeaves {
                 count: leaves.len(),
@@ -220,6 +289,20 @@ impl Manifest {
                     )));
                 }
             }
+            if let Some(g) = leaf.holders {
+                if leaf.owner.is_some() {
+                    return Err(bad(
+                        "a leaf takes \"owner\" or \"holders\", not both; drop one".into(),
+                    ));
+                }
+                if g as usize >= groups.len() {
+                    return Err(bad(format!(
+                        "holders {g} names no group: the manifest has {} groups (0..{})",
+                        groups.len(),
+                        groups.len()
+                    )));
+                }
+            }
             if let Some(first) = seen.insert(&leaf.path, index) {
                 return Err(ManifestError::DuplicatePath {
                     index,
@@ -234,12 +317,47 @@ impl Manifest {
         }
         Ok(Manifest {
             leaves,
+            groups,
             total_bytes: total,
         })
     }
 
     pub fn leaves(&self) -> &[Leaf] {
         &self.leaves
+    }
+
+    /// The holder groups, as given (each sorted, distinct, not empty).
+    pub fn groups(&self) -> &[Vec<u32>] {
+        &self.groups
+    }
+
+    /// Whether the manifest has holder groups (its JSON form is version 2).
+    pub fn has_groups(&self) -> bool {
+        !self.groups.is_empty()
+    }
+
+    /// The ranks that hold `leaf` (a leaf of this manifest).
+    pub fn holders<'a>(&'a self, leaf: &'a Leaf) -> Holders<'a> {
+        match (leaf.owner.as_ref(), leaf.holders) {
+            (Some(o), _) => Holders::Ranks(std::slice::from_ref(o)),
+            (None, Some(g)) => Holders::Ranks(&self.groups[g as usize]),
+            (None, None) => Holders::All,
+        }
+    }
+
+    /// Whether some leaf is held by a group (not by every rank nor one owner).
+    pub fn uses_groups(&self) -> bool {
+        self.leaves.iter().any(|l| l.holders.is_some())
+    }
+
+    /// The highest rank of any group, with the group's index and the first
+    /// leaf it holds (for messages), if there are groups.
+    pub fn max_group_rank(&self) -> Option<(usize, u32)> {
+        self.groups
+            .iter()
+            .enumerate()
+            .filter_map(|(g, ranks)| ranks.last().map(|&r| (g, r)))
+            .max_by_key(|&(g, r)| (r, std::cmp::Reverse(g)))
     }
 
     pub fn len(&self) -> usize {
@@ -254,11 +372,11 @@ impl Manifest {
         self.total_bytes
     }
 
-    /// Bytes held by all ranks (leaves without an owner).
+    /// Bytes held by all ranks (leaves without an owner or a holder group).
     pub fn replicated_bytes(&self) -> u64 {
         self.leaves
             .iter()
-            .filter(|l| l.owner.is_none())
+            .filter(|l| l.is_replicated())
             .map(|l| l.nbytes)
             .sum()
     }
@@ -285,7 +403,7 @@ impl Manifest {
             .as_object()
             .ok_or_else(|| ManifestError::Json("the top level must be an object".into()))?;
         for key in obj.keys() {
-            if key != "version" && key != "leaves" {
+            if key != "version" && key != "leaves" && key != "groups" {
                 return Err(ManifestError::Json(format!(
                     "unknown top-level key {key:?}"
                 )));
@@ -298,12 +416,21 @@ impl Manifest {
             .ok_or_else(|| {
                 ManifestError::Json("\"version\" must be a non-negative integer".into())
             })?;
-        if version != MANIFEST_VERSION {
+        if version != MANIFEST_VERSION && version != MANIFEST_VERSION_GROUPS {
             return Err(ManifestError::Version {
                 found: version,
-                supported: MANIFEST_VERSION,
+                supported: MANIFEST_VERSION_GROUPS,
             });
         }
+        let groups = match obj.get("groups") {
+            None => Vec::new(),
+            Some(_) if version == MANIFEST_VERSION => {
+                return Err(ManifestError::Json(
+                    "\"groups\" needs \"version\": 2".into(),
+                ))
+            }
+            Some(raw) => groups_from_json(raw)?,
+        };
         let raw_leaves = obj
             .get("leaves")
             .ok_or_else(|| ManifestError::Json("missing \"leaves\"".into()))?
@@ -317,9 +444,17 @@ impl Manifest {
         }
         let mut leaves = Vec::with_capacity(raw_leaves.len());
         for (index, raw) in raw_leaves.iter().enumerate() {
-            leaves.push(leaf_from_json(index, raw)?);
+            let leaf = leaf_from_json(index, raw)?;
+            if leaf.holders.is_some() && version == MANIFEST_VERSION {
+                return Err(ManifestError::Leaf {
+                    index,
+                    path: leaf.display_path(),
+                    reason: "\"holders\" needs \"version\": 2 and \"groups\"".into(),
+                });
+            }
+            leaves.push(leaf);
         }
-        Manifest::new(leaves)
+        Manifest::with_groups(leaves, groups)
     }
 
     /// The JSON interchange form, as a value.
@@ -343,10 +478,17 @@ impl Manifest {
                 if let Some(owner) = leaf.owner {
                     m.insert("owner".into(), json!(owner));
                 }
+                if let Some(g) = leaf.holders {
+                    m.insert("holders".into(), json!(g));
+                }
                 Value::Object(m)
             })
             .collect();
-        json!({"version": MANIFEST_VERSION, "leaves": leaves})
+        if self.has_groups() {
+            json!({"version": MANIFEST_VERSION_GROUPS, "groups": self.groups, "leaves": leaves})
+        } else {
+            json!({"version": MANIFEST_VERSION, "leaves": leaves})
+        }
     }
 
     /// The JSON interchange form, as text.
@@ -354,31 +496,16 @@ impl Manifest {
         self.to_json_value().to_string()
     }
 
-    /// Appends a canonical binary encoding of the structure, used by fingerprints.
+    /// Appends a canonical binary encoding of the structure, used by
+    /// fingerprints: the leaf count, every leaf ([`encode_leaf`]), then the
+    /// groups ([`encode_groups`], nothing for a manifest without groups, so
+    /// that such a manifest encodes as it did before groups existed).
     pub fn encode_canonical(&self, out: &mut Vec<u8>) {
         out.extend_from_slice(&(self.leaves.len() as u64).to_le_bytes());
         for leaf in &self.leaves {
-            encode_path(&leaf.path, out);
-            match &leaf.kind {
-                LeafKind::Tensor { dtype, shape } => {
-                    out.push(b'T');
-                    out.push(dtype.code());
-                    out.extend_from_slice(&(shape.len() as u32).to_le_bytes());
-                    for d in shape {
-                        out.extend_from_slice(&d.to_le_bytes());
-                    }
-                }
-                LeafKind::Object => out.push(b'O'),
-            }
-            out.extend_from_slice(&leaf.nbytes.to_le_bytes());
-            match leaf.owner {
-                Some(o) => {
-                    out.push(1);
-                    out.extend_from_slice(&o.to_le_bytes());
-                }
-                None => out.push(0),
-            }
+            encode_leaf(leaf, out);
         }
+        encode_groups(&self.groups, out);
     }
 
     /// A content hash of the manifest structure (hex blake3).
@@ -388,6 +515,139 @@ impl Manifest {
         self.encode_canonical(&mut buf);
         blake3::hash(&buf).to_hex().to_string()
     }
+}
+
+/// The canonical encoding of one leaf: path, kind, size and holders (a tag
+/// 0 for every rank, 1 and the owner, 2 and the group index).
+pub(crate) fn encode_leaf(leaf: &Leaf, out: &mut Vec<u8>) {
+    encode_path(&leaf.path, out);
+    match &leaf.kind {
+        LeafKind::Tensor { dtype, shape } => {
+            out.push(b'T');
+            out.push(dtype.code());
+            out.extend_from_slice(&(shape.len() as u32).to_le_bytes());
+            for d in shape {
+                out.extend_from_slice(&d.to_le_bytes());
+            }
+        }
+        LeafKind::Object => out.push(b'O'),
+    }
+    out.extend_from_slice(&leaf.nbytes.to_le_bytes());
+    match (leaf.owner, leaf.holders) {
+        (Some(o), _) => {
+            out.push(1);
+            out.extend_from_slice(&o.to_le_bytes());
+        }
+        (None, Some(g)) => {
+            out.push(2);
+            out.extend_from_slice(&g.to_le_bytes());
+        }
+        (None, None) => out.push(0),
+    }
+}
+
+/// The canonical encoding of the groups, after the leaves: nothing when
+/// there are none; else `'G'`, the group count, and each group's length and
+/// ranks. The leaf count comes first, so these bytes cannot be read as a leaf.
+pub(crate) fn encode_groups(groups: &[Vec<u32>], out: &mut Vec<u8>) {
+    if groups.is_empty() {
+        return;
+    }
+    out.push(b'G');
+    out.extend_from_slice(&(groups.len() as u64).to_le_bytes());
+    for g in groups {
+        out.extend_from_slice(&(g.len() as u32).to_le_bytes());
+        for r in g {
+            out.extend_from_slice(&r.to_le_bytes());
+        }
+    }
+}
+
+/// Checks holder groups: at most [`MAX_GROUPS`] groups and
+/// [`MAX_GROUP_ENTRIES`] entries, each non-empty, sorted and distinct, with
+/// ranks below [`MAX_GROUP_RANK`].
+pub fn check_groups(groups: &[Vec<u32>]) -> Result<(), ManifestError> {
+    if groups.len() > MAX_GROUPS {
+        return Err(ManifestError::TooManyGroups {
+            count: groups.len(),
+            limit: MAX_GROUPS,
+        });
+    }
+    let entries: usize = groups.iter().map(Vec::len).sum();
+    if entries > MAX_GROUP_ENTRIES {
+        return Err(ManifestError::TooManyGroupEntries {
+            count: entries,
+            limit: MAX_GROUP_ENTRIES,
+        });
+    }
+    for (index, g) in groups.iter().enumerate() {
+        let bad = |reason: String| Err(ManifestError::Group { index, reason });
+        if g.is_empty() {
+            return bad("is empty; a group holds at least one rank".into());
+        }
+        for w in g.windows(2) {
+            if w[0] == w[1] {
+                return bad(format!("lists rank {} twice; list each rank once", w[0]));
+            }
+            if w[0] > w[1] {
+                return bad(format!(
+                    "is not sorted (rank {} before {}); list the ranks in increasing order",
+                    w[0], w[1]
+                ));
+            }
+        }
+        if let Some(&last) = g.last() {
+            if u64::from(last) >= MAX_GROUP_RANK {
+                return bad(format!(
+                    "rank {last} is not below the largest world size {MAX_GROUP_RANK}"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Parses the `"groups"` of the JSON form: an array of arrays of ranks,
+/// checked for size before anything is built from it.
+pub fn groups_from_json(raw: &Value) -> Result<Vec<Vec<u32>>, ManifestError> {
+    let arr = raw.as_array().ok_or_else(|| {
+        ManifestError::Json("\"groups\" must be an array of arrays of ranks".into())
+    })?;
+    if arr.len() > MAX_GROUPS {
+        return Err(ManifestError::TooManyGroups {
+            count: arr.len(),
+            limit: MAX_GROUPS,
+        });
+    }
+    let mut entries = 0usize;
+    let mut groups = Vec::with_capacity(arr.len());
+    for (index, g) in arr.iter().enumerate() {
+        let bad = |reason: String| ManifestError::Group { index, reason };
+        let ranks = g
+            .as_array()
+            .ok_or_else(|| bad(format!("{g} is not an array of ranks")))?;
+        entries = entries.saturating_add(ranks.len());
+        if entries > MAX_GROUP_ENTRIES {
+            return Err(ManifestError::TooManyGroupEntries {
+                count: entries,
+                limit: MAX_GROUP_ENTRIES,
+            });
+        }
+        let ranks = ranks
+            .iter()
+            .map(|r| {
+                r.as_u64()
+                    .filter(|&r| r < MAX_GROUP_RANK)
+                    .map(|r| r as u32)
+                    .ok_or_else(|| {
+                        bad(format!("rank {r} is not an integer in 0..{MAX_GROUP_RANK}"))
+                    })
+            })
+            .collect::<Result<Vec<u32>, _>>()?;
+        groups.push(ranks);
+    }
+    check_groups(&groups)?;
+    Ok(groups)
 }
 
 fn encode_path(path: &[PathKey], out: &mut Vec<u8>) {
@@ -462,7 +722,7 @@ pub fn leaf_from_json(index: usize, raw: &Value) -> Result<Leaf, ManifestError> 
     for key in obj.keys() {
         if !matches!(
             key.as_str(),
-            "path" | "kind" | "dtype" | "shape" | "nbytes" | "owner"
+            "path" | "kind" | "dtype" | "shape" | "nbytes" | "owner" | "holders"
         ) {
             return Err(bad(format!("unknown key {key:?}")));
         }
@@ -479,6 +739,17 @@ pub fn leaf_from_json(index: usize, raw: &Value) -> Result<Leaf, ManifestError> 
                 .as_u64()
                 .ok_or_else(|| bad(format!("owner {v} is not a non-negative integer")))?;
             Some(u32::try_from(o).map_err(|_| bad(format!("owner {o} is out of range")))?)
+        }
+    };
+    let holders = match obj.get("holders") {
+        None | Some(Value::Null) => None,
+        Some(v) => {
+            let g = v.as_u64().ok_or_else(|| {
+                bad(format!(
+                    "holders {v} is not a group index (a non-negative integer)"
+                ))
+            })?;
+            Some(u32::try_from(g).map_err(|_| bad(format!("holders {g} is out of range")))?)
         }
     };
     let nonneg = |field: &str, v: &Value| -> Result<u64, ManifestError> {
@@ -514,7 +785,9 @@ pub fn leaf_from_json(index: usize, raw: &Value) -> Result<Leaf, ManifestError> 
                 .iter()
                 .map(|d| nonneg("shape dimension", d))
                 .collect::<Result<Vec<u64>, _>>()?;
-            let leaf = Leaf::tensor(path, dtype, shape, owner).map_err(&bad)?;
+            let leaf = Leaf::tensor(path, dtype, shape, owner)
+                .map_err(&bad)?
+                .with_holders(holders);
             // nbytes is derived for tensors; it may be given only if it agrees.
             if let Some(v) = obj.get("nbytes") {
                 let given = nonneg("nbytes", v)?;
@@ -536,7 +809,9 @@ pub fn leaf_from_json(index: usize, raw: &Value) -> Result<Leaf, ManifestError> 
                 obj.get("nbytes")
                     .ok_or_else(|| bad("missing \"nbytes\"".into()))?,
             )?;
-            Leaf::object(path, nbytes, owner).map_err(&bad)
+            Leaf::object(path, nbytes, owner)
+                .map_err(&bad)
+                .map(|l| l.with_holders(holders))
         }
         other => Err(bad(format!(
             "unknown kind {other:?}; expected \"tensor\" or \"object\""
@@ -575,7 +850,7 @@ mod tests {
     #[test]
     fn rejects_bad_input_with_the_leaf_named() {
         assert!(err("{").starts_with("malformed manifest JSON"));
-        assert!(err(r#"{"version": 2, "leaves": []}"#).contains("unsupported manifest version 2"));
+        assert!(err(r#"{"version": 3, "leaves": []}"#).contains("unsupported manifest version 3"));
         let e = err(r#"{"version":1,"leaves":[{"path":["a"],"dtype":"float33","shape":[1]}]}"#);
         assert!(
             e.contains("leaf 0 (a)") && e.contains("unknown dtype \"float33\""),
@@ -620,6 +895,86 @@ mod tests {
             r#"{"version":1,"leaves":[{"path":["a"],"dtype":"float32","shape":[1],"sahpe":[2]}]}"#,
         );
         assert!(e.contains("unknown key \"sahpe\""), "{e}");
+    }
+
+    const GROUPED: &str = r#"{"version": 2, "groups": [[0, 1], [2, 3], [1, 2, 3]], "leaves": [
+        {"path": ["a"], "dtype": "float32", "shape": [1024], "holders": 0},
+        {"path": ["b"], "dtype": "float32", "shape": [1024], "holders": 2},
+        {"path": ["c"], "kind": "object", "nbytes": 10, "owner": 1},
+        {"path": ["d"], "kind": "object", "nbytes": 10}]}"#;
+
+    #[test]
+    fn groups_round_trip_and_name_the_holders() {
+        let m = Manifest::from_json(GROUPED).unwrap();
+        assert_eq!(m.groups(), &[vec![0, 1], vec![2, 3], vec![1, 2, 3]]);
+        assert_eq!(m.leaves()[0].holders, Some(0));
+        assert_eq!(m.holders(&m.leaves()[1]), Holders::Ranks(&[1, 2, 3]));
+        assert_eq!(m.holders(&m.leaves()[2]), Holders::Ranks(&[1]));
+        assert_eq!(m.holders(&m.leaves()[3]), Holders::All);
+        assert!(m.holders(&m.leaves()[1]).contains(2) && !m.holders(&m.leaves()[1]).contains(0));
+        let text = m.to_json();
+        assert!(text.contains("\"version\":2"), "{text}");
+        let again = Manifest::from_json(&text).unwrap();
+        assert_eq!(again, m);
+        // The holders are part of the structure's fingerprint.
+        let other =
+            Manifest::from_json(&GROUPED.replace("\"holders\": 2", "\"holders\": 1")).unwrap();
+        assert_ne!(other.fingerprint(), m.fingerprint());
+        let regrouped = Manifest::from_json(&GROUPED.replace("[1, 2, 3]]", "[0, 2, 3]]")).unwrap();
+        assert_ne!(regrouped.fingerprint(), m.fingerprint());
+        // Without groups a manifest is still version 1 (and encodes as
+        // before: the zoo fixtures' recorded fingerprints, tests/zoo.rs).
+        let v1 = Manifest::from_json(EXAMPLE).unwrap();
+        assert!(v1.to_json().contains("\"version\":1"));
+    }
+
+    #[test]
+    fn bad_groups_are_named() {
+        let with = |groups: &str, holders: &str| {
+            err(&format!(
+                r#"{{"version":2,"groups":{groups},"leaves":[{{"path":["a"],"kind":"object","nbytes":1{holders}}}]}}"#
+            ))
+        };
+        let e = with("[[0,1],[]]", "");
+        assert!(e.contains("holder group 1: is empty"), "{e}");
+        let e = with("[[0,1,1]]", "");
+        assert!(e.contains("holder group 0: lists rank 1 twice"), "{e}");
+        let e = with("[[2,1]]", "");
+        assert!(e.contains("holder group 0: is not sorted"), "{e}");
+        let e = with("[[0,-1]]", "");
+        assert!(e.contains("holder group 0: rank -1"), "{e}");
+        let e = with("[[0,1048576]]", "");
+        assert!(e.contains("holder group 0: rank 1048576"), "{e}");
+        let e = with("{}", "");
+        assert!(e.contains("\"groups\" must be an array"), "{e}");
+        let e = with("[[0,1]]", r#","holders":1"#);
+        assert!(e.contains("leaf 0 (a): holders 1 names no group"), "{e}");
+        let e = with("[[0,1]]", r#","holders":0,"owner":1"#);
+        assert!(e.contains("leaf 0 (a)") && e.contains("not both"), "{e}");
+        let e = with("[[0,1]]", r#","holders":"x""#);
+        assert!(e.contains("leaf 0 (a): holders \"x\""), "{e}");
+        let e = err(r#"{"version":1,"groups":[[0]],"leaves":[]}"#);
+        assert!(e.contains("needs \"version\": 2"), "{e}");
+        let e = err(
+            r#"{"version":1,"leaves":[{"path":["a"],"kind":"object","nbytes":1,"holders":0}]}"#,
+        );
+        assert!(e.contains("needs \"version\": 2"), "{e}");
+        let many = format!("[{}]", vec!["[0]"; MAX_GROUPS + 1].join(","));
+        let e = with(&many, "");
+        assert!(e.contains("holder groups, more than the limit"), "{e}");
+        let wide: Vec<String> = (0..(MAX_GROUP_ENTRIES / 1024 + 1))
+            .map(|_| {
+                format!(
+                    "[{}]",
+                    (0..1024)
+                        .map(|r| r.to_string())
+                        .collect::<Vec<_>>()
+                        .join(",")
+                )
+            })
+            .collect();
+        let e = with(&format!("[{}]", wide.join(",")), "");
+        assert!(e.contains("ranks together, more than the limit"), "{e}");
     }
 
     #[test]

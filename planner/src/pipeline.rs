@@ -6,10 +6,10 @@
 //!
 //! The order of the stages:
 //! 1. [`validate_inputs`]: world size ([`check_world_size`]), topology, cost
-//!    model, owners within the world.
+//!    model, owners and holder groups within the world.
 //! 2. [`crate::algorithms::run`]: the assignment (computed plans only).
 //! 3. [`crate::plan::validate_assignment`]: every unit written exactly once,
-//!    owned leaves by their owner.
+//!    every piece by a holder of its leaf.
 //! 4. [`score_plan`]: the modelled time ([`crate::plan::evaluate`]), the
 //!    lower bound ([`crate::bound::lower_bound`]), the gap and the fingerprint.
 
@@ -64,6 +64,23 @@ pub fn validate_inputs(
             });
         }
     }
+    if let Some((group, rank)) = manifest.max_group_rank() {
+        if rank >= world_size {
+            let leaf = manifest
+                .leaves()
+                .iter()
+                .enumerate()
+                .find(|(_, l)| l.holders == Some(group as u32))
+                .map(|(i, l)| format!("leaf {i} ({})", l.display_path()))
+                .unwrap_or_else(|| "none".to_string());
+            return Err(PlanError::HolderOutOfRange {
+                group,
+                rank,
+                world_size,
+                leaf,
+            });
+        }
+    }
     Ok(world_size)
 }
 
@@ -78,7 +95,7 @@ pub fn plan(
 ) -> Result<Plan, PlanError> {
     let started = Instant::now();
     let world_size = validate_inputs(&manifest, world_size, &topology, &cost)?;
-    let ranks = crate::algorithms::run(algorithm, &manifest, world_size, &topology, &cost);
+    let ranks = crate::algorithms::run(algorithm, &manifest, world_size, &topology, &cost)?;
     let plan_ms = started.elapsed().as_secs_f64() * 1e3;
     assemble_plan(
         manifest,

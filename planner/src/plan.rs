@@ -255,14 +255,15 @@ pub(crate) fn check_rank_count(ranks: &[Vec<Piece>], world_size: u32) -> Result<
 /// The checks of one piece on its own, shared by [`validate_assignment`] and
 /// the plan codec's linear check: piece `i` of rank `r`'s `list` names a leaf
 /// of the manifest, lies within it, is not empty (unless the leaf is), is
-/// planned on the leaf's owner if it has one, and follows the rank's previous
+/// planned on one of the leaf's holders (its owner or a rank of its group), and follows the rank's previous
 /// piece in strict order. Returns the piece's leaf.
 pub(crate) fn check_piece<'m>(
-    leaves: &'m [Leaf],
+    manifest: &'m Manifest,
     r: usize,
     list: &[Piece],
     i: usize,
 ) -> Result<&'m Leaf, PlanError> {
+    let leaves = manifest.leaves();
     let bad = |m: String| Err(PlanError::Malformed(m));
     let p = &list[i];
     let Some(leaf) = leaves.get(p.leaf as usize) else {
@@ -289,6 +290,15 @@ pub(crate) fn check_piece<'m>(
         if owner as usize != r {
             return bad(format!(
                 "leaf {} ({}) is owned by rank {owner} but planned on rank {r}",
+                p.leaf,
+                leaf.display_path()
+            ));
+        }
+    }
+    if let Some(g) = leaf.holders {
+        if !manifest.holders(leaf).contains(r as u32) {
+            return bad(format!(
+                "leaf {} ({}) is held by group {g} but planned on rank {r}, which is not in it",
                 p.leaf,
                 leaf.display_path()
             ));
@@ -334,7 +344,8 @@ pub(crate) fn check_coverage(
 }
 
 /// Checks that an assignment is a valid plan for the manifest: every unit of
-/// every leaf is written exactly once, owned leaves by their owner, pieces lie
+/// every leaf is written exactly once, every piece by a holder of its leaf
+/// (owned leaves by their owner, grouped leaves by a rank of their group), pieces lie
 /// within bounds, and each rank's pieces are sorted.
 pub fn validate_assignment(
     manifest: &Manifest,
@@ -346,7 +357,7 @@ pub fn validate_assignment(
     let mut covering: Vec<Covering> = Vec::new();
     for (r, list) in ranks.iter().enumerate() {
         for (i, p) in list.iter().enumerate() {
-            check_piece(leaves, r, list, i)?;
+            check_piece(manifest, r, list, i)?;
             covering.push((p.leaf, p.start, p.stop, r as u32));
         }
     }

@@ -85,7 +85,7 @@ const SEARCH_WORK: u64 = 50_000_000;
 
 /// The candidate writer counts in `lo..=hi`: the ladder's, and `lo`. The
 /// ladder does not depend on the world size.
-fn ladder(lo: u32, hi: u32) -> Vec<u32> {
+pub(super) fn ladder(lo: u32, hi: u32) -> Vec<u32> {
     let mut out = Vec::new();
     if lo > hi {
         return out;

@@ -31,7 +31,7 @@ impl Tree {
         let mut nodes = vec![Node::default()];
         let mut index: HashMap<(usize, &PathKey), usize> = HashMap::new();
         for (i, leaf) in manifest.leaves().iter().enumerate() {
-            if leaf.owner.is_some() {
+            if !leaf.is_replicated() {
                 continue;
             }
             let mut at = 0;

@@ -4,39 +4,72 @@
 mod balanced;
 mod deeppart;
 mod greedy;
+mod grouped;
 mod lpt;
 
 use std::cmp::Ordering;
 
 use crate::cost::{CostModel, Topology};
+use crate::error::PlanError;
 use crate::manifest::{Leaf, Manifest};
 use crate::plan::{Algorithm, Piece};
 
-/// Runs one algorithm. Inputs must already be validated.
+/// Runs one algorithm. Inputs must already be validated. Fails only for an
+/// algorithm that does not plan leaves held by groups (`deeppart`), given one.
 pub fn run(
     algorithm: Algorithm,
     manifest: &Manifest,
     world_size: u32,
     topology: &Topology,
     cost: &CostModel,
-) -> Vec<Vec<Piece>> {
+) -> Result<Vec<Vec<Piece>>, PlanError> {
+    if algorithm == Algorithm::DeepPart {
+        if let Some((index, leaf)) = manifest
+            .leaves()
+            .iter()
+            .enumerate()
+            .find(|(_, l)| l.holders.is_some())
+        {
+            return Err(PlanError::HoldersUnsupported {
+                algorithm: algorithm.name(),
+                index,
+                path: leaf.display_path(),
+            });
+        }
+    }
     let mut ranks = vec![Vec::new(); world_size as usize];
     assign_owned(manifest, &mut ranks);
     match algorithm {
+        Algorithm::Balanced if manifest.uses_groups() => {
+            grouped::plan(manifest, world_size, topology, cost, &mut ranks)
+        }
         Algorithm::Balanced => balanced::plan(manifest, world_size, topology, cost, &mut ranks),
         Algorithm::Lpt => lpt::plan(manifest, cost, &mut ranks),
         Algorithm::Greedy => greedy::plan(manifest, &mut ranks),
         Algorithm::DeepPart => deeppart::plan(manifest, cost, &mut ranks),
     }
-    ranks
+    Ok(ranks)
 }
 
-/// Every owned leaf goes, whole, to its owner.
+/// Every owned leaf goes, whole, to its owner; so does every leaf whose
+/// holder group has one rank.
 fn assign_owned(manifest: &Manifest, ranks: &mut [Vec<Piece>]) {
     for (i, leaf) in manifest.leaves().iter().enumerate() {
-        if let Some(owner) = leaf.owner {
+        if let Some(owner) = sole_holder(manifest, leaf) {
             ranks[owner as usize].push(whole(i, leaf.units()));
         }
+    }
+}
+
+/// The one rank that holds `leaf`: its owner, or the only rank of its group.
+pub(crate) fn sole_holder(manifest: &Manifest, leaf: &Leaf) -> Option<u32> {
+    match leaf.owner {
+        Some(o) => Some(o),
+        None => leaf
+            .holders
+            .map(|g| &manifest.groups()[g as usize])
+            .filter(|g| g.len() == 1)
+            .map(|g| g[0]),
     }
 }
 
@@ -57,13 +90,13 @@ struct SizedLeaf {
     leaf: u32,
 }
 
-/// The replicated leaves, largest first (ties by manifest order).
+/// The leaves held by every rank, largest first (ties by manifest order).
 fn replicated_by_size(manifest: &Manifest) -> Vec<SizedLeaf> {
     let mut order: Vec<SizedLeaf> = manifest
         .leaves()
         .iter()
         .enumerate()
-        .filter(|(_, l)| l.owner.is_none())
+        .filter(|(_, l)| l.is_replicated())
         .map(|(i, l)| SizedLeaf {
             nbytes: l.nbytes,
             units: l.units(),

@@ -1,0 +1,270 @@
+"""Sharded state (FSDP2, HSDP, TP): DCP's default, ``BalancedSavePlanner`` and
+``deeppart.save`` on the same DTensor state, in one run.
+
+    .venv/bin/python bench/dtensor.py              # 4 gloo ranks, ~23 MB model + AdamW
+    .venv/bin/python bench/dtensor.py --reps 1 --layouts hsdp tp
+
+It launches 4 torchrun ranks (gloo, CPU) of itself. For each layout (HSDP
+(2,2), DDP in a 2-D mesh (4,1), FSDP (1,4), TP x DP (2,2) through
+``parallelize_module``) it builds the model with real FSDP2 ``fully_shard``
+or ``parallelize_module``, takes one AdamW step and saves
+``get_state_dict(model, opt)`` (DTensors) ``--reps`` times with each of:
+``dcp.save`` (``DefaultSavePlanner``), ``dcp.save`` with
+``deeppart.dcp.BalancedSavePlanner``, and ``deeppart.save``; then loads each
+back into the same layout (``dcp.load``; ``deeppart.load(into=)``).
+Reported per layout and method:
+
+- slowest / ideal: the largest rank's data bytes over the state's unique
+  bytes / ranks (DCP: the ``__R_*.distcp`` files; DeepPart: the pieces of
+  each ``rank-R.bin``);
+- save s, load s: the median wall time from a barrier to the last rank's
+  return.
+
+All ranks share one local disk through the page cache and 2 shared cores on
+the development machine: the times are noisy and say little about a
+parallel file system; the ratios are exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+LAYOUTS = ("hsdp", "ddp2d", "fsdp", "tp")
+#: Mesh shape of each FSDP2 layout, for ``n`` ranks.
+MESHES: dict[str, Callable[[int], tuple[int, int]]] = {
+    "hsdp": lambda n: (n // 2, 2),
+    "hsdp24": lambda n: (2, n // 2),
+    "ddp2d": lambda n: (n, 1),
+    "fsdp": lambda n: (1, n),
+}
+
+
+def make_model(seed: int, dims: tuple[int, int, int] = (5, 30, 7)) -> Any:
+    import torch
+
+    torch.manual_seed(seed)
+    a, b, c = dims
+    return torch.nn.Sequential(torch.nn.Linear(a, b), torch.nn.ReLU(), torch.nn.Linear(b, c))
+
+
+def build(layout: str, seed: int, dims: tuple[int, int, int] = (5, 30, 7)) -> tuple[Any, Any]:
+    """A two-layer MLP on ``layout`` after one AdamW step (the same input on
+    every rank, so replicas stay equal): FSDP2 ``fully_shard`` on a
+    (replicate, shard) mesh, or ``parallelize_module`` (colwise, rowwise) on
+    the tp dimension of a (dp, tp) mesh."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    m = make_model(seed, dims)
+    n = dist.get_world_size()
+    if layout == "tp":
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        mesh = init_device_mesh("cpu", (n // 2, 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(m, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    else:
+        shape = MESHES[layout](n)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+        for layer in list(m.children())[::2]:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    torch.manual_seed(100 + seed)
+    x = torch.randn(4, dims[0])
+    m(x).square().sum().backward()
+    opt.step()
+    opt.zero_grad()
+    return m, opt
+
+
+def sharded_state(m: Any, opt: Any) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(m, opt)
+    return {"model": msd, "optim": osd}
+
+
+def deeppart_balance(path: Path) -> float:
+    """The slowest rank's data bytes over the ideal (all data / ranks)."""
+    meta = json.loads((path / "metadata.json").read_text())
+    data = [0] * meta["world_size"]
+    for row in meta["pieces"]:
+        data[row[3]] += row[5]
+    return float(max(data) / (meta["raw_bytes"] / len(data)))
+
+
+def dcp_balance(path: Path, world: int) -> float:
+    """The largest rank's DCP data (``__R_*.distcp``) over the mean."""
+    per = [0] * world
+    for p in path.glob("*.distcp"):
+        per[int(p.name.split("_")[2])] += p.stat().st_size
+    return max(per) / (sum(per) / world)
+
+
+def _timed(fn: Any) -> float:
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    t = torch.tensor([time.perf_counter() - t0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t[0])
+
+
+def _save(method: str, state: Any, d: Path) -> None:
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    import deeppart
+    from deeppart.dcp import BalancedSavePlanner
+
+    if method == "deeppart":
+        deeppart.save(state, d)
+    elif method == "dcp-balanced":
+        dcp_save(state, checkpoint_id=str(d), planner=BalancedSavePlanner())
+    else:
+        dcp_save(state, checkpoint_id=str(d))
+
+
+def _load(method: str, state: Any, d: Path) -> None:
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    import deeppart
+
+    if method == "deeppart":
+        deeppart.load(d, into=state)
+    else:
+        dcp_load(state, checkpoint_id=str(d))
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    root = Path(args.dir)
+    rows = []
+    for layout in args.layouts:
+        m, opt = build(layout, seed=1, dims=tuple(args.dims))
+        state = sharded_state(m, opt)
+        results: dict[str, dict[str, float]] = {}
+        for method in ("dcp-default", "dcp-balanced", "deeppart"):
+            saves, loads, balance = [], [], 0.0
+            for rep in range(args.reps):
+                d = root / f"{layout}-{method}-{rep}"
+
+                saves.append(_timed(functools.partial(_save, method, state, d)))
+                loads.append(_timed(functools.partial(_load, method, state, d)))
+                balance = deeppart_balance(d) if method == "deeppart" else dcp_balance(d, world)
+                dist.barrier()
+                if rank == 0:
+                    shutil.rmtree(d, ignore_errors=True)
+            results[method] = {
+                "balance": balance,
+                "save_s": statistics.median(saves),
+                "load_s": statistics.median(loads),
+            }
+        rows.append((layout, results))
+    if rank == 0:
+        print(f"{'layout':8} {'method':14} {'slowest/ideal':>13} {'save s':>8} {'load s':>8}")
+        for layout, results in rows:
+            for method, r in results.items():
+                print(
+                    f"{layout:8} {method:14} {r['balance']:13.3f} "
+                    f"{r['save_s']:8.3f} {r['load_s']:8.3f}"
+                )
+        print("JSON " + json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def sample_cost(scale: float, reps: int) -> None:
+    """The sampled replica check's share of a save: one process, the state
+    of bench/checkpoint.py (BERT-large + AdamW at ``scale``), the median
+    over ``reps`` of ``prepare.replica_sample`` against ``deeppart.save``."""
+    import deeppart
+    from bench.checkpoint import build_state
+    from deeppart.dtensor import expand
+    from deeppart.prepare import replica_sample
+    from deeppart.state import flatten
+
+    state = build_state(scale)
+    leaves, skeleton = flatten(state)
+    ex = expand(leaves, skeleton)
+    samples, saves = [], []
+    with tempfile.TemporaryDirectory(prefix="deeppart-bench-sample-") as tmp:
+        for rep in range(reps):
+            t0 = time.perf_counter()
+            replica_sample(ex.leaves, ex.descs)
+            samples.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            deeppart.save(state, Path(tmp) / f"c{rep}")
+            saves.append(time.perf_counter() - t0)
+    mb = sum(lf.tensor.numel() * lf.tensor.element_size() for lf in leaves if lf.tensor is not None)
+    print(
+        f"sampled replica check: {len(leaves)} leaves, {mb / 1e6:.0f} MB: "
+        f"{statistics.median(samples) * 1e3:.2f} ms of a {statistics.median(saves):.3f} s save "
+        f"({statistics.median(samples) / statistics.median(saves) * 100:.2f} %)"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument(
+        "--dims", type=int, nargs=3, default=[1000, 966, 1000],
+        help="the MLP's in, hidden, out sizes (default: 7.7 MB of float32 "
+        "parameters, 23 MB with AdamW's two moments)",
+    )
+    ap.add_argument(
+        "--sample-cost", type=float, metavar="SCALE", default=None,
+        help="instead: the sampled replica check's cost against a one-process save of "
+        "bench/checkpoint.py's state at SCALE (e.g. 0.1)",
+    )
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--dir", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.sample_cost is not None:
+        sample_cost(args.sample_cost, args.reps)
+        return 0
+    if args.worker:
+        worker(args)
+        return 0
+    with tempfile.TemporaryDirectory(prefix="deeppart-bench-dtensor-") as tmp:
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+            "--standalone", str(Path(__file__).resolve()), "--worker", "--dir", tmp,
+            "--reps", str(args.reps), "--dims", *map(str, args.dims),
+            "--layouts", *args.layouts,
+        ]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
+        return subprocess.call(cmd, env=env)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""DTensors in a saved state: each one becomes shard leaves with holders.
+
+A ``torch.distributed.tensor.DTensor`` (FSDP2, HSDP, tensor or expert
+parallelism; any ``DeviceMesh`` and any ``Shard``/``_StridedShard``/
+``Replicate`` placements, uneven shards included) is one leaf of the user's
+tree but is held as a different local shard on each rank. :func:`expand`
+turns it into one planner leaf per *distinct* region of the global tensor
+(``path + ("<shard>", k)``), held by the ranks whose local shards cover that
+region: the *holders*, derived from the mesh and the placements alone (no
+data is hashed). Every rank derives the same leaves and regions, so the
+manifest and the plan stay identical on all ranks; a rank contributes the
+bytes of the shards it holds, and the plan gives each shard's bytes to its
+holders only. The regions go into ``metadata.json``'s ``dtensors`` records
+(:mod:`deeppart.regions`), which :mod:`deeppart.reshard` reads on load.
+
+torch is only imported when a state holds a DTensor.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from deeppart.errors import StateError
+from deeppart.regions import SHARD_KEY, DTensorRecord, Region, ShardRecord, runs_of
+from deeppart.state import FlatLeaf, describe_leaf, is_dtensor
+
+__all__ = ["Expanded", "expand", "is_dtensor", "local_region", "mesh_regions"]
+
+
+def _where(path: Sequence[Any]) -> str:
+    return "/".join(map(str, path))
+
+
+def _region_at(
+    shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int], placements: Any
+) -> Region:
+    """The region of the global tensor that the rank at mesh coordinate
+    ``coord`` holds: torch's own per-dimension shard arithmetic
+    (``_get_shard_size_and_offsets``), keeping every global index so that
+    ``_StridedShard``'s interleaved rows are described exactly."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._utils import _get_shard_size_and_offsets
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    local = list(shape)
+    index: dict[int, Any] = {}
+    for mesh_dim, p in enumerate(placements):
+        if not isinstance(p, Shard | _StridedShard):
+            continue
+        size, offsets = _get_shard_size_and_offsets(
+            local[p.dim],
+            mesh_shape[mesh_dim],
+            coord[mesh_dim],
+            p,
+            index.get(p.dim),
+            shape[p.dim],
+            False,
+        )
+        local[p.dim] = size
+        index[p.dim] = offsets  # torch's own index (chained by a later placement)
+    runs = []
+    for d, n in enumerate(shape):
+        if d in index:
+            runs.append(runs_of([int(x) for x in index[d]][: local[d]]) if local[d] else ())
+        else:
+            runs.append(((0, int(n)),) if n else ())
+    return Region(tuple(runs))
+
+
+def _check_placements(dt: Any, path: Sequence[Any]) -> None:
+    from torch.distributed.tensor import Replicate, Shard
+
+    for p in dt.placements:
+        if not isinstance(p, Shard | Replicate):  # _StridedShard is a Shard
+            raise StateError(
+                f"{_where(path)}: a DTensor with placement {p} (a pending reduction) cannot be "
+                "saved; call .redistribute(placements=[Replicate()] * mesh.ndim) or "
+                ".full_tensor() on it first, or save the state get_state_dict() returns"
+            )
+
+
+def _root_view(dt: Any, path: Sequence[Any]) -> tuple[Any, list[int]]:
+    """The mesh of all replicas of ``dt`` (its device mesh's root, e.g. the
+    (dp, tp) mesh of a DTensor on ``mesh["tp"]``) and which of its
+    dimensions ``dt``'s mesh spans."""
+    mesh = dt.device_mesh
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    if root is mesh or root.mesh.numel() == mesh.mesh.numel():
+        return mesh, list(range(mesh.ndim))
+    names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
+    if not names or not root_names or any(n not in root_names for n in names):
+        raise StateError(
+            f"{_where(path)}: the DTensor's mesh is a flattened or unnamed part of a larger "
+            "mesh, whose replicas cannot be told from its placements; save it from a mesh "
+            "whose dimensions are named dimensions of the root mesh"
+        )
+    return root, [root_names.index(n) for n in names]
+
+
+def mesh_regions(dt: Any, path: Sequence[Any] = ()) -> list[tuple[Region, list[int]]]:
+    """Every distinct region of ``dt``'s global tensor held on its mesh (the
+    root mesh, for a DTensor on a sub-mesh), with its holders (the sorted
+    global ranks whose local shards are exactly that region), in the order
+    of their lowest holder. Empty regions are left out (all of them but one
+    for an empty tensor)."""
+    _check_placements(dt, path)
+    root, dims = _root_view(dt, path)
+    ranks = root.mesh
+    sub_shape = [int(ranks.shape[d]) for d in dims]
+    shape = list(dt.shape)
+    found: dict[Region, list[int]] = {}
+    for coord in itertools.product(*(range(n) for n in ranks.shape)):
+        region = _region_at(shape, sub_shape, [coord[d] for d in dims], dt.placements)
+        found.setdefault(region, []).append(int(ranks[coord]))
+    out = [(r, sorted(h)) for r, h in found.items()]
+    nonempty = [x for x in out if x[0].numel]
+    out = nonempty or out[:1]
+    return sorted(out, key=lambda x: x[1][0])
+
+
+def local_region(dt: Any, path: Sequence[Any] = ()) -> Region:
+    """The region of the global tensor this rank's local shard of ``dt`` holds."""
+    _check_placements(dt, path)
+    mesh = dt.device_mesh
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise StateError(f"{_where(path)}: this rank is not in the DTensor's device mesh")
+    return _region_at(list(dt.shape), list(mesh.mesh.shape), coord, dt.placements)
+
+
+@dataclass
+class Expanded:
+    """A flattened state with its DTensors turned into shard leaves."""
+
+    leaves: list[FlatLeaf]
+    #: The manifest descriptions of ``leaves`` (shards with their holders).
+    descs: list[dict[str, Any]]
+    #: The skeleton, renumbered: a DTensor's node names its first shard leaf.
+    skeleton: Any
+    records: list[DTensorRecord]
+    #: The holder groups that ``descs`` index (``Manifest.from_leaves``).
+    groups: list[list[int]] = field(default_factory=list)
+
+
+class HolderGroups:
+    """The holder groups of a manifest (issue 22): each distinct set of
+    holders once, in the order first met."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.groups: list[list[int]] = []
+        self._index: dict[tuple[int, ...], int] = {}
+
+    def field(self, holders: list[int]) -> dict[str, Any]:
+        """How a leaf held by ``holders`` is described to the planner:
+        nothing (every rank), ``owner`` (one rank) or ``holders`` (a group)."""
+        if holders == list(range(self.world)):
+            return {}
+        if len(holders) == 1:
+            return {"owner": holders[0]}
+        key = tuple(holders)
+        if key not in self._index:
+            self._index[key] = len(self.groups)
+            self.groups.append(list(holders))
+        return {"holders": self._index[key]}
+
+
+def _world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def expand(leaves: list[FlatLeaf], skeleton: Any) -> Expanded:
+    """``leaves`` and ``skeleton`` (from :func:`deeppart.state.flatten`) with
+    each DTensor leaf replaced by its shard leaves: on this rank a shard leaf
+    holds the local tensor where this rank is a holder, else nothing."""
+    if not any(lf.tensor is not None and is_dtensor(lf.tensor) for lf in leaves):
+        return Expanded(leaves, [describe_leaf(lf) for lf in leaves], skeleton, [])
+    out: list[FlatLeaf] = []
+    descs: list[dict[str, Any]] = []
+    records: list[DTensorRecord] = []
+    groups = HolderGroups(_world())
+    renumber: list[int] = []
+    for lf in leaves:
+        renumber.append(len(out))
+        dt = lf.tensor
+        if dt is None or not is_dtensor(dt):
+            out.append(lf)
+            descs.append(describe_leaf(lf))
+            continue
+        regions = mesh_regions(dt, lf.path)
+        mine = local_region(dt, lf.path)
+        local = dt.to_local()
+        if tuple(local.shape) != mine.shape:
+            raise StateError(
+                f"{_where(lf.path)}: the DTensor's local tensor has shape {list(local.shape)}, "
+                f"its placements give {list(mine.shape)}; save DTensors as FSDP2/"
+                "parallelize_module/get_state_dict make them"
+            )
+        dtype = str(dt.dtype).removeprefix("torch.")
+        shards: list[ShardRecord] = []
+        for k, (region, holders) in enumerate(regions):
+            path = (*lf.path, SHARD_KEY, k)
+            held = local if region == mine else None
+            out.append(FlatLeaf(path, held, None))
+            descs.append(
+                {"path": list(path), "dtype": dtype, "shape": list(region.shape),
+                 **groups.field(holders)}
+            )
+            shards.append(ShardRecord(len(out) - 1, region))
+        records.append(DTensorRecord(list(lf.path), dtype, list(dt.shape), shards))
+    return Expanded(out, descs, _renumber(skeleton, renumber), records, groups.groups)
+
+
+def _renumber(node: Any, new: list[int]) -> Any:
+    """``node`` with every leaf index ``i`` replaced by ``new[i]``."""
+    if isinstance(node, dict):
+        ((kind, body),) = node.items()
+        if kind in ("leaf", "ndarray"):
+            return {kind: new[body]}
+        if kind in ("dict", "odict"):
+            return {kind: [[k, _renumber(v, new)] for k, v in body]}
+        return {kind: [_renumber(v, new) for v in body]}
+    return node

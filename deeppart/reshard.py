@@ -1,0 +1,338 @@
+"""The load stages of sharded tensors: resharding, and a cooperative read.
+
+A checkpoint's sharded tensors (``metadata.json``'s ``dtensors`` records,
+:mod:`deeppart.regions`) are loaded apart from its other leaves, into
+whatever the caller holds at their path:
+
+- a DTensor of any mesh and placements (another mesh or world size than
+  the save's): its local shard is filled, the region of the global tensor
+  that its placements give this rank;
+- a plain tensor of the global shape (``into=`` a full state dict, or one
+  process): the whole tensor;
+- nothing (no ``into=``): a new full tensor.
+
+A plain tensor leaf of the checkpoint that ``into=`` holds as a DTensor is
+resharded the same way (as one shard covering the tensor).
+
+The stages, which :func:`deeppart.load` runs beside the others:
+
+1. :func:`shard_targets` (local): what this rank needs, as regions;
+2. :func:`plan_shard_reads` (one ``allgather``): every rank's regions; each
+   stored piece that some rank needs is read by exactly one of the ranks
+   that need it (the least loaded so far), so storage serves each byte once
+   per job, not once per replica;
+3. :func:`read_shards`: each rank reads its pieces (checksums verified,
+   decoded), only the pieces whose rows meet a needed region;
+4. :func:`exchange_shards`: a piece that other ranks need too is broadcast
+   from its reader;
+5. :func:`fill_shards`: each rank copies the intersections of the stored
+   shards with its regions into its tensors.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from deeppart.comm import Comm
+from deeppart.errors import StateMismatchError
+from deeppart.format import Metadata, Piece, check_file_sizes
+from deeppart.progress import Progress
+from deeppart.reader import read_file
+from deeppart.regions import DTensorRecord, Region, ShardRecord
+from deeppart.restore import describe, select
+from deeppart.state import flatten, is_dtensor
+from deeppart.tensors import U8, torch_dtypes, torch_module
+
+__all__ = [
+    "ShardReads",
+    "ShardTargets",
+    "exchange_shards",
+    "fill_shards",
+    "plan_shard_reads",
+    "read_shards",
+    "shard_targets",
+]
+
+#: The most bytes one broadcast of the exchange carries (a longer piece
+#: goes alone, chunked by the communicator).
+MESSAGE_BYTES = 16 << 20
+
+
+@dataclass
+class Need:
+    """A region of one sharded tensor that this rank fills, and where."""
+
+    path: tuple[Any, ...]
+    region: Region
+    #: A tensor of the region's shape (a DTensor's local tensor, a full tensor).
+    dest: Any
+    #: The new full tensor when there is no ``into=`` (None otherwise).
+    value: Any = None
+
+
+@dataclass
+class ShardTargets:
+    """What this rank needs of the checkpoint's sharded tensors."""
+
+    needs: list[Need] = field(default_factory=list)
+    #: Checkpoint leaves loaded here, not by the plain stages.
+    leaves: set[int] = field(default_factory=set)
+    #: ``into=`` leaves (indices of ``flatten(into)``) filled here.
+    into_leaves: set[int] = field(default_factory=set)
+    #: Whether the checkpoint or ``into=`` has sharded tensors at all (all
+    #: ranks take the same decision: the collective stages run only then).
+    active: bool = False
+
+
+def _record_of_leaf(meta: Metadata, i: int) -> DTensorRecord:
+    info = meta.leaves[i]
+    whole = ShardRecord(i, Region.full(info.shape))
+    return DTensorRecord(list(info.path), str(info.dtype), list(info.shape), [whole])
+
+
+def _records(meta: Metadata) -> dict[tuple[Any, ...], DTensorRecord]:
+    return {tuple(r.path): r for r in meta.dtensors}
+
+
+def shard_targets(meta: Metadata, into: Any, keys: Any, strict: bool) -> ShardTargets:
+    """This rank's needs (local; raises StateMismatchError when ``into=``
+    does not fit the checkpoint's sharded tensors)."""
+    out = ShardTargets()
+    for r in meta.dtensors:
+        out.leaves.update(s.leaf for s in r.shards)
+    into_leaves = flatten(into)[0] if into is not None else []
+    dtensor_into = [j for j, lf in enumerate(into_leaves) if is_dtensor(lf.tensor)]
+    out.active = bool(meta.dtensors) or bool(dtensor_into)
+    if not out.active:
+        return out
+    selected = select([lf.path for lf in meta.leaves], keys)
+    by_path = {tuple(lf.path): i for i, lf in enumerate(meta.leaves)}
+    records = _records(meta)
+    chosen: list[DTensorRecord] = [
+        r for r in meta.dtensors if any(selected[s.leaf] for s in r.shards)
+    ]
+    # Plain tensors of the checkpoint that into= holds as DTensors.
+    for j in dtensor_into:
+        i = by_path.get(tuple(into_leaves[j].path))
+        if i is not None and tuple(into_leaves[j].path) not in records and selected[i]:
+            if meta.leaves[i].kind != "tensor":
+                raise StateMismatchError(
+                    f"{describe(into_leaves[j].path)}: into= has a DTensor, the checkpoint a value"
+                )
+            chosen.append(_record_of_leaf(meta, i))
+            out.leaves.add(i)
+    where = {tuple(lf.path): j for j, lf in enumerate(into_leaves)}
+    dtypes = torch_dtypes()
+    torch = torch_module()
+    for rec in chosen:
+        path = tuple(rec.path)
+        if into is None:
+            t = torch.empty(rec.shape, dtype=dtypes[rec.dtype])
+            out.needs.append(Need(path, Region.full(rec.shape), t, t))
+            continue
+        found = where.get(path)
+        if found is None:
+            if strict:
+                raise StateMismatchError(
+                    f"into= has no {describe(path)!r}, which the checkpoint holds (a sharded "
+                    "tensor); pass strict=False to skip it, or keys=[...] to read a part"
+                )
+            continue
+        j = found
+        t = into_leaves[j].tensor
+        if t is None:
+            raise StateMismatchError(
+                f"{describe(path)}: into= has a value, the checkpoint a tensor"
+            )
+        if list(t.shape) != rec.shape or str(t.dtype).removeprefix("torch.") != rec.dtype:
+            raise StateMismatchError(
+                f"{describe(path)}: into= has {t.dtype} {list(t.shape)}, the checkpoint "
+                f"{rec.dtype} {rec.shape} (global shapes); load into a model of the same "
+                "architecture"
+            )
+        out.into_leaves.add(j)
+        if is_dtensor(t):
+            from deeppart.dtensor import local_region
+
+            out.needs.append(Need(path, local_region(t, path), t._local_tensor))
+        else:
+            out.needs.append(Need(path, Region.full(rec.shape), t))
+    return out
+
+
+@dataclass
+class ShardReads:
+    """Who reads which stored piece of the sharded tensors, and who needs it."""
+
+    targets: ShardTargets
+    records: dict[tuple[Any, ...], DTensorRecord]
+    #: The pieces this rank reads, by data file.
+    mine: dict[int, list[Piece]] = field(default_factory=dict)
+    #: Per reader rank: the pieces it broadcasts (some other rank needs them).
+    sends: list[list[Piece]] = field(default_factory=list)
+    #: The pieces this rank needs (read or received).
+    needed: set[int] = field(default_factory=set)
+    #: This rank's bytes of the needed shard leaves, by leaf.
+    buffers: dict[int, U8] = field(default_factory=dict)
+    #: Raw bytes of all pieces read by some rank.
+    total_raw: int = 0
+
+    def raw_bytes(self, meta: Metadata) -> int:
+        """Raw bytes of the stored pieces that the job read (each once)."""
+        return self.total_raw
+
+
+def _piece_region(meta: Metadata, shard: ShardRecord, p: Piece) -> Region:
+    """The rows of the shard that piece ``p`` (a flat element range) spans."""
+    shape = shard.region.shape
+    row = 1
+    for n in shape[1:]:
+        row *= n
+    if not shape or row == 0:
+        return shard.region
+    return shard.region.rows(p.start // row, -(-p.stop // row))
+
+
+def plan_shard_reads(c: Comm, meta: Metadata, st: ShardTargets) -> ShardReads:
+    """Collective: exchanges every rank's needed regions and assigns each
+    needed piece to one of the ranks that need it (deterministic)."""
+    mine = json.dumps(
+        [[list(n.path), n.region.to_json()] for n in st.needs], separators=(",", ":")
+    ).encode()
+    rows = c.allgather_varbytes(mine)
+    records = _records(meta)
+    by_path = {tuple(lf.path): i for i, lf in enumerate(meta.leaves)}
+    wants: dict[tuple[Any, ...], list[tuple[int, Region]]] = {}
+    for rank, row in enumerate(rows):
+        for path, runs in json.loads(row.decode()):
+            key = tuple(path)
+            if key not in records:
+                records[key] = _record_of_leaf(meta, by_path[key])
+            region = Region(tuple(tuple((a, b) for a, b in d) for d in runs))
+            wants.setdefault(key, []).append((rank, region))
+    pieces_of: dict[int, list[Piece]] = {}
+    for p in meta.pieces:
+        pieces_of.setdefault(p.leaf, []).append(p)
+    out = ShardReads(st, records, sends=[[] for _ in range(c.size)])
+    load = [0] * c.size
+    for key in sorted(wants, key=lambda k: json.dumps(list(k))):
+        for shard in records[key].shards:
+            for p in pieces_of.get(shard.leaf, []):
+                span = _piece_region(meta, shard, p)
+                needers = sorted(
+                    {r for r, reg in wants[key] if reg.intersect(span) is not None}
+                )
+                if not needers:
+                    continue
+                reader = min(needers, key=lambda r: (load[r], r))
+                load[reader] += p.stored
+                out.total_raw += p.length
+                if reader == c.rank:
+                    out.mine.setdefault(p.rank, []).append(p)
+                if len(needers) > 1:
+                    out.sends[reader].append(p)
+                if c.rank in needers:
+                    out.needed.add(id(p))
+                    if shard.leaf not in out.buffers:
+                        out.buffers[shard.leaf] = np.empty(meta.leaves[shard.leaf].nbytes, np.uint8)
+    return out
+
+
+def _slot(meta: Metadata, sr: ShardReads, p: Piece) -> U8:
+    isz = meta.leaves[p.leaf].itemsize
+    return sr.buffers[p.leaf][p.start * isz : p.stop * isz]
+
+
+def read_shards(path: Path, meta: Metadata, sr: ShardReads, progress: Progress) -> int:
+    """Reads this rank's pieces into its shard buffers; returns the bytes read."""
+    check_file_sizes(path, meta, sorted(sr.mine))
+    n = 0
+    for f in sorted(sr.mine):
+        pieces = sorted(sr.mine[f], key=lambda p: p.offset)
+        n += read_file(path, meta, f, pieces, lambda p: _slot(meta, sr, p), progress)
+    return n
+
+
+def exchange_shards(c: Comm, meta: Metadata, sr: ShardReads) -> None:
+    """Collective: each reader broadcasts the pieces that others need too,
+    packed in messages of at most :data:`MESSAGE_BYTES`."""
+    for root, pieces in enumerate(sr.sends):
+        batch: list[Piece] = []
+        size = 0
+        for p in [*pieces, None]:
+            if p is not None and (not batch or size + p.length <= MESSAGE_BYTES):
+                batch.append(p)
+                size += p.length
+                continue
+            if batch:
+                _bcast(c, meta, sr, root, batch, size)
+            batch, size = ([p], p.length) if p is not None else ([], 0)
+
+
+def _bcast(
+    c: Comm, meta: Metadata, sr: ShardReads, root: int, batch: list[Piece], size: int
+) -> None:
+    if len(batch) == 1 and id(batch[0]) in sr.needed:
+        c.bcast_u8(_slot(meta, sr, batch[0]), root=root)
+        return
+    buf = np.empty(size, np.uint8)
+    at = 0
+    if c.rank == root:
+        for p in batch:
+            buf[at : at + p.length] = _slot(meta, sr, p)
+            at += p.length
+    c.bcast_u8(buf, root=root)
+    if c.rank != root:
+        at = 0
+        for p in batch:
+            if id(p) in sr.needed:
+                _slot(meta, sr, p)[:] = buf[at : at + p.length]
+            at += p.length
+
+
+def _index(pos: Any, n: int) -> Any:
+    """A slice when ``pos`` is a run of consecutive positions, else None."""
+    if len(pos) and int(pos[-1]) - int(pos[0]) + 1 == len(pos):
+        return slice(int(pos[0]), int(pos[-1]) + 1)
+    return None
+
+
+def fill_shards(meta: Metadata, sr: ShardReads) -> dict[int, Any]:
+    """Copies what each stored shard shares with each needed region into the
+    region's tensor; returns the new full tensors by the index of the leaf
+    that the checkpoint's skeleton names for them (no ``into=``)."""
+    torch = torch_module()
+    dtypes = torch_dtypes()
+    values: dict[int, Any] = {}
+    with torch.no_grad():
+        for need in sr.targets.needs:
+            rec = sr.records[need.path]
+            dtype = dtypes[rec.dtype]
+            for shard in rec.shards:
+                common = shard.region.intersect(need.region)
+                if common is None or shard.leaf not in sr.buffers:
+                    continue
+                src = torch.from_numpy(sr.buffers[shard.leaf]).view(dtype).reshape(
+                    shard.region.shape
+                )
+                for d, pos in enumerate(shard.region.positions(common)):
+                    if len(pos) != src.shape[d]:
+                        src = src.index_select(d, torch.from_numpy(pos))
+                at = need.region.positions(common)
+                slices = [_index(p, need.dest.shape[d]) for d, p in enumerate(at)]
+                if all(s is not None for s in slices):
+                    need.dest[tuple(slices)].copy_(src)
+                else:
+                    grids = [
+                        torch.from_numpy(p).reshape([-1 if k == d else 1 for k in range(len(at))])
+                        for d, p in enumerate(at)
+                    ]
+                    need.dest[tuple(grids)] = src.to(need.dest.device)
+            if need.value is not None:
+                values[rec.shards[0].leaf] = need.value
+    return values

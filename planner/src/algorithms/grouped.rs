@@ -1,0 +1,404 @@
+//! `balanced` for manifests whose leaves are held by groups of ranks
+//! (HSDP, TP × DP, EP × DP, PP × DP): every piece goes to a holder of its
+//! leaf, the load is spread as evenly as the holder sets allow, and the
+//! writers are chosen by the modelled time.
+//!
+//! 1. **The network** ([`crate::holders`]): leaves aggregated by holder set
+//!    into flow groups, ranks with the same memberships into classes.
+//! 2. **Candidate writer sets.** The fractional optimum over the whole
+//!    world says how much each class carries. A candidate with `k` writers
+//!    gives the classes their writers one at a time, each to the class whose
+//!    load per writer is highest (Jefferson's apportionment: it minimises
+//!    the largest load per writer); ranks that own leaves always write.
+//!    Within a class, writers are taken in the spread order of the nodes
+//!    (local rank 0 of every node first), each class starting at another
+//!    node. `k` runs over the ladder of [`super::balanced`].
+//! 3. **The search.** Candidates are taken in the order of their lower
+//!    bound ([`crate::bound`], bound 6 included); each gets its fractional
+//!    level over its own writers (a bisection on the max-flow), hence an
+//!    estimate of its modelled time; the search stops when no remaining
+//!    bound is below the best estimate. The best few estimates are filled
+//!    and timed with [`crate::plan::model_time`]; the fastest wins.
+//! 4. **The fill of a candidate** at its level `t`: the max-flow's routing
+//!    says how much of each flow group each class takes; a class shares it
+//!    among its writers in turn, up to `t - o_r` each, so each writer gets a
+//!    quota of a few groups. Each flow group's leaves, largest first, form
+//!    a stream laid over its writers' quotas, end to end: a leaf that
+//!    crosses a quota's end is cut at the legal cut (on its grain, pieces of
+//!    at least `min_piece_bytes`) nearest to it, and a leaf that cannot be
+//!    cut goes to the side its middle falls on. Cuts are placed against the
+//!    absolute ends, so errors do not accumulate: each writer is within
+//!    about one grain (or half an uncuttable leaf) of its quota, plus one
+//!    piece overhead per cut.
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
+use super::balanced::ladder;
+use super::Key;
+use crate::bound::{Levels, LoadSummary};
+use crate::cost::{CostModel, Topology};
+use crate::holders::HolderFlow;
+use crate::manifest::{Holders, Leaf, Manifest};
+use crate::plan::{model_time, Piece};
+
+/// Relative precision of a candidate's fractional level.
+const LEVEL_PRECISION: f64 = 1e-7;
+/// How many of the best-estimated candidates are filled and timed.
+const FILLED: usize = 4;
+/// Most candidates whose level is computed (each a bisection of max-flows).
+const MOST_EVALUATED: usize = 256;
+
+pub(super) fn plan(
+    manifest: &Manifest,
+    world_size: u32,
+    topology: &Topology,
+    cost: &CostModel,
+    ranks: &mut [Vec<Piece>],
+) {
+    let summary = LoadSummary::new(manifest, world_size, topology, cost);
+    let Some(flow) = summary.holders.as_ref() else {
+        // Every group has one rank: owned leaves, and maybe replicated ones.
+        super::balanced::plan(manifest, world_size, topology, cost, ranks);
+        return;
+    };
+    let owned = &summary.owned_load;
+    let classes = flow.classes();
+    // How much each class carries at the whole world's fractional optimum.
+    let everyone: Vec<u32> = (0..world_size).collect();
+    let (_, full) = flow.level(&everyone, owned, LEVEL_PRECISION);
+    let mut class_load = vec![0.0f64; classes];
+    for (g, sent) in flow.routing(&everyone, owned, full).iter().enumerate() {
+        for (i, &x) in sent.iter().enumerate() {
+            class_load[flow.reach[g][i] as usize] += x;
+        }
+    }
+    let members = class_members(flow, &summary, topology);
+    let forced: Vec<u32> = (0..classes)
+        .map(|c| {
+            flow.class_ranks[c]
+                .iter()
+                .filter(|&&r| summary.is_owner[r as usize])
+                .count() as u32
+        })
+        .collect();
+    // Jefferson's apportionment, one writer at a time, recorded at each
+    // writer count of the ladder.
+    let mut seats = forced.clone();
+    let lo = seats.iter().sum::<u32>().max(1);
+    let hi: u32 = (0..classes)
+        .map(|c| {
+            if class_load[c] > 0.0 {
+                flow.class_ranks[c].len() as u32
+            } else {
+                forced[c]
+            }
+        })
+        .sum();
+    let priority = |c: usize, n: u32| {
+        if n == 0 {
+            f64::INFINITY
+        } else {
+            class_load[c] / f64::from(n)
+        }
+    };
+    let mut heap: BinaryHeap<(Key, Reverse<u32>)> = (0..classes)
+        .filter(|&c| class_load[c] > 0.0 && (seats[c] as usize) < flow.class_ranks[c].len())
+        .map(|c| (Key(priority(c, seats[c])), Reverse(c as u32)))
+        .collect();
+    let mut total: u32 = seats.iter().sum();
+    let levels = Levels::new(&summary, cost);
+    let mut candidates: Vec<(Key, u32, Vec<u32>)> = Vec::new();
+    for k in ladder(lo, hi.max(lo)) {
+        while total < k {
+            let Some((_, Reverse(c))) = heap.pop() else {
+                break;
+            };
+            let c = c as usize;
+            seats[c] += 1;
+            total += 1;
+            if (seats[c] as usize) < flow.class_ranks[c].len() {
+                heap.push((Key(priority(c, seats[c])), Reverse(c as u32)));
+            }
+        }
+        if total < k {
+            break;
+        }
+        let bound = levels.at(k) + f64::from(k) * cost.writer_s;
+        candidates.push((Key(bound), k, seats.clone()));
+    }
+    candidates.sort_by(|a, b| a.0.cmp(&b.0).then(a.1.cmp(&b.1)));
+
+    let aggregate = cost
+        .aggregate_bandwidth
+        .map_or(0.0, |a| cost.fixed_s + summary.total_bytes as f64 / a);
+    // (estimate, level, writers), best first.
+    let mut evaluated: Vec<(f64, f64, Vec<u32>)> = Vec::new();
+    let mut best = f64::INFINITY;
+    for (Key(bound), k, seats) in candidates.into_iter().take(MOST_EVALUATED) {
+        if bound >= best {
+            break;
+        }
+        let writers: Vec<u32> = (0..classes)
+            .flat_map(|c| members[c][..seats[c] as usize].iter().copied())
+            .collect();
+        let (_, level) = flow.level(&writers, owned, LEVEL_PRECISION);
+        if !level.is_finite() {
+            continue;
+        }
+        let top_owned = writers
+            .iter()
+            .map(|&r| owned[r as usize])
+            .fold(0.0, f64::max);
+        let estimate =
+            (cost.fixed_s + level.max(top_owned)).max(aggregate) + f64::from(k) * cost.writer_s;
+        best = best.min(estimate);
+        evaluated.push((estimate, level.max(top_owned), writers));
+    }
+    evaluated.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let mut chosen: Option<(f64, Vec<Vec<Piece>>)> = None;
+    for (_, level, writers) in evaluated.into_iter().take(FILLED) {
+        let placed = fill(manifest, flow, cost, owned, &writers, level, world_size);
+        let pieces: Vec<u64> = ranks
+            .iter()
+            .zip(&placed)
+            .map(|(a, b)| (a.len() + b.len()) as u64)
+            .collect();
+        let leaves = manifest.leaves();
+        let bytes: Vec<u64> = ranks
+            .iter()
+            .zip(&placed)
+            .map(|(a, b)| {
+                a.iter()
+                    .chain(b)
+                    .map(|p| leaves[p.leaf as usize].range_bytes(p.start, p.stop))
+                    .sum()
+            })
+            .collect();
+        let t = model_time(cost, topology, &pieces, bytes).makespan_s;
+        if chosen.as_ref().is_none_or(|(b, _)| t < *b) {
+            chosen = Some((t, placed));
+        }
+    }
+    let placed = chosen.map(|(_, p)| p).unwrap_or_else(|| {
+        // No candidate had a feasible level: cannot happen (every group's
+        // ranks are in the world, and the largest candidate holds them all).
+        fill(manifest, flow, cost, owned, &everyone, full, world_size)
+    });
+    for (list, more) in ranks.iter_mut().zip(placed) {
+        list.extend(more);
+    }
+}
+
+/// Per class, its ranks in the order writers are taken: owners first, then
+/// the others by local rank on the node, then by node, each class starting
+/// at another node so that the classes' first writers spread over the nodes.
+fn class_members(flow: &HolderFlow, summary: &LoadSummary, topology: &Topology) -> Vec<Vec<u32>> {
+    let classes = flow.classes() as u64;
+    let nodes = u64::from(summary.nodes.max(1));
+    let rpn = u64::from(topology.ranks_per_node.max(1));
+    flow.class_ranks
+        .iter()
+        .enumerate()
+        .map(|(c, ranks)| {
+            let offset = (c as u64 * nodes / classes.max(1)) % nodes;
+            let mut order = ranks.clone();
+            order.sort_by_key(|&r| {
+                let (node, local) = (u64::from(r) / rpn, u64::from(r) % rpn);
+                (
+                    !summary.is_owner[r as usize],
+                    local,
+                    (node + nodes - offset) % nodes,
+                )
+            });
+            order
+        })
+        .collect()
+}
+
+/// The pieces of the shared leaves for `writers` at the feasible level
+/// `level`, per rank.
+fn fill(
+    manifest: &Manifest,
+    flow: &HolderFlow,
+    cost: &CostModel,
+    owned: &[f64],
+    writers: &[u32],
+    level: f64,
+    world_size: u32,
+) -> Vec<Vec<Piece>> {
+    let routing = flow.routing(writers, owned, level);
+    let classes = flow.classes();
+    // Per class, its writers in the order given, and what it receives.
+    let mut class_writers: Vec<Vec<u32>> = vec![Vec::new(); classes];
+    for &r in writers {
+        class_writers[flow.class_of[r as usize] as usize].push(r);
+    }
+    let mut incoming: Vec<Vec<(usize, f64)>> = vec![Vec::new(); classes];
+    for (g, sent) in routing.iter().enumerate() {
+        for (i, &x) in sent.iter().enumerate() {
+            if x > 0.0 {
+                incoming[flow.reach[g][i] as usize].push((g, x));
+            }
+        }
+    }
+    let tiny = level * 1e-12;
+    let mut quotas: Vec<Vec<(u32, f64)>> = vec![Vec::new(); flow.demand.len()];
+    for c in 0..classes {
+        let ws = &class_writers[c];
+        let mut w = 0usize;
+        let mut room = ws
+            .first()
+            .map_or(0.0, |&r| (level - owned[r as usize]).max(0.0));
+        for &(g, mut x) in &incoming[c] {
+            while x > tiny && !ws.is_empty() {
+                let last = w + 1 == ws.len();
+                let take = if last { x } else { x.min(room) };
+                if take > tiny {
+                    quotas[g].push((ws[w], take));
+                }
+                x -= take;
+                room -= take;
+                if room <= tiny && !last {
+                    w += 1;
+                    room = (level - owned[ws[w] as usize]).max(0.0);
+                }
+            }
+        }
+    }
+    let leaves = manifest.leaves();
+    let mut members: Vec<Vec<u32>> = vec![Vec::new(); flow.demand.len()];
+    for (i, leaf) in leaves.iter().enumerate() {
+        let g = match manifest.holders(leaf) {
+            Holders::All => flow.all,
+            Holders::Ranks(rs) if rs.len() > 1 => {
+                flow.flow_of_group[leaf.holders.expect("a group") as usize]
+            }
+            Holders::Ranks(_) => None,
+        };
+        if let Some(g) = g {
+            members[g as usize].push(i as u32);
+        }
+    }
+    let mut out = vec![Vec::new(); world_size as usize];
+    for (g, mut order) in members.into_iter().enumerate() {
+        order.sort_by_key(|&i| (Reverse(leaves[i as usize].nbytes), i));
+        stream(leaves, &order, &quotas[g], cost, &mut out);
+    }
+    out
+}
+
+/// What to do with the rest of a leaf that crosses a quota's end.
+enum Snap {
+    /// Cut it at this unit: the piece before goes to the current writer.
+    Cut(u64),
+    /// All of the rest to the current writer.
+    Whole,
+    /// None of it to the current writer.
+    Next,
+}
+
+/// The legal cut of `leaf` from `start` nearest to `want` bytes (a real
+/// number, possibly negative): on the leaf's grain, both sides at least
+/// `min_piece_bytes`; or the whole rest, or none of it, whichever is nearer.
+fn snap(leaf: &Leaf, start: u64, want: f64, cost: &CostModel) -> Snap {
+    let units = leaf.units();
+    let rest = leaf.range_bytes(start, units);
+    let half = |w: f64| {
+        if w * 2.0 >= rest as f64 {
+            Snap::Whole
+        } else {
+            Snap::Next
+        }
+    };
+    if !leaf.is_tensor() {
+        return half(want);
+    }
+    let grain = cost.grain_units(leaf);
+    let grain_bytes = grain.saturating_mul(leaf.unit_bytes());
+    if grain_bytes == 0 || rest < cost.min_piece_bytes.saturating_mul(2) {
+        return half(want);
+    }
+    let min_grains = cost.min_piece_bytes.div_ceil(grain_bytes).max(1);
+    let most = (rest - cost.min_piece_bytes) / grain_bytes;
+    if most < min_grains {
+        return half(want);
+    }
+    let ideal = want / grain_bytes as f64;
+    if ideal < min_grains as f64 {
+        return if ideal * 2.0 < min_grains as f64 {
+            Snap::Next
+        } else {
+            Snap::Cut(start + min_grains * grain)
+        };
+    }
+    if ideal > most as f64 {
+        let cut_bytes = (most * grain_bytes) as f64;
+        return if want - cut_bytes > rest as f64 - want {
+            Snap::Whole
+        } else {
+            Snap::Cut(start + most * grain)
+        };
+    }
+    Snap::Cut(start + (ideal.round() as u64).clamp(min_grains, most) * grain)
+}
+
+/// Lays the leaves `order` (indices, largest first) end to end over the
+/// writers' `quotas` (seconds each, in order): see step 4 of the module doc.
+fn stream(
+    leaves: &[Leaf],
+    order: &[u32],
+    quotas: &[(u32, f64)],
+    cost: &CostModel,
+    out: &mut [Vec<Piece>],
+) {
+    if order.is_empty() || quotas.is_empty() {
+        return;
+    }
+    let mut ends = Vec::with_capacity(quotas.len());
+    let mut acc = 0.0;
+    for &(_, q) in quotas {
+        acc += q;
+        ends.push(acc);
+    }
+    let tolerance = acc * 1e-12;
+    let beta = cost.bandwidth;
+    let mut j = 0usize;
+    let mut pos = 0.0f64;
+    for &i in order {
+        let leaf = &leaves[i as usize];
+        let units = leaf.units();
+        let mut start = 0u64;
+        loop {
+            while j + 1 < quotas.len() && ends[j] <= pos + tolerance {
+                j += 1;
+            }
+            let r = quotas[j].0 as usize;
+            let head = if start == 0 { cost.piece_s } else { 0.0 };
+            let len = head + leaf.range_bytes(start, units) as f64 / beta;
+            let stop = if j + 1 == quotas.len() || pos + len <= ends[j] + tolerance {
+                units
+            } else {
+                match snap(leaf, start, (ends[j] - pos - head) * beta, cost) {
+                    Snap::Cut(stop) => stop,
+                    Snap::Whole => units,
+                    Snap::Next => {
+                        j += 1;
+                        continue;
+                    }
+                }
+            };
+            out[r].push(Piece {
+                leaf: i,
+                start,
+                stop,
+            });
+            pos += head + leaf.range_bytes(start, stop) as f64 / beta;
+            if stop == units {
+                break;
+            }
+            start = stop;
+            j += 1;
+        }
+    }
+}

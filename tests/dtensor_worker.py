@@ -1,0 +1,286 @@
+"""One rank of the DTensor tests (tests/test_dtensor.py), under
+``python -m torch.distributed.run --nproc-per-node N --standalone`` (gloo,
+CPU), or alone as one process without a process group:
+
+    python tests/dtensor_worker.py SCENARIO DIR [LAYOUT ...]
+
+A tiny MLP with uneven shards (30 and 7 rows over 4 ranks) and AdamW, on a
+real FSDP2 / HSDP / tensor-parallel layout (:func:`build`), one training
+step, then ``get_state_dict(model, opt)``: DTensors. Scenarios:
+
+- ``save``: per layout, ``deeppart.save`` of that state to ``DIR/LAYOUT``
+  and of its full state (``full_state_dict=True``, plain tensors) to
+  ``DIR/LAYOUT-ref``; then loads ``DIR/LAYOUT`` into DTensors of the same
+  layout and of meshes (1,4) and (4,1), checks every tensor bitwise against
+  the reference and that ``set_state_dict`` takes the result; prints each
+  checkpoint's slowest data file over the ideal (unique bytes / ranks);
+- ``load2``: on 2 ranks, into FSDP over 2 ranks, bitwise;
+- ``load1``: in one process, ``deeppart.load`` without a target gives the
+  reference's full tensors, and ``into=`` a plain model's state too;
+- ``tolocal``: the shards passed as plain tensors (``to_local()``) fail on
+  every rank with ReplicaMismatchError, nothing committed.
+
+Each rank prints ``OK <scenario> rank <r>/<size>`` when its checks pass.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import deeppart
+from bench.dtensor import build, dcp_balance, deeppart_balance, make_model, sharded_state
+from deeppart.checkpoint import last_stats
+
+LAYOUTS = ("hsdp", "ddp2d", "fsdp", "tp")
+
+
+def full_state(m: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    msd, osd = get_state_dict(m, opt, options=StateDictOptions(full_state_dict=True))
+    return {"model": msd, "optim": osd}
+
+
+def to_full(tree: Any) -> Any:
+    """``tree`` with every DTensor gathered into a plain tensor (collective)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tree, DTensor):
+        return tree.full_tensor()
+    if isinstance(tree, dict):
+        return {k: to_full(v) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(to_full(v) for v in tree)
+    return tree
+
+
+def equal(a: Any, b: Any, where: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), where
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{where}: {a.shape} {b.shape}"
+        assert torch.equal(a.contiguous().view(-1).view(torch.uint8),
+                           b.contiguous().view(-1).view(torch.uint8)), f"{where}: values differ"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and sorted(map(str, a)) == sorted(map(str, b)), where
+        for k in a:
+            equal(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            equal(x, y, f"{where}/{i}")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def ok(name: str) -> None:
+    r, n = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    print(f"OK {name} rank {r}/{n}", flush=True)
+
+
+def check_into(layout: str, d: Path, ref: Any) -> None:
+    """Loads ``d`` into a model built on ``layout`` (other values), bitwise."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    m, opt = build(layout, seed=7)
+    target = sharded_state(m, opt)
+    out = deeppart.load(d, into=target)
+    equal(to_full(out), ref, f"{d.name}->{layout}")
+    set_state_dict(m, opt, model_state_dict=out["model"], optim_state_dict=out["optim"])
+    equal(to_full(sharded_state(m, opt)), ref, f"{d.name}->{layout} after set_state_dict")
+
+
+def scenario_save(d: Path, layouts: list[str]) -> None:
+    for layout in layouts:
+        m, opt = build(layout, seed=1)
+        deeppart.save(sharded_state(m, opt), d / layout)
+        deeppart.save(full_state(m, opt), d / f"{layout}-ref")
+        ref = deeppart.load(d / f"{layout}-ref")
+        for target in dict.fromkeys([layout, "fsdp", "ddp2d"]):
+            check_into(target, d / layout, ref)
+        if dist.get_rank() == 0:
+            print(f"BALANCE {layout} {deeppart_balance(d / layout):.4f}", flush=True)
+    ok("save")
+
+
+def dcp_into(layout: str, d: Path, ref: Any) -> None:
+    """Stock dcp.load of ``d`` into a model built on ``layout``, bitwise."""
+    m, opt = build(layout, seed=7)
+    target = sharded_state(m, opt)
+    dcp_load(target, checkpoint_id=str(d))
+    equal(to_full(target), ref, f"{d.name}->{layout}")
+
+
+def scenario_dcp(d: Path, layouts: list[str]) -> None:
+    """Per layout: dcp.save with BalancedSavePlanner and with
+    DefaultSavePlanner; stock dcp.load of the balanced one at the same
+    layout, (1,4) and (4,1), bitwise against the reference."""
+    from deeppart.dcp import BalancedSavePlanner
+
+    for layout in layouts:
+        m, opt = build(layout, seed=1)
+        ref = to_full(sharded_state(m, opt))
+        dcp_save(sharded_state(m, opt), checkpoint_id=str(d / f"{layout}-dcp"),
+                 planner=BalancedSavePlanner())
+        dcp_save(sharded_state(m, opt), checkpoint_id=str(d / f"{layout}-dcpdefault"))
+        for target in dict.fromkeys([layout, "fsdp", "ddp2d"]):
+            dcp_into(target, d / f"{layout}-dcp", ref)
+        if dist.get_rank() == 0:
+            print(f"DCPBALANCE {layout} balanced {dcp_balance(d / f'{layout}-dcp', 4):.4f} "
+                  f"default {dcp_balance(d / f'{layout}-dcpdefault', 4):.4f}", flush=True)
+    ok("dcp")
+
+
+def scenario_balance(d: Path, layouts: list[str]) -> None:
+    """The bench's 23 MB model + AdamW on each layout, saved with
+    deeppart.save: prints the slowest rank's data bytes over the ideal."""
+    for layout in layouts:
+        m, opt = build(layout, seed=1, dims=(1000, 966, 1000))
+        deeppart.save(sharded_state(m, opt), d / layout)
+        if dist.get_rank() == 0:
+            print(f"BALANCE {layout} {deeppart_balance(d / layout):.4f}", flush=True)
+    ok("balance")
+
+
+class CountingReader:
+    """A DCP FileSystemReader that counts the bytes its load plan reads."""
+
+    @staticmethod
+    def make(path: Path) -> Any:
+        from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+        class Reader(FileSystemReader):
+            nbytes = 0
+
+            def read_data(self, plan: Any, planner: Any) -> Any:
+                for req in plan.items:
+                    Reader.nbytes += self.storage_data[req.storage_index].length
+                return super().read_data(plan, planner)
+
+        return Reader(str(path))
+
+
+def scenario_eight(d: Path, layouts: list[str]) -> None:
+    """8 ranks: HSDP (2,4) saved and loaded at (4,2), and the reverse,
+    bitwise; the bytes read from storage (the reader's counters, over all
+    ranks) against the checkpoint's size, and what stock dcp.load reads in
+    the same case."""
+    for src, dst in (("hsdp24", "hsdp"), ("hsdp", "hsdp24")):
+        m, opt = build(src, seed=1)
+        ref = to_full(sharded_state(m, opt))
+        saved = deeppart.save(sharded_state(m, opt), d / src)
+        m2, opt2 = build(dst, seed=7)
+        # "bcast": the plain leaves' files are read once too (as across
+        # hosts; on one host "auto" lets every rank read them from the cache).
+        out = deeppart.load(d / src, into=sharded_state(m2, opt2), exchange="bcast")
+        equal(to_full(out), ref, f"{src}->{dst}")
+        stats = last_stats("load")
+        assert stats is not None
+        ratio = stats.stored_bytes / saved.stored_bytes
+        assert ratio <= 1.05, (stats.stored_bytes, saved.stored_bytes)
+        dcp_save(sharded_state(m, opt), checkpoint_id=str(d / f"{src}-dcp"))
+        target = sharded_state(m2, opt2)
+        reader = CountingReader.make(d / f"{src}-dcp")
+        dcp_load(target, storage_reader=reader)
+        equal(to_full(target), ref, f"{src}-dcp->{dst}")
+        counts = torch.tensor([float(type(reader).nbytes)])
+        dist.all_reduce(counts)
+        data = sum(p.stat().st_size for p in (d / f"{src}-dcp").glob("*.distcp"))
+        if dist.get_rank() == 0:
+            print(f"READ {src}->{dst} deeppart {ratio:.4f} dcp {float(counts[0]) / data:.4f}",
+                  flush=True)
+    ok("eight")
+
+
+def scenario_load2(d: Path, layouts: list[str]) -> None:
+    for layout in layouts:
+        ref = deeppart.load(d / f"{layout}-ref")
+        check_into("fsdp", d / layout, ref)
+        if (d / f"{layout}-dcp").exists():
+            dcp_into("fsdp", d / f"{layout}-dcp", ref)
+    ok("load2")
+
+
+def scenario_load1(d: Path, layouts: list[str]) -> None:
+    for layout in layouts:
+        ref = deeppart.load(d / f"{layout}-ref")
+        equal(deeppart.load(d / layout), ref, f"{layout} without into")
+        m = make_model(9)
+        into = {"model": m.state_dict(), "optim": deeppart.load(d / f"{layout}-ref")["optim"]}
+        for t in into["optim"]["state"].values():
+            for v in t.values():
+                v.zero_()
+        out = deeppart.load(d / layout, into=into)
+        equal(out, ref, f"{layout} into a plain model")
+        assert out["model"]["0.weight"] is into["model"]["0.weight"]
+        if (d / f"{layout}-dcp").exists():
+            plain = deeppart.load(d / f"{layout}-ref")
+            for t in plain["model"].values():
+                t.zero_()
+            dcp_load(plain, checkpoint_id=str(d / f"{layout}-dcp"), no_dist=True)
+            equal(plain, ref, f"{layout}-dcp in one process")
+    ok("load1")
+
+
+def scenario_tolocal(d: Path, layouts: list[str]) -> None:
+    from torch.distributed.tensor import DTensor
+
+    for layout in layouts:
+        m, opt = build(layout, seed=1)
+        state = sharded_state(m, opt)
+
+        def local(t: Any) -> Any:
+            if isinstance(t, DTensor):
+                return t.to_local()
+            if isinstance(t, dict):
+                return {k: local(v) for k, v in t.items()}
+            if isinstance(t, list):
+                return [local(v) for v in t]
+            return t
+
+        try:
+            deeppart.save(local(state), d / f"{layout}-local")
+        except deeppart.StateMismatchError as e:  # or its ReplicaMismatchError
+            assert "to_local()" in str(e), str(e)
+        else:
+            raise AssertionError("to_local() shards saved without an error")
+        assert not (d / f"{layout}-local").exists()
+        assert not any(p.name.startswith(".tmp-") for p in d.iterdir())
+    # full_state_dict + cpu_offload: the values are on rank 0 only.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    m, opt = build(layouts[0], seed=1)
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    msd, osd = get_state_dict(m, opt, options=opts)
+    try:
+        deeppart.save({"model": msd, "optim": osd}, d / "offload")
+    except deeppart.StateMismatchError as e:
+        assert "cpu_offload" in str(e) and "nothing was written" in str(e), str(e)
+    else:
+        raise AssertionError("a rank-0-only state saved without an error")
+    assert not (d / "offload").exists()
+    ok("tolocal")
+
+
+def main() -> None:
+    scenario, d, *layouts = sys.argv[1:]
+    if "RANK" in os.environ:
+        dist.init_process_group("gloo")
+    try:
+        globals()[f"scenario_{scenario}"](Path(d), layouts or list(LAYOUTS))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
