@@ -424,8 +424,8 @@ class BuiltinBackend:
     def steps(self) -> list[int]:
         """Every committed step that :meth:`latest` would accept, oldest
         first (its last is :meth:`latest`)."""
-        return sorted(s for s in recovery.candidates(self.comm, self.layout, None)
-                      if self._recoverable(s))  # fmt: skip
+        candidates = recovery.candidates(self.comm, self.layout, None)
+        return sorted(s for s in candidates if self._recoverable(s))
 
     def load(self, step: int | None = None, *, into: Any = None) -> tuple[Any, RecoveryReport]:
         """Restores ``step`` (None: the newest committed step that can be

@@ -227,8 +227,8 @@ def fetch(comm: Comm, local: Path, moves: list[Move]) -> dict[str, U8]:
     for m in moves:
         if r == m.src:
             data = read_all(local / m.name, m.size)
-            comm.sendrecv_u8(data if data is not None else np.zeros(m.size, np.uint8),
-                             m.dst, EMPTY, m.dst)  # fmt: skip
+            send = data if data is not None else np.zeros(m.size, dtype=np.uint8)
+            comm.sendrecv_u8(send, m.dst, EMPTY, m.dst)
         elif r == m.dst:
             buf = np.empty(m.size, dtype=np.uint8)
             comm.sendrecv_u8(EMPTY, m.src, buf, m.src)
