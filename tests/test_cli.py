@@ -225,3 +225,35 @@ def test_demo_help_is_plain_text() -> None:
     assert proc.returncode == 0
     assert "launches mpiexec -n RANKS" in proc.stdout and "deeppart.Checkpointer;" in proc.stdout
     assert "``" not in proc.stdout and ":func:" not in proc.stdout and ":class:" not in proc.stdout
+
+
+def test_plan_and_manifest_read_and_write_holder_groups(tmp_path: Path) -> None:
+    doc = {
+        "version": 2,
+        "groups": [[0, 2], [1, 3]],
+        "leaves": [
+            {"path": ["w", 0], "dtype": "float32", "shape": [1 << 18], "holders": 0},
+            {"path": ["w", 1], "dtype": "float32", "shape": [1 << 18], "holders": 1},
+            {"path": ["norm"], "dtype": "float32", "shape": [64]},
+        ],
+    }
+    src = tmp_path / "grouped.json"
+    src.write_text(json.dumps(doc))
+    out = tmp_path / "again.json"
+    proc = run_cli("manifest", str(src), "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    again = json.loads(out.read_text())
+    assert again["version"] == 2 and again["groups"] == doc["groups"]
+    assert [leaf.get("holders") for leaf in again["leaves"]] == [0, 1, None]
+    plan_file = tmp_path / "plan.json"
+    proc = run_cli("plan", str(src), "-p", "4", "--json", "-o", str(plan_file))
+    assert proc.returncode == 0, proc.stderr
+    plan = deeppart.Plan.from_json(plan_file.read_text())
+    m = plan.manifest
+    for r in range(4):
+        for leaf, _, _ in plan.rank_pieces(r):
+            g = m.leaves()[leaf]["holders"]
+            assert g is None or r in m.groups[g]
+    proc = run_cli("plan", str(src), "-p", "3")
+    assert proc.returncode == 2
+    assert "holder group 1 lists rank 3, but the world size is 3" in proc.stderr

@@ -863,3 +863,28 @@ def test_service_request_parameters_are_bounded(tmp_path: Path, case: str) -> No
     out = _serve_measured(tmp_path, req)
     planned = case in ("many-leaves", "row-grain-tiny-pieces")
     assert out["result"] == ("OK" if planned else "INVALID_ARGUMENT"), out
+
+
+@pytest.mark.parametrize(
+    ("groups", "holders", "error"),
+    [
+        ([[0, 0]], 0, "holder group 0: lists rank 0 twice"),
+        ([[0]], 3, "holders 3 names no group"),
+        ([[0] for _ in range(65537)], 0, "holder groups, more than the limit"),
+    ],
+)
+def test_holder_groups_in_metadata_are_checked(
+    tmp_path: Path, groups: list[list[int]], holders: int, error: str
+) -> None:
+    """A committed checkpoint whose manifest is rewritten with malformed
+    holder groups never loads: the error names the group or the leaf."""
+    d = tmp_path / "ck"
+    deeppart.save({"w": torch.arange(4, dtype=torch.float32)}, d)
+    meta = read_meta(d)
+    meta["manifest"]["version"] = 2
+    meta["manifest"]["groups"] = groups
+    meta["manifest"]["leaves"][0]["holders"] = holders
+    commit(d, meta)
+    with pytest.raises(deeppart.DeepPartError) as info:
+        deeppart.load(d)
+    assert error in str(info.value)

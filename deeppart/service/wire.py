@@ -40,7 +40,15 @@ KEY_OVERHEAD = 16
 
 
 def manifest_to_proto(manifest: Manifest) -> pb.Manifest:
-    """The compact wire form of ``manifest``."""
+    """The compact wire form of ``manifest``. Holder groups (manifest
+    version 2) are not in the wire format yet: such a manifest raises
+    :class:`WireError` rather than reach the service without them."""
+    if manifest.groups:
+        raise WireError(
+            "manifest: the planner service's wire format does not carry holder groups "
+            f"yet ({len(manifest.groups)} groups); plan in process instead "
+            "(deeppart.plan(manifest, world_size), or no service= / --service)"
+        )
     string_ids: dict[str, int] = {}
     int_ids: dict[int, int] = {}
     dtype_ids: dict[str, int] = {}

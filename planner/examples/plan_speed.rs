@@ -2,7 +2,9 @@
 //! log-normal sizes, planned with `balanced` for 4096 ranks.
 //!
 //! Run with `cargo run --release -p deeppart-planner --example plan_speed`.
-//! Optional arguments: leaf count, world size, algorithm.
+//! Optional arguments: leaf count, world size, algorithm, holder groups
+//! (`G > 0`: leaf `i` is held by group `i % G`, the ranks `r % G == i % G`;
+//! `cargo run --release -p deeppart-planner --example plan_speed -- 1000000 4096 balanced 64`).
 //!
 //! `plan_ms` is the wall time of the whole `plan()` call: the algorithm,
 //! validation of the result, the lower bound and the fingerprint;
@@ -85,8 +87,23 @@ fn main() {
         .next()
         .map_or(Algorithm::Balanced, |a| a.parse().expect("algorithm"));
 
+    let groups: u32 = args.next().map_or(0, |a| a.parse().expect("holder groups"));
+
     let started = Instant::now();
-    let manifest = Arc::new(synthetic_manifest(count, 0x9E37_79B9_7F4A_7C15));
+    let mut manifest = synthetic_manifest(count, 0x9E37_79B9_7F4A_7C15);
+    if groups > 0 {
+        let sets: Vec<Vec<u32>> = (0..groups)
+            .map(|g| (g..world_size as u32).step_by(groups as usize).collect())
+            .collect();
+        let leaves = manifest
+            .leaves()
+            .iter()
+            .enumerate()
+            .map(|(i, l)| l.clone().with_holders(Some(i as u32 % groups)))
+            .collect();
+        manifest = Manifest::with_groups(leaves, sets).expect("valid groups");
+    }
+    let manifest = Arc::new(manifest);
     let build_ms = started.elapsed().as_secs_f64() * 1e3;
     println!(
         "manifest: {} leaves, {:.1} GB, built in {build_ms:.0} ms",

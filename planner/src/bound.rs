@@ -43,8 +43,17 @@
 //!    aggregated by holder set, Hall's condition over unions of groups).
 //!    `T >= F + Φ`, for every `k`.
 //!
+//! 7. Take groups `g_1..g_p` that are pairwise disjoint (a packing). The
+//!    leaves of `g_i` are written by the `n_i` writers inside it, who carry
+//!    at least its summed `c(l)`, `D_i`, so one carries `D_i / n_i`:
+//!    `T - F >= D_i / n_i`. The `n_i` are integers of at least 1 (at most
+//!    `|g_i|`), and the groups' writers are distinct, so `Σ n_i <= k`. So
+//!    `T - F >= t_k`, the least over integer `n_i` with `Σ n_i <= k` of
+//!    `max_i D_i / n_i` (infinite for `k < p`), which Jefferson's
+//!    apportionment computes for every `k` at once.
+//!
 //! So `makespan = T + k w >= M(k) + k w` with `M(k)` the largest of the
-//! bounds 2-6, and the minimum of that over the feasible `k` is a lower bound
+//! bounds 2-7, and the minimum of that over the feasible `k` is a lower bound
 //! for every legal plan. `M(k)` is non-increasing in `k` and in the number of
 //! nodes, so the bound never rises with the world size. It is cheap:
 //! `O(leaves + world_size)`.
@@ -80,6 +89,8 @@ pub struct LoadSummary {
     /// without groups).
     pub holders: Option<HolderFlow>,
     pub fractional_level: f64,
+    /// Bound 7, by writer count (empty without groups).
+    pub packing_levels: Vec<f64>,
     /// Index `n` in `1..=world_size`: the largest `B_l / n` over replicated
     /// leaves with `n_l == n`.
     per_piece_bytes: Vec<f64>,
@@ -150,7 +161,11 @@ impl LoadSummary {
             // The infeasible end of the bisection: below the optimum.
             f.level(&everyone, &owned_load, 1e-9).0
         });
+        let packing_levels = holders
+            .as_ref()
+            .map_or_else(Vec::new, |f| f.packing_levels(manifest, world_size));
         LoadSummary {
+            packing_levels,
             grouped_work,
             grouped_leaves,
             holders,
@@ -236,6 +251,8 @@ pub(crate) struct Levels {
     total_bytes: f64,
     nodes: u32,
     cost: CostModel,
+    /// Bound 7 by writer count; empty without groups.
+    packing: Vec<f64>,
 }
 
 impl Levels {
@@ -261,6 +278,7 @@ impl Levels {
             total_bytes: summary.total_bytes as f64,
             nodes: summary.nodes,
             cost: *cost,
+            packing: summary.packing_levels.clone(),
         }
     }
 
@@ -286,6 +304,9 @@ impl Levels {
         }
         if self.total_bytes > 0.0 {
             m = m.max(self.fixed_s + self.total_bytes / capacity);
+        }
+        if let Some(&t) = self.packing.get(k as usize) {
+            m = m.max(self.fixed_s + t);
         }
         m
     }

@@ -143,6 +143,67 @@ impl HolderFlow {
         })
     }
 
+    /// Bound 7 of [`crate::bound`]: index `k` is the least `t` such that
+    /// `k` writers can give every group of a *packing* (pairwise disjoint
+    /// flow groups, chosen greedily largest demand first, the leaves of every
+    /// rank excepted) enough writers that none of them carries more than
+    /// `t`: Jefferson's apportionment of `k` writers over the packing's
+    /// demands, no group above its size. Infinite below the packing's size
+    /// (each of its groups needs a writer of its own), 0 at index 0.
+    pub fn packing_levels(&self, manifest: &Manifest, world_size: u32) -> Vec<f64> {
+        let ws = world_size as usize;
+        let mut order: Vec<usize> = (0..self.demand.len())
+            .filter(|&g| self.source[g].is_some())
+            .collect();
+        order.sort_by(|&a, &b| self.demand[b].total_cmp(&self.demand[a]).then(a.cmp(&b)));
+        let mut taken = vec![false; ws];
+        let mut packing: Vec<(f64, u32)> = Vec::new();
+        for g in order {
+            let ranks = &manifest.groups()[self.source[g].expect("a group") as usize];
+            if ranks.iter().any(|&r| taken[r as usize]) {
+                continue;
+            }
+            for &r in ranks {
+                taken[r as usize] = true;
+            }
+            packing.push((self.demand[g], ranks.len() as u32));
+        }
+        let mut out = vec![f64::INFINITY; ws + 1];
+        out[0] = 0.0;
+        let p = packing.len();
+        if p > ws {
+            return out;
+        }
+        let mut seats = vec![1u32; p];
+        let mut heap: std::collections::BinaryHeap<(OrdF64, usize)> = packing
+            .iter()
+            .enumerate()
+            .map(|(g, &(d, _))| (OrdF64(d), g))
+            .collect();
+        let mut floor = 0.0f64;
+        for k in p..=ws {
+            if k > p {
+                // One more writer, to the group with the largest load per writer.
+                match heap.pop() {
+                    Some((_, g)) => {
+                        seats[g] += 1;
+                        let (d, size) = packing[g];
+                        let load = d / f64::from(seats[g]);
+                        if seats[g] < size {
+                            heap.push((OrdF64(load), g));
+                        } else {
+                            floor = floor.max(load);
+                        }
+                    }
+                    None => {}
+                }
+            }
+            let top = heap.peek().map_or(0.0, |(OrdF64(t), _)| *t);
+            out[k] = top.max(floor);
+        }
+        out
+    }
+
     pub fn classes(&self) -> usize {
         self.class_ranks.len()
     }
@@ -202,6 +263,24 @@ impl HolderFlow {
     pub fn routing(&self, writers: &[u32], owned: &[f64], t: f64) -> Routing {
         let caps = ClassCaps::new(self, writers, owned);
         self.max_flow(&caps.at(t)).1
+    }
+}
+
+/// An `f64` with a total order, for the heap. Never NaN.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct OrdF64(f64);
+
+impl Eq for OrdF64 {}
+
+impl PartialOrd for OrdF64 {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for OrdF64 {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.0.total_cmp(&other.0)
     }
 }
 

@@ -260,6 +260,13 @@ fn check_assignment(
             if p.start == p.stop && units > 0 {
                 return Err(format!("rank {r}: empty piece {p:?}"));
             }
+            if !m.holders(leaf).contains(r as u32) {
+                return Err(format!(
+                    "leaf {} ({}) planned on rank {r}, which does not hold it",
+                    p.leaf,
+                    leaf.display_path()
+                ));
+            }
             if let Some(owner) = leaf.owner {
                 if owner as usize != r {
                     return Err(format!(
@@ -665,7 +672,7 @@ fn legal_runs(m: &Manifest, cost: &CostModel, slots: &[(usize, u64)], choice: &[
     while k < slots.len() {
         let i = slots[k].0;
         let leaf = &m.leaves()[i];
-        if matches!(leaf.owner, Some(o) if o != choice[k]) {
+        if matches!(leaf.owner, Some(o) if o != choice[k]) || !m.holders(leaf).contains(choice[k]) {
             return false;
         }
         let units = units_of(leaf);
@@ -771,6 +778,10 @@ fn check_bound_against_optimum(
     // Every algorithm's plan is one of the enumerated ones: none beats the optimum.
     let m = Arc::new(m);
     for algorithm in Algorithm::ALL {
+        if algorithm == Algorithm::DeepPart && m.uses_groups() {
+            // It refuses holder groups (tested in the planner's unit tests).
+            continue;
+        }
         let p = plan(m.clone(), world_size as u64, topology, cost, algorithm).unwrap();
         check_assignment(&m, world_size, &topology, &cost, &p.ranks)
             .map_err(|e| TestCaseError::fail(format!("{algorithm}: {e}")))?;
@@ -1080,4 +1091,90 @@ fn a_second_node_never_slows_an_owned_and_replicated_state() {
         t8.stats,
         t16.stats
     );
+}
+
+// ----------------------------------------------------------------------------
+// Holder groups: random, overlapping, non-laminar holder sets.
+
+/// `leaves` with holder groups: each of `groups` (rank bitmasks, reduced to
+/// the world and made non-empty) becomes a group; leaf `i` without an owner
+/// is held by group `pick[i] % (groups + 1)`, the last choice meaning every rank.
+fn grouped_manifest(
+    leaves: &[LeafSpec],
+    world_size: u32,
+    groups: &[u32],
+    pick: &[usize],
+) -> Manifest {
+    let plain = build_manifest(leaves, world_size);
+    let mut sets: Vec<Vec<u32>> = groups
+        .iter()
+        .map(|&mask| {
+            let set: Vec<u32> = (0..world_size)
+                .filter(|r| mask & (1 << (r % 32)) != 0)
+                .collect();
+            if set.is_empty() {
+                vec![mask % world_size]
+            } else {
+                set
+            }
+        })
+        .collect();
+    sets.dedup();
+    let n = sets.len() + 1;
+    let leaves: Vec<Leaf> = plain
+        .leaves()
+        .iter()
+        .enumerate()
+        .map(|(i, l)| {
+            let g = pick.get(i).copied().unwrap_or(0) % n;
+            if l.owner.is_none() && g < sets.len() {
+                l.clone().with_holders(Some(g as u32))
+            } else {
+                l.clone()
+            }
+        })
+        .collect();
+    Manifest::with_groups(leaves, sets).expect("generated groups are valid")
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    /// bound <= exhaustive optimum <= every plan, every piece on a holder,
+    /// with random holder sets (overlapping, not laminar) over 1 to 4 ranks.
+    #[test]
+    fn lower_bound_is_at_most_the_optimum_with_holder_groups(
+        leaves in prop::collection::vec(tiny_leaf(), 1..=4),
+        (world_size, ranks_per_node) in tiny_world(),
+        groups in prop::collection::vec(1u32..16, 1..=4),
+        pick in prop::collection::vec(0usize..8, 4),
+        cost in tiny_cost_model(),
+    ) {
+        let specs: Vec<LeafSpec> = leaves
+            .iter()
+            .enumerate()
+            .map(|(i, t)| LeafSpec { path: vec![PathKey::Int(i as i64)], ..t.spec.clone() })
+            .collect();
+        let m = grouped_manifest(&specs, world_size, &groups, &pick);
+        check_bound_against_optimum(m, world_size, Topology { ranks_per_node }, cost)?;
+    }
+
+    /// Larger instances: every algorithm's plan is valid (every piece on a
+    /// holder) and never below the bound.
+    #[test]
+    fn grouped_plans_are_valid(
+        inst in instance(40),
+        groups in prop::collection::vec(1u32..u32::MAX, 1..=6),
+        pick in prop::collection::vec(0usize..16, 40),
+    ) {
+        let m = Arc::new(grouped_manifest(&inst.leaves, inst.world_size, &groups, &pick));
+        for algorithm in [Algorithm::Balanced, Algorithm::Lpt, Algorithm::Greedy] {
+            let p = plan(m.clone(), inst.world_size as u64, inst.topology(), inst.cost, algorithm).unwrap();
+            check_assignment(&m, inst.world_size, &inst.topology(), &inst.cost, &p.ranks)
+                .map_err(|e| TestCaseError::fail(format!("{algorithm}: {e}")))?;
+            prop_assert!(p.stats.gap >= 1.0 - 1e-9, "{algorithm}: gap {}", p.stats.gap);
+        }
+        let refused = plan(m.clone(), inst.world_size as u64, inst.topology(), inst.cost, Algorithm::DeepPart);
+        prop_assert_eq!(refused.is_err(), m.uses_groups());
+    }
 }

@@ -26,10 +26,11 @@
 //!    a stream laid over its writers' quotas, end to end: a leaf that
 //!    crosses a quota's end is cut at the legal cut (on its grain, pieces of
 //!    at least `min_piece_bytes`) nearest to it, and a leaf that cannot be
-//!    cut goes to the side its middle falls on. Cuts are placed against the
-//!    absolute ends, so errors do not accumulate: each writer is within
-//!    about one grain (or half an uncuttable leaf) of its quota, plus one
-//!    piece overhead per cut.
+//!    cut goes to the side its middle falls on; when that is the next
+//!    writer, the room left is topped up with the smallest leaves that fit
+//!    whole. Cuts are placed against the absolute ends, so errors do not
+//!    accumulate: each writer is within about one grain (or half an
+//!    uncuttable leaf) of its quota, plus one piece overhead per cut.
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -44,8 +45,10 @@ use crate::plan::{model_time, Piece};
 
 /// Relative precision of a candidate's fractional level.
 const LEVEL_PRECISION: f64 = 1e-7;
-/// How many of the best-estimated candidates are filled and timed.
+/// How many of the best-estimated candidates are filled and timed: at
+/// least `FILLED`, more while their fills read at most `FILL_WORK` leaves.
 const FILLED: usize = 4;
+const FILL_WORK: usize = 4_000_000;
 /// Most candidates whose level is computed (each a bisection of max-flows).
 const MOST_EVALUATED: usize = 256;
 
@@ -157,8 +160,12 @@ pub(super) fn plan(
     }
     evaluated.sort_by(|a, b| a.0.total_cmp(&b.0));
     let mut chosen: Option<(f64, Vec<Vec<Piece>>)> = None;
-    for (_, level, writers) in evaluated.into_iter().take(FILLED) {
-        let placed = fill(manifest, flow, cost, owned, &writers, level, world_size);
+    let fills = FILLED.max(FILL_WORK / manifest.len().max(1));
+    let sorted = group_members(manifest, flow);
+    for (_, level, writers) in evaluated.into_iter().take(fills) {
+        let placed = fill(
+            manifest, &sorted, flow, cost, owned, &writers, level, world_size,
+        );
         let pieces: Vec<u64> = ranks
             .iter()
             .zip(&placed)
@@ -183,7 +190,9 @@ pub(super) fn plan(
     let placed = chosen.map(|(_, p)| p).unwrap_or_else(|| {
         // No candidate had a feasible level: cannot happen (every group's
         // ranks are in the world, and the largest candidate holds them all).
-        fill(manifest, flow, cost, owned, &everyone, full, world_size)
+        fill(
+            manifest, &sorted, flow, cost, owned, &everyone, full, world_size,
+        )
     });
     for (list, more) in ranks.iter_mut().zip(placed) {
         list.extend(more);
@@ -216,10 +225,34 @@ fn class_members(flow: &HolderFlow, summary: &LoadSummary, topology: &Topology) 
         .collect()
 }
 
+/// Per flow group, its leaves, largest first (ties by manifest order).
+fn group_members(manifest: &Manifest, flow: &HolderFlow) -> Vec<Vec<u32>> {
+    let leaves = manifest.leaves();
+    let mut members: Vec<Vec<u32>> = vec![Vec::new(); flow.demand.len()];
+    for (i, leaf) in leaves.iter().enumerate() {
+        let g = match manifest.holders(leaf) {
+            Holders::All => flow.all,
+            Holders::Ranks(rs) if rs.len() > 1 => {
+                flow.flow_of_group[leaf.holders.expect("a group") as usize]
+            }
+            Holders::Ranks(_) => None,
+        };
+        if let Some(g) = g {
+            members[g as usize].push(i as u32);
+        }
+    }
+    for order in &mut members {
+        order.sort_by_key(|&i| (Reverse(leaves[i as usize].nbytes), i));
+    }
+    members
+}
+
 /// The pieces of the shared leaves for `writers` at the feasible level
 /// `level`, per rank.
+#[allow(clippy::too_many_arguments)]
 fn fill(
     manifest: &Manifest,
+    members: &[Vec<u32>],
     flow: &HolderFlow,
     cost: &CostModel,
     owned: &[f64],
@@ -267,23 +300,20 @@ fn fill(
         }
     }
     let leaves = manifest.leaves();
-    let mut members: Vec<Vec<u32>> = vec![Vec::new(); flow.demand.len()];
-    for (i, leaf) in leaves.iter().enumerate() {
-        let g = match manifest.holders(leaf) {
-            Holders::All => flow.all,
-            Holders::Ranks(rs) if rs.len() > 1 => {
-                flow.flow_of_group[leaf.holders.expect("a group") as usize]
-            }
-            Holders::Ranks(_) => None,
-        };
-        if let Some(g) = g {
-            members[g as usize].push(i as u32);
-        }
-    }
     let mut out = vec![Vec::new(); world_size as usize];
-    for (g, mut order) in members.into_iter().enumerate() {
-        order.sort_by_key(|&i| (Reverse(leaves[i as usize].nbytes), i));
-        stream(leaves, &order, &quotas[g], cost, &mut out);
+    for (g, order) in members.iter().enumerate() {
+        if quotas[g].is_empty() {
+            // Nothing to balance (leaves of no cost at all): one holder
+            // writes them, a writer if one holds them.
+            let reached = |&r: &u32| flow.reach[g].contains(&flow.class_of[r as usize]);
+            let r = writers
+                .iter()
+                .copied()
+                .find(reached)
+                .unwrap_or_else(|| flow.class_ranks[flow.reach[g][0] as usize][0]);
+            quotas[g].push((r, 0.0));
+        }
+        stream(leaves, order, &quotas[g], cost, &mut out);
     }
     out
 }
@@ -352,7 +382,7 @@ fn stream(
     cost: &CostModel,
     out: &mut [Vec<Piece>],
 ) {
-    if order.is_empty() || quotas.is_empty() {
+    if order.is_empty() {
         return;
     }
     let mut ends = Vec::with_capacity(quotas.len());
@@ -365,7 +395,12 @@ fn stream(
     let beta = cost.bandwidth;
     let mut j = 0usize;
     let mut pos = 0.0f64;
-    for &i in order {
+    // Leaves are taken from the front (largest first); top-ups take whole
+    // leaves from the back (smallest first): `order[h..t]` are unplaced.
+    let (mut h, mut t) = (0usize, order.len());
+    while h < t {
+        let i = order[h];
+        h += 1;
         let leaf = &leaves[i as usize];
         let units = leaf.units();
         let mut start = 0u64;
@@ -383,6 +418,22 @@ fn stream(
                     Snap::Cut(stop) => stop,
                     Snap::Whole => units,
                     Snap::Next => {
+                        // Fill the rest of writer `j` with the smallest
+                        // leaves that fit whole, then go on to the next.
+                        while t > h {
+                            let small = &leaves[order[t - 1] as usize];
+                            let small_len = cost.piece_cost(small.nbytes);
+                            if pos + small_len > ends[j] + tolerance {
+                                break;
+                            }
+                            t -= 1;
+                            out[r].push(Piece {
+                                leaf: order[t],
+                                start: 0,
+                                stop: small.units(),
+                            });
+                            pos += small_len;
+                        }
                         j += 1;
                         continue;
                     }
