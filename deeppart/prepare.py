@@ -30,7 +30,7 @@ from deeppart.agreement import agree
 from deeppart.comm import Comm
 from deeppart.compression import check_codec
 from deeppart.dtensor import expand
-from deeppart.errors import ReplicaMismatchError, StateMismatchError
+from deeppart.errors import CheckpointError, ReplicaMismatchError, StateMismatchError
 from deeppart.regions import DTensorRecord
 from deeppart.state import FlatLeaf, check_has_data, flatten
 from deeppart.tensors import U8, readable, u8_view
@@ -41,6 +41,7 @@ __all__ = [
     "agree_prepared",
     "agree_prepared_flags",
     "prepare",
+    "refuse_sharded",
     "replica_sample",
     "verify_replicas",
 ]
@@ -146,6 +147,19 @@ def prepare(
     h.update(json.dumps([r.to_json() for r in ex.records], separators=(",", ":")).encode())
     samples = replica_sample(leaves, ex.descs)
     return Prepared(leaves, skeleton, manifest, plan, codec, h.digest(), ex.records, samples)
+
+
+def refuse_sharded(prep: Prepared, where: str) -> None:
+    """Raises for a state holding DTensors in a path that does not store
+    their global regions yet (the multi-level backends)."""
+    if prep.dtensors:
+        names = ", ".join("/".join(map(str, r.path)) for r in prep.dtensors[:3])
+        raise CheckpointError(
+            f"{where} cannot save DTensor state yet ({names}); nothing was written. "
+            "Save it with deeppart.save or deeppart.Checkpointer without config= (they "
+            "store each shard's global region and reshard on load), or pass "
+            "get_state_dict(..., options=StateDictOptions(full_state_dict=True))"
+        )
 
 
 def agree_prepared(

@@ -61,7 +61,7 @@ from deeppart.levels.erasure import STRIPE_BYTES
 from deeppart.levels.layout import Layout, step_name, steps_in
 from deeppart.ownership import check_target, checkpoint_file, level_file, owned_dir, side_name
 from deeppart.planning import PlanProvider
-from deeppart.prepare import Prepared, agree_prepared, prepare
+from deeppart.prepare import Prepared, agree_prepared, prepare, refuse_sharded
 from deeppart.progress import Progress
 from deeppart.reader import IntoMatch, Target, all_leaf_targets, assemble
 from deeppart.writer import RECORD_FIELDS, write_pieces
@@ -199,6 +199,7 @@ class BuiltinBackend:
             if lv == 4:
                 check_target(self.global_step(step))
             prep = prepare(state, self.compression, self.plans, self.meta_step(step))
+            refuse_sharded(prep, "the multi-level engine")
             if c.rank == 0 and self.meta_step(step).exists():
                 # Re-saving a step: uncommit it first, so a crash never
                 # leaves a marker over mixed files.

@@ -67,7 +67,7 @@ from deeppart.levels.libfti import (
     load_libfti,
 )
 from deeppart.planning import PlanProvider
-from deeppart.prepare import Prepared, prepare
+from deeppart.prepare import Prepared, prepare, refuse_sharded
 from deeppart.reader import all_leaf_targets, assemble, leaf_infos
 from deeppart.tensors import dtype_sizes, readable, u8_view
 
@@ -516,6 +516,7 @@ class FTIBackend:
             self._level_checked(lv)
 
             prep = prepare(state, None, PlanProvider(c.size), self._dir / f"step-{step}")
+            refuse_sharded(prep, "the FTI backend")
         except Exception as e:
             err = e
         digests = agree(c, err, prep.digest if prep else b"")
