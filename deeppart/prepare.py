@@ -15,6 +15,7 @@ path, e.g. DTensor shards converted with ``to_local()``, fail by default.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
@@ -94,20 +95,36 @@ class Prepared:
 
 
 def _sample_bytes(t: Any) -> bytes:
-    """A few blocks of a tensor's bytes (its start, middle and end)."""
+    """A few blocks of a tensor's bytes in row-major order (its start, middle
+    and end), whatever its memory layout or device: replicas that hold the
+    same values sample the same bytes."""
     n = t.numel()
     if n == 0:
         return b""
+    isz = int(t.element_size())
+    size = n * isz
+    step = max(1, (size - SAMPLE_BYTES) // max(1, SAMPLE_BLOCKS - 1))
+    last = max(0, size - SAMPLE_BYTES)
+    starts = sorted({min(k * step, last) for k in range(SAMPLE_BLOCKS)})
+    width = min(SAMPLE_BYTES, size)
     if t.device.type == "cpu" and t.is_contiguous() and not t.is_conj() and not t.is_neg():
-        u8 = u8_view(t)
-        step = max(1, (u8.size - SAMPLE_BYTES) // max(1, SAMPLE_BLOCKS - 1))
-        last = max(0, u8.size - SAMPLE_BYTES)
-        starts = sorted({min(k * step, last) for k in range(SAMPLE_BLOCKS)})
-        return b"".join(u8[a : a + SAMPLE_BYTES].tobytes() for a in starts)
-    picks = sorted({0, n // 2, n - 1})
-    idx = [np.unravel_index(k, tuple(t.shape)) for k in picks]
-    elems = [t[tuple(int(x) for x in i)].reshape(1) for i in idx]
-    return b"".join(u8_view(readable(e)).tobytes() for e in elems)
+        # Straight from memory: a contiguous CPU tensor of n elements spans
+        # n * element_size bytes from data_ptr().
+        base = t.data_ptr()
+        return b"".join(ctypes.string_at(base + a, width) for a in starts)
+    # Any other layout: the elements that cover each block, gathered by
+    # row-major index (torch.take; no copy of the whole tensor).
+    import torch
+
+    spans = [(a // isz, -(-(a + width) // isz)) for a in starts]
+    index = torch.cat([torch.arange(e0, e1) for e0, e1 in spans]).to(t.device)
+    raw = u8_view(readable(torch.take(t.detach(), index))).tobytes()
+    out, at = [], 0
+    for a, (e0, e1) in zip(starts, spans, strict=True):
+        skip = a - e0 * isz
+        out.append(raw[at + skip : at + skip + width])
+        at += (e1 - e0) * isz
+    return b"".join(out)
 
 
 def replica_sample(leaves: list[FlatLeaf], descs: list[dict[str, Any]]) -> dict[int, bytes]:

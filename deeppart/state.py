@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import sys
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -85,8 +86,6 @@ def _is_tensor(value: Any) -> bool:
 
 
 def _torch_if_loaded() -> Any:
-    import sys
-
     return sys.modules.get("torch")
 
 
@@ -229,8 +228,6 @@ def check_has_data(leaves: list[FlatLeaf]) -> None:
 def is_dtensor(value: Any) -> bool:
     """Whether ``value`` is a torch ``DTensor`` (False while torch's DTensor
     module is not loaded)."""
-    import sys
-
     mod = sys.modules.get("torch.distributed.tensor")
     cls = getattr(mod, "DTensor", None) if mod is not None else None
     return cls is not None and isinstance(value, cls)

@@ -491,3 +491,36 @@ def test_compression_level_and_its_deprecated_old_name(tmp_path: Path) -> None:
         cp = deeppart.Checkpointer(tmp_path / "cp", compression="zstd", level=5)
     assert cp.compression_level == 5
     assert deeppart.Checkpointer(tmp_path / "cp2", compression_level=7).compression_level == 7
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.arange(1, dtype=torch.float32),
+        torch.arange(5, dtype=torch.int16),
+        torch.arange(1000, dtype=torch.float64),
+        torch.arange(4096, dtype=torch.bfloat16).reshape(64, 64),
+        torch.arange(600, dtype=torch.float32).reshape(20, 30)[:, 5:],  # a strided view
+    ],
+    ids=["one", "short", "f64", "bf16-2d", "strided"],
+)
+def test_replica_sample_reads_the_start_middle_and_end(tensor: torch.Tensor) -> None:
+    """The sampled replica check's blocks are the bytes at the tensor's
+    start, middle and end in row-major order, whatever its layout (read
+    straight from memory when contiguous); a changed byte in any block
+    changes the sample, and replicas with other strides sample the same."""
+    from deeppart.prepare import SAMPLE_BLOCKS, SAMPLE_BYTES, _sample_bytes
+
+    got = _sample_bytes(tensor)
+    u8 = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+    step = max(1, (u8.size - SAMPLE_BYTES) // max(1, SAMPLE_BLOCKS - 1))
+    last = max(0, u8.size - SAMPLE_BYTES)
+    starts = sorted({min(k * step, last) for k in range(SAMPLE_BLOCKS)})
+    assert got == b"".join(u8[a : a + SAMPLE_BYTES].tobytes() for a in starts)
+    for a in starts:
+        changed = tensor.contiguous().clone()
+        view = changed.reshape(-1).view(torch.uint8)
+        view[a] = int(view[a]) ^ 0xFF
+        assert _sample_bytes(changed) != got
+    assert _sample_bytes(tensor.clone()) == got  # the same values, other memory
+    assert _sample_bytes(tensor.t().contiguous().t()) == got  # other strides
