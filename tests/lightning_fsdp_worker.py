@@ -23,14 +23,11 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import lightning.pytorch as pl
 from framework_runs import worker_args
-from lightning_worker import Regressor, start
+from lightning_worker import Regressor, start, trainer_for
 from mpi_checkpoint import ok, run_then_exit
 
 from deeppart.integrations.lightning import DeepPartModelParallelStrategy
-
-EPOCHS = 3
 
 
 class ShardedRegressor(Regressor):
@@ -66,17 +63,7 @@ def main() -> None:
     strategy = DeepPartModelParallelStrategy(
         data_parallel_size=size, tensor_parallel_size=1, process_group_backend="gloo"
     )
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=size,
-        strategy=strategy,
-        max_epochs=EPOCHS,
-        callbacks=callbacks,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        deterministic=True,
-    )
+    trainer = trainer_for(size, strategy, callbacks)
     model = ShardedRegressor(record)
     trainer.fit(model, ckpt_path=args.resume)
     record.fact("end", [trainer.current_epoch, trainer.global_step])

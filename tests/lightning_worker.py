@@ -96,13 +96,12 @@ def start(args: Any) -> tuple[int, RunRecord, list[pl.Callback]]:
     return dist.get_world_size(), record, callbacks
 
 
-def main() -> None:
-    args = worker_args()
-    size, record, callbacks = start(args)
-    trainer = pl.Trainer(
+def trainer_for(size: int, strategy: Any, callbacks: list[pl.Callback]) -> pl.Trainer:
+    """The runs' Trainer: CPU ranks, deterministic, no logger or progress bar."""
+    return pl.Trainer(
         accelerator="cpu",
         devices=size,
-        strategy=DeepPartDDPStrategy(process_group_backend="gloo"),
+        strategy=strategy,
         max_epochs=EPOCHS,
         callbacks=callbacks,
         logger=False,
@@ -110,6 +109,12 @@ def main() -> None:
         enable_model_summary=False,
         deterministic=True,
     )
+
+
+def main() -> None:
+    args = worker_args()
+    size, record, callbacks = start(args)
+    trainer = trainer_for(size, DeepPartDDPStrategy(process_group_backend="gloo"), callbacks)
     model = Regressor(record)
     trainer.fit(model, ckpt_path=args.resume)
     record.fact("end", [trainer.current_epoch, trainer.global_step])
