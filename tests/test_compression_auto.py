@@ -172,3 +172,28 @@ def test_corrupt_shuffled_piece_is_caught(tmp_path: Path, how: str) -> None:
         deeppart.load(d, into=target)
     # The caller's tensor is not half-overwritten with undecoded bytes.
     assert torch.equal(target["w"], torch.full_like(state["w"], 7.0))
+
+
+@pytest.mark.parametrize("which", ["first", "last"])
+def test_corrupt_long_raw_piece_is_caught_by_the_background_checksum(
+    tmp_path: Path, which: str
+) -> None:
+    """Raw pieces of 1 MiB and more are checksummed beside the next read:
+    a flipped byte in one (the first read, or the last) still fails the load,
+    naming that piece's leaf."""
+    from deeppart.reader import OVERLAP_CHECKSUM_BYTES
+
+    n = OVERLAP_CHECKSUM_BYTES // 4 + 3
+    state = {"a": torch.randn(n), "b": torch.randn(n), "c": torch.randn(n)}
+    d = tmp_path / "ck"
+    deeppart.save(state, d)
+    meta = json.loads((d / "metadata.json").read_text())
+    rows = sorted(meta["pieces"], key=lambda r: r[4])
+    row = rows[0] if which == "first" else rows[-1]
+    assert row[7] == "none" and row[5] >= OVERLAP_CHECKSUM_BYTES
+    f = d / data_file_name(row[3])
+    data = bytearray(f.read_bytes())
+    data[row[4] + 5] ^= 1
+    f.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match=f"piece of leaf {row[0]} .*checksum"):
+        deeppart.load(d)
