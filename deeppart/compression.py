@@ -116,8 +116,8 @@ AUTO_MIN_PIECE = 64 << 10
 #: The most bytes of a piece that ``"auto"`` compresses to decide.
 AUTO_SAMPLE = 64 << 10
 #: ... and at least this fraction of it (``length // AUTO_SAMPLE_DIVISOR``,
-#: not below 4 KiB): sampling costs at most about 1/128 of compressing.
-AUTO_SAMPLE_DIVISOR = 128
+#: not below 4 KiB): sampling costs at most about 1/512 of compressing.
+AUTO_SAMPLE_DIVISOR = 512
 #: ``"auto"`` compresses only when the modelled compressed time is below
 #: this fraction of the raw one: the sample's timing is noisy, and a piece
 #: that would save little is not worth the risk of a slower save.
@@ -137,7 +137,7 @@ class AutoPolicy:
     :data:`AUTO_MARGIN` times the former, and stored compressed only if that
     made it smaller; pieces under :data:`AUTO_MIN_PIECE` bytes stay raw.
     On incompressible data (random floats) the cost is the samples alone,
-    about 1/128 of the bytes compressed."""
+    about 1/512 of the bytes compressed."""
 
     def __init__(self, bandwidth: float, level: int = 1) -> None:
         if not bandwidth > 0:

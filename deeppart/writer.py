@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -113,6 +114,12 @@ def _write_chunked(f: Any, data: bytes | memoryview) -> None:
         f.write(view[start : start + WRITE_CHUNK])
 
 
+#: Pieces at least this long are checksummed in a background thread while
+#: they are written (xxhash and ``write()`` both release the GIL); shorter
+#: ones at once.
+OVERLAP_CHECKSUM_BYTES = 1 << 20
+
+
 def write_pieces(
     path: Path,
     rank: int,
@@ -134,7 +141,10 @@ def write_pieces(
         auto = AutoPolicy(rank_bandwidth(plan.cost, plan.topology, plan.world_size), level)
     codec_index = 0 if auto is not None else CODECS.index(prep.codec)
     _fire("before-write", rank, path)
-    with open(path, "wb") as f:
+    # Background checksums: (record row, future) of the long pieces.
+    sums: list[tuple[int, Future[int]]] = []
+    pool: ThreadPoolExecutor | None = None
+    with contextlib.ExitStack() as stack, open(path, "wb") as f:
         f.write(header_bytes(rank, prep.plan.world_size, prep.plan.fingerprint))
         pos = end = HEADER_SIZE
         for k, (li, start, stop) in enumerate(pieces):
@@ -204,14 +214,24 @@ def write_pieces(
                 packed = compress(codec, raw, itemsize, level, limit)
                 if len(packed) < len(raw):
                     data, used = packed, CODECS.index(codec)
+            xxh = 0
+            if len(data) >= OVERLAP_CHECKSUM_BYTES:
+                if pool is None:
+                    pool = ThreadPoolExecutor(1, thread_name_prefix="deeppart-xxh3")
+                    stack.callback(pool.shutdown, wait=True)
+                sums.append((k, pool.submit(checksum, data)))
+            else:
+                xxh = checksum(data)
             if len(data):
                 if f.tell() != pos:
                     f.seek(pos)
                 _write_chunked(f, data)
                 end = pos + len(data)
-            records[k] = (pos, len(raw), len(data), checksum(data), used)
+            records[k] = (pos, len(raw), len(data), xxh, used)
             pos = align_up(pos + len(data))
             progress.advance(len(raw))
+        for k, fut in sums:
+            records[k, 3] = fut.result()
         f.truncate(end)
         size = end
         f.flush()
