@@ -68,7 +68,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.checkpoint import _free_port, build_state, job_result  # noqa: E402
+from bench.jobs import job_result, mpi_env, start_worker  # noqa: E402
 
 CONTENDERS = ("deeppart", "dcp-thread", "dcp-process")
 
@@ -137,19 +137,16 @@ def worker(args: argparse.Namespace) -> None:
 
     import deeppart
 
-    torch.set_num_threads(1)
-    comm = MPI.COMM_WORLD
-    rank, size = comm.Get_rank(), comm.Get_size()
-    dist.init_process_group("gloo", rank=rank, world_size=size)
-    state = build_state(args.scale)
-    total = deeppart.Manifest.from_state_dict(state).total_bytes
-    base = Path(args.dir) / f"{args.contender}-n{size}"
-    base.mkdir(parents=True, exist_ok=True)
+    size = MPI.COMM_WORLD.Get_size()
+    job = start_worker(
+        args.scale,
+        args.dir,
+        f"{args.contender}-n{size}",
+        bcast_bytes=16 << 20,
+        reduce_floats=4 << 20,
+    )
+    comm, rank, state, total, base = job.comm, job.rank, job.state, job.total, job.base
     step = _training_step()
-
-    # Warm-up, untimed: first large messages of MPI and gloo.
-    comm.Bcast(np.zeros(16 << 20, dtype=np.uint8), root=0)
-    dist.all_reduce(torch.zeros(4 << 20))
     for _ in range(3):
         step()
     baseline = float(np.median([step() for _ in range(BASELINE_STEPS)]))
@@ -263,10 +260,7 @@ def _run(contender: str, n: int, args: argparse.Namespace, work: Path) -> dict[s
         "--contender", contender, "--scale", str(args.scale), "--dir", str(work),
         "--saves", str(args.saves),
     ]  # fmt: skip
-    env = dict(
-        os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1"
-    )
-    result = job_result(cmd, env)
+    result = job_result(cmd, mpi_env())
     subprocess.run(["rm", "-rf", str(work / f"{contender}-n{n}")], check=False)
     return result
 

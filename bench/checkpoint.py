@@ -48,7 +48,16 @@ does (overwriting the last checkpoint in place would lose it on a crash);
 "raw in place" rewrites the same file each round, shown for reference.
 "deeppart+verify" is DeepPart's save with ``verify_replicas=True`` (every
 rank hashes its whole replica first): its cost is reported as a ratio
-against the plain DeepPart save of the same round.
+against the plain DeepPart save of the same round. "deeppart+auto" is the
+save with ``compression="auto"`` (each piece compressed only where a sample
+says it pays in the plan's cost model): its time over the plain save's, a
+median of within-round ratios, and its compression ratio are reported. The
+random float32 state is the incompressible case; ``--dtype bfloat16``
+builds the same state in bfloat16, whose shuffled exponent bytes compress
+(a ratio of about 1.3 with shuffle-zstd) as real bf16 weights' do.
+
+The state and the workers' set-up are bench/jobs.py's (shared with
+bench/async.py).
 """
 
 from __future__ import annotations
@@ -57,7 +66,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -72,31 +80,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.models import adamw_param_groups, bert_params  # noqa: E402
+from bench.jobs import DTYPES, build_state, job_result, mpi_env, start_worker  # noqa: E402
 from deeppart.writer import WRITE_CHUNK  # noqa: E402
 
 CONTENDERS = ("torch", "dcp", "deeppart", "deeppart+{codec}", "raw")
-
-
-def build_state(scale: float, seed: int = 0) -> dict[str, Any]:
-    import torch
-
-    layers = max(1, round(24 * scale))
-    vocab = max(64, round(30522 * scale))
-    named = bert_params(vocab=vocab, hidden=1024, layers=layers, intermediate=4096)
-    gen = torch.Generator().manual_seed(seed)
-    model = {name: torch.randn(shape, generator=gen) * 0.02 for name, shape in named}
-    state: dict[int, dict[str, Any]] = {}
-    for i, (_, shape) in enumerate(named):
-        state[i] = {
-            "step": torch.tensor(1000.0),
-            "exp_avg": torch.randn(shape, generator=gen) * 1e-3,
-            "exp_avg_sq": torch.rand(shape, generator=gen) * 1e-6,
-        }
-    return {
-        "model": model,
-        "optim": {"state": state, "param_groups": adamw_param_groups(len(named))},
-    }
 
 
 def _fsynced_torch_save(state: Any, path: Path) -> None:
@@ -179,24 +166,16 @@ def worker(args: argparse.Namespace) -> None:
 
     import deeppart
 
-    torch.set_num_threads(1)
-    comm = MPI.COMM_WORLD
-    rank, size = comm.Get_rank(), comm.Get_size()
-    dist.init_process_group("gloo", rank=rank, world_size=size)
-    state = build_state(args.scale)
-    total = deeppart.Manifest.from_state_dict(state).total_bytes
-    base = Path(args.dir) / f"n{size}"
-    base.mkdir(parents=True, exist_ok=True)
+    size = MPI.COMM_WORLD.Get_size()
+    job = start_worker(
+        args.scale, args.dir, f"n{size}", bcast_bytes=64 << 20, reduce_floats=16 << 20,
+        dtype=args.dtype,
+    )  # fmt: skip
+    comm, rank, state, total, base = job.comm, job.rank, job.state, job.total, job.base
     codec = args.codec
     times: dict[str, float] = {}
 
     share = np.ones(total // size, dtype=np.uint8)
-
-    # Warm-up, untimed: MPI's and gloo's first large messages set up shared
-    # memory (over a second here), which would otherwise land on whichever
-    # contender runs first.
-    comm.Bcast(share[: 64 << 20], root=0)
-    dist.all_reduce(torch.zeros(16 << 20))
     deeppart.save({"w": torch.zeros(4 << 20)}, base / "warm", comm=comm, overwrite=True)
     deeppart.load(base / "warm", comm=comm)
 
@@ -213,6 +192,9 @@ def worker(args: argparse.Namespace) -> None:
     def dpz_write(path: Path) -> None:
         deeppart.save(state, path, comm=comm, compression=codec)
 
+    def dpa_write(path: Path) -> None:
+        deeppart.save(state, path, comm=comm, compression="auto")
+
     def dpv_write(path: Path) -> None:
         deeppart.save(state, path, comm=comm, verify_replicas=True)
 
@@ -221,6 +203,7 @@ def worker(args: argparse.Namespace) -> None:
     dp_s = _NewEachRound(dp_write, base, "dp", rank == 0)
     dpz_s = _NewEachRound(dpz_write, base, "dpz", rank == 0)
     dpv_s = _NewEachRound(dpv_write, base, "dpv", rank == 0)
+    dpa_s = _NewEachRound(dpa_write, base, "dpa", rank == 0)
     raw_s = _NewEachRound(lambda path: _raw_write(share, path), base, f"raw-{rank}.bin", True)
     # The replicated-restore ceilings: every byte of every rank's raw file
     # in every rank's memory.
@@ -244,6 +227,7 @@ def worker(args: argparse.Namespace) -> None:
         ("save deeppart", dp_s),
         (f"save deeppart+{codec}", dpz_s),
         ("save deeppart+verify", dpv_s),
+        ("save deeppart+auto", dpa_s),
         ("save raw", raw_s),
         ("save raw in place", lambda: _raw_write(share, base / f"raw-inplace-{rank}.bin")),
     ]
@@ -269,7 +253,7 @@ def worker(args: argparse.Namespace) -> None:
     ]
     # Rounds: every contender once per round, so slow phases of this shared
     # machine spread over all of them; each contender's best round counts.
-    ratio = 1.0
+    ratio = auto_ratio = 1.0
     rounds: dict[str, list[float]] = {}
     for batch in (saves, loads):
         for round_ in range(args.repeat):
@@ -294,11 +278,14 @@ def worker(args: argparse.Namespace) -> None:
                 if name == f"save deeppart+{codec}":
                     stats = deeppart.checkpoint.last_stats("save")
                     ratio = stats.ratio if stats else 1.0
+                if name == "save deeppart+auto":
+                    stats = deeppart.checkpoint.last_stats("save")
+                    auto_ratio = stats.ratio if stats else 1.0
                 if rank == 0:
                     print(f"[bench] n={size} {name:<22} {dt:8.3f} s", file=sys.stderr, flush=True)
 
     # The in-place loads must have restored the same values.
-    ref = build_state(args.scale)
+    ref = build_state(args.scale, dtype=args.dtype)
     same = all(torch.equal(ref["model"][k], v) for k, v in state["model"].items()) and torch.equal(
         ref["optim"]["state"][0]["exp_avg"], state["optim"]["state"][0]["exp_avg"]
     )
@@ -313,6 +300,7 @@ def worker(args: argparse.Namespace) -> None:
                     "times": times,
                     "rounds": rounds,
                     "ratio": ratio,
+                    "auto_ratio": auto_ratio,
                     "verified": bool(ok),
                 }
             ),
@@ -321,37 +309,14 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def _run(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     mpiexec = Path(sys.executable).parent / "mpiexec"
     cmd = [
         str(mpiexec), "-n", str(n), sys.executable, str(Path(__file__).resolve()), "--worker",
         "--scale", str(args.scale), "--codec", args.codec, "--dir", str(work),
-        "--repeat", str(args.repeat),
+        "--repeat", str(args.repeat), "--dtype", args.dtype,
     ]  # fmt: skip
-    env = dict(
-        os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1"
-    )
-    return job_result(cmd, env)
-
-
-def job_result(cmd: list[str], env: dict[str, str]) -> dict[str, Any]:
-    """Runs a benchmark job (``cmd``, usually under mpiexec) and returns the
-    JSON its rank 0 printed after ``RESULT``; exits on failure."""
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed with status {proc.returncode}")
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            result: dict[str, Any] = json.loads(line[len("RESULT ") :])
-            return result
-    raise SystemExit(f"no result from {' '.join(cmd)}:\n{proc.stdout}")
+    return job_result(cmd, mpi_env())
 
 
 OTHERS = {"save": ("torch", "dcp", "raw"), "load": ("torch", "dcp", "raw read all")}
@@ -364,10 +329,10 @@ def _median_ratio(rounds: dict[str, list[float]], num: str, den: str) -> float:
     return float(np.median([a / b for a, b in pairs]))
 
 
-def report(results: list[dict[str, Any]], codec: str) -> None:
+def report(results: list[dict[str, Any]], codec: str, dtype: str = "float32") -> None:
     gb = results[0]["bytes"] / 1e9
     print(
-        f"\nstate: BERT-large-shaped model + AdamW, {gb:.2f} GB, float32; "
+        f"\nstate: BERT-large-shaped model + AdamW, {gb:.2f} GB, {dtype}; "
         f"{os.cpu_count()} CPUs; saves fsynced, loads from the page cache"
     )
     for op in ("save", "load"):
@@ -435,6 +400,16 @@ def report(results: list[dict[str, Any]], codec: str) -> None:
         + ", ".join(f"{r['ratio']:.3f}" for r in results[:1])
     )
     print(
+        '\ncompression="auto" save time over the plain save (median within-round ratio; '
+        "<= 1.05: within 5 %), and its compression ratio: "
+        + ", ".join(
+            f"{r['ranks']} rank(s) "
+            f"{_median_ratio(r['rounds'], 'save deeppart+auto', 'save deeppart'):.3f}x "
+            f"(ratio {r.get('auto_ratio', 1.0):.3f})"
+            for r in results
+        )
+    )
+    print(
         "in-place loads verified equal to the saved state: "
         + ", ".join(f"{r['ranks']} ranks {r['verified']}" for r in results)
     )
@@ -456,6 +431,12 @@ def main() -> None:
         default=1,
         help="rounds (default 1): each contender's best, and median within-round ratios",
     )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=DTYPES,
+        help="the state's float dtype (default float32; bfloat16: weights that compress)",
+    )
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -471,7 +452,7 @@ def main() -> None:
     finally:
         if args.dir is None:
             subprocess.run(["rm", "-rf", str(work)], check=False)
-    report(results, args.codec)
+    report(results, args.codec, args.dtype)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

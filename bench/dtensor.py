@@ -204,7 +204,7 @@ def sample_cost(scale: float, reps: int) -> None:
     of bench/checkpoint.py (BERT-large + AdamW at ``scale``), the median
     over ``reps`` of ``prepare.replica_sample`` against ``deeppart.save``."""
     import deeppart
-    from bench.checkpoint import build_state
+    from bench.jobs import build_state
     from deeppart.dtensor import expand
     from deeppart.prepare import replica_sample
     from deeppart.state import flatten

@@ -56,7 +56,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.checkpoint import _raw_read, _raw_write, job_result  # noqa: E402
+from bench.checkpoint import _raw_read, _raw_write  # noqa: E402
+from bench.jobs import job_result  # noqa: E402
 
 RANKS, NODE_SIZE = 4, 2
 

@@ -139,7 +139,9 @@ def save(
     :func:`deeppart.resolve_planner`); ``algorithm``, ``cost``, ``topology``:
     the planning options; ``plan``: a ready :class:`deeppart.Plan` of this
     state for this world size instead. ``compression``: None,
-    ``"zstd"``, ``"lz4"`` or ``"shuffle-zstd"``; ``compression_level``: the Zstandard
+    ``"zstd"``, ``"lz4"``, ``"shuffle-zstd"`` or ``"auto"`` (per piece: compressed
+    only when a sample says it pays in the plan's cost model, see
+    :class:`deeppart.compression.AutoPolicy`); ``compression_level``: the Zstandard
     level (1: fast; ratios on float data barely improve above). ``user``: a plain value
     stored in the metadata. ``staging_bytes``: the host buffer through which
     pieces of device (e.g. CUDA) tensors are copied, in chunks (default

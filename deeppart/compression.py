@@ -11,11 +11,18 @@ frame claims, and refuses pieces that expand more than :data:`MAX_EXPANSION`.
 - ``shuffle-zstd``: byte shuffle by the element size (all first bytes, then
   all second bytes, ...), then Zstandard; helps floating-point data, whose
   exponent bytes compress better when grouped.
+
+``compression="auto"`` is not a codec but a per-piece policy
+(:class:`AutoPolicy`): each piece is stored with ``shuffle-zstd`` (a tensor
+of elements of 2 bytes or more: bf16, fp16, fp32, fp64, wide integers) or
+``zstd`` (bytes, object leaves) only when a sample of it says compressing
+pays in the save's cost model, else raw.
 """
 
 from __future__ import annotations
 
 import struct
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,13 +31,18 @@ import numpy.typing as npt
 
 from deeppart.errors import CodecError
 
+#: The codecs a piece is stored with (``codec`` in the piece records).
 CODECS = ("none", "zstd", "lz4", "shuffle-zstd")
+#: The per-piece policy ``compression="auto"`` (:class:`AutoPolicy`).
+AUTO = "auto"
+#: What ``compression=`` accepts: a codec for every piece, or ``"auto"``.
+COMPRESSIONS = (*CODECS, AUTO)
 
 
 def check_codec(name: str | None) -> str:
     codec = "none" if name is None else name
-    if codec not in CODECS:
-        raise CodecError(f"unknown compression {name!r}; choose one of {', '.join(CODECS)}")
+    if codec not in COMPRESSIONS:
+        raise CodecError(f"unknown compression {name!r}; choose one of {', '.join(COMPRESSIONS)}")
     return codec
 
 
@@ -96,6 +108,97 @@ def compress(
     else:
         raise CodecError(f"cannot compress with {codec!r}")
     return _pad_to_ratio(packed, len(data), max_expansion)
+
+
+#: ``"auto"`` stores pieces shorter than this raw: sampling them would cost
+#: more than compressing them could save.
+AUTO_MIN_PIECE = 64 << 10
+#: The most bytes of a piece that ``"auto"`` compresses to decide.
+AUTO_SAMPLE = 64 << 10
+#: ... and at least this fraction of it (``length // AUTO_SAMPLE_DIVISOR``,
+#: not below 4 KiB): sampling costs at most about 1/512 of compressing.
+AUTO_SAMPLE_DIVISOR = 512
+#: ``"auto"`` compresses only when the modelled compressed time is below
+#: this fraction of the raw one: the sample's timing is noisy, and a piece
+#: that would save little is not worth the risk of a slower save.
+AUTO_MARGIN = 0.9
+
+
+class AutoPolicy:
+    """The ``compression="auto"`` decision, per piece, on one rank.
+
+    The cost model of a piece of ``n`` bytes written at ``bandwidth`` bytes/s
+    (the plan's calibrated cost model: the rank's bandwidth, bounded by its
+    share of the node's and the storage's bandwidths) is ``n / bandwidth``
+    raw, and ``n / speed + n / (ratio * bandwidth)`` compressed, where the
+    codec's ``speed`` and ``ratio`` are measured by compressing a sample of
+    the piece (up to :data:`AUTO_SAMPLE` bytes from its middle, whole
+    elements). The piece is compressed when the latter is below
+    :data:`AUTO_MARGIN` times the former, and stored compressed only if that
+    made it smaller; pieces under :data:`AUTO_MIN_PIECE` bytes stay raw.
+    On incompressible data (random floats) the cost is the samples alone,
+    about 1/512 of the bytes compressed."""
+
+    def __init__(self, bandwidth: float, level: int = 1) -> None:
+        if not bandwidth > 0:
+            raise CodecError(f"auto compression needs a positive bandwidth, not {bandwidth}")
+        self.bandwidth = float(bandwidth)
+        self.level = level
+        self._zstd: Any = None
+        #: Per codec chosen (``"none"`` included): the pieces.
+        self.chosen: dict[str, int] = {}
+
+    def codec_for(self, itemsize: int, tensor: bool) -> str:
+        """The codec tried on a piece: byte shuffle for multi-byte elements."""
+        return "shuffle-zstd" if tensor and itemsize > 1 else "zstd"
+
+    def window(self, n: int, itemsize: int = 1, tensor: bool = True) -> tuple[int, int] | None:
+        """The sample of a piece of ``n`` bytes, ``(offset, length)``: whole
+        elements from its middle; None for a piece stored raw unsampled."""
+        if n < AUTO_MIN_PIECE:
+            return None
+        step = itemsize if self.codec_for(itemsize, tensor) == "shuffle-zstd" else 1
+        size = min(AUTO_SAMPLE, max(4 << 10, n // AUTO_SAMPLE_DIVISOR), n)
+        size -= size % step
+        at = (n - size) // 2
+        return at - at % step, size
+
+    def judge(self, sample: memoryview | None, itemsize: int = 1, tensor: bool = True) -> str:
+        """The codec for a piece whose :meth:`window` is ``sample``."""
+        codec = "none"
+        if sample is not None and len(sample):
+            candidate = self.codec_for(itemsize, tensor)
+            if self._zstd is None:
+                self._zstd = _zstd().ZstdCompressor(level=self.level)
+            t0 = time.perf_counter()
+            body = _shuffle(sample, itemsize) if candidate == "shuffle-zstd" else sample
+            packed = len(self._zstd.compress(body))
+            seconds = time.perf_counter() - t0
+            size = len(sample)
+            ratio = size / max(1, packed)
+            raw_s = size / self.bandwidth
+            if seconds + size / (ratio * self.bandwidth) < AUTO_MARGIN * raw_s:
+                codec = candidate
+        self.chosen[codec] = self.chosen.get(codec, 0) + 1
+        return codec
+
+    def choose(self, data: memoryview, itemsize: int = 1, tensor: bool = True) -> str:
+        """The codec to store ``data`` (a piece) with, one of :data:`CODECS`."""
+        w = self.window(len(data), itemsize, tensor)
+        return self.judge(None if w is None else data[w[0] : w[0] + w[1]], itemsize, tensor)
+
+
+def rank_bandwidth(cost: Any, topology: Any, world_size: int) -> float:
+    """A rank's write bandwidth in a plan's cost model: ``bandwidth``,
+    bounded by its share of ``node_bandwidth`` (the node's ranks) and of
+    ``aggregate_bandwidth`` (all ranks), where set."""
+    bw = float(cost.bandwidth)
+    per_node = max(1, int(getattr(topology, "ranks_per_node", 1) or 1))
+    if cost.node_bandwidth is not None:
+        bw = min(bw, float(cost.node_bandwidth) / min(per_node, world_size))
+    if cost.aggregate_bandwidth is not None:
+        bw = min(bw, float(cost.aggregate_bandwidth) / max(1, world_size))
+    return bw
 
 
 def check_expansion(length: int, stored: int, max_expansion: int = MAX_EXPANSION) -> None:

@@ -83,10 +83,12 @@ def align_up(n: int, align: int = ALIGN) -> int:
 
 
 def checksum(data: bytes | memoryview) -> int:
-    """xxh3_64 of ``data``."""
+    """xxh3_64 of ``data``. Through the hasher object, whose update
+    releases the GIL (the one-shot function holds it): a checksum in one
+    thread runs beside reads and writes in another."""
     import xxhash
 
-    return int(xxhash.xxh3_64_intdigest(data))
+    return int(xxhash.xxh3_64(data).intdigest())
 
 
 def header_bytes(rank: int, world_size: int, plan_fingerprint: str) -> bytes:

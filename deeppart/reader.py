@@ -23,6 +23,7 @@ import json
 import socket
 import warnings
 from collections.abc import Callable, Collection, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -362,6 +363,47 @@ def read_file(
         return read_pieces(f, path, directory, meta, rank, pieces, dest, progress, staging)
 
 
+#: Raw pieces at least this long are checksummed in a background thread
+#: while the next pieces are read; shorter ones at once.
+OVERLAP_CHECKSUM_BYTES = 1 << 20
+
+
+class _Checksums:
+    """The checksums of the raw pieces a file's read puts straight into
+    their targets: each long one computed in one background thread (xxhash
+    releases the GIL) while the next piece is read, all compared by
+    :meth:`check` before the read returns."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.pool: ThreadPoolExecutor | None = None
+        self.pending: list[tuple[Piece, Future[int]]] = []
+
+    def add(self, p: Piece, data: memoryview) -> None:
+        if len(data) < OVERLAP_CHECKSUM_BYTES:
+            self._compare(p, checksum(data))
+            return
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(1, thread_name_prefix="deeppart-xxh3")
+        self.pending.append((p, self.pool.submit(checksum, data)))
+
+    def _compare(self, p: Piece, got: int) -> None:
+        if got != p.xxh3:
+            raise CorruptCheckpointError(
+                f"{p.describe(self.directory)}: checksum mismatch (xxh3_64)"
+            )
+
+    def check(self) -> None:
+        """CorruptCheckpointError for the first piece whose checksum differs."""
+        pending, self.pending = self.pending, []
+        for p, fut in pending:
+            self._compare(p, fut.result())
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+
+
 def read_pieces(
     f: Any,
     path: Path,
@@ -375,9 +417,31 @@ def read_pieces(
 ) -> int:
     """:func:`read_file` from ``f`` (an open file, or anything with
     ``seek``/``read``/``readinto``, e.g. :class:`io.BytesIO`)."""
-    n = 0
     sizes = {i: lf.itemsize for i, lf in enumerate(meta.leaves)}
     check_header(path, f.read(HEADER_SIZE), rank, meta.world_size, meta.plan_fingerprint)
+    sums = _Checksums(directory)
+    try:
+        n = _read_each(f, directory, meta, pieces, dest, progress, staging, sizes, sums)
+        sums.check()
+    finally:
+        sums.close()
+    return n
+
+
+def _read_each(
+    f: Any,
+    directory: Path,
+    meta: Metadata,
+    pieces: list[Piece],
+    dest: Callable[[Piece], U8 | _staging.DeviceSink],
+    progress: Progress,
+    staging: _staging.Staging | None,
+    sizes: dict[int, int],
+    sums: _Checksums,
+) -> int:
+    """The loop of :func:`read_pieces`: the raw pieces' checksums are left
+    to ``sums``."""
+    n = 0
     for p in pieces:
         out = dest(p)
         f.seek(p.offset)
@@ -390,19 +454,20 @@ def read_pieces(
             got = f.readinto(out.data)
             if got != p.length:
                 raise CorruptCheckpointError(f"{p.describe(directory)}: short read")
-            stored: bytes | memoryview = out.data
-        else:
-            stored = f.read(p.stored)
-            if len(stored) != p.stored:
-                raise CorruptCheckpointError(f"{p.describe(directory)}: short read")
+            sums.add(p, out.data)
+            n += p.stored
+            progress.advance(p.length)
+            continue
+        stored = f.read(p.stored)
+        if len(stored) != p.stored:
+            raise CorruptCheckpointError(f"{p.describe(directory)}: short read")
         if checksum(stored) != p.xxh3:
             raise CorruptCheckpointError(f"{p.describe(directory)}: checksum mismatch (xxh3_64)")
-        if p.codec != "none":
-            try:
-                limit = max_expansion(meta.leaves[p.leaf].kind)
-                decompress_into(p.codec, stored, out, sizes[p.leaf], limit)
-            except CodecError as e:
-                raise CorruptCheckpointError(f"{p.describe(directory)}: {e}") from e
+        try:
+            limit = max_expansion(meta.leaves[p.leaf].kind)
+            decompress_into(p.codec, stored, out, sizes[p.leaf], limit)
+        except CodecError as e:
+            raise CorruptCheckpointError(f"{p.describe(directory)}: {e}") from e
         n += p.stored
         progress.advance(p.length)
     return n

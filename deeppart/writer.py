@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -24,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from deeppart import staging as _staging
-from deeppart.compression import CODECS, compress
+from deeppart.compression import AUTO, CODECS, AutoPolicy, compress, rank_bandwidth
 from deeppart.errors import StateError
 from deeppart.format import HEADER_SIZE, align_up, checksum, header_bytes, max_expansion
 from deeppart.prepare import Prepared
@@ -113,6 +114,12 @@ def _write_chunked(f: Any, data: bytes | memoryview) -> None:
         f.write(view[start : start + WRITE_CHUNK])
 
 
+#: Pieces at least this long are checksummed in a background thread while
+#: they are written (xxhash and ``write()`` both release the GIL); shorter
+#: ones at once.
+OVERLAP_CHECKSUM_BYTES = 1 << 20
+
+
 def write_pieces(
     path: Path,
     rank: int,
@@ -128,14 +135,23 @@ def write_pieces(
     pieces = prep.plan.rank_pieces(rank)
     records = np.zeros((len(pieces), RECORD_FIELDS), dtype=np.uint64)
     views: dict[int, tuple[U8, int]] = {}
-    codec_index = CODECS.index(prep.codec)
+    auto = None
+    if prep.codec == AUTO:
+        plan = prep.plan
+        auto = AutoPolicy(rank_bandwidth(plan.cost, plan.topology, plan.world_size), level)
+    codec_index = 0 if auto is not None else CODECS.index(prep.codec)
     _fire("before-write", rank, path)
-    with open(path, "wb") as f:
+    # Background checksums: (record row, future) of the long pieces.
+    sums: list[tuple[int, Future[int]]] = []
+    pool: ThreadPoolExecutor | None = None
+    with contextlib.ExitStack() as stack, open(path, "wb") as f:
         f.write(header_bytes(rank, prep.plan.world_size, prep.plan.fingerprint))
         pos = end = HEADER_SIZE
         for k, (li, start, stop) in enumerate(pieces):
             leaf = prep.leaves[li]
             is_tensor = leaf.tensor is not None
+            # The piece's codec; None: ``auto`` decides below.
+            codec: str | None = None if auto is not None else prep.codec
             if prep.staged is not None:
                 # An asynchronous save's snapshot of this rank's pieces.
                 piece = prep.staged[k]
@@ -144,8 +160,18 @@ def write_pieces(
                 if li not in on_device:
                     on_device[li] = _staging.device_bytes(leaf.tensor)
                 isz = leaf.tensor.element_size()
-                chunks = stage.read(on_device[li], start * isz, stop * isz)
-                if not codec_index:
+                lo, hi = start * isz, stop * isz
+                use = codec_index
+                if auto is not None:
+                    # Decided on a sample copied to the host alone.
+                    w = auto.window(hi - lo, isz)
+                    sample = None
+                    if w is not None:
+                        parts = stage.read(on_device[li], lo + w[0], lo + w[0] + w[1])
+                        sample = np.concatenate(list(parts)).data
+                    use = CODECS.index(auto.judge(sample, isz))
+                chunks = stage.read(on_device[li], lo, hi)
+                if not use:
                     # Raw: streamed from the host buffer, checksummed on the way.
                     f.seek(pos)
                     n, xxh = _staging.write_stream(f, chunks)
@@ -161,6 +187,8 @@ def write_pieces(
                     whole[at : at + chunk.size] = chunk
                     at += chunk.size
                 raw, itemsize = whole.data, isz
+                if auto is not None:
+                    codec = CODECS[use]
             elif leaf.tensor is not None:
                 if li not in views:
                     t = readable(leaf.tensor)
@@ -178,19 +206,32 @@ def write_pieces(
                 raw = memoryview(leaf.encoded)
             data: bytes | memoryview = raw
             used = 0
-            if codec_index and len(raw):
+            if auto is not None and codec is None:
+                codec = auto.choose(raw, itemsize, is_tensor)
+            assert codec is not None
+            if codec != "none" and len(raw):
                 limit = max_expansion("tensor" if is_tensor else "object")
-                packed = compress(prep.codec, raw, itemsize, level, limit)
+                packed = compress(codec, raw, itemsize, level, limit)
                 if len(packed) < len(raw):
-                    data, used = packed, codec_index
+                    data, used = packed, CODECS.index(codec)
+            xxh = 0
+            if len(data) >= OVERLAP_CHECKSUM_BYTES:
+                if pool is None:
+                    pool = ThreadPoolExecutor(1, thread_name_prefix="deeppart-xxh3")
+                    stack.callback(pool.shutdown, wait=True)
+                sums.append((k, pool.submit(checksum, data)))
+            else:
+                xxh = checksum(data)
             if len(data):
                 if f.tell() != pos:
                     f.seek(pos)
                 _write_chunked(f, data)
                 end = pos + len(data)
-            records[k] = (pos, len(raw), len(data), checksum(data), used)
+            records[k] = (pos, len(raw), len(data), xxh, used)
             pos = align_up(pos + len(data))
             progress.advance(len(raw))
+        for k, fut in sums:
+            records[k, 3] = fut.result()
         f.truncate(end)
         size = end
         f.flush()
