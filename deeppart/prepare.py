@@ -43,6 +43,8 @@ __all__ = [
     "prepare",
     "refuse_sharded",
     "replica_sample",
+    "sample_bytes",
+    "save_digest",
     "verify_replicas",
 ]
 
@@ -93,7 +95,7 @@ class Prepared:
         return h.digest()
 
 
-def _sample_bytes(t: Any) -> bytes:
+def sample_bytes(t: Any) -> bytes:
     """A few blocks of a tensor's bytes (its start, middle and end)."""
     n = t.numel()
     if n == 0:
@@ -118,7 +120,7 @@ def replica_sample(leaves: list[FlatLeaf], descs: list[dict[str, Any]]) -> dict[
     for i, (leaf, desc) in enumerate(zip(leaves, descs, strict=True)):
         if leaf.tensor is None or "owner" in desc or "holders" in desc:
             continue
-        out[i] = hashlib.blake2b(_sample_bytes(leaf.tensor), digest_size=8).digest()
+        out[i] = hashlib.blake2b(sample_bytes(leaf.tensor), digest_size=8).digest()
     return out
 
 
@@ -137,6 +139,20 @@ def prepare(
     leaves, skeleton = ex.leaves, ex.skeleton
     manifest = Manifest.from_leaves(ex.descs, ex.groups or None)
     plan = plan_for(manifest)
+    digest = save_digest(plan, manifest, skeleton, codec, directory, ex.records)
+    samples = replica_sample(leaves, ex.descs)
+    return Prepared(leaves, skeleton, manifest, plan, codec, digest, ex.records, samples)
+
+
+def save_digest(
+    plan: Plan,
+    manifest: Manifest,
+    skeleton: Any,
+    codec: str,
+    directory: Path,
+    records: list[DTensorRecord],
+) -> bytes:
+    """The digest of what all ranks of one save must agree on."""
     h = hashlib.sha256()
     h.update(plan.fingerprint.encode())
     h.update(plan.assignment_digest().encode())
@@ -144,9 +160,8 @@ def prepare(
     h.update(json.dumps(skeleton, separators=(",", ":")).encode())
     h.update(codec.encode())
     h.update(os.path.abspath(directory).encode())
-    h.update(json.dumps([r.to_json() for r in ex.records], separators=(",", ":")).encode())
-    samples = replica_sample(leaves, ex.descs)
-    return Prepared(leaves, skeleton, manifest, plan, codec, h.digest(), ex.records, samples)
+    h.update(json.dumps([r.to_json() for r in records], separators=(",", ":")).encode())
+    return h.digest()
 
 
 def refuse_sharded(prep: Prepared, where: str) -> None:
@@ -199,7 +214,9 @@ def agree_prepared_flags(
             "(get_state_dict(model, optimizer) returns them). With get_state_dict(..., "
             "options=StateDictOptions(full_state_dict=True, cpu_offload=True)) only rank 0 "
             "holds the values: save the sharded state (the default options; every rank writes "
-            "its part), or pass full_state_dict=True without cpu_offload"
+            "its part), or pass full_state_dict=True without cpu_offload. If groups of ranks "
+            "hold different states on purpose (two data-parallel groups, plain tensor-parallel "
+            "shards), pass group=<this rank's replica group> or group=\"auto\" (deeppart.groups)"
         )
     if samples and len({row[32:48] for row in rows}) != 1:
         _replicas_differ(c, prep)
