@@ -241,8 +241,10 @@ def _replicas_differ(c: Comm, prep: Prepared) -> None:
         f"{len(differ)} tensor leaves that every rank passes differ between the ranks "
         f"(sampled bytes; first: {', '.join(differ[:5])}); nothing was written. If these are "
         "shards of DTensors (to_local() or ._local_tensor), pass the DTensors themselves "
-        "(get_state_dict(model, optimizer) returns them) and each rank saves its shard; if "
-        "each rank holds its own values, give each rank's leaves their own path"
+        "(get_state_dict(model, optimizer) returns them) and each rank saves its shard, or pass "
+        "them with group=<this rank's data-parallel replica group> (deeppart.groups); if groups "
+        "of ranks hold their own values, pass group= or give each group's leaves their own key "
+        "prefix"
     )
 
 

@@ -40,19 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dtensor_worker import equal, ok  # the DTensor tests' bitwise comparison and report
 
 import deeppart
-from bench.dtensor import build, dcp_balance, deeppart_balance, make_model
+from bench.dtensor import build, dcp_balance, deeppart_balance, group_state
 from deeppart.dcp import BalancedSavePlanner
-
-
-def group_state(g: int, dims: tuple[int, int, int]) -> dict[str, Any]:
-    """Model ``g`` (0: A, 1: B) and its AdamW state after one step, the
-    same on every rank that builds it."""
-    m = make_model(10 + g, dims)
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    torch.manual_seed(200 + g)
-    m(torch.randn(4, dims[0])).square().sum().backward()
-    opt.step()
-    return {"model": m.state_dict(), "optim": opt.state_dict()}
 
 
 def flat(g: int, dims: tuple[int, int, int]) -> dict[str, torch.Tensor]:
