@@ -41,7 +41,7 @@ from deeppart.format import Metadata, data_file_name, remove_tree
 from deeppart.groups import grouped_prepare, load_view, read_own, selection_digest
 from deeppart.ownership import check_target
 from deeppart.planning import PlanProvider
-from deeppart.prepare import Prepared, agree_prepared_flags, prepare
+from deeppart.prepare import AGREE_WIDTH, Prepared, agree_prepared_flags, prepare
 from deeppart.prepare import verify_replicas as check_replicas
 from deeppart.progress import Progress, Stats
 from deeppart.reader import (
@@ -327,7 +327,10 @@ def plan_save(
         err = e
     if group is not None:
         # One more collective: every rank's leaf descriptions (deeppart.groups).
-        prep = grouped_prepare(c, err, state, group, o.get("compression"), plan_provider, final)
+        width = AGREE_WIDTH + (local is not None)  # that of agree_prepared_flags below
+        prep = grouped_prepare(
+            c, err, state, group, o.get("compression"), plan_provider, final, width
+        )
     try:
         if local is not None and prep is not None and err is None:
             flag = local(prep)

@@ -49,7 +49,7 @@ from deeppart.comm import Comm
 from deeppart.compression import check_codec
 from deeppart.dtensor import HolderGroups, renumber_skeleton
 from deeppart.errors import ReplicaMismatchError, StateError, StateMismatchError
-from deeppart.prepare import Prepared, sample_bytes, save_digest
+from deeppart.prepare import AGREE_WIDTH, Prepared, sample_bytes, save_digest
 from deeppart.reader import ReadPlan
 from deeppart.state import FlatLeaf, check_has_data, describe_leaf, flatten, is_dtensor
 
@@ -150,10 +150,22 @@ class _Rank:
     common: str
 
 
-def _layout(c: Comm, mine: _Rank | None, err: BaseException | None) -> list[_Rank]:
-    """Every rank's leaf descriptions, samples and skeleton (one agreement,
-    then one allgather of small JSON; parsed as JSON, never unpickled)."""
-    agree(c, err)
+#: A grouped rank's row in the first agreement, where a rank without
+#: ``group=`` sends its prepare digest (the same width: no rank hangs).
+_MARK = b"deeppart.groups\0"
+
+
+def _layout(c: Comm, mine: _Rank | None, err: BaseException | None, width: int) -> list[_Rank]:
+    """Every rank's leaf descriptions, samples and skeleton (one agreement
+    of the prepare's shape, then one allgather of small JSON; parsed as
+    JSON, never unpickled)."""
+    rows = agree(c, err, _MARK, width=width)
+    lone = [r for r, row in enumerate(rows) if row.rstrip(b"\0") != _MARK.rstrip(b"\0")]
+    if lone:
+        raise StateMismatchError(
+            f"group= was not passed on ranks {lone}; pass it on every rank (each rank its "
+            "own replica group) or on none; nothing was written"
+        )
     assert mine is not None
     rows = c.allgather_varbytes(json.dumps(mine.__dict__, separators=(",", ":")).encode())
     return [_Rank(**json.loads(row)) for row in rows]
@@ -163,8 +175,8 @@ def _check_groups(ranks: list[_Rank]) -> None:
     explicit = [r.group is not None for r in ranks]
     if any(explicit) and not all(explicit):
         raise StateMismatchError(
-            f"group= was passed on ranks {[r for r, e in enumerate(explicit) if e]} only; "
-            "pass it on every rank (each rank its own replica group)"
+            f"ranks {[r for r, e in enumerate(explicit) if e]} passed a group, the others "
+            'group="auto": pass the same kind on every rank (each rank its own replica group)'
         )
     for r, row in enumerate(ranks):
         for m in row.group or []:
@@ -192,12 +204,14 @@ def grouped_prepare(
     compression: str | None,
     plan_for: Callable[[Manifest], Plan],
     directory: Path,
+    width: int = AGREE_WIDTH,
 ) -> Prepared:
     """The prepare stage of a save with ``group=`` (see the module
     docstring): collective over ``c``; the returned :class:`Prepared` is the
     same on every rank but for this rank's leaves. ``failed``: this rank's
     error in an earlier step (every rank raises)."""
     err: BaseException | None = failed
+    # ``width``: that of the agreement the ranks without group= enter.
     mine: _Rank | None = None
     flat: list[FlatLeaf] = []
     codec = "none"
@@ -219,7 +233,7 @@ def grouped_prepare(
         )
     except Exception as e:
         err = err or e
-    rows = _layout(c, mine, err)
+    rows = _layout(c, mine, err, width)
     _check_groups(rows)
     if len({row.common for row in rows}) != 1:
         raise StateMismatchError(

@@ -36,6 +36,7 @@ from deeppart.state import FlatLeaf, check_has_data, flatten
 from deeppart.tensors import U8, readable, u8_view
 
 __all__ = [
+    "AGREE_WIDTH",
     "Prepared",
     "StagedPiece",
     "agree_prepared",
@@ -47,6 +48,9 @@ __all__ = [
     "save_digest",
     "verify_replicas",
 ]
+
+#: Bytes of each rank's row in the prepare agreement (digest, sample digest).
+AGREE_WIDTH = 48
 
 #: Bytes of each sampled block, and the blocks per leaf (start, middle, end).
 SAMPLE_BYTES = 64
@@ -197,8 +201,8 @@ def agree_prepared_flags(
     """:func:`agree_prepared`, in the same collective sharing one byte
     ``flag`` of each rank (when given; an empty list otherwise)."""
     extra = b"" if flag is None else bytes([flag])
-    mine = (prep.digest + prep.sample if prep else b"\0" * 48) + extra
-    rows = agree(c, err, mine, width=48 + len(extra))
+    mine = (prep.digest + prep.sample if prep else b"\0" * AGREE_WIDTH) + extra
+    rows = agree(c, err, mine, width=AGREE_WIDTH + len(extra))
     flags = [row[48] for row in rows] if flag is not None else []
     assert prep is not None
     digests = [row[:32] for row in rows]
