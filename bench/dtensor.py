@@ -8,7 +8,9 @@ It launches 4 torchrun ranks (gloo, CPU) of itself. For each layout (HSDP
 (2,2), DDP in a 2-D mesh (4,1), FSDP (1,4), TP x DP (2,2) through
 ``parallelize_module``) it builds the model with real FSDP2 ``fully_shard``
 or ``parallelize_module``, takes one AdamW step and saves
-``get_state_dict(model, opt)`` (DTensors) ``--reps`` times with each of:
+``get_state_dict(model, opt)`` (DTensors) ``--reps`` times (the ``groups`` layout: two
+data-parallel groups, model A + AdamW on ranks {0,1} and B on {2,3}, plain
+tensors, saved with ``group="auto"``) with each of:
 ``dcp.save`` (``DefaultSavePlanner``), ``dcp.save`` with
 ``deeppart.dcp.BalancedSavePlanner``, and ``deeppart.save``; then loads each
 back into the same layout (``dcp.load``; ``deeppart.load(into=)``).
@@ -44,7 +46,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-LAYOUTS = ("hsdp", "ddp2d", "fsdp", "tp")
+LAYOUTS = ("hsdp", "ddp2d", "fsdp", "tp", "groups")
 #: Mesh shape of each FSDP2 layout, for ``n`` ranks.
 MESHES: dict[str, Callable[[int], tuple[int, int]]] = {
     "hsdp": lambda n: (n // 2, 2),
@@ -98,6 +100,20 @@ def build(layout: str, seed: int, dims: tuple[int, int, int] = (5, 30, 7)) -> tu
     return m, opt
 
 
+def group_state(g: int, dims: tuple[int, int, int]) -> dict[str, Any]:
+    """Model ``g`` of the "two DP groups" layout (0: A, 1: B, another seed)
+    and its AdamW state after one step: plain tensors, the same on every
+    rank of its group."""
+    import torch
+
+    m = make_model(10 + g, dims)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    torch.manual_seed(200 + g)
+    m(torch.randn(4, dims[0])).square().sum().backward()
+    opt.step()
+    return {"model": m.state_dict(), "optim": opt.state_dict()}
+
+
 def sharded_state(m: Any, opt: Any) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -134,27 +150,27 @@ def _timed(fn: Any) -> float:
     return float(t[0])
 
 
-def _save(method: str, state: Any, d: Path) -> None:
+def _save(method: str, state: Any, d: Path, group: str | None = None) -> None:
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     import deeppart
     from deeppart.dcp import BalancedSavePlanner
 
     if method == "deeppart":
-        deeppart.save(state, d)
+        deeppart.save(state, d, group=group)
     elif method == "dcp-balanced":
         dcp_save(state, checkpoint_id=str(d), planner=BalancedSavePlanner())
     else:
         dcp_save(state, checkpoint_id=str(d))
 
 
-def _load(method: str, state: Any, d: Path) -> None:
+def _load(method: str, state: Any, d: Path, group: str | None = None) -> None:
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
     import deeppart
 
     if method == "deeppart":
-        deeppart.load(d, into=state)
+        deeppart.load(d, into=state, group=group)
     else:
         dcp_load(state, checkpoint_id=str(d))
 
@@ -167,16 +183,21 @@ def worker(args: argparse.Namespace) -> None:
     root = Path(args.dir)
     rows = []
     for layout in args.layouts:
-        m, opt = build(layout, seed=1, dims=tuple(args.dims))
-        state = sharded_state(m, opt)
+        group = None
+        if layout == "groups":  # model A on ranks {0,1}, B on {2,3}: plain tensors
+            g = rank * 2 // world
+            state, group = {f"net{g}": group_state(g, tuple(args.dims))}, "auto"
+        else:
+            m, opt = build(layout, seed=1, dims=tuple(args.dims))
+            state = sharded_state(m, opt)
         results: dict[str, dict[str, float]] = {}
         for method in ("dcp-default", "dcp-balanced", "deeppart"):
             saves, loads, balance = [], [], 0.0
             for rep in range(args.reps):
                 d = root / f"{layout}-{method}-{rep}"
 
-                saves.append(_timed(functools.partial(_save, method, state, d)))
-                loads.append(_timed(functools.partial(_load, method, state, d)))
+                saves.append(_timed(functools.partial(_save, method, state, d, group)))
+                loads.append(_timed(functools.partial(_load, method, state, d, group)))
                 balance = deeppart_balance(d) if method == "deeppart" else dcp_balance(d, world)
                 dist.barrier()
                 if rank == 0:

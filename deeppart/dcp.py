@@ -47,6 +47,7 @@ dimension-0 rows are coarse (Mixture-of-Experts weights stacked as
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import math
 import pickle
@@ -279,6 +280,11 @@ def _owned_leaf(item: WriteItem, owner: int) -> _Leaf:
     return _Leaf(item.index.fqn, rows, rb, item, owner)
 
 
+def _item_shape(item: WriteItem) -> list[int] | None:
+    td = item.tensor_data
+    return None if td is None else [*td.size, *td.chunk.offsets, *td.chunk.sizes]
+
+
 def _item_bytes(item: WriteItem) -> int:
     if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
         return 1
@@ -417,12 +423,21 @@ class BalancedSavePlanner(DefaultSavePlanner):
             else:
                 item = WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO)
                 replicated.append(_Leaf(fqn, 1, _object_nbytes(obj), item, None))
-        self._leaves = replicated
-        self._own_items = own
-        self._rank, self._world = rank, world
         # The replicated manifest's structure identifies the state: ranks
         # that disagree on it do not hold replicas.
         self._fingerprint = _manifest(replicated).fingerprint
+        self._subset = self._states_differ(world)
+        if self._subset:
+            # Groups of ranks hold different plain state (two data-parallel
+            # groups): every rank lists its items, and the coordinator
+            # balances each over the ranks that list it, as DTensor replicas.
+            own += create_default_local_save_plan(
+                {leaf.fqn: self.state_dict[leaf.fqn] for leaf in replicated}, self.is_coordinator
+            ).items
+            replicated = []
+        self._leaves = replicated
+        self._own_items = own
+        self._rank, self._world = rank, world
         # Speculate that no rank owns anything: the common, pure data-parallel
         # case. The coordinator says whether the speculation holds.
         self._speculative: list[WriteItem] | None = None
@@ -441,6 +456,7 @@ class BalancedSavePlanner(DefaultSavePlanner):
                     fqn for fqn, obj in self.state_dict.items() if _strided(obj)
                 ),
                 "fingerprint": self._fingerprint,
+                "subset": self._subset,
                 "rank": rank,
                 "world": world,
                 # Only the mappings of keys that the coordinator may lack.
@@ -456,7 +472,7 @@ class BalancedSavePlanner(DefaultSavePlanner):
         world = len(all_plans)
         infos = [p.planner_data[_KEY] for p in all_plans]
         bad = [r for r, info in enumerate(infos) if info["fingerprint"] != self._fingerprint]
-        if bad:
+        if bad and not self._subset:
             raise DcpPlanError(
                 f"ranks {bad} hold a different replicated state than the coordinator "
                 "(other keys, shapes or dtypes): BalancedSavePlanner needs every rank to "
@@ -474,7 +490,14 @@ class BalancedSavePlanner(DefaultSavePlanner):
         for r, local in enumerate(all_plans):
             for item in local.items:
                 holders.setdefault(item.index, []).append(r)
-                first.setdefault(item.index, item)
+                seen = first.setdefault(item.index, item)
+                if _item_shape(seen) != _item_shape(item):
+                    raise DcpPlanError(
+                        f"{item.index.fqn!r} is {_item_shape(seen)} on rank "
+                        f"{holders[item.index][0]} and {_item_shape(item)} on rank {r}: groups "
+                        "of ranks that hold different states must give them different keys "
+                        "(e.g. prefix each group's state dict)"
+                    )
         whole = {fqn for info in infos for fqn in info.get("whole", [])}
         load = [0] * world
         shared: list[tuple[int, list[WriteItem], list[int]]] = []
@@ -516,6 +539,22 @@ class BalancedSavePlanner(DefaultSavePlanner):
             out = global_plan
         self.plan_seconds += time.perf_counter() - t0
         return out, metadata
+
+    def _states_differ(self, world: int) -> bool:
+        """Whether the ranks' replicated states differ (one allgather of a
+        16-byte digest of :attr:`_fingerprint`, on every rank alike)."""
+        if world == 1:
+            return False
+        pg = self.process_group
+        backend = dist.get_backend(pg)
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
+        mine = torch.frombuffer(
+            bytearray(hashlib.blake2b(self._fingerprint.encode(), digest_size=16).digest()),
+            dtype=torch.uint8,
+        ).to(device)
+        rows = torch.empty(world * 16, dtype=torch.uint8, device=device)
+        dist.all_gather_into_tensor(rows, mine, group=pg)
+        return bool((rows.view(world, 16) != mine).any())
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         if not new_plan.usable:

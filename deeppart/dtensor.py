@@ -27,7 +27,15 @@ from deeppart.errors import StateError
 from deeppart.regions import SHARD_KEY, DTensorRecord, Region, ShardRecord, runs_of
 from deeppart.state import FlatLeaf, describe_leaf, is_dtensor
 
-__all__ = ["Expanded", "expand", "is_dtensor", "local_region", "mesh_regions"]
+__all__ = [
+    "Expanded",
+    "HolderGroups",
+    "expand",
+    "is_dtensor",
+    "local_region",
+    "mesh_regions",
+    "renumber_skeleton",
+]
 
 
 def _where(path: Sequence[Any]) -> str:
@@ -213,16 +221,16 @@ def expand(leaves: list[FlatLeaf], skeleton: Any) -> Expanded:
             )
             shards.append(ShardRecord(len(out) - 1, region))
         records.append(DTensorRecord(list(lf.path), dtype, list(dt.shape), shards))
-    return Expanded(out, descs, _renumber(skeleton, renumber), records, groups.groups)
+    return Expanded(out, descs, renumber_skeleton(skeleton, renumber), records, groups.groups)
 
 
-def _renumber(node: Any, new: list[int]) -> Any:
+def renumber_skeleton(node: Any, new: list[int]) -> Any:
     """``node`` with every leaf index ``i`` replaced by ``new[i]``."""
     if isinstance(node, dict):
         ((kind, body),) = node.items()
         if kind in ("leaf", "ndarray"):
             return {kind: new[body]}
         if kind in ("dict", "odict"):
-            return {kind: [[k, _renumber(v, new)] for k, v in body]}
-        return {kind: [_renumber(v, new) for v in body]}
+            return {kind: [[k, renumber_skeleton(v, new)] for k, v in body]}
+        return {kind: [renumber_skeleton(v, new) for v in body]}
     return node

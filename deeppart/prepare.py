@@ -37,6 +37,7 @@ from deeppart.state import FlatLeaf, check_has_data, flatten
 from deeppart.tensors import U8, readable, u8_view
 
 __all__ = [
+    "AGREE_WIDTH",
     "Prepared",
     "StagedPiece",
     "agree_prepared",
@@ -44,8 +45,13 @@ __all__ = [
     "prepare",
     "refuse_sharded",
     "replica_sample",
+    "sample_bytes",
+    "save_digest",
     "verify_replicas",
 ]
+
+#: Bytes of each rank's row in the prepare agreement (digest, sample digest).
+AGREE_WIDTH = 48
 
 #: Bytes of each sampled block, and the blocks per leaf (start, middle, end).
 SAMPLE_BYTES = 64
@@ -94,7 +100,7 @@ class Prepared:
         return h.digest()
 
 
-def _sample_bytes(t: Any) -> bytes:
+def sample_bytes(t: Any) -> bytes:
     """A few blocks of a tensor's bytes in row-major order (its start, middle
     and end), whatever its memory layout or device: replicas that hold the
     same values sample the same bytes."""
@@ -135,7 +141,7 @@ def replica_sample(leaves: list[FlatLeaf], descs: list[dict[str, Any]]) -> dict[
     for i, (leaf, desc) in enumerate(zip(leaves, descs, strict=True)):
         if leaf.tensor is None or "owner" in desc or "holders" in desc:
             continue
-        out[i] = hashlib.blake2b(_sample_bytes(leaf.tensor), digest_size=8).digest()
+        out[i] = hashlib.blake2b(sample_bytes(leaf.tensor), digest_size=8).digest()
     return out
 
 
@@ -154,6 +160,20 @@ def prepare(
     leaves, skeleton = ex.leaves, ex.skeleton
     manifest = Manifest.from_leaves(ex.descs, ex.groups or None)
     plan = plan_for(manifest)
+    digest = save_digest(plan, manifest, skeleton, codec, directory, ex.records)
+    samples = replica_sample(leaves, ex.descs)
+    return Prepared(leaves, skeleton, manifest, plan, codec, digest, ex.records, samples)
+
+
+def save_digest(
+    plan: Plan,
+    manifest: Manifest,
+    skeleton: Any,
+    codec: str,
+    directory: Path,
+    records: list[DTensorRecord],
+) -> bytes:
+    """The digest of what all ranks of one save must agree on."""
     h = hashlib.sha256()
     h.update(plan.fingerprint.encode())
     h.update(plan.assignment_digest().encode())
@@ -161,9 +181,8 @@ def prepare(
     h.update(json.dumps(skeleton, separators=(",", ":")).encode())
     h.update(codec.encode())
     h.update(os.path.abspath(directory).encode())
-    h.update(json.dumps([r.to_json() for r in ex.records], separators=(",", ":")).encode())
-    samples = replica_sample(leaves, ex.descs)
-    return Prepared(leaves, skeleton, manifest, plan, codec, h.digest(), ex.records, samples)
+    h.update(json.dumps([r.to_json() for r in records], separators=(",", ":")).encode())
+    return h.digest()
 
 
 def refuse_sharded(prep: Prepared, where: str) -> None:
@@ -199,8 +218,8 @@ def agree_prepared_flags(
     """:func:`agree_prepared`, in the same collective sharing one byte
     ``flag`` of each rank (when given; an empty list otherwise)."""
     extra = b"" if flag is None else bytes([flag])
-    mine = (prep.digest + prep.sample if prep else b"\0" * 48) + extra
-    rows = agree(c, err, mine, width=48 + len(extra))
+    mine = (prep.digest + prep.sample if prep else b"\0" * AGREE_WIDTH) + extra
+    rows = agree(c, err, mine, width=AGREE_WIDTH + len(extra))
     flags = [row[48] for row in rows] if flag is not None else []
     assert prep is not None
     digests = [row[:32] for row in rows]
@@ -216,7 +235,9 @@ def agree_prepared_flags(
             "(get_state_dict(model, optimizer) returns them). With get_state_dict(..., "
             "options=StateDictOptions(full_state_dict=True, cpu_offload=True)) only rank 0 "
             "holds the values: save the sharded state (the default options; every rank writes "
-            "its part), or pass full_state_dict=True without cpu_offload"
+            "its part), or pass full_state_dict=True without cpu_offload. If groups of ranks "
+            "hold different states on purpose (two data-parallel groups, plain tensor-parallel "
+            "shards), pass group=<this rank's replica group> or group=\"auto\" (deeppart.groups)"
         )
     if samples and len({row[32:48] for row in rows}) != 1:
         _replicas_differ(c, prep)
@@ -241,8 +262,10 @@ def _replicas_differ(c: Comm, prep: Prepared) -> None:
         f"{len(differ)} tensor leaves that every rank passes differ between the ranks "
         f"(sampled bytes; first: {', '.join(differ[:5])}); nothing was written. If these are "
         "shards of DTensors (to_local() or ._local_tensor), pass the DTensors themselves "
-        "(get_state_dict(model, optimizer) returns them) and each rank saves its shard; if "
-        "each rank holds its own values, give each rank's leaves their own path"
+        "(get_state_dict(model, optimizer) returns them) and each rank saves its shard, or pass "
+        "them with group=<this rank's data-parallel replica group> (deeppart.groups); if groups "
+        "of ranks hold their own values, pass group= or give each group's leaves their own key "
+        "prefix"
     )
 
 

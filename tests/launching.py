@@ -45,3 +45,17 @@ def worker_cmd(worker: Path, ranks: int, *args: str) -> list[str]:
         launcher = [sys.executable, "-m", "torch.distributed.run"]
         cmd = [*launcher, "--nproc-per-node", str(ranks), "--standalone", *cmd[1:]]
     return cmd
+
+
+def run_ranks(worker: Path, n: int, *args: str, timeout_s: float = 400) -> str:
+    """``worker`` on ``n`` torchrun ranks (0: one plain process), from the
+    repository root; checks that it exited 0 and that every rank printed
+    ``OK <scenario> rank <r>/<size>``. Returns the output."""
+    import re
+
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root))
+    rc, out = run_in_session(worker_cmd(worker, n, *args), env, root, timeout_s)
+    assert rc == 0, f"rc={rc}\n{out[-6000:]}"
+    assert len(set(re.findall(r"OK \w+ rank \d+/\d+", out))) >= max(n, 1), out[-6000:]
+    return out

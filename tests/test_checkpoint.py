@@ -509,9 +509,9 @@ def test_replica_sample_reads_the_start_middle_and_end(tensor: torch.Tensor) -> 
     start, middle and end in row-major order, whatever its layout (read
     straight from memory when contiguous); a changed byte in any block
     changes the sample, and replicas with other strides sample the same."""
-    from deeppart.prepare import SAMPLE_BLOCKS, SAMPLE_BYTES, _sample_bytes
+    from deeppart.prepare import SAMPLE_BLOCKS, SAMPLE_BYTES, sample_bytes
 
-    got = _sample_bytes(tensor)
+    got = sample_bytes(tensor)
     u8 = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
     step = max(1, (u8.size - SAMPLE_BYTES) // max(1, SAMPLE_BLOCKS - 1))
     last = max(0, u8.size - SAMPLE_BYTES)
@@ -521,6 +521,6 @@ def test_replica_sample_reads_the_start_middle_and_end(tensor: torch.Tensor) -> 
         changed = tensor.contiguous().clone()
         view = changed.reshape(-1).view(torch.uint8)
         view[a] = int(view[a]) ^ 0xFF
-        assert _sample_bytes(changed) != got
-    assert _sample_bytes(tensor.clone()) == got  # the same values, other memory
-    assert _sample_bytes(tensor.t().contiguous().t()) == got  # other strides
+        assert sample_bytes(changed) != got
+    assert sample_bytes(tensor.clone()) == got  # the same values, other memory
+    assert sample_bytes(tensor.t().contiguous().t()) == got  # other strides
