@@ -397,9 +397,14 @@ def load(
     interconnect or the CPUs are the bottleneck, e.g. oversubscribed ranks).
     ``exchange="auto"`` (default): ``"read"`` when every rank runs on the same
     host and no piece is compressed, else ``"bcast"``; all ranks take the
-    same decision. A compressed piece is then decompressed once, by the rank
-    that read it, and its raw bytes exchanged: on one host (MPI) through
-    memory all its ranks map (a shared window), else by broadcast.
+    same decision. A load of sharded state (the checkpoint or ``into=``
+    holds DTensors) is cooperative by default: its plain leaves are read
+    as with ``"bcast"`` and its shards once per job (each needed piece by
+    one of the ranks that need it, then sent to the others), so storage
+    serves each byte about once, not once per replica. A compressed piece
+    is decompressed once, by the rank that read it, and its raw bytes
+    exchanged: on one host (MPI) through memory all its ranks map (a shared
+    window), else by broadcast.
 
     With ``into`` (a state of the same structure, e.g. ``model.state_dict()``),
     tensors are filled in place (``copy_`` semantics, no second full copy)
@@ -442,7 +447,7 @@ def load(
             into=into,
             keys=keys,
             strict=strict,
-            exchange=exchange,
+            exchange=plain_exchange(exchange, st),
             same_host=same_host,
             elsewhere=st.leaves,
             into_elsewhere=st.into_leaves,
@@ -483,6 +488,13 @@ def load(
     if verbose and c.rank == 0:
         print(stats.summary(), flush=True)
     return state
+
+
+def plain_exchange(exchange: str, st: ShardTargets) -> str:
+    """The exchange of the plain (non-sharded) leaves: with sharded state,
+    ``"auto"`` is ``"bcast"`` (each byte read once per job, as the shards
+    are); otherwise ``exchange`` unchanged."""
+    return "bcast" if exchange == "auto" and st.active else exchange
 
 
 def _load_stats(

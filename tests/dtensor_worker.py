@@ -229,9 +229,9 @@ def scenario_eight(d: Path, layouts: list[str]) -> None:
         ref = to_full(sharded_state(m, opt))
         saved = deeppart.save(sharded_state(m, opt), d / src)
         m2, opt2 = build(dst, seed=7)
-        # "bcast": the plain leaves' files are read once too (as across
-        # hosts; on one host "auto" lets every rank read them from the cache).
-        out = deeppart.load(d / src, into=sharded_state(m2, opt2), exchange="bcast")
+        # The default call: a load of sharded state is cooperative (the
+        # plain leaves' files are read once per job too, also on one host).
+        out = deeppart.load(d / src, into=sharded_state(m2, opt2))
         equal(to_full(out), ref, f"{src}->{dst}")
         stats = last_stats("load")
         assert stats is not None
