@@ -478,7 +478,7 @@ def load(
         agree(c, err)  # also: every reader has filled its shared segment
         exchange_share(c, rp, buffers, stage)
         if sr is not None:
-            exchange_shards(c, rp.meta, sr)
+            exchange_shards(c, sr, rp.meta)
 
     filled = fill_shards(rp.meta, sr) if sr is not None else None
     state = assemble(rp.meta, rp.targets, rp.path, rp.matched, keys is not None, filled)
@@ -502,7 +502,8 @@ def _load_stats(
 ) -> Stats:
     """The load's Stats, the same on every rank (one small collective);
     ``stored_bytes`` is what all ranks read from storage together."""
-    rows = c.allgather_f64(np.array([seconds, float(nread)], dtype=np.float64))
+    shard = [float(sr.read_raw), float(sr.received)] if sr is not None else [0.0, 0.0]
+    rows = c.allgather_f64(np.array([seconds, float(nread), *shard], dtype=np.float64))
     meta: Metadata = rp.meta
     return Stats(
         op="load",
@@ -513,4 +514,6 @@ def _load_stats(
         seconds=float(rows[:, 0].max()),
         rank_seconds=[float(x) for x in rows[:, 0]],
         codec=str(meta.raw.get("compression", "none")),
+        rank_shard_read=[int(x) for x in rows[:, 2]] if sr is not None else [],
+        rank_received=[int(x) for x in rows[:, 3]] if sr is not None else [],
     )

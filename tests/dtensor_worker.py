@@ -219,6 +219,54 @@ class CountingReader:
         return Reader(str(path))
 
 
+def needed_bytes(d: Path, target: Any) -> int:
+    """The raw bytes of the stored shard pieces whose rows meet this rank's
+    local shards of ``target`` (their boxes from torch's own
+    ``compute_local_shape_and_global_offset``)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from deeppart.reader import open_checkpoint
+    from deeppart.regions import Region
+    from deeppart.state import flatten
+
+    _, meta, _ = open_checkpoint(d)
+    records = {tuple(r.path): r for r in meta.dtensors}
+    total = 0
+    for lf in flatten(target)[0]:
+        dt = lf.tensor
+        if not isinstance(dt, DTensor):
+            continue
+        shape, offset = compute_local_shape_and_global_offset(
+            dt.shape, dt.device_mesh, dt.placements
+        )
+        box = Region(tuple(((o, o + n),) for o, n in zip(offset, shape, strict=True)))
+        for shard in records[tuple(lf.path)].shards:
+            row = max(1, int(torch.Size(shard.region.shape[1:]).numel()))
+            for p in meta.pieces:
+                span = shard.region.rows(p.start // row, -(-p.stop // row))
+                if p.leaf == shard.leaf and span.intersect(box) is not None:
+                    total += p.length
+    return total
+
+
+def check_exchange(d: Path, target: Any, stats: Any) -> None:
+    """Each rank received exactly the shard bytes its local shards need less
+    what it read itself, and no rank received every piece that others read
+    (the exchange stays within each replica group, not a broadcast); each
+    stored piece was read once."""
+    r = dist.get_rank()
+    need = needed_bytes(d, target)
+    assert stats.rank_received[r] + stats.rank_shard_read[r] == need, (
+        r, stats.rank_received[r], stats.rank_shard_read[r], need)
+    total = sum(stats.rank_shard_read)
+    assert all(got < total - mine for got, mine in
+               zip(stats.rank_received, stats.rank_shard_read, strict=True)), stats
+    if r == 0:
+        print(f"EXCHANGE {d.name} received " + " ".join(map(str, stats.rank_received))
+              + f" of {total}", flush=True)
+
+
 def scenario_eight(d: Path, layouts: list[str]) -> None:
     """8 ranks: HSDP (2,4) saved and loaded at (4,2), and the reverse,
     bitwise; the bytes read from storage (the reader's counters, over all
@@ -237,6 +285,7 @@ def scenario_eight(d: Path, layouts: list[str]) -> None:
         assert stats is not None
         ratio = stats.stored_bytes / saved.stored_bytes
         assert ratio <= 1.05, (stats.stored_bytes, saved.stored_bytes)
+        check_exchange(d / src, sharded_state(m2, opt2), stats)
         dcp_save(sharded_state(m, opt), checkpoint_id=str(d / f"{src}-dcp"))
         target = sharded_state(m2, opt2)
         reader = CountingReader.make(d / f"{src}-dcp")
