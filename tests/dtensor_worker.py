@@ -21,7 +21,10 @@ step, then ``get_state_dict(model, opt)``: DTensors. Scenarios:
   right after the call; the checkpoint holds the values at the call;
 - ``levels``: ``Checkpointer(config=)`` refuses DTensor state on every rank;
 - ``tolocal``: the shards passed as plain tensors (``to_local()``) fail on
-  every rank with ReplicaMismatchError, nothing committed.
+  every rank with ReplicaMismatchError, nothing committed; then
+  ``verify_replicas=True`` with one holder's copy of a shard changed;
+- ``eight``: 8 ranks, HSDP (2,4) <-> (4,2), the bytes read and exchanged;
+- ``mpi`` (under ``mpiexec``, mpi4py): a DTensor checkpoint loaded whole.
 
 Each rank prints ``OK <scenario> rank <r>/<size>`` when its checks pass.
 """
@@ -44,7 +47,10 @@ import deeppart
 from bench.dtensor import build, dcp_balance, deeppart_balance, make_model, sharded_state
 from deeppart.checkpoint import last_stats
 
-LAYOUTS = ("hsdp", "ddp2d", "fsdp", "tp")
+#: ``tpfsdp``: FSDP2 over a TP-parallelized module on a (2,2) mesh, whose
+#: colwise weights torch places as ``_StridedShard`` (saved and loaded by
+#: ``save``, ``load2`` and ``load1``; DCP's scenario runs the other four).
+LAYOUTS = ("hsdp", "ddp2d", "fsdp", "tp", "tpfsdp")
 
 
 def full_state(m: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
@@ -105,7 +111,11 @@ def check_into(layout: str, d: Path, ref: Any) -> None:
 def scenario_save(d: Path, layouts: list[str]) -> None:
     for layout in layouts:
         m, opt = build(layout, seed=1)
-        deeppart.save(sharded_state(m, opt), d / layout)
+        state = sharded_state(m, opt)
+        if layout == "tpfsdp":
+            kinds = [type(p).__name__ for p in state["model"]["0.weight"].placements]
+            assert kinds == ["_StridedShard", "Shard"], kinds
+        deeppart.save(state, d / layout)
         deeppart.save(full_state(m, opt), d / f"{layout}-ref")
         ref = deeppart.load(d / f"{layout}-ref")
         for target in dict.fromkeys([layout, "fsdp", "ddp2d"]):
@@ -367,11 +377,41 @@ def scenario_tolocal(d: Path, layouts: list[str]) -> None:
     else:
         raise AssertionError("a rank-0-only state saved without an error")
     assert not (d / "offload").exists()
+    scenario_verify(d, layouts[0])
     ok("tolocal")
+
+
+def scenario_verify(d: Path, layout: str) -> None:
+    """``verify_replicas=True`` compares each DTensor shard across its
+    holders: equal replicas save; one holder's copy of a shard changed (rank
+    2, which holds shard 0 with rank 0 in HSDP (2,2)) raises on every rank,
+    naming the shard, and nothing is committed."""
+    from torch.distributed.tensor import DTensor
+
+    m, opt = build(layout, seed=1)
+    state = sharded_state(m, opt)
+    deeppart.save(state, d / "verified", verify_replicas=True)
+    assert (d / "verified" / "COMMITTED").exists()
+    weight = state["model"]["2.weight"]
+    assert isinstance(weight, DTensor)
+    if dist.get_rank() == 2:
+        with torch.no_grad():
+            weight.to_local().view(-1)[-1] += 1.0
+    try:
+        deeppart.save(state, d / "differs", verify_replicas=True)
+    except deeppart.ReplicaMismatchError as e:
+        assert "2.weight/<shard>/0: rank(s)" in str(e) and "nothing was written" in str(e), e
+    else:
+        raise AssertionError("a shard whose replicas differ saved with verify_replicas=True")
+    assert not (d / "differs").exists()
+    assert not any(p.name.startswith(".tmp-") for p in d.iterdir())
 
 
 def main() -> None:
     scenario, d, *layouts = sys.argv[1:]
+    if scenario == "mpi":
+        mpi_main()
+        return
     if "RANK" in os.environ:
         dist.init_process_group("gloo")
     try:
@@ -379,6 +419,27 @@ def main() -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+
+def mpi_main() -> None:
+    """Under ``mpiexec -n K`` (mpi4py, no torch.distributed): loads the
+    DTensor checkpoint ``DIR/LAYOUT`` without a target on every rank,
+    bitwise against ``DIR/LAYOUT-ref``; each stored shard piece is read by
+    one rank and sent to the others point to point."""
+    from mpi4py import MPI
+
+    d, layout = Path(sys.argv[2]), sys.argv[3]
+    ref = deeppart.load(d / f"{layout}-ref")
+    out = deeppart.load(d / layout, comm=MPI.COMM_WORLD)
+    equal(out, ref, f"{layout} over MPI")
+    stats = last_stats("load")
+    assert stats is not None and stats.world_size == MPI.COMM_WORLD.Get_size(), stats
+    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    total = sum(stats.rank_shard_read)
+    # Every rank needs every piece here: what it did not read, it received.
+    assert stats.rank_received[rank] == total - stats.rank_shard_read[rank] > 0, stats
+    print(f"OK mpi rank {rank}/{size}", flush=True)
 
 
 if __name__ == "__main__":
