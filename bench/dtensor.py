@@ -76,7 +76,7 @@ def build(layout: str, seed: int, dims: tuple[int, int, int] = (5, 30, 7)) -> tu
 
     m = make_model(seed, dims)
     n = dist.get_world_size()
-    if layout == "tp":
+    if layout in ("tp", "tpfsdp"):
         from torch.distributed.tensor.parallel import (
             ColwiseParallel,
             RowwiseParallel,
@@ -85,6 +85,12 @@ def build(layout: str, seed: int, dims: tuple[int, int, int] = (5, 30, 7)) -> tu
 
         mesh = init_device_mesh("cpu", (n // 2, 2), mesh_dim_names=("dp", "tp"))
         parallelize_module(m, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        if layout == "tpfsdp":
+            # FSDP2 over TP (2-D): the colwise weights' rows are sharded
+            # twice, which torch describes with _StridedShard.
+            for layer in list(m.children())[::2]:
+                fully_shard(layer, mesh=mesh["dp"])
+            fully_shard(m, mesh=mesh["dp"])
     else:
         shape = MESHES[layout](n)
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))

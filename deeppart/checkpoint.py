@@ -423,9 +423,14 @@ def load(
     interconnect or the CPUs are the bottleneck, e.g. oversubscribed ranks).
     ``exchange="auto"`` (default): ``"read"`` when every rank runs on the same
     host and no piece is compressed, else ``"bcast"``; all ranks take the
-    same decision. A compressed piece is then decompressed once, by the rank
-    that read it, and its raw bytes exchanged: on one host (MPI) through
-    memory all its ranks map (a shared window), else by broadcast.
+    same decision. A load of sharded state (the checkpoint or ``into=``
+    holds DTensors) is cooperative by default: its plain leaves are read
+    as with ``"bcast"`` and its shards once per job (each needed piece by
+    one of the ranks that need it, then sent to the others), so storage
+    serves each byte about once, not once per replica. A compressed piece
+    is decompressed once, by the rank that read it, and its raw bytes
+    exchanged: on one host (MPI) through memory all its ranks map (a shared
+    window), else by broadcast.
 
     With ``into`` (a state of the same structure, e.g. ``model.state_dict()``),
     tensors are filled in place (``copy_`` semantics, no second full copy)
@@ -475,7 +480,7 @@ def load(
             into=into,
             keys=keys,
             strict=strict,
-            exchange=exchange,
+            exchange=plain_exchange(exchange, st),
             same_host=same_host,
             elsewhere=st.leaves,
             into_elsewhere=st.into_leaves,
@@ -508,7 +513,7 @@ def load(
         agree(c, err)  # also: every reader has filled its shared segment
         exchange_share(c, rp, buffers, stage)
         if sr is not None:
-            exchange_shards(c, rp.meta, sr)
+            exchange_shards(c, sr, rp.meta)
 
     filled = fill_shards(rp.meta, sr) if sr is not None else None
     state = assemble(rp.meta, rp.targets, rp.path, rp.matched, keys is not None, filled)
@@ -522,12 +527,20 @@ def load(
     return state
 
 
+def plain_exchange(exchange: str, st: ShardTargets) -> str:
+    """The exchange of the plain (non-sharded) leaves: with sharded state,
+    ``"auto"`` is ``"bcast"`` (each byte read once per job, as the shards
+    are); otherwise ``exchange`` unchanged."""
+    return "bcast" if exchange == "auto" and st.active else exchange
+
+
 def _load_stats(
     c: Comm, rp: ReadPlan, seconds: float, nread: int, sr: ShardReads | None = None
 ) -> Stats:
     """The load's Stats, the same on every rank (one small collective);
     ``stored_bytes`` is what all ranks read from storage together."""
-    rows = c.allgather_f64(np.array([seconds, float(nread)], dtype=np.float64))
+    shard = [float(sr.read_raw), float(sr.received)] if sr is not None else [0.0, 0.0]
+    rows = c.allgather_f64(np.array([seconds, float(nread), *shard], dtype=np.float64))
     meta: Metadata = rp.meta
     return Stats(
         op="load",
@@ -538,4 +551,6 @@ def _load_stats(
         seconds=float(rows[:, 0].max()),
         rank_seconds=[float(x) for x in rows[:, 0]],
         codec=str(meta.raw.get("compression", "none")),
+        rank_shard_read=[int(x) for x in rows[:, 2]] if sr is not None else [],
+        rank_received=[int(x) for x in rows[:, 3]] if sr is not None else [],
     )

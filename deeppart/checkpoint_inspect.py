@@ -36,6 +36,7 @@ from deeppart.format import (
     step_dir_name,
 )
 from deeppart.progress import Progress, human_bytes
+from deeppart.regions import Region
 
 
 def _load_metadata(directory: Path, *, allow_uncommitted: bool) -> tuple[Metadata, bool]:
@@ -421,7 +422,25 @@ def describe(
             else {}
         ),
         "leaf_table": leaves,
+        "dtensors": [
+            {
+                "path": _path_str(r.path),
+                "dtype": r.dtype,
+                "shape": r.shape,
+                "shards": [
+                    {"leaf": sh.leaf, "region": region_str(sh.region)} for sh in r.shards
+                ],
+            }
+            for r in meta.dtensors
+        ],
     }
+
+
+def region_str(region: Region) -> str:
+    """A region as index ranges per dimension, e.g. ``[0:15, 0:5]`` (a
+    dimension of several runs joins them with ``+``)."""
+    dims = ["+".join(f"{a}:{b}" for a, b in runs) or "-" for runs in region.runs]
+    return "[" + ", ".join(dims) + "]"
 
 
 def _table(headers: list[str], rows: list[list[str]], right: set[int] | None = None) -> str:
@@ -487,6 +506,29 @@ def format_text(info: dict[str, Any], *, max_leaves: int, max_ranks: int) -> str
     parts.append(
         title + "\n" + _table(["path", "dtype", "shape", "bytes", "pieces", "ranks"], leaf_rows)
     )
+
+    records = info.get("dtensors", [])
+    if records:
+        rshown_d = records[:max_leaves] if max_leaves >= 0 else records
+        rows = [
+            [
+                r["path"],
+                r["dtype"],
+                "x".join(map(str, r["shape"])),
+                str(len(r["shards"])),
+                " ".join(sh["region"] for sh in r["shards"]),
+            ]
+            for r in rshown_d
+        ]
+        title = (
+            f"sharded tensors ({len(rshown_d)} of {len(records)}; global shapes, each "
+            "stored shard's region)"
+        )
+        parts.append(
+            title
+            + "\n"
+            + _table(["path", "dtype", "shape", "shards", "regions"], rows, right={3})
+        )
 
     ranks = info["ranks"]
     rshown = ranks[:max_ranks] if max_ranks >= 0 else ranks

@@ -80,9 +80,11 @@ def _region_at(
 
 def _check_placements(dt: Any, path: Sequence[Any]) -> None:
     from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     for p in dt.placements:
-        if not isinstance(p, Shard | Replicate):  # _StridedShard is a Shard
+        # _StridedShard (FSDP2 over TP) is no Shard subclass in torch 2.15.
+        if not isinstance(p, Shard | _StridedShard | Replicate):
             raise StateError(
                 f"{_where(path)}: a DTensor with placement {p} (a pending reduction) cannot be "
                 "saved; call .redistribute(placements=[Replicate()] * mesh.ndim) or "

@@ -51,7 +51,16 @@ def _tensor_leaves(
     metadata alone: their manifest paths, byte sizes, and every path that
     holds each (tied weights: more than one)."""
     meta = decode_metadata(read_checked_metadata(directory))
-    leaves = meta.get("manifest", {}).get("leaves", [])
+    leaves = list(meta.get("manifest", {}).get("leaves", []))
+    # A sharded tensor (``dtensors`` record) is exported whole: the skeleton
+    # names it by its first shard's leaf, which stands here for the record's
+    # global tensor (``load`` assembles it from all its shards).
+    for rec in meta.get("dtensors") or []:
+        shards = rec.get("shards") or []
+        first = shards[0].get("leaf") if shards and isinstance(shards[0], dict) else None
+        if isinstance(first, int) and 0 <= first < len(leaves):
+            whole = {k: rec.get(k) for k in ("path", "dtype", "shape")}
+            leaves[first] = {"kind": "tensor", **whole}
     wanted: dict[int, list[tuple[Any, ...]]] = {}
     try:
         for path, index in skeleton_paths(meta.get("skeleton")):

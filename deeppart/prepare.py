@@ -269,9 +269,30 @@ def _replicas_differ(c: Comm, prep: Prepared) -> None:
     )
 
 
-def _leaf_buffer(leaf: FlatLeaf, sharded: bool = False) -> U8 | memoryview:
-    if sharded or (leaf.tensor is None and leaf.encoded is None):
-        # A DTensor shard: held by some ranks only (not compared here).
+def _differing_shards(
+    per_rank: list[bytes], n: int, shards: set[int]
+) -> list[tuple[int, list[int]]]:
+    """Like ``differing_leaves``, but a shard leaf's digests are compared
+    among the ranks that hold it (a non-holder's digest is that of no
+    bytes; an empty shard has nothing to compare)."""
+    from deeppart._planner import REPLICA_DIGEST_LEN as width
+    from deeppart._planner import replica_digests
+
+    empty = replica_digests([memoryview(b"")])
+    out: list[tuple[int, list[int]]] = []
+    for i in range(n):
+        seen = [row[i * width : (i + 1) * width] for row in per_rank]
+        ranks = [r for r, d in enumerate(seen) if i not in shards or d != empty]
+        kinds = [seen[r] for r in ranks]
+        if len(set(kinds)) > 1:
+            common = max(set(kinds), key=kinds.count)
+            out.append((i, [r for r in ranks if seen[r] != common]))
+    return out
+
+
+def _leaf_buffer(leaf: FlatLeaf) -> U8 | memoryview:
+    if leaf.tensor is None and leaf.encoded is None:
+        # A DTensor shard this rank does not hold.
         return memoryview(b"")
     if leaf.tensor is None:
         assert leaf.encoded is not None
@@ -284,24 +305,33 @@ def verify_replicas(c: Comm, prep: Prepared) -> None:
     released) and compares one digest of them all across the ranks in one
     collective. If they differ, the per-leaf digests are exchanged and
     every rank raises :class:`ReplicaMismatchError` naming the leaves whose
-    copies differ and the ranks that differ from the majority."""
+    copies differ and the ranks that differ from the majority.
+
+    A DTensor shard is compared across its holders (the ranks that hold
+    it; the others hash nothing for it): with sharded state the per-leaf
+    digests are always exchanged (16 bytes a leaf)."""
     from deeppart._planner import differing_leaves, replica_digests
 
     err: BaseException | None = None
     digests = b""
     try:
-        shards = {s.leaf for r in prep.dtensors for s in r.shards}
-        views = [_leaf_buffer(leaf, i in shards) for i, leaf in enumerate(prep.leaves)]
+        views = [_leaf_buffer(leaf) for leaf in prep.leaves]
         buffers = [v.data if isinstance(v, np.ndarray) else v for v in views]
         digests = replica_digests(buffers, max(1, (os.cpu_count() or 1) // c.size))
     except Exception as e:
         err = e
     summary = hashlib.blake2b(digests, digest_size=16).digest()
     rows = agree(c, err, summary, width=16)
-    if len(set(rows)) == 1:
+    if not prep.dtensors and len(set(rows)) == 1:
         return
     per_rank = c.allgather_varbytes(digests)
-    differ = differing_leaves(per_rank, len(prep.leaves))
+    if prep.dtensors:
+        shards = {s.leaf for r in prep.dtensors for s in r.shards}
+        differ = _differing_shards(per_rank, len(prep.leaves), shards)
+        if not differ:
+            return
+    else:
+        differ = differing_leaves(per_rank, len(prep.leaves))
     shown = "; ".join(
         f"{'/'.join(map(str, prep.leaves[i].path))}: rank(s) {', '.join(map(str, ranks))}"
         for i, ranks in differ[:10]

@@ -80,6 +80,11 @@ class Stats:
     #: Every rank's time inside the call; ``seconds`` is their maximum.
     rank_seconds: list[float] = field(default_factory=list)
     codec: str = "none"
+    #: Load of sharded state: per rank, the raw bytes of the stored shard
+    #: pieces it read, and the bytes it received from their readers (the
+    #: cooperative exchange, :mod:`deeppart.reshard`); empty otherwise.
+    rank_shard_read: list[int] = field(default_factory=list)
+    rank_received: list[int] = field(default_factory=list)
 
     @property
     def gbps(self) -> float:

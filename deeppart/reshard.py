@@ -23,8 +23,9 @@ The stages, which :func:`deeppart.load` runs beside the others:
    per job, not once per replica;
 3. :func:`read_shards`: each rank reads its pieces (checksums verified,
    decoded), only the pieces whose rows meet a needed region;
-4. :func:`exchange_shards`: a piece that other ranks need too is broadcast
-   from its reader;
+4. :func:`exchange_shards`: a piece that other ranks need too is sent
+   from its reader to each of them, point to point (only the ranks that
+   need a piece receive it: a replica group exchanges among itself);
 5. :func:`fill_shards`: each rank copies the intersections of the stored
    shards with its regions into its tensors.
 """
@@ -173,14 +174,19 @@ class ShardReads:
     records: dict[tuple[Any, ...], DTensorRecord]
     #: The pieces this rank reads, by data file.
     mine: dict[int, list[Piece]] = field(default_factory=dict)
-    #: Per reader rank: the pieces it broadcasts (some other rank needs them).
-    sends: list[list[Piece]] = field(default_factory=list)
+    #: Per (reader, needer) pair of distinct ranks: the pieces the reader
+    #: sends to that needer, in plan order (the same on every rank).
+    sends: dict[tuple[int, int], list[Piece]] = field(default_factory=dict)
     #: The pieces this rank needs (read or received).
     needed: set[int] = field(default_factory=set)
     #: This rank's bytes of the needed shard leaves, by leaf.
     buffers: dict[int, U8] = field(default_factory=dict)
     #: Raw bytes of all pieces read by some rank.
     total_raw: int = 0
+    #: Raw bytes of the pieces this rank reads.
+    read_raw: int = 0
+    #: Bytes this rank received in the exchange (set by exchange_shards).
+    received: int = 0
 
     def raw_bytes(self, meta: Metadata) -> int:
         """Raw bytes of the stored pieces that the job read (each once)."""
@@ -218,7 +224,7 @@ def plan_shard_reads(c: Comm, meta: Metadata, st: ShardTargets) -> ShardReads:
     pieces_of: dict[int, list[Piece]] = {}
     for p in meta.pieces:
         pieces_of.setdefault(p.leaf, []).append(p)
-    out = ShardReads(st, records, sends=[[] for _ in range(c.size)])
+    out = ShardReads(st, records)
     load = [0] * c.size
     for key in sorted(wants, key=lambda k: json.dumps(list(k))):
         for shard in records[key].shards:
@@ -234,8 +240,10 @@ def plan_shard_reads(c: Comm, meta: Metadata, st: ShardTargets) -> ShardReads:
                 out.total_raw += p.length
                 if reader == c.rank:
                     out.mine.setdefault(p.rank, []).append(p)
-                if len(needers) > 1:
-                    out.sends[reader].append(p)
+                    out.read_raw += p.length
+                for r in needers:
+                    if r != reader:
+                        out.sends.setdefault((reader, r), []).append(p)
                 if c.rank in needers:
                     out.needed.add(id(p))
                     if shard.leaf not in out.buffers:
@@ -258,41 +266,68 @@ def read_shards(path: Path, meta: Metadata, sr: ShardReads, progress: Progress) 
     return n
 
 
-def exchange_shards(c: Comm, meta: Metadata, sr: ShardReads) -> None:
-    """Collective: each reader broadcasts the pieces that others need too,
-    packed in messages of at most :data:`MESSAGE_BYTES`."""
-    for root, pieces in enumerate(sr.sends):
-        batch: list[Piece] = []
-        size = 0
-        for p in [*pieces, None]:
-            if p is not None and (not batch or size + p.length <= MESSAGE_BYTES):
-                batch.append(p)
-                size += p.length
-                continue
-            if batch:
-                _bcast(c, meta, sr, root, batch, size)
-            batch, size = ([p], p.length) if p is not None else ([], 0)
+def exchange_shards(c: Comm, sr: ShardReads, meta: Metadata) -> None:
+    """Collective: each reader sends the pieces it read to the other ranks
+    that need them, and to no one else (point to point; a replica group
+    exchanges only among its members). Rounds of a shifted ring: in round
+    ``k`` rank ``r`` sends to ``r + k`` and receives from ``r - k`` (one
+    ``sendrecv_u8`` per message, so no ordering deadlocks), packed in
+    messages of at most :data:`MESSAGE_BYTES`."""
+    n, me = c.size, c.rank
+    for k in range(1, n):
+        dest, source = (me + k) % n, (me - k) % n
+        out = _messages(sr.sends.get((me, dest), []))
+        into = _messages(sr.sends.get((source, me), []))
+        for m in range(max(len(out), len(into))):
+            send = _pack(meta, sr, out[m]) if m < len(out) else _EMPTY
+            got = into[m] if m < len(into) else []
+            recv = _landing(meta, sr, got)
+            c.sendrecv_u8(send, dest, recv, source)
+            _unpack(meta, sr, got, recv)
+            sr.received += recv.size
 
 
-def _bcast(
-    c: Comm, meta: Metadata, sr: ShardReads, root: int, batch: list[Piece], size: int
-) -> None:
-    if len(batch) == 1 and id(batch[0]) in sr.needed:
-        c.bcast_u8(_slot(meta, sr, batch[0]), root=root)
+_EMPTY: U8 = np.empty(0, np.uint8)
+
+
+def _messages(pieces: list[Piece]) -> list[list[Piece]]:
+    """``pieces`` in runs of at most :data:`MESSAGE_BYTES` (a longer piece
+    alone; the communicator chunks it)."""
+    out: list[list[Piece]] = []
+    size = 0
+    for p in pieces:
+        if out and size + p.length <= MESSAGE_BYTES:
+            out[-1].append(p)
+            size += p.length
+        else:
+            out.append([p])
+            size = p.length
+    return out
+
+
+def _pack(meta: Metadata, sr: ShardReads, batch: list[Piece]) -> U8:
+    if len(batch) == 1:
+        return _slot(meta, sr, batch[0])
+    return np.concatenate([_slot(meta, sr, p) for p in batch])
+
+
+def _landing(meta: Metadata, sr: ShardReads, batch: list[Piece]) -> U8:
+    """Where a received message lands: the piece's own bytes when it is one
+    piece (no copy), else a buffer that :func:`_unpack` spreads."""
+    if not batch:
+        return _EMPTY
+    if len(batch) == 1:
+        return _slot(meta, sr, batch[0])
+    return np.empty(sum(p.length for p in batch), np.uint8)
+
+
+def _unpack(meta: Metadata, sr: ShardReads, batch: list[Piece], buf: U8) -> None:
+    if len(batch) < 2:
         return
-    buf = np.empty(size, np.uint8)
     at = 0
-    if c.rank == root:
-        for p in batch:
-            buf[at : at + p.length] = _slot(meta, sr, p)
-            at += p.length
-    c.bcast_u8(buf, root=root)
-    if c.rank != root:
-        at = 0
-        for p in batch:
-            if id(p) in sr.needed:
-                _slot(meta, sr, p)[:] = buf[at : at + p.length]
-            at += p.length
+    for p in batch:
+        _slot(meta, sr, p)[:] = buf[at : at + p.length]
+        at += p.length
 
 
 def _index(pos: Any, n: int) -> Any:

@@ -21,7 +21,10 @@ step, then ``get_state_dict(model, opt)``: DTensors. Scenarios:
   right after the call; the checkpoint holds the values at the call;
 - ``levels``: ``Checkpointer(config=)`` refuses DTensor state on every rank;
 - ``tolocal``: the shards passed as plain tensors (``to_local()``) fail on
-  every rank with ReplicaMismatchError, nothing committed.
+  every rank with ReplicaMismatchError, nothing committed; then
+  ``verify_replicas=True`` with one holder's copy of a shard changed;
+- ``eight``: 8 ranks, HSDP (2,4) <-> (4,2), the bytes read and exchanged;
+- ``mpi`` (under ``mpiexec``, mpi4py): a DTensor checkpoint loaded whole.
 
 Each rank prints ``OK <scenario> rank <r>/<size>`` when its checks pass.
 """
@@ -44,7 +47,10 @@ import deeppart
 from bench.dtensor import build, dcp_balance, deeppart_balance, make_model, sharded_state
 from deeppart.checkpoint import last_stats
 
-LAYOUTS = ("hsdp", "ddp2d", "fsdp", "tp")
+#: ``tpfsdp``: FSDP2 over a TP-parallelized module on a (2,2) mesh, whose
+#: colwise weights torch places as ``_StridedShard`` (saved and loaded by
+#: ``save``, ``load2`` and ``load1``; DCP's scenario runs the other four).
+LAYOUTS = ("hsdp", "ddp2d", "fsdp", "tp", "tpfsdp")
 
 
 def full_state(m: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
@@ -105,7 +111,11 @@ def check_into(layout: str, d: Path, ref: Any) -> None:
 def scenario_save(d: Path, layouts: list[str]) -> None:
     for layout in layouts:
         m, opt = build(layout, seed=1)
-        deeppart.save(sharded_state(m, opt), d / layout)
+        state = sharded_state(m, opt)
+        if layout == "tpfsdp":
+            kinds = [type(p).__name__ for p in state["model"]["0.weight"].placements]
+            assert kinds == ["_StridedShard", "Shard"], kinds
+        deeppart.save(state, d / layout)
         deeppart.save(full_state(m, opt), d / f"{layout}-ref")
         ref = deeppart.load(d / f"{layout}-ref")
         for target in dict.fromkeys([layout, "fsdp", "ddp2d"]):
@@ -219,6 +229,54 @@ class CountingReader:
         return Reader(str(path))
 
 
+def needed_bytes(d: Path, target: Any) -> int:
+    """The raw bytes of the stored shard pieces whose rows meet this rank's
+    local shards of ``target`` (their boxes from torch's own
+    ``compute_local_shape_and_global_offset``)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from deeppart.reader import open_checkpoint
+    from deeppart.regions import Region
+    from deeppart.state import flatten
+
+    _, meta, _ = open_checkpoint(d)
+    records = {tuple(r.path): r for r in meta.dtensors}
+    total = 0
+    for lf in flatten(target)[0]:
+        dt = lf.tensor
+        if not isinstance(dt, DTensor):
+            continue
+        shape, offset = compute_local_shape_and_global_offset(
+            dt.shape, dt.device_mesh, dt.placements
+        )
+        box = Region(tuple(((o, o + n),) for o, n in zip(offset, shape, strict=True)))
+        for shard in records[tuple(lf.path)].shards:
+            row = max(1, int(torch.Size(shard.region.shape[1:]).numel()))
+            for p in meta.pieces:
+                span = shard.region.rows(p.start // row, -(-p.stop // row))
+                if p.leaf == shard.leaf and span.intersect(box) is not None:
+                    total += p.length
+    return total
+
+
+def check_exchange(d: Path, target: Any, stats: Any) -> None:
+    """Each rank received exactly the shard bytes its local shards need less
+    what it read itself, and no rank received every piece that others read
+    (the exchange stays within each replica group, not a broadcast); each
+    stored piece was read once."""
+    r = dist.get_rank()
+    need = needed_bytes(d, target)
+    assert stats.rank_received[r] + stats.rank_shard_read[r] == need, (
+        r, stats.rank_received[r], stats.rank_shard_read[r], need)
+    total = sum(stats.rank_shard_read)
+    assert all(got < total - mine for got, mine in
+               zip(stats.rank_received, stats.rank_shard_read, strict=True)), stats
+    if r == 0:
+        print(f"EXCHANGE {d.name} received " + " ".join(map(str, stats.rank_received))
+              + f" of {total}", flush=True)
+
+
 def scenario_eight(d: Path, layouts: list[str]) -> None:
     """8 ranks: HSDP (2,4) saved and loaded at (4,2), and the reverse,
     bitwise; the bytes read from storage (the reader's counters, over all
@@ -229,14 +287,15 @@ def scenario_eight(d: Path, layouts: list[str]) -> None:
         ref = to_full(sharded_state(m, opt))
         saved = deeppart.save(sharded_state(m, opt), d / src)
         m2, opt2 = build(dst, seed=7)
-        # "bcast": the plain leaves' files are read once too (as across
-        # hosts; on one host "auto" lets every rank read them from the cache).
-        out = deeppart.load(d / src, into=sharded_state(m2, opt2), exchange="bcast")
+        # The default call: a load of sharded state is cooperative (the
+        # plain leaves' files are read once per job too, also on one host).
+        out = deeppart.load(d / src, into=sharded_state(m2, opt2))
         equal(to_full(out), ref, f"{src}->{dst}")
         stats = last_stats("load")
         assert stats is not None
         ratio = stats.stored_bytes / saved.stored_bytes
         assert ratio <= 1.05, (stats.stored_bytes, saved.stored_bytes)
+        check_exchange(d / src, sharded_state(m2, opt2), stats)
         dcp_save(sharded_state(m, opt), checkpoint_id=str(d / f"{src}-dcp"))
         target = sharded_state(m2, opt2)
         reader = CountingReader.make(d / f"{src}-dcp")
@@ -318,11 +377,41 @@ def scenario_tolocal(d: Path, layouts: list[str]) -> None:
     else:
         raise AssertionError("a rank-0-only state saved without an error")
     assert not (d / "offload").exists()
+    scenario_verify(d, layouts[0])
     ok("tolocal")
+
+
+def scenario_verify(d: Path, layout: str) -> None:
+    """``verify_replicas=True`` compares each DTensor shard across its
+    holders: equal replicas save; one holder's copy of a shard changed (rank
+    2, which holds shard 0 with rank 0 in HSDP (2,2)) raises on every rank,
+    naming the shard, and nothing is committed."""
+    from torch.distributed.tensor import DTensor
+
+    m, opt = build(layout, seed=1)
+    state = sharded_state(m, opt)
+    deeppart.save(state, d / "verified", verify_replicas=True)
+    assert (d / "verified" / "COMMITTED").exists()
+    weight = state["model"]["2.weight"]
+    assert isinstance(weight, DTensor)
+    if dist.get_rank() == 2:
+        with torch.no_grad():
+            weight.to_local().view(-1)[-1] += 1.0
+    try:
+        deeppart.save(state, d / "differs", verify_replicas=True)
+    except deeppart.ReplicaMismatchError as e:
+        assert "2.weight/<shard>/0: rank(s)" in str(e) and "nothing was written" in str(e), e
+    else:
+        raise AssertionError("a shard whose replicas differ saved with verify_replicas=True")
+    assert not (d / "differs").exists()
+    assert not any(p.name.startswith(".tmp-") for p in d.iterdir())
 
 
 def main() -> None:
     scenario, d, *layouts = sys.argv[1:]
+    if scenario == "mpi":
+        mpi_main()
+        return
     if "RANK" in os.environ:
         dist.init_process_group("gloo")
     try:
@@ -330,6 +419,27 @@ def main() -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+
+def mpi_main() -> None:
+    """Under ``mpiexec -n K`` (mpi4py, no torch.distributed): loads the
+    DTensor checkpoint ``DIR/LAYOUT`` without a target on every rank,
+    bitwise against ``DIR/LAYOUT-ref``; each stored shard piece is read by
+    one rank and sent to the others point to point."""
+    from mpi4py import MPI
+
+    d, layout = Path(sys.argv[2]), sys.argv[3]
+    ref = deeppart.load(d / f"{layout}-ref")
+    out = deeppart.load(d / layout, comm=MPI.COMM_WORLD)
+    equal(out, ref, f"{layout} over MPI")
+    stats = last_stats("load")
+    assert stats is not None and stats.world_size == MPI.COMM_WORLD.Get_size(), stats
+    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    total = sum(stats.rank_shard_read)
+    # Every rank needs every piece here: what it did not read, it received.
+    assert stats.rank_received[rank] == total - stats.rank_shard_read[rank] > 0, stats
+    print(f"OK mpi rank {rank}/{size}", flush=True)
 
 
 if __name__ == "__main__":

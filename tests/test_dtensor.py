@@ -3,11 +3,11 @@ load, on real torch FSDP2 ``fully_shard`` / ``parallelize_module`` with gloo
 under torchrun (tests/dtensor_worker.py), plus the regions' checks on
 hostile metadata in one process.
 
-Layouts on 4 ranks: HSDP (2,2), DDP in a 2-D mesh (4,1), FSDP (1,4) and
-TP x DP (2,2). Each checkpoint is loaded into DTensors of the same layout,
-of (1,4) and (4,1), on 2 ranks, and in one process (full tensors, and into
-a plain model), bitwise against the same state saved with
-``full_state_dict=True``.
+Layouts on 4 ranks: HSDP (2,2), DDP in a 2-D mesh (4,1), FSDP (1,4),
+TP x DP (2,2), and FSDP2 over TP on (2,2) (``tpfsdp``: ``_StridedShard``).
+Each checkpoint is loaded into DTensors of the same layout, of (1,4) and
+(4,1), on 2 ranks, and in one process (full tensors, and into a plain
+model), bitwise against the same state saved with ``full_state_dict=True``.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,7 @@ from deeppart.regions import Region, parse_records, runs_of  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "dtensor_worker.py"
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
 TIMEOUT_S = 400
 
 
@@ -53,7 +55,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("dtensor")
     if not dist.is_available():
         pytest.skip("no torch.distributed")
-    out = run(4, "save", str(d)) + run(4, "dcp", str(d))
+    out = run(4, "save", str(d)) + run(4, "dcp", str(d), "hsdp", "ddp2d", "fsdp", "tp")
     (d / "output.txt").write_text(out)
     return d
 
@@ -72,7 +74,7 @@ def _figures(saved: Path, tag: str) -> dict[str, list[float]]:
 def test_save_and_reshard_on_four_ranks(saved: Path) -> None:
     """Each layout's checkpoint holds its DTensors as shard records whose
     shards tile the global tensors (checked on parse), at metadata version 2."""
-    for layout in ("hsdp", "ddp2d", "fsdp", "tp"):
+    for layout in ("hsdp", "ddp2d", "fsdp", "tp", "tpfsdp"):
         meta = json.loads((saved / layout / METADATA).read_text())
         assert meta["version"] == 2 and meta["dtensors"], layout
         paths = {tuple(r["path"]) for r in meta["dtensors"]}
@@ -81,6 +83,12 @@ def test_save_and_reshard_on_four_ranks(saved: Path) -> None:
     hsdp = json.loads((saved / "hsdp" / METADATA).read_text())
     rec = next(r for r in hsdp["dtensors"] if r["path"] == ["model", "2.weight"])
     assert [s["index"][0] for s in rec["shards"]] == [[[0, 4]], [[4, 7]]]
+    # FSDP2 over TP (2,2): 0.weight's placements are (_StridedShard(0, sf=2),
+    # Shard(0)) (checked by the worker): tp splits the rows first, then dp
+    # splits each tp half; torch's own offsets give the regions.
+    strided = json.loads((saved / "tpfsdp" / METADATA).read_text())
+    rec = next(r for r in strided["dtensors"] if r["path"] == ["model", "0.weight"])
+    assert [s["index"][0] for s in rec["shards"]] == [[[0, 8]], [[15, 23]], [[8, 15]], [[23, 30]]]
     # Each shard's pieces are written by its holders only (ranks 0, 2 hold
     # shard 0; 1, 3 shard 1), checked again by the planner on load.
     for r in hsdp["dtensors"]:
@@ -107,7 +115,7 @@ def test_deeppart_save_balances_each_layout(tmp_path: Path) -> None:
     """A 23 MB model + AdamW on each layout: the slowest rank's data bytes
     are <= 1.02 x the ideal (unique bytes / ranks): each shard's bytes are
     spread over its holders (issue 22's holder groups)."""
-    out = run(4, "balance", str(tmp_path))
+    out = run(4, "balance", str(tmp_path), "hsdp", "ddp2d", "fsdp", "tp")
     figures = {
         line.split()[1]: float(line.split()[2])
         for line in out.splitlines()
@@ -145,6 +153,20 @@ def test_load_in_one_process(saved: Path) -> None:
 
 @pytest.mark.multirank
 @pytest.mark.slow
+@pytest.mark.skipif(not MPIEXEC.exists(), reason="mpiexec (the mpich wheel) is not installed")
+def test_load_over_mpi(saved: Path) -> None:
+    """An mpi4py communicator (3 ranks, no torch.distributed): the HSDP
+    checkpoint without a target, bitwise; the shard exchange moves the
+    pieces point to point (counted on every rank)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [str(MPIEXEC), "-n", "3", sys.executable, str(WORKER), "mpi", str(saved), "hsdp"]
+    rc, out = run_in_session(cmd, env, ROOT, TIMEOUT_S)
+    assert rc == 0, out[-6000:]
+    assert len(set(re.findall(r"OK mpi rank \d/3", out))) == 3, out[-6000:]
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
 def test_async_save_of_dtensors_holds_the_values_at_the_call(tmp_path: Path) -> None:
     """async_save snapshots each rank's share of its shards: the parameters
     overwritten right after the call do not reach the checkpoint, which
@@ -167,10 +189,13 @@ def test_multi_level_save_of_dtensors_is_refused(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_to_local_shards_fail_on_every_rank(tmp_path: Path) -> None:
     """Shards passed as plain tensors (to_local()): every rank raises a
-    StateMismatchError naming to_local(), and nothing is committed."""
+    StateMismatchError naming to_local(), and nothing is committed. Then
+    ``verify_replicas=True`` compares each shard across its holders: equal
+    replicas save (``verified``); one holder's copy changed raises on every
+    rank, and nothing more is committed."""
     out = run(4, "tolocal", str(tmp_path), "hsdp", "fsdp", "tp")
     assert out.count("OK tolocal") == 4
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == ["verified"]
 
 
 # ----------------------------------------------------------------------------
@@ -244,3 +269,47 @@ def test_tampered_record_fails_load(saved: Path, tmp_path: Path) -> None:
     (d / MARKER).write_bytes(marker_text(text))
     with pytest.raises(CorruptCheckpointError, match=r"dtensors\[0\]"):
         deeppart.load(d)
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_inspect_shows_the_sharded_tensors(
+    saved: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``deeppart inspect`` of a DTensor checkpoint lists each sharded
+    tensor with its global shape and each stored shard's region."""
+    from deeppart.cli import main as cli_main
+
+    assert cli_main(["inspect", "--json", str(saved / "hsdp")]) == 0
+    info = json.loads(capsys.readouterr().out)
+    rec = next(r for r in info["dtensors"] if r["path"] == "model.0.weight")
+    assert rec["shape"] == [30, 5] and rec["dtype"] == "float32"
+    assert [s["region"] for s in rec["shards"]] == ["[0:15, 0:5]", "[15:30, 0:5]"]
+    assert cli_main(["inspect", str(saved / "tp")]) == 0
+    text = capsys.readouterr().out
+    assert "sharded tensors" in text and "model.0.weight" in text
+    assert "[0:15, 0:5] [15:30, 0:5]" in text  # colwise: rows over tp
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_export_writes_full_tensors(saved: Path, tmp_path: Path) -> None:
+    """``deeppart export`` of DTensor checkpoints writes the global tensors
+    (safetensors and torch.save), bitwise equal to the full_state_dict
+    reference; never a shard."""
+    from safetensors.torch import load_file
+
+    from deeppart.export import export_safetensors, export_torch
+
+    for layout in ("hsdp", "tp"):
+        ref = deeppart.load(saved / f"{layout}-ref")
+        files = export_safetensors(saved / layout, tmp_path / layout)
+        got = load_file(str(files[0]))
+        assert sorted(got) == sorted(ref["model"]), layout
+        for k, t in ref["model"].items():
+            assert got[k].shape == t.shape and torch.equal(got[k], t), (layout, k)
+        pt = export_torch(saved / layout, tmp_path / f"{layout}.pt")
+        whole = torch.load(pt, weights_only=True)
+        for k, t in ref["optim"]["state"]["0.weight"].items():
+            assert torch.equal(whole["optim"]["state"]["0.weight"][k], t), (layout, k)
+        assert torch.equal(whole["model"]["2.weight"], ref["model"]["2.weight"])
