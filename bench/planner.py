@@ -3,6 +3,7 @@
     .venv/bin/python bench/planner.py            # every model and the zoo, 4..4096 ranks
     .venv/bin/python bench/planner.py --zoo      # the zoo only (bench/zoo.py)
     .venv/bin/python bench/planner.py --quick    # a short run
+    .venv/bin/python bench/planner.py --layouts  # holder groups: HSDP, TP, EP, PP x DP
 
 For each model manifest (bench/models.py, and the zoo of real transformers
 architectures committed by bench/zoo.py) and world size it plans with every
@@ -30,7 +31,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,9 @@ class DcpItems:
     owned: dict[int, list[Any]]
     leaf_of_fqn: dict[str, int]
     nbytes: list[int]
+    #: Items of leaves held by a holder group, by group index.
+    grouped: dict[int, list[Any]] = field(default_factory=dict)
+    groups: list[list[int]] = field(default_factory=list)
 
 
 def dcp_items(manifest: deeppart.Manifest) -> DcpItems:
@@ -125,6 +129,7 @@ def dcp_items(manifest: deeppart.Manifest) -> DcpItems:
 
     replicated: list[Any] = []
     owned: dict[int, list[Any]] = {}
+    grouped: dict[int, list[Any]] = {}
     leaf_of_fqn: dict[str, int] = {}
     nbytes: list[int] = []
     dtypes: dict[str, Any] = {}
@@ -153,18 +158,29 @@ def dcp_items(manifest: deeppart.Manifest) -> DcpItems:
                     size=shape,
                 ),
             )
-        if leaf["owner"] is None:
+        if leaf.get("holders") is not None:
+            grouped.setdefault(leaf["holders"], []).append(item)
+        elif leaf["owner"] is None:
             replicated.append(item)
         else:
             owned.setdefault(leaf["owner"], []).append(item)
-    return DcpItems(replicated, owned, leaf_of_fqn, nbytes)
+    return DcpItems(replicated, owned, leaf_of_fqn, nbytes, grouped, manifest.groups)
 
 
 def dcp_save_plans(items: DcpItems, world_size: int) -> list[Any]:
-    """The local SavePlans of every rank, as DCP's coordinator gathers them."""
+    """The local SavePlans of every rank, as DCP's coordinator gathers them:
+    an item is in the plan of each rank that holds it (every rank, its
+    owner, or the ranks of its holder group)."""
     from torch.distributed.checkpoint.planner import SavePlan
 
-    return [SavePlan(items=[*items.replicated, *items.owned.get(r, [])]) for r in range(world_size)]
+    held: list[list[Any]] = [[] for _ in range(world_size)]
+    for g, group_items in items.grouped.items():
+        for r in items.groups[g]:
+            held[r].extend(group_items)
+    return [
+        SavePlan(items=[*items.replicated, *held[r], *items.owned.get(r, [])])
+        for r in range(world_size)
+    ]
 
 
 def dcp_dedup(plans: list[Any]) -> list[Any]:
@@ -328,6 +344,149 @@ def bench_manifest(
 
 
 # ----------------------------------------------------------------------------
+# Layouts (holder groups): DeepPart, DCP's dedup_save_plans, Megatron's rule.
+
+
+def megatron_piece_bytes(manifest: deeppart.Manifest, world_size: int) -> list[list[int]]:
+    """Megatron-core's ``distribute_shards_to_ranks`` rule (dist_checkpointing
+    exchange_utils.py), re-implemented from its description: items with the
+    fewest holders first, then the largest first, each whole to its
+    least-loaded holder (ties: the lowest rank). Per rank, its items' bytes."""
+    import numpy as np
+
+    groups = [np.array(g, dtype=np.int64) for g in manifest.groups]
+    every = np.arange(world_size, dtype=np.int64)
+    items: list[tuple[int, int, Any]] = []
+    for leaf in manifest.leaves():
+        if leaf.get("holders") is not None:
+            holders = groups[leaf["holders"]]
+        elif leaf["owner"] is not None:
+            holders = np.array([leaf["owner"]], dtype=np.int64)
+        else:
+            holders = every
+        items.append((len(holders), -leaf["nbytes"], holders))
+    items.sort(key=lambda t: (t[0], t[1]))
+    loads = np.zeros(world_size, dtype=np.int64)
+    out: list[list[int]] = [[] for _ in range(world_size)]
+    for _, neg, holders in items:
+        r = int(holders[int(np.argmin(loads[holders]))])
+        loads[r] -= neg
+        out[r].append(-neg)
+    return out
+
+
+@dataclass
+class LayoutRow:
+    model: str
+    layout: str
+    world_size: int
+    gap: float
+    ms: float
+    dcp_gap: float
+    dcp_ms: float
+    megatron_gap: float
+    megatron_ms: float
+
+
+def bench_layout(name: str, layout: str, manifest: deeppart.Manifest, p: int) -> LayoutRow:
+    """The three gaps of one laid-out manifest, each the modelled makespan
+    (:func:`modelled_makespan`) over DeepPart's proven lower bound, and the
+    planning times (best of up to 3; the SavePlans' construction untimed)."""
+    cost = deeppart.CostModel()
+    ms, plan = best_time(functools.partial(plan_uncached, manifest, p))
+    bound = plan.stats.lower_bound
+    items = dcp_items(manifest)
+    plans = dcp_save_plans(items, p)
+    dcp_s, deduped = best_time(functools.partial(dcp_dedup, plans), repeat=1)
+    del plans
+    dcp_makespan, _ = modelled_makespan(dcp_piece_bytes(items, deduped), cost)
+    del deduped
+    mg_s, mg_bytes = best_time(functools.partial(megatron_piece_bytes, manifest, p), repeat=1)
+    mg_makespan, _ = modelled_makespan(mg_bytes, cost)
+    return LayoutRow(
+        name,
+        layout,
+        p,
+        plan.stats.gap,
+        ms * 1e3,
+        dcp_makespan / bound,
+        dcp_s * 1e3,
+        mg_makespan / bound,
+        mg_s * 1e3,
+    )
+
+
+#: The layouts table's models (the issue's examples): a dense decoder and an MoE model.
+LAYOUT_MODELS = ("llama-3-8b", "mixtral-8x7b")
+LAYOUT_WORLD_SIZES = (256, 1024, 4096)
+LAYOUT_HEADER = (
+    f"{'model':<14} {'layout':<6} {'P':>5} | {'gap':>7} {'ms':>8} | {'DCP gap':>8} {'DCP ms':>9} "
+    f"| {'Megatron':>8} {'ms':>8}"
+)
+
+
+def format_layout_row(r: LayoutRow) -> str:
+    return (
+        f"{r.model:<14} {r.layout:<6} {r.world_size:>5} | {r.gap:>7.4f} {r.ms:>8.1f} | "
+        f"{r.dcp_gap:>8.3f} {r.dcp_ms:>9.0f} | {r.megatron_gap:>8.3f} {r.megatron_ms:>8.0f}"
+    )
+
+
+def run_layouts(models_: Sequence[str], world_sizes: Sequence[int]) -> list[LayoutRow]:
+    """The layouts table, then the at-scale case."""
+    from bench import layouts
+
+    print(
+        "layouts: gap = slowest rank's modelled time / DeepPart's proven lower bound;"
+        " ms = planning time: deeppart.plan without cache (best of 3); torch's"
+        " dedup_save_plans on SavePlans that list each item in each of its holders'"
+        " plans (once); Megatron's distribute_shards_to_ranks rule (once)"
+    )
+    print(LAYOUT_HEADER)
+    print("-" * len(LAYOUT_HEADER))
+    rows: list[LayoutRow] = []
+    for name in models_:
+        m = zoo.MANIFESTS[name]()
+        for layout in layouts.LAYOUTS:
+            for p in world_sizes:
+                lm = layouts.laid_out(m, layout, p)
+                if lm is None:
+                    break
+                rows.append(bench_layout(name, layout, lm, p))
+                print(format_layout_row(rows[-1]), flush=True)
+    for what, pick in (("DeepPart", "gap"), ("DCP", "dcp_gap"), ("Megatron", "megatron_gap")):
+        worst = max(rows, key=lambda r: float(getattr(r, pick)))
+        print(
+            f"worst {what} gap: {getattr(worst, pick):.4f} "
+            f"({worst.model} {worst.layout} P={worst.world_size})"
+        )
+    at_scale()
+    return rows
+
+
+def at_scale(world_size: int = 4096) -> None:
+    """DeepSeek-V3 with TP=8 x EP=16 x DP at 4096 ranks (tnt#1064's case):
+    DeepPart's planning time against dedup_save_plans' on the same SavePlans."""
+    from bench import layouts
+
+    m = layouts.tp_ep_dp(zoo.MANIFESTS["deepseek-v3"](), world_size)
+    items = dcp_items(m)
+    plans = dcp_save_plans(items, world_size)
+    entries = sum(len(p.items) for p in plans)
+    dcp_s, deduped = best_time(functools.partial(dcp_dedup, plans), repeat=1)
+    del plans
+    dcp_makespan, _ = modelled_makespan(dcp_piece_bytes(items, deduped), deeppart.CostModel())
+    del deduped
+    ours_s, plan = best_time(functools.partial(plan_uncached, m, world_size))
+    print(
+        f"at scale: deepseek-v3 TP=8 x EP=16 x DP, P={world_size}: {len(m)} leaves in "
+        f"{len(m.groups)} groups, {entries} SavePlan items; deeppart.plan {ours_s * 1e3:.0f} ms "
+        f"(gap {plan.stats.gap:.4f}), dedup_save_plans {dcp_s * 1e3:.0f} ms "
+        f"(gap {dcp_makespan / plan.stats.lower_bound:.3f}): {dcp_s / ours_s:.0f}x"
+    )
+
+
+# ----------------------------------------------------------------------------
 # Output.
 
 HEADER = (
@@ -371,9 +530,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--leaves", type=int, default=1_000_000, help="leaves of the synthetic manifest"
     )
+    ap.add_argument(
+        "--layouts",
+        action="store_true",
+        help="only the holder-group layouts table (HSDP, TP, EP, PP x DP) and the at-scale case",
+    )
+    ap.add_argument(
+        "--layout-models",
+        default=",".join(LAYOUT_MODELS),
+        help="zoo models of the layouts table, comma separated (default: %(default)s)",
+    )
     args = ap.parse_args(argv)
 
     import torch
+
+    if args.layouts:
+        print(f"deeppart {deeppart.PLANNER_VERSION}, torch {torch.__version__}")
+        run_layouts(args.layout_models.split(","), LAYOUT_WORLD_SIZES)
+        return 0
 
     manifests: dict[str, Callable[[], deeppart.Manifest]] = {}
     if args.quick:

@@ -344,6 +344,7 @@ def parse_metadata(raw: dict[str, Any], dtype_sizes: dict[str, int]) -> Metadata
                 f"more than {max_expansion(info.kind)}:1 (a decompression bomb?)"
             )
         pieces.append(Piece(leaf, start, stop, rank, offset, length, stored, codec, xxh))
+    check_holders(raw, pieces, world)
     # Coverage: every leaf exactly once.
     by_leaf: list[list[tuple[int, int]]] = [[] for _ in leaves]
     for p in pieces:
@@ -387,6 +388,72 @@ def parse_metadata(raw: dict[str, Any], dtype_sizes: dict[str, int]) -> Metadata
         file_sizes=[int(n) for n in declared],
         dtensors=parse_records(raw.get("dtensors"), leaves, dtype_sizes.__contains__),
     )
+
+
+#: The manifest's limits on holder groups (planner ``manifest::MAX_GROUPS``,
+#: ``MAX_GROUP_ENTRIES``; docs/SECURITY.md).
+MAX_GROUPS = 1 << 16
+MAX_GROUP_ENTRIES = 1 << 22
+
+
+def _holder_groups(raw: dict[str, Any], world: int) -> list[list[int]]:
+    """The manifest's holder groups, each checked: a non-empty, strictly
+    increasing list of ranks below the checkpoint's world size."""
+    manifest = raw.get("manifest")
+    groups = manifest.get("groups", []) if isinstance(manifest, dict) else []
+    if not isinstance(groups, list) or len(groups) > MAX_GROUPS:
+        raise CorruptCheckpointError(
+            f"metadata: the manifest's groups are not a list of at most {MAX_GROUPS} groups"
+        )
+    entries = 0
+    for g, ranks in enumerate(groups):
+        if not isinstance(ranks, list) or not ranks:
+            raise CorruptCheckpointError(f"metadata: holder group {g} is not a non-empty list")
+        entries += len(ranks)
+        if entries > MAX_GROUP_ENTRIES:
+            raise CorruptCheckpointError(
+                f"metadata: the holder groups list more than {MAX_GROUP_ENTRIES} ranks"
+            )
+        prev = -1
+        for r in ranks:
+            _int(r, f"holder group {g} rank", 0, world - 1)
+            if r <= prev:
+                raise CorruptCheckpointError(
+                    f"metadata: holder group {g} is not sorted and distinct ({ranks})"
+                )
+            prev = r
+    return groups
+
+
+def check_holders(raw: dict[str, Any], pieces: list[Piece], world: int) -> None:
+    """Every piece was written by a holder of its leaf: its owner, or a rank of
+    its holder group (``raw["leaves"]`` are the manifest's leaf descriptions).
+    Checked before any data is read, so that a checkpoint whose metadata
+    breaks the planner's holder rule is refused rather than read."""
+    groups = _holder_groups(raw, world)
+    leaves: list[dict[str, Any]] = raw["leaves"]
+    holders: list[frozenset[int] | None] = []
+    sets = [frozenset(g) for g in groups]
+    for i, lf in enumerate(leaves):
+        owner, g = lf.get("owner"), lf.get("holders")
+        if owner is not None:
+            holders.append(frozenset([_int(owner, f"leaf {i} owner", 0, world - 1)]))
+        elif g is not None:
+            holders.append(sets[_int(g, f"leaf {i} holders", 0, len(sets) - 1)])
+        else:
+            holders.append(None)
+    if not any(h is not None for h in holders):
+        return
+    for j, p in enumerate(pieces):
+        h = holders[p.leaf]
+        if h is not None and p.rank not in h:
+            path = "/".join(str(k) for k in leaves[p.leaf]["path"])
+            raise CorruptCheckpointError(
+                f"metadata: piece {j} of leaf {p.leaf} ({path}) was written by rank "
+                f"{p.rank}, which does not hold that leaf (its holders: {sorted(h)}); "
+                "the metadata breaks the holder rule (edited or corrupt): "
+                "load another checkpoint"
+            )
 
 
 def check_file_sizes(directory: Path, meta: Metadata, ranks: list[int]) -> None:

@@ -16,7 +16,9 @@ import json
 import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -291,6 +293,69 @@ def test_inspect_shows_the_sharded_tensors(
     assert "[0:15, 0:5] [15:30, 0:5]" in text  # colwise: rows over tp
 
 
+def _tensors(tree: Any) -> list[Any]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in _tensors(v)]
+    if isinstance(tree, list | tuple):
+        return [t for v in tree for t in _tensors(v)]
+    return []
+
+
+def _tamper(saved: Path, tmp_path: Path, edit: Callable[[dict[str, Any]], None]) -> Path:
+    """A copy of the HSDP checkpoint with its metadata edited and re-committed
+    (so that only the metadata's own checks can catch the edit)."""
+    import shutil
+
+    d = tmp_path / "c"
+    shutil.copytree(saved / "hsdp", d)
+    meta = json.loads((d / METADATA).read_text())
+    edit(meta)
+    text = json.dumps(meta).encode()
+    (d / METADATA).write_bytes(text)
+    (d / MARKER).write_bytes(marker_text(text))
+    return d
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_a_piece_written_by_a_non_holder_fails_load(saved: Path, tmp_path: Path) -> None:
+    """The HSDP checkpoint (4 real ranks, shards held by {0, 2} and {1, 3})
+    with one shard piece moved to a rank outside its holder group, appended
+    to that rank's file in the metadata: load refuses it, naming the leaf
+    and the rank, and the user's into= state is untouched."""
+    hsdp = json.loads((saved / "hsdp" / METADATA).read_text())
+    groups = hsdp["manifest"]["groups"]
+    leaves = hsdp["manifest"]["leaves"]
+    j, row = next((j, row) for j, row in enumerate(hsdp["pieces"]) if "holders" in leaves[row[0]])
+    held = groups[leaves[row[0]]["holders"]]
+    stranger = next(r for r in range(4) if r not in held)
+    path = "/".join(str(k) for k in leaves[row[0]]["path"])
+
+    def move(meta: dict[str, Any]) -> None:
+        piece = meta["pieces"][j]
+        piece[3] = stranger
+        piece[4] = meta["file_sizes"][stranger]
+        meta["file_sizes"][stranger] += piece[6]
+
+    d = _tamper(saved, tmp_path, move)
+    into = deeppart.load(saved / "hsdp")
+    tensors = _tensors(into)
+    assert tensors
+    for t in tensors:
+        t.fill_(7)
+    with pytest.raises(
+        CorruptCheckpointError,
+        match=rf"piece {j} of leaf {row[0]} \({re.escape(path)}\) was written by rank "
+        rf"{stranger}, which does not hold that leaf \(its holders: {re.escape(str(held))}\)",
+    ):
+        deeppart.load(d, into=into)
+    assert all(bool((t == 7).all()) for t in tensors)  # nothing of the user's was touched
+    # The untampered copy loads.
+    assert deeppart.load(_tamper(saved, tmp_path / "ok", lambda m: None))
+
+
 @pytest.mark.multirank
 @pytest.mark.slow
 def test_export_writes_full_tensors(saved: Path, tmp_path: Path) -> None:
@@ -313,3 +378,18 @@ def test_export_writes_full_tensors(saved: Path, tmp_path: Path) -> None:
         for k, t in ref["optim"]["state"]["0.weight"].items():
             assert torch.equal(whole["optim"]["state"]["0.weight"][k], t), (layout, k)
         assert torch.equal(whole["model"]["2.weight"], ref["model"]["2.weight"])
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_malformed_holder_groups_fail_load(saved: Path, tmp_path: Path) -> None:
+    """Recorded groups must be well formed for the checkpoint's world: a rank
+    at or above its world size is refused before any data is read."""
+
+    def widen(meta: dict[str, Any]) -> None:
+        meta["manifest"]["groups"][0] = meta["manifest"]["groups"][0] + [9]
+
+    with pytest.raises(
+        CorruptCheckpointError, match=r"holder group 0 rank is 9, not an integer in \[0, 3\]"
+    ):
+        deeppart.load(_tamper(saved, tmp_path, widen))

@@ -432,6 +432,48 @@ def test_greedy_is_torch_dedup_save_plans() -> None:
         assert [sorted(b) for b in dcp] == [sorted(b) for b in ours]
 
 
+def test_bench_layouts_keep_every_item_on_its_holders() -> None:
+    """bench/planner.py --layouts: the SavePlans list each item in exactly its
+    holders' plans, and torch's dedup_save_plans and the Megatron rule give
+    each whole leaf to one of its holders; the rule takes the fewest holders
+    first, then the largest, each to its least-loaded holder."""
+    from bench import layouts, zoo
+    from bench.planner import dcp_dedup, dcp_items, dcp_save_plans, megatron_piece_bytes
+
+    m = layouts.laid_out(zoo.MANIFESTS["bert-large"](), "hsdp", 16)
+    assert m is not None and len(m.groups) == 8
+    leaves = m.leaves()
+    holders = [
+        set(m.groups[lf["holders"]]) if lf.get("holders") is not None else set(range(16))
+        for lf in leaves
+    ]
+    items = dcp_items(m)
+    plans = dcp_save_plans(items, 16)
+    listed: list[set[int]] = [set() for _ in leaves]
+    for r, plan in enumerate(plans):
+        for item in plan.items:
+            listed[items.leaf_of_fqn[item.index.fqn]].add(r)
+    assert listed == holders
+    written: list[list[int]] = [[] for _ in leaves]
+    for r, plan in enumerate(dcp_dedup(plans)):
+        for item in plan.items:
+            written[items.leaf_of_fqn[item.index.fqn]].append(r)
+    assert all(len(w) == 1 and w[0] in h for w, h in zip(written, holders, strict=True))
+    mg = megatron_piece_bytes(m, 16)
+    assert sorted(b for r in mg for b in r) == sorted(lf["nbytes"] for lf in leaves)
+    # Hand instance: a 1-holder leaf first, then largest first to the least loaded.
+    small = deeppart.Manifest.from_leaves(
+        [
+            {"path": ["a"], "kind": "object", "nbytes": 5},
+            {"path": ["b"], "kind": "object", "nbytes": 9, "holders": 0},
+            {"path": ["c"], "kind": "object", "nbytes": 7, "owner": 1},
+            {"path": ["d"], "kind": "object", "nbytes": 3, "holders": 0},
+        ],
+        groups=[[0, 1]],
+    )
+    assert megatron_piece_bytes(small, 3) == [[9], [7, 3], [5]]
+
+
 # ----------------------------------------------------------------------------
 # The GIL.
 

@@ -6,10 +6,12 @@ for restart, SIGKILL and SIGTERM. Every wait is bounded; nothing is timed.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -918,13 +920,179 @@ def test_sigterm_drains(tmp_path: Path) -> None:
         proc.kill()
 
 
-def test_a_manifest_with_holder_groups_is_refused_by_the_wire() -> None:
-    # Not carried by the wire format yet: refused with the fix named, never
-    # sent without its groups.
-    m = deeppart.Manifest.from_leaves(
-        [{"path": ["a"], "kind": "object", "nbytes": 1, "holders": 0}], groups=[[0, 1]]
+# ----------------------------------------------------------------------------
+# Holder groups (manifest version 2) on the wire.
+
+
+def _grouped(tag: str = "model") -> deeppart.Manifest:
+    """HSDP-like: shard s of each weight on the ranks r % 4 == s of 8, an
+    expert on ranks {0..3}, a buffer owned by rank 5, the rest on every rank."""
+    leaves: list[dict[str, Any]] = []
+    for i in range(24):
+        leaves.append(
+            {
+                "path": [tag, i // 4, f"w{i % 4}"],
+                "dtype": "float32",
+                "shape": [128, 40 + i],
+                "holders": i % 4,
+            }
+        )
+    leaves.append({"path": [tag, "expert"], "dtype": "bfloat16", "shape": [512, 64], "holders": 4})
+    leaves.append({"path": ["rng"], "dtype": "uint8", "shape": [5056], "owner": 5})
+    leaves.append({"path": ["step"], "dtype": "int64", "shape": []})
+    groups = [[s, s + 4] for s in range(4)] + [[0, 1, 2, 3]]
+    return deeppart.Manifest.from_leaves(leaves, groups=groups)
+
+
+def test_grouped_manifest_wire_round_trip_and_v1_unchanged() -> None:
+    m = _grouped()
+    msg = wire.manifest_to_proto(m)
+    assert msg.version == 2
+    # The groups once, as rank lists; one index per leaf (0: none).
+    assert list(msg.group_sizes) == [2, 2, 2, 2, 4]
+    assert list(msg.group_ranks) == [0, 4, 1, 5, 2, 6, 3, 7, 0, 1, 2, 3]
+    assert list(msg.holders) == [i % 4 + 1 for i in range(24)] + [5, 0, 0]
+    back = wire.manifest_from_proto(pb.Manifest.FromString(msg.SerializeToString()))
+    assert back.fingerprint == m.fingerprint
+    assert back.groups == m.groups and back.leaves() == m.leaves()
+    # A manifest without groups is the version 1 message old servers read:
+    # none of the new fields is on the wire.
+    plain = wire.manifest_to_proto(_manifest())
+    assert plain.version == 1
+    assert {f.name for f, _ in plain.ListFields()}.isdisjoint(
+        {"group_sizes", "group_ranks", "holders"}
     )
-    with pytest.raises(WireError, match=r"does not carry holder groups yet.*plan in process"):
-        wire.manifest_to_proto(m)
-    plain = deeppart.Manifest.from_leaves([{"path": ["a"], "kind": "object", "nbytes": 1}])
-    assert len(wire.manifest_to_proto(plain).dtype) == 1
+
+
+@pytest.mark.parametrize("algorithm", ["balanced", "lpt", "greedy"])
+def test_grouped_plan_over_the_service_equals_the_local_plan(
+    make_server: Callable[..., Server], algorithm: str
+) -> None:
+    server = make_server()
+    m = _grouped()
+    topo = deeppart.Topology(2)
+    with _client(server) as client:
+        remote = client.plan(m, 8, algorithm=algorithm, topology=topo)
+    local = deeppart.plan(m, 8, algorithm=algorithm, topology=topo)
+    assert remote.fingerprint == local.fingerprint
+    assert _pieces(remote) == _pieces(local)
+    groups = m.groups
+    leaves = m.leaves()
+    for r, pieces in enumerate(_pieces(remote)):
+        for leaf, _, _ in pieces:
+            g = leaves[leaf]["holders"]
+            assert g is None or r in groups[g], (r, leaf)
+
+
+def test_grouped_and_ungrouped_manifests_never_share_a_plan(
+    make_server: Callable[..., Server],
+) -> None:
+    server = make_server()
+    grouped = _grouped()
+    flat = deeppart.Manifest.from_leaves(
+        [{k: v for k, v in leaf.items() if k != "holders"} for leaf in grouped.leaves()]
+    )
+    assert flat.fingerprint != grouped.fingerprint
+    assert deeppart.plan_fingerprint(flat, 8) != deeppart.plan_fingerprint(grouped, 8)
+    with _client(server) as client:
+        first = client.plan(flat, 8)
+        second = client.plan(grouped, 8)
+    assert _pieces(first) == _pieces(deeppart.plan(flat, 8))
+    assert _pieces(second) == _pieces(deeppart.plan(grouped, 8))
+    assert _pieces(first) != _pieces(second)
+    s = server.stats()
+    assert s.plans_computed == 2 and s.manifest_uploads == 2
+
+
+@functools.cache
+def _hostile_groups() -> list[tuple[str, pb.Manifest, str]]:
+    base = wire.manifest_to_proto(_grouped())
+
+    def edit(**fields: list[int]) -> pb.Manifest:
+        msg = pb.Manifest()
+        msg.CopyFrom(base)
+        for name, values in fields.items():
+            msg.ClearField(name)
+            getattr(msg, name).extend(values)
+        return msg
+
+    v1 = edit()
+    v1.version = 1
+    n = len(base.holders)
+    return [
+        (
+            "too many groups",
+            edit(group_sizes=[1] * 65537, group_ranks=[0] * 65537),
+            "65537 holder groups, more than 65536",
+        ),
+        (
+            "too many entries",
+            edit(group_sizes=[4096] * 1025, group_ranks=[1] * (4096 * 1025)),
+            "4198400 ranks in holder groups, more than 4194304",
+        ),
+        ("sizes disagree", edit(group_sizes=[2, 2, 2, 2, 5]), "group_sizes add up to 13"),
+        (
+            "rank beyond any world",
+            edit(group_ranks=[0, 4, 1, 5, 2, 6, 3, 1 << 30, 0, 1, 2, 3]),
+            "holder group 3 lists rank 1073741824, not below 1048576",
+        ),
+        (
+            "index out of range",
+            edit(holders=[1] * (n - 1) + [9]),
+            f"leaf {n - 1}: holder group 8 out of range (5 groups)",
+        ),
+        ("holders per leaf", edit(holders=[1] * (n + 1)), f"{n} leaves but {n + 1} holders"),
+        ("groups without version 2", v1, "holder groups need version 2"),
+        ("unsorted group", edit(group_ranks=[4, 0, 1, 5, 2, 6, 3, 7, 0, 1, 2, 3]), "group 0"),
+        ("empty group", edit(group_sizes=[2, 2, 2, 2, 4, 0]), "group 5"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(9))
+def test_hostile_grouped_manifests_are_refused_by_the_decoder(case: int) -> None:
+    _, msg, message = _hostile_groups()[case]
+    with pytest.raises((WireError, deeppart.ManifestError), match=re.escape(message)):
+        wire.manifest_from_proto(pb.Manifest.FromString(msg.SerializeToString()))
+
+
+def test_hostile_grouped_rpcs_get_clear_errors(make_server: Callable[..., Server]) -> None:
+    server = make_server(max_message_bytes=8 * 1024 * 1024)
+    m = _grouped()
+    cases: list[tuple[str, bytes, Any, str]] = [
+        (
+            name,
+            _request(m, 8, manifest=msg).SerializeToString(),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            message,
+        )
+        for name, msg, message in _hostile_groups()
+        if name != "too many entries"  # 4M ranks: larger than this server's messages
+    ]
+    huge = wire.manifest_to_proto(m)
+    huge.group_ranks.extend([1 << 19] * (3 << 20))  # 3 bytes each: 9 MiB
+    cases.append(
+        (
+            "oversized",
+            _request(m, 8, manifest=huge).SerializeToString(),
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "larger than max",
+        )
+    )
+    # A valid manifest planned for a world its groups do not fit.
+    cases.append(
+        (
+            "rank at or above the world size",
+            _request(m, 6, with_manifest=True).SerializeToString(),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "holder group 2 lists rank 6, but world_size is 6",
+        )
+    )
+    for name, data, code, message in cases:
+        with pytest.raises(grpc.RpcError) as e:
+            server.raw(PLAN, data)
+        assert _code(e) == code, name
+        assert message in e.value.details(), (name, e.value.details())
+    assert server.stats().known_manifests == 0  # nothing hostile was stored
+    # The server keeps serving grouped plans.
+    with _client(server) as client:
+        assert _pieces(client.plan(m, 8)) == _pieces(deeppart.plan(m, 8))

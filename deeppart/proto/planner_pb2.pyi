@@ -17,7 +17,7 @@ PLAN_STATUS_OK: PlanStatus
 PLAN_STATUS_NEED_MANIFEST: PlanStatus
 
 class Manifest(_message.Message):
-    __slots__ = ("version", "string_keys", "int_keys", "shared", "suffix_len", "suffix_keys", "dtypes", "dtype", "ndim", "dims", "object_nbytes", "owned_leaves", "owner_ranks")
+    __slots__ = ("version", "string_keys", "int_keys", "shared", "suffix_len", "suffix_keys", "dtypes", "dtype", "ndim", "dims", "object_nbytes", "owned_leaves", "owner_ranks", "group_sizes", "group_ranks", "holders")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STRING_KEYS_FIELD_NUMBER: _ClassVar[int]
     INT_KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,9 @@ class Manifest(_message.Message):
     OBJECT_NBYTES_FIELD_NUMBER: _ClassVar[int]
     OWNED_LEAVES_FIELD_NUMBER: _ClassVar[int]
     OWNER_RANKS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZES_FIELD_NUMBER: _ClassVar[int]
+    GROUP_RANKS_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
     version: int
     string_keys: _containers.RepeatedScalarFieldContainer[str]
     int_keys: _containers.RepeatedScalarFieldContainer[int]
@@ -44,7 +47,10 @@ class Manifest(_message.Message):
     object_nbytes: _containers.RepeatedScalarFieldContainer[int]
     owned_leaves: _containers.RepeatedScalarFieldContainer[int]
     owner_ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, version: _Optional[int] = ..., string_keys: _Optional[_Iterable[str]] = ..., int_keys: _Optional[_Iterable[int]] = ..., shared: _Optional[_Iterable[int]] = ..., suffix_len: _Optional[_Iterable[int]] = ..., suffix_keys: _Optional[_Iterable[int]] = ..., dtypes: _Optional[_Iterable[str]] = ..., dtype: _Optional[_Iterable[int]] = ..., ndim: _Optional[_Iterable[int]] = ..., dims: _Optional[_Iterable[int]] = ..., object_nbytes: _Optional[_Iterable[int]] = ..., owned_leaves: _Optional[_Iterable[int]] = ..., owner_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    group_sizes: _containers.RepeatedScalarFieldContainer[int]
+    group_ranks: _containers.RepeatedScalarFieldContainer[int]
+    holders: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, version: _Optional[int] = ..., string_keys: _Optional[_Iterable[str]] = ..., int_keys: _Optional[_Iterable[int]] = ..., shared: _Optional[_Iterable[int]] = ..., suffix_len: _Optional[_Iterable[int]] = ..., suffix_keys: _Optional[_Iterable[int]] = ..., dtypes: _Optional[_Iterable[str]] = ..., dtype: _Optional[_Iterable[int]] = ..., ndim: _Optional[_Iterable[int]] = ..., dims: _Optional[_Iterable[int]] = ..., object_nbytes: _Optional[_Iterable[int]] = ..., owned_leaves: _Optional[_Iterable[int]] = ..., owner_ranks: _Optional[_Iterable[int]] = ..., group_sizes: _Optional[_Iterable[int]] = ..., group_ranks: _Optional[_Iterable[int]] = ..., holders: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CostModel(_message.Message):
     __slots__ = ("fixed_s", "piece_s", "bandwidth", "writer_s", "min_piece_bytes", "align_bytes", "grain", "node_bandwidth", "aggregate_bandwidth")

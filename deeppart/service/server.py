@@ -615,8 +615,7 @@ class PlannerService:
         if algorithm not in ALGORITHMS:
             raise ServiceError(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"unknown algorithm {algorithm!r}; "
-                f"expected one of {', '.join(ALGORITHMS)}",
+                f"unknown algorithm {algorithm!r}; expected one of {', '.join(ALGORITHMS)}",
             )
         if req.world_size < 1:
             raise ServiceError(
@@ -659,6 +658,13 @@ class PlannerService:
                 return _serialize(need)
             manifest = found
 
+        for g, ranks in enumerate(manifest.groups):
+            if ranks and ranks[-1] >= req.world_size:
+                raise ServiceError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"holder group {g} lists rank {ranks[-1]}, but world_size is "
+                    f"{req.world_size}; plan for the world the groups were made for",
+                )
         try:
             cost = wire.cost_from_proto(req.cost)
             topology = wire.topology_from_proto(req.topology)

@@ -18,7 +18,16 @@ from deeppart._planner import PLANNER_VERSION, CostModel, Manifest, Plan, Topolo
 from deeppart.errors import PlanError, WireError
 from deeppart.proto import planner_pb2 as pb
 
+#: The wire manifest's version without holder groups (what old servers read)
+#: and with them (``group_sizes``, ``group_ranks``, ``holders``).
 MANIFEST_VERSION = 1
+MANIFEST_VERSION_GROUPS = 2
+#: The JSON form's limits on holder groups (planner/src/manifest.rs
+#: ``MAX_GROUPS``, ``MAX_GROUP_ENTRIES``, ``MAX_GROUP_RANK``; docs/SECURITY.md),
+#: checked on the packed arrays before any group is built.
+MAX_GROUPS = 1 << 16
+MAX_GROUP_ENTRIES = 1 << 22
+MAX_GROUP_RANK = 1 << 20
 
 Ranks = list[list[tuple[int, int, int]]]
 
@@ -40,15 +49,11 @@ KEY_OVERHEAD = 16
 
 
 def manifest_to_proto(manifest: Manifest) -> pb.Manifest:
-    """The compact wire form of ``manifest``. Holder groups (manifest
-    version 2) are not in the wire format yet: such a manifest raises
-    :class:`WireError` rather than reach the service without them."""
-    if manifest.groups:
-        raise WireError(
-            "manifest: the planner service's wire format does not carry holder groups "
-            f"yet ({len(manifest.groups)} groups); plan in process instead "
-            "(deeppart.plan(manifest, world_size), or no service= / --service)"
-        )
+    """The compact wire form of ``manifest``: version 1 without holder
+    groups (as old servers read it), version 2 with the groups sent once and
+    a group index per leaf."""
+    groups = manifest.groups
+    holders: list[int] = []
     string_ids: dict[str, int] = {}
     int_ids: dict[int, int] = {}
     dtype_ids: dict[str, int] = {}
@@ -90,8 +95,11 @@ def manifest_to_proto(manifest: Manifest) -> pb.Manifest:
         if leaf.get("owner") is not None:
             owned_leaves.append(i)
             owner_ranks.append(leaf["owner"])
+        if groups:
+            g = leaf.get("holders")
+            holders.append(0 if g is None else g + 1)
     return pb.Manifest(
-        version=MANIFEST_VERSION,
+        version=MANIFEST_VERSION_GROUPS if groups else MANIFEST_VERSION,
         string_keys=list(string_ids),
         int_keys=list(int_ids),
         shared=shared,
@@ -104,14 +112,19 @@ def manifest_to_proto(manifest: Manifest) -> pb.Manifest:
         object_nbytes=object_nbytes,
         owned_leaves=owned_leaves,
         owner_ranks=owner_ranks,
+        group_sizes=[len(g) for g in groups],
+        group_ranks=[r for g in groups for r in g],
+        holders=holders,
     )
 
 
 def manifest_leaves_from_proto(msg: pb.Manifest) -> list[dict[str, Any]]:
-    """The leaf descriptions of a wire manifest, for ``Manifest.from_leaves``."""
-    if msg.version != MANIFEST_VERSION:
+    """The leaf descriptions of a wire manifest, for ``Manifest.from_leaves``
+    (the groups come from :func:`manifest_groups_from_proto`)."""
+    if msg.version not in (MANIFEST_VERSION, MANIFEST_VERSION_GROUPS):
         raise WireError(
-            f"manifest: unsupported version {msg.version} (this service reads {MANIFEST_VERSION})"
+            f"manifest: unsupported version {msg.version} (this service reads "
+            f"{MANIFEST_VERSION} and {MANIFEST_VERSION_GROUPS})"
         )
     # Read the packed arrays at C speed (numpy), then walk plain lists.
     shared = _ints(msg.shared)
@@ -143,9 +156,9 @@ def manifest_leaves_from_proto(msg: pb.Manifest) -> list[dict[str, Any]]:
         )
     if len(msg.owned_leaves) != len(msg.owner_ranks):
         raise WireError(
-            f"manifest: {len(msg.owned_leaves)} owned_leaves but "
-            f"{len(msg.owner_ranks)} owner_ranks"
+            f"manifest: {len(msg.owned_leaves)} owned_leaves but {len(msg.owner_ranks)} owner_ranks"
         )
+    holders = _leaf_holders(msg, n)
     strings = list(msg.string_keys)
     ints = list(msg.int_keys)
     dtypes = list(msg.dtypes)
@@ -202,9 +215,69 @@ def manifest_leaves_from_proto(msg: pb.Manifest) -> list[dict[str, Any]]:
             o += 1
         if owners and i in owners:
             desc["owner"] = owners[i]
+        if holders and holders[i]:
+            desc["holders"] = holders[i] - 1
         leaves.append(desc)
         prev = path
     return leaves
+
+
+def manifest_groups_from_proto(msg: pb.Manifest) -> list[list[int]]:
+    """The holder groups of a wire manifest, their count, total size and
+    ranks checked against the JSON form's limits before any list is built."""
+    if msg.version != MANIFEST_VERSION_GROUPS:
+        if len(msg.group_sizes) or len(msg.group_ranks) or len(msg.holders):
+            raise WireError(
+                f"manifest: holder groups need version {MANIFEST_VERSION_GROUPS}, "
+                f"the message says {msg.version}"
+            )
+        return []
+    if len(msg.group_sizes) > MAX_GROUPS:
+        raise WireError(f"manifest: {len(msg.group_sizes)} holder groups, more than {MAX_GROUPS}")
+    if len(msg.group_ranks) > MAX_GROUP_ENTRIES:
+        raise WireError(
+            f"manifest: {len(msg.group_ranks)} ranks in holder groups, "
+            f"more than {MAX_GROUP_ENTRIES}"
+        )
+    sizes = np.array(msg.group_sizes, dtype=np.int64)
+    if int(sizes.sum()) != len(msg.group_ranks):
+        raise WireError(
+            f"manifest: group_sizes add up to {int(sizes.sum())} ranks "
+            f"but group_ranks has {len(msg.group_ranks)}"
+        )
+    ranks = np.array(msg.group_ranks, dtype=np.int64)
+    too_big = np.flatnonzero(ranks >= MAX_GROUP_RANK)
+    if too_big.size:
+        group = int(np.searchsorted(np.cumsum(sizes), too_big[0], side="right"))
+        raise WireError(
+            f"manifest: holder group {group} lists rank {int(ranks[too_big[0]])}, "
+            f"not below {MAX_GROUP_RANK}"
+        )
+    # Empty, unsorted or duplicate groups are the planner's to name (ManifestError).
+    flat = ranks.tolist()
+    groups: list[list[int]] = []
+    i = 0
+    for size in sizes.tolist():
+        groups.append(flat[i : i + size])
+        i += size
+    return groups
+
+
+def _leaf_holders(msg: pb.Manifest, n: int) -> list[int]:
+    """Per leaf, 0 or its group index plus one (empty without groups)."""
+    if not len(msg.holders):
+        return []
+    if len(msg.holders) != n:
+        raise WireError(f"manifest: {n} leaves but {len(msg.holders)} holders entries")
+    holders = _ints(msg.holders)
+    worst = max(holders)
+    if worst > len(msg.group_sizes):
+        leaf = holders.index(worst)
+        raise WireError(
+            f"manifest: leaf {leaf}: holder group {worst - 1} out of range "
+            f"({len(msg.group_sizes)} groups)"
+        )
+    return holders
 
 
 def _check_path_sizes(
@@ -255,7 +328,9 @@ def _ints(field: Any) -> list[int]:
 
 def manifest_from_proto(msg: pb.Manifest) -> Manifest:
     """The manifest a wire message describes; ``ManifestError`` if invalid."""
-    return Manifest.from_leaves(manifest_leaves_from_proto(msg))
+    groups = manifest_groups_from_proto(msg)
+    leaves = manifest_leaves_from_proto(msg)
+    return Manifest.from_leaves(leaves, groups=groups or None)
 
 
 # ----------------------------------------------------------------------------
@@ -304,9 +379,7 @@ def _grain_from_proto(msg: pb.CostModel) -> Literal["element", "row"] | None:
         return "element"
     if msg.grain == "row":
         return "row"
-    raise PlanError(
-        f'invalid cost model: grain must be "element" or "row", got {msg.grain!r}'
-    )
+    raise PlanError(f'invalid cost model: grain must be "element" or "row", got {msg.grain!r}')
 
 
 def topology_to_proto(topology: Topology | None) -> pb.Topology:
