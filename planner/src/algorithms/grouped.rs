@@ -51,8 +51,14 @@ const FILLED: usize = 4;
 const FILL_WORK: usize = 4_000_000;
 /// Most candidates whose level is computed (each a bisection of max-flows).
 const MOST_EVALUATED: usize = 256;
-/// The local search's budget per filled candidate ([`super::refine`]).
+/// The local search's budget per filled candidate ([`super::refine`]), and
+/// the most leaves it runs for: it helps where a writer's share of a group
+/// is a few leaves or minimum pieces (states of up to some 10^4 leaves);
+/// with hundreds of thousands of leaves each writer gets hundreds of them,
+/// the stream's overshoot is a negligible part of its cost, and building
+/// the search's index of every piece would cost more than it gains.
 const REFINE_WORK: usize = 2_000_000;
+const REFINE_MOST_LEAVES: usize = 200_000;
 
 pub(super) fn plan(
     manifest: &Manifest,
@@ -170,15 +176,17 @@ pub(super) fn plan(
             manifest, &sorted, flow, cost, owned, &writers, level, world_size,
         );
         let unrefined = cost.node_bandwidth.is_some().then(|| placed.clone());
-        super::refine::refine(
-            manifest,
-            flow,
-            cost,
-            owned,
-            &writes,
-            &mut placed,
-            REFINE_WORK,
-        );
+        if manifest.len() <= REFINE_MOST_LEAVES {
+            super::refine::refine(
+                manifest,
+                flow,
+                cost,
+                owned,
+                &writes,
+                &mut placed,
+                REFINE_WORK,
+            );
+        }
         let t = time_of(manifest, cost, topology, ranks, &placed);
         if chosen.as_ref().is_none_or(|(b, _)| t < *b) {
             chosen = Some((t, placed));
@@ -260,7 +268,8 @@ fn class_members(flow: &HolderFlow, summary: &LoadSummary, topology: &Topology) 
 /// Per flow group, its leaves, largest first (ties by manifest order).
 fn group_members(manifest: &Manifest, flow: &HolderFlow) -> Vec<Vec<u32>> {
     let leaves = manifest.leaves();
-    let mut members: Vec<Vec<u32>> = vec![Vec::new(); flow.demand.len()];
+    // Sorted as (size, index) pairs: no leaf is read while sorting.
+    let mut members: Vec<Vec<(Reverse<u64>, u32)>> = vec![Vec::new(); flow.demand.len()];
     for (i, leaf) in leaves.iter().enumerate() {
         let g = match manifest.holders(leaf) {
             Holders::All => flow.all,
@@ -270,13 +279,16 @@ fn group_members(manifest: &Manifest, flow: &HolderFlow) -> Vec<Vec<u32>> {
             Holders::Ranks(_) => None,
         };
         if let Some(g) = g {
-            members[g as usize].push(i as u32);
+            members[g as usize].push((Reverse(leaf.nbytes), i as u32));
         }
     }
-    for order in &mut members {
-        order.sort_by_key(|&i| (Reverse(leaves[i as usize].nbytes), i));
-    }
     members
+        .into_iter()
+        .map(|mut order| {
+            order.sort_unstable();
+            order.into_iter().map(|(_, i)| i).collect()
+        })
+        .collect()
 }
 
 /// The pieces of the shared leaves for `writers` at the feasible level
