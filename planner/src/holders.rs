@@ -181,25 +181,22 @@ impl HolderFlow {
             .map(|(g, &(d, _))| (OrdF64(d), g))
             .collect();
         let mut floor = 0.0f64;
-        for k in p..=ws {
+        for (k, slot) in out.iter_mut().enumerate().skip(p) {
             if k > p {
                 // One more writer, to the group with the largest load per writer.
-                match heap.pop() {
-                    Some((_, g)) => {
-                        seats[g] += 1;
-                        let (d, size) = packing[g];
-                        let load = d / f64::from(seats[g]);
-                        if seats[g] < size {
-                            heap.push((OrdF64(load), g));
-                        } else {
-                            floor = floor.max(load);
-                        }
+                if let Some((_, g)) = heap.pop() {
+                    seats[g] += 1;
+                    let (d, size) = packing[g];
+                    let load = d / f64::from(seats[g]);
+                    if seats[g] < size {
+                        heap.push((OrdF64(load), g));
+                    } else {
+                        floor = floor.max(load);
                     }
-                    None => {}
                 }
             }
             let top = heap.peek().map_or(0.0, |(OrdF64(t), _)| *t);
-            out[k] = top.max(floor);
+            *slot = top.max(floor);
         }
         out
     }
@@ -493,33 +490,28 @@ mod tests {
 
     #[test]
     fn partitioned_groups_and_every_rank() {
-        // Two disjoint groups of two ranks, 100 and 20 bytes, and 40 bytes on all 4.
-        let m = Manifest::with_groups(
-            vec![
-                obj("a", 100, Some(0)),
-                obj("b", 20, Some(1)),
-                obj("c", 40, None),
-            ],
-            vec![vec![0, 1], vec![2, 3]],
-        )
-        .unwrap();
-        let f = HolderFlow::new(&m, 4, &bytes_only()).unwrap();
+        // Two disjoint groups of two ranks, 100 and 20 bytes, and `everyone`
+        // bytes on all 4: the network and its level over the whole world.
+        let flow_of = |everyone: u64| {
+            let m = Manifest::with_groups(
+                vec![
+                    obj("a", 100, Some(0)),
+                    obj("b", 20, Some(1)),
+                    obj("c", everyone, None),
+                ],
+                vec![vec![0, 1], vec![2, 3]],
+            )
+            .unwrap();
+            let f = HolderFlow::new(&m, 4, &bytes_only()).unwrap();
+            let level = f.level(&[0, 1, 2, 3], &[0.0; 4], 1e-9);
+            (f, level)
+        };
+        let (f, (lo, hi)) = flow_of(40);
         assert_eq!(f.classes(), 2);
-        let (lo, hi) = f.level(&[0, 1, 2, 3], &[0.0; 4], 1e-9);
         // max(100 / 2, 160 / 4) = 50.
         assert!(lo <= 50.0 && hi >= 50.0 && hi - 50.0 < 1e-6, "{lo} {hi}");
         // Hall's condition over the union: 40 extra bytes on {2, 3} only fit there.
-        let m = Manifest::with_groups(
-            vec![
-                obj("a", 100, Some(0)),
-                obj("b", 20, Some(1)),
-                obj("c", 140, None),
-            ],
-            vec![vec![0, 1], vec![2, 3]],
-        )
-        .unwrap();
-        let f = HolderFlow::new(&m, 4, &bytes_only()).unwrap();
-        let (_, hi) = f.level(&[0, 1, 2, 3], &[0.0; 4], 1e-9);
+        let (_, (_, hi)) = flow_of(140);
         assert!((hi - 65.0).abs() < 1e-6, "{hi}");
     }
 

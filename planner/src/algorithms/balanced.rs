@@ -295,6 +295,19 @@ pub(super) fn plan(
     ranks: &mut [Vec<Piece>],
 ) {
     let summary = LoadSummary::new(manifest, world_size, topology, cost);
+    plan_with(&summary, manifest, world_size, topology, cost, ranks);
+}
+
+/// [`plan`] with the manifest's [`LoadSummary`] already made (the grouped
+/// path makes it first to see whether any group has several ranks).
+pub(super) fn plan_with(
+    summary: &LoadSummary,
+    manifest: &Manifest,
+    world_size: u32,
+    topology: &Topology,
+    cost: &CostModel,
+    ranks: &mut [Vec<Piece>],
+) {
     if summary.replicated_leaves == 0 {
         return;
     }
@@ -302,11 +315,11 @@ pub(super) fn plan(
     let order = replicated_by_size(manifest);
     // Whole-leaf costs in `order`: non-increasing, as the cost grows with the size.
     let costs: Vec<f64> = order.iter().map(|s| cost.piece_cost(s.nbytes)).collect();
-    let levels = Levels::new(&summary, cost);
-    let slots = Slots::new(&summary, topology, cost, world_size);
+    let levels = Levels::new(summary, cost);
+    let slots = Slots::new(summary, topology, cost, world_size);
     let owned_pieces: Vec<u64> = ranks.iter().map(|l| l.len() as u64).collect();
-    let owned_nodes = owned_node_bytes(&summary, topology, world_size);
-    let (lo, hi) = writer_range(&summary, world_size);
+    let owned_nodes = owned_node_bytes(summary, topology, world_size);
+    let (lo, hi) = writer_range(summary, world_size);
     // A plan with exactly `k` writers gives each non-owner writer at least
     // one piece of a replicated leaf: `k` is at most the owners plus the
     // most pieces the replicated leaves can be cut into.
@@ -364,7 +377,7 @@ pub(super) fn plan(
         let fill = fill_on(&writers);
         let (level, _) = bound_of(k, n);
         let (attempts, filled) =
-            fill.at_best_level(&summary, &owned_nodes, &writers, slots.owners.len(), level);
+            fill.at_best_level(summary, &owned_nodes, &writers, slots.owners.len(), level);
         // An attempt reads every leaf, writer slot and node once.
         work += attempts * (order.len() + writers.len() + summary.nodes as usize) as u64
             + u64::from(world_size);
@@ -385,13 +398,7 @@ pub(super) fn plan(
     if let Some((_, writers, outcome)) = best {
         let fill = fill_on(&writers);
         let (recorded, _) = fill
-            .attempt::<Recorded>(
-                &summary,
-                &owned_nodes,
-                &writers,
-                outcome.level,
-                outcome.pass,
-            )
+            .attempt::<Recorded>(summary, &owned_nodes, &writers, outcome.level, outcome.pass)
             .expect("a fill is deterministic: the winner's fill places everything again");
         for (&r, list) in writers.iter().zip(recorded.0) {
             ranks[r as usize].extend(list);

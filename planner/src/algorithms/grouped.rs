@@ -51,6 +51,14 @@ const FILLED: usize = 4;
 const FILL_WORK: usize = 4_000_000;
 /// Most candidates whose level is computed (each a bisection of max-flows).
 const MOST_EVALUATED: usize = 256;
+/// The local search's budget per filled candidate ([`super::refine`]), and
+/// the most leaves it runs for: it helps where a writer's share of a group
+/// is a few leaves or minimum pieces (states of up to some 10^4 leaves);
+/// with hundreds of thousands of leaves each writer gets hundreds of them,
+/// the stream's overshoot is a negligible part of its cost, and building
+/// the search's index of every piece would cost more than it gains.
+const REFINE_WORK: usize = 2_000_000;
+const REFINE_MOST_LEAVES: usize = 200_000;
 
 pub(super) fn plan(
     manifest: &Manifest,
@@ -62,7 +70,7 @@ pub(super) fn plan(
     let summary = LoadSummary::new(manifest, world_size, topology, cost);
     let Some(flow) = summary.holders.as_ref() else {
         // Every group has one rank: owned leaves, and maybe replicated ones.
-        super::balanced::plan(manifest, world_size, topology, cost, ranks);
+        super::balanced::plan_with(&summary, manifest, world_size, topology, cost, ranks);
         return;
     };
     let owned = &summary.owned_load;
@@ -162,29 +170,34 @@ pub(super) fn plan(
     let mut chosen: Option<(f64, Vec<Vec<Piece>>)> = None;
     let fills = FILLED.max(FILL_WORK / manifest.len().max(1));
     let sorted = group_members(manifest, flow);
+    let writes: Vec<bool> = ranks.iter().map(|l| !l.is_empty()).collect();
     for (_, level, writers) in evaluated.into_iter().take(fills) {
-        let placed = fill(
+        let mut placed = fill(
             manifest, &sorted, flow, cost, owned, &writers, level, world_size,
         );
-        let pieces: Vec<u64> = ranks
-            .iter()
-            .zip(&placed)
-            .map(|(a, b)| (a.len() + b.len()) as u64)
-            .collect();
-        let leaves = manifest.leaves();
-        let bytes: Vec<u64> = ranks
-            .iter()
-            .zip(&placed)
-            .map(|(a, b)| {
-                a.iter()
-                    .chain(b)
-                    .map(|p| leaves[p.leaf as usize].range_bytes(p.start, p.stop))
-                    .sum()
-            })
-            .collect();
-        let t = model_time(cost, topology, &pieces, bytes).makespan_s;
+        let unrefined = cost.node_bandwidth.is_some().then(|| placed.clone());
+        if manifest.len() <= REFINE_MOST_LEAVES {
+            super::refine::refine(
+                manifest,
+                flow,
+                cost,
+                owned,
+                &writes,
+                &mut placed,
+                REFINE_WORK,
+            );
+        }
+        let t = time_of(manifest, cost, topology, ranks, &placed);
         if chosen.as_ref().is_none_or(|(b, _)| t < *b) {
             chosen = Some((t, placed));
+        }
+        // A node bandwidth is not in the local search's costs: the fill as
+        // it was competes too.
+        if let Some(placed) = unrefined {
+            let t = time_of(manifest, cost, topology, ranks, &placed);
+            if chosen.as_ref().is_none_or(|(b, _)| t < *b) {
+                chosen = Some((t, placed));
+            }
         }
     }
     let placed = chosen.map(|(_, p)| p).unwrap_or_else(|| {
@@ -197,6 +210,33 @@ pub(super) fn plan(
     for (list, more) in ranks.iter_mut().zip(placed) {
         list.extend(more);
     }
+}
+
+/// The modelled makespan of the owned pieces `ranks` with `placed` added.
+fn time_of(
+    manifest: &Manifest,
+    cost: &CostModel,
+    topology: &Topology,
+    ranks: &[Vec<Piece>],
+    placed: &[Vec<Piece>],
+) -> f64 {
+    let leaves = manifest.leaves();
+    let pieces: Vec<u64> = ranks
+        .iter()
+        .zip(placed)
+        .map(|(a, b)| (a.len() + b.len()) as u64)
+        .collect();
+    let bytes: Vec<u64> = ranks
+        .iter()
+        .zip(placed)
+        .map(|(a, b)| {
+            a.iter()
+                .chain(b)
+                .map(|p| leaves[p.leaf as usize].range_bytes(p.start, p.stop))
+                .sum()
+        })
+        .collect();
+    model_time(cost, topology, &pieces, bytes).makespan_s
 }
 
 /// Per class, its ranks in the order writers are taken: owners first, then
@@ -228,7 +268,8 @@ fn class_members(flow: &HolderFlow, summary: &LoadSummary, topology: &Topology) 
 /// Per flow group, its leaves, largest first (ties by manifest order).
 fn group_members(manifest: &Manifest, flow: &HolderFlow) -> Vec<Vec<u32>> {
     let leaves = manifest.leaves();
-    let mut members: Vec<Vec<u32>> = vec![Vec::new(); flow.demand.len()];
+    // Sorted as (size, index) pairs: no leaf is read while sorting.
+    let mut members: Vec<Vec<(Reverse<u64>, u32)>> = vec![Vec::new(); flow.demand.len()];
     for (i, leaf) in leaves.iter().enumerate() {
         let g = match manifest.holders(leaf) {
             Holders::All => flow.all,
@@ -238,13 +279,16 @@ fn group_members(manifest: &Manifest, flow: &HolderFlow) -> Vec<Vec<u32>> {
             Holders::Ranks(_) => None,
         };
         if let Some(g) = g {
-            members[g as usize].push(i as u32);
+            members[g as usize].push((Reverse(leaf.nbytes), i as u32));
         }
     }
-    for order in &mut members {
-        order.sort_by_key(|&i| (Reverse(leaves[i as usize].nbytes), i));
-    }
     members
+        .into_iter()
+        .map(|mut order| {
+            order.sort_unstable();
+            order.into_iter().map(|(_, i)| i).collect()
+        })
+        .collect()
 }
 
 /// The pieces of the shared leaves for `writers` at the feasible level

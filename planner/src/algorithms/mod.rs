@@ -6,6 +6,7 @@ mod deeppart;
 mod greedy;
 mod grouped;
 mod lpt;
+mod refine;
 
 use std::cmp::Ordering;
 
