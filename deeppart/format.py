@@ -82,6 +82,12 @@ def align_up(n: int, align: int = ALIGN) -> int:
     return (n + align - 1) // align * align
 
 
+#: Pieces at least this long are checksummed in a background thread while
+#: the next ones are read or written (xxhash and file I/O both release the
+#: GIL); shorter ones at once.
+OVERLAP_CHECKSUM_BYTES = 1 << 20
+
+
 def checksum(data: bytes | memoryview) -> int:
     """xxh3_64 of ``data``. Through the hasher object, whose update
     releases the GIL (the one-shot function holds it): a checksum in one

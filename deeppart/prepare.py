@@ -220,7 +220,7 @@ def agree_prepared_flags(
     extra = b"" if flag is None else bytes([flag])
     mine = (prep.digest + prep.sample if prep else b"\0" * AGREE_WIDTH) + extra
     rows = agree(c, err, mine, width=AGREE_WIDTH + len(extra))
-    flags = [row[48] for row in rows] if flag is not None else []
+    flags = [row[AGREE_WIDTH] for row in rows] if flag is not None else []
     assert prep is not None
     digests = [row[:32] for row in rows]
     if len(set(digests)) != 1:

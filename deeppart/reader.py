@@ -39,6 +39,7 @@ from deeppart.errors import CheckpointError, CodecError, CorruptCheckpointError,
 from deeppart.format import (
     HEADER_SIZE,
     MARKER,
+    OVERLAP_CHECKSUM_BYTES,
     Metadata,
     Piece,
     check_file_sizes,
@@ -361,11 +362,6 @@ def read_file(
         raise CorruptCheckpointError(f"{path}: cannot open ({e.strerror})") from e
     with f:
         return read_pieces(f, path, directory, meta, rank, pieces, dest, progress, staging)
-
-
-#: Raw pieces at least this long are checksummed in a background thread
-#: while the next pieces are read; shorter ones at once.
-OVERLAP_CHECKSUM_BYTES = 1 << 20
 
 
 class _Checksums:

@@ -27,7 +27,14 @@ import numpy.typing as npt
 from deeppart import staging as _staging
 from deeppart.compression import AUTO, CODECS, AutoPolicy, compress, rank_bandwidth
 from deeppart.errors import StateError
-from deeppart.format import HEADER_SIZE, align_up, checksum, header_bytes, max_expansion
+from deeppart.format import (
+    HEADER_SIZE,
+    OVERLAP_CHECKSUM_BYTES,
+    align_up,
+    checksum,
+    header_bytes,
+    max_expansion,
+)
 from deeppart.prepare import Prepared
 from deeppart.progress import Progress
 from deeppart.tensors import U8, readable, u8_view
@@ -112,12 +119,6 @@ def _write_chunked(f: Any, data: bytes | memoryview) -> None:
     view = memoryview(data)
     for start in range(0, len(view), WRITE_CHUNK):
         f.write(view[start : start + WRITE_CHUNK])
-
-
-#: Pieces at least this long are checksummed in a background thread while
-#: they are written (xxhash and ``write()`` both release the GIL); shorter
-#: ones at once.
-OVERLAP_CHECKSUM_BYTES = 1 << 20
 
 
 def write_pieces(

@@ -181,7 +181,7 @@ def test_corrupt_long_raw_piece_is_caught_by_the_background_checksum(
     """Raw pieces of 1 MiB and more are checksummed beside the next read:
     a flipped byte in one (the first read, or the last) still fails the load,
     naming that piece's leaf."""
-    from deeppart.reader import OVERLAP_CHECKSUM_BYTES
+    from deeppart.format import OVERLAP_CHECKSUM_BYTES
 
     n = OVERLAP_CHECKSUM_BYTES // 4 + 3
     state = {"a": torch.randn(n), "b": torch.randn(n), "c": torch.randn(n)}
