@@ -49,7 +49,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import models
+from bench import jobs, models
 
 
 def free_port() -> int:
@@ -256,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.ranks):
         env = dict(
             os.environ,
+            **jobs.BUFFERED,
             RANK=str(r),
             WORLD_SIZE=str(args.ranks),
             MASTER_ADDR="127.0.0.1",

@@ -46,6 +46,8 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import jobs
+
 LAYOUTS = ("hsdp", "ddp2d", "fsdp", "tp", "groups")
 #: Mesh shape of each FSDP2 layout, for ``n`` ranks.
 MESHES: dict[str, Callable[[int], tuple[int, int]]] = {
@@ -288,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             "--reps", str(args.reps), "--dims", *map(str, args.dims),
             "--layouts", *args.layouts,
         ]
-        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env = dict(os.environ, OMP_NUM_THREADS="1", **jobs.BUFFERED)
         env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)
         return subprocess.call(cmd, env=env)
 

@@ -21,6 +21,12 @@ import numpy as np
 
 from bench.models import adamw_param_groups, bert_params
 
+#: Environment that makes a job's ranks buffer their output again when the
+#: caller runs unbuffered (``PYTHONUNBUFFERED=1``): unbuffered, ``print``
+#: writes a line and its newline in two calls, and the lines that ranks
+#: print concurrently (each rank's ``RESULT``) interleave on the pipe.
+BUFFERED = {"PYTHONUNBUFFERED": ""}
+
 #: The float dtypes ``build_state`` makes (``--dtype`` of the benchmarks).
 DTYPES = ("float32", "bfloat16")
 
@@ -107,9 +113,13 @@ def free_port() -> int:
 
 def mpi_env() -> dict[str, str]:
     """The environment of a job: gloo's rendezvous on a free local port,
-    one OpenMP thread per rank."""
+    one OpenMP thread per rank, and buffered output (:data:`BUFFERED`)."""
     return dict(
-        os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1"
+        os.environ,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        OMP_NUM_THREADS="1",
+        **BUFFERED,
     )
 
 

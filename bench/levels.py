@@ -57,7 +57,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.checkpoint import _raw_read, _raw_write  # noqa: E402
-from bench.jobs import job_result  # noqa: E402
+from bench.jobs import BUFFERED, job_result  # noqa: E402
 
 RANKS, NODE_SIZE = 4, 2
 
@@ -312,7 +312,7 @@ def _run_job(args: argparse.Namespace, extra: list[str], work: Path) -> dict[str
         str(Path(__file__).resolve()), "--mb", str(args.mb), "--repeat", str(args.repeat),
         "--stripe-mb", str(args.stripe_mb), "--dir", str(work), *extra,
     ]  # fmt: skip
-    return job_result(cmd, dict(os.environ, OMP_NUM_THREADS="1"))
+    return job_result(cmd, dict(os.environ, OMP_NUM_THREADS="1", **BUFFERED))
 
 
 def main() -> None:

@@ -27,6 +27,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.jobs import BUFFERED  # noqa: E402
 
 
 def manifest() -> Any:
@@ -112,7 +116,7 @@ def one_run(
         for k in ranks:
             cmd = [str(mpiexec), "-n", str(k), sys.executable, __file__, "--worker", tmp,
                    "--repeats", str(repeats)] + (["--overwrite"] if overwrite else [])  # fmt: skip
-            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **BUFFERED)
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
             if proc.returncode != 0:
                 print(proc.stdout, proc.stderr, file=sys.stderr)

@@ -21,6 +21,9 @@ ruff check deeppart tests bench
 log "mypy"
 mypy
 log "pytest"
+# Unbuffered, as CI runners often run Python: the workers' report lines
+# (tests/rank_output.py) must stay whole when every rank prints at once.
+export PYTHONUNBUFFERED=1
 # Real-FTI tests (tests/test_fti.py): run with $FTI_LIBRARY, else .fti/ (scripts/build-fti.sh).
 if [ -z "${FTI_LIBRARY:-}" ] && [ -f .fti/lib/libfti.so ]; then export FTI_LIBRARY="$PWD/.fti/lib/libfti.so"; fi
 [ -n "${FTI_LIBRARY:-}" ] || log "real-FTI tests skipped: no libfti (build it: bash scripts/build-fti.sh FTI_SOURCE_DIR, or set FTI_LIBRARY)"

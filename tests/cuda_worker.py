@@ -24,6 +24,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from rank_output import print_line
+
 import deeppart
 from deeppart.comm import TorchDistComm, resolve
 
@@ -81,7 +83,7 @@ def main() -> None:
             want.cpu().reshape(-1).view(torch.uint8), got.reshape(-1).view(torch.uint8)
         )
     dist.barrier()
-    print(f"OK {scenario} rank {rank}/{size}", flush=True)
+    print_line(f"OK {scenario} rank {rank}/{size}")
     dist.destroy_process_group()
 
 

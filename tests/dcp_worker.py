@@ -31,6 +31,8 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from rank_output import print_line
+
 from deeppart import CostModel
 from deeppart.dcp import BalancedSavePlanner
 
@@ -171,7 +173,7 @@ def main() -> int:
             result[f"load:{path}"] = same(make_state(0), target)
         else:
             raise SystemExit(f"unknown op {op!r}")
-    print("RESULT " + json.dumps(result), flush=True)
+    print_line("RESULT " + json.dumps(result))
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()

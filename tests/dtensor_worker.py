@@ -43,6 +43,8 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from rank_output import print_line
+
 import deeppart
 from bench.dtensor import build, dcp_balance, deeppart_balance, make_model, sharded_state
 from deeppart.checkpoint import last_stats
@@ -93,7 +95,7 @@ def equal(a: Any, b: Any, where: str = "") -> None:
 
 def ok(name: str) -> None:
     r, n = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    print(f"OK {name} rank {r}/{n}", flush=True)
+    print_line(f"OK {name} rank {r}/{n}")
 
 
 def check_into(layout: str, d: Path, ref: Any) -> None:
@@ -121,7 +123,7 @@ def scenario_save(d: Path, layouts: list[str]) -> None:
         for target in dict.fromkeys([layout, "fsdp", "ddp2d"]):
             check_into(target, d / layout, ref)
         if dist.get_rank() == 0:
-            print(f"BALANCE {layout} {deeppart_balance(d / layout):.4f}", flush=True)
+            print_line(f"BALANCE {layout} {deeppart_balance(d / layout):.4f}")
     ok("save")
 
 
@@ -195,8 +197,8 @@ def scenario_dcp(d: Path, layouts: list[str]) -> None:
         for target in dict.fromkeys([layout, "fsdp", "ddp2d"]):
             dcp_into(target, d / f"{layout}-dcp", ref)
         if dist.get_rank() == 0:
-            print(f"DCPBALANCE {layout} balanced {dcp_balance(d / f'{layout}-dcp', 4):.4f} "
-                  f"default {dcp_balance(d / f'{layout}-dcpdefault', 4):.4f}", flush=True)
+            print_line(f"DCPBALANCE {layout} balanced {dcp_balance(d / f'{layout}-dcp', 4):.4f} "
+                       f"default {dcp_balance(d / f'{layout}-dcpdefault', 4):.4f}")
     ok("dcp")
 
 
@@ -207,7 +209,7 @@ def scenario_balance(d: Path, layouts: list[str]) -> None:
         m, opt = build(layout, seed=1, dims=(1000, 966, 1000))
         deeppart.save(sharded_state(m, opt), d / layout)
         if dist.get_rank() == 0:
-            print(f"BALANCE {layout} {deeppart_balance(d / layout):.4f}", flush=True)
+            print_line(f"BALANCE {layout} {deeppart_balance(d / layout):.4f}")
     ok("balance")
 
 
@@ -273,8 +275,8 @@ def check_exchange(d: Path, target: Any, stats: Any) -> None:
     assert all(got < total - mine for got, mine in
                zip(stats.rank_received, stats.rank_shard_read, strict=True)), stats
     if r == 0:
-        print(f"EXCHANGE {d.name} received " + " ".join(map(str, stats.rank_received))
-              + f" of {total}", flush=True)
+        print_line(f"EXCHANGE {d.name} received " + " ".join(map(str, stats.rank_received))
+                   + f" of {total}")
 
 
 def scenario_eight(d: Path, layouts: list[str]) -> None:
@@ -305,8 +307,7 @@ def scenario_eight(d: Path, layouts: list[str]) -> None:
         dist.all_reduce(counts)
         data = sum(p.stat().st_size for p in (d / f"{src}-dcp").glob("*.distcp"))
         if dist.get_rank() == 0:
-            print(f"READ {src}->{dst} deeppart {ratio:.4f} dcp {float(counts[0]) / data:.4f}",
-                  flush=True)
+            print_line(f"READ {src}->{dst} deeppart {ratio:.4f} dcp {float(counts[0]) / data:.4f}")
     ok("eight")
 
 
@@ -439,7 +440,7 @@ def mpi_main() -> None:
     total = sum(stats.rank_shard_read)
     # Every rank needs every piece here: what it did not read, it received.
     assert stats.rank_received[rank] == total - stats.rank_shard_read[rank] > 0, stats
-    print(f"OK mpi rank {rank}/{size}", flush=True)
+    print_line(f"OK mpi rank {rank}/{size}")
 
 
 if __name__ == "__main__":

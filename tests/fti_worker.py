@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from mpi_checkpoint import assert_bitwise_equal, make_state
+from rank_output import print_line
 
 from deeppart.errors import CheckpointError, FTIError
 from deeppart.levels import fti
@@ -68,7 +69,7 @@ def state() -> dict[str, Any]:
 
 
 def ok(name: str, backend: FTIBackend) -> None:
-    print(f"OK {name} rank {backend.comm.rank}/{backend.comm.size}", flush=True)
+    print_line(f"OK {name} rank {backend.comm.rank}/{backend.comm.size}")
 
 
 def scenario_save(backend: FTIBackend, level: int) -> None:
@@ -82,7 +83,7 @@ def scenario_save(backend: FTIBackend, level: int) -> None:
         index = sorted((backend.config.meta_root()).glob("fti-step-*.json"))
         meta = json.loads(index[-1].read_bytes())
         pieces = [sum(1 for p in meta["pieces"] if p[3] == r) for r in range(backend.comm.size)]
-        print(f"PLAN {pieces} IDS {meta['fti']['ids']}", flush=True)
+        print_line(f"PLAN {pieces} IDS {meta['fti']['ids']}")
     # Restore in the same job (FTI_Recover online).
     out, report = backend.load()
     assert report.step == STEP and report.levels == [level] * backend.comm.size
@@ -98,7 +99,7 @@ def scenario_restore(backend: FTIBackend, level: int) -> None:
         r = backend.comm.rank
         node = Path(backend.config.ckpt_dir) / f"node{r // backend.config.node_size}"
         assert list(node.rglob(f"Ckpt{STEP + 1}-Rank{r}.fti")), f"rank {r}: no file in {node}"
-        print(f"LOCAL FILE rank {r}", flush=True)
+        print_line(f"LOCAL FILE rank {r}")
     assert backend.latest() == STEP
     out, report = backend.load()
     assert report.step == STEP and report.levels == [level] * backend.comm.size, report
@@ -124,7 +125,7 @@ def scenario_broken(backend: FTIBackend, level: int) -> None:
     except FTIError as e:
         assert "ranks protect different FTI datasets" in str(e), e
         assert "FTI_Checkpoint(id 8) was not called" in str(e), e
-        print(f"rank {c.rank} ERROR {e}", flush=True)
+        print_line(f"rank {c.rank} ERROR {e}")
     else:
         raise AssertionError(f"rank {c.rank}: the broken save succeeded")
     assert backend.latest() is None, "no checkpoint may claim to be readable"
@@ -137,7 +138,7 @@ def scenario_nothing(backend: FTIBackend) -> None:
     try:
         backend.load()
     except CheckpointError as e:
-        print(f"rank {backend.comm.rank} ERROR {e}", flush=True)
+        print_line(f"rank {backend.comm.rank} ERROR {e}")
     else:
         raise AssertionError("load() restored a checkpoint that was never committed")
     backend.close(finalize=False)

@@ -38,6 +38,7 @@ from torch.utils._pytree import tree_map
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dtensor_worker import equal, ok  # the DTensor tests' bitwise comparison and report
+from rank_output import print_line
 
 import deeppart
 from bench.dtensor import build, dcp_balance, deeppart_balance, group_state
@@ -65,7 +66,7 @@ def zeros(tree: Any) -> Any:
 def report(name: str, ratio: float) -> None:
     """Rank 0 prints a checkpoint's slowest rank over the ideal."""
     if dist.get_rank() == 0:
-        print(f"BALANCE {name} {ratio:.4f}", flush=True)
+        print_line(f"BALANCE {name} {ratio:.4f}")
 
 
 def refused(fn: Any, cls: type[Exception], *words: str) -> None:

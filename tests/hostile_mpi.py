@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 from mpi4py import MPI
+from rank_output import print_line
 
 import deeppart
 import deeppart.checkpointer as ck
@@ -34,7 +35,7 @@ def scenario_cleanup(root: Path) -> None:
     assert isinstance(stats, deeppart.CheckpointStats) and stats.op == "save", stats
     messages = [str(w.message) for w in caught]
     assert messages, f"rank {comm.rank}: no warning"
-    print(f"WARNED rank {comm.rank}: {messages[0]}", flush=True)
+    print_line(f"WARNED rank {comm.rank}: {messages[0]}")
     assert cp.steps() == [1, 2]  # nothing pruned, both still committed
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from rank_output import print_line
 
 import deeppart
 import deeppart.state
@@ -97,7 +98,7 @@ def scenario_done(results: Path, name: str, comm: Any) -> None:
     are what tests count: mpiexec may interleave the ranks' lines)."""
     comm.barrier()
     (results / "ok" / f"{name}.{comm.rank}").touch()
-    print(f"OK {name} rank {comm.rank}/{comm.size}", flush=True)
+    print_line(f"OK {name} rank {comm.rank}/{comm.size}")
 
 
 def abort_on_failure(main: Callable[[], None]) -> None:
@@ -118,7 +119,7 @@ def abort_on_failure(main: Callable[[], None]) -> None:
 
 def ok(name: str) -> None:
     c = resolve()
-    print(f"OK {name} rank {c.rank}/{c.size}", flush=True)
+    print_line(f"OK {name} rank {c.rank}/{c.size}")
 
 
 def scenario_roundtrip(d: Path, codec: str | None) -> None:

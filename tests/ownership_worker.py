@@ -25,6 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from rank_output import print_line
 from test_ownership import snapshot
 
 import deeppart
@@ -116,7 +117,7 @@ def main() -> None:
         prune_case(root, comm.rank)
     else:
         raise SystemExit(f"unknown scenario {scenario}")
-    print(f"OK {scenario} rank {comm.rank}/{comm.size}", flush=True)
+    print_line(f"OK {scenario} rank {comm.rank}/{comm.size}")
 
 
 if __name__ == "__main__":
