@@ -13,6 +13,9 @@ from typing_extensions import Buffer
 
 __all__ = [
     "ALGORITHMS",
+    "MAX_GROUPS",
+    "MAX_GROUP_ENTRIES",
+    "MAX_GROUP_RANK",
     "PLANNER_VERSION",
     "REPLICA_DIGEST_LEN",
     "CacheError",
@@ -40,6 +43,12 @@ __all__ = [
 PLANNER_VERSION: Final[str]
 ALGORITHMS: Final[list[str]]
 REPLICA_DIGEST_LEN: Final[int]
+#: A manifest's limits on holder groups (docs/SECURITY.md): at most
+#: ``MAX_GROUPS`` groups, ``MAX_GROUP_ENTRIES`` ranks listed in all of them
+#: together, every rank below ``MAX_GROUP_RANK``.
+MAX_GROUPS: Final[int]
+MAX_GROUP_ENTRIES: Final[int]
+MAX_GROUP_RANK: Final[int]
 
 PathKey = str | int
 Algorithm = Literal["balanced", "lpt", "greedy", "deeppart"]

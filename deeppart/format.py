@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deeppart._planner import MAX_GROUP_ENTRIES, MAX_GROUPS
 from deeppart.compression import CODECS, MAX_EXPANSION, MAX_OBJECT_EXPANSION
 from deeppart.errors import CheckpointError, CorruptCheckpointError
 from deeppart.regions import DTensorRecord, parse_records
@@ -395,11 +396,6 @@ def parse_metadata(raw: dict[str, Any], dtype_sizes: dict[str, int]) -> Metadata
         dtensors=parse_records(raw.get("dtensors"), leaves, dtype_sizes.__contains__),
     )
 
-
-#: The manifest's limits on holder groups (planner ``manifest::MAX_GROUPS``,
-#: ``MAX_GROUP_ENTRIES``; docs/SECURITY.md).
-MAX_GROUPS = 1 << 16
-MAX_GROUP_ENTRIES = 1 << 22
 
 
 def _holder_groups(raw: dict[str, Any], world: int) -> list[list[int]]:

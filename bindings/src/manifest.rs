@@ -167,5 +167,10 @@ impl Manifest {
 /// Adds this module's classes and functions to `deeppart._planner`.
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Manifest>()?;
+    // The holder groups' limits, so that the Python readers of other
+    // encodings (metadata.json, the wire's packed arrays) check the same.
+    m.add("MAX_GROUPS", core::manifest::MAX_GROUPS)?;
+    m.add("MAX_GROUP_ENTRIES", core::manifest::MAX_GROUP_ENTRIES)?;
+    m.add("MAX_GROUP_RANK", core::manifest::MAX_GROUP_RANK)?;
     Ok(())
 }

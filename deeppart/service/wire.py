@@ -14,7 +14,16 @@ from typing import Any, Literal
 
 import numpy as np
 
-from deeppart._planner import PLANNER_VERSION, CostModel, Manifest, Plan, Topology
+from deeppart._planner import (
+    MAX_GROUP_ENTRIES,
+    MAX_GROUP_RANK,
+    MAX_GROUPS,
+    PLANNER_VERSION,
+    CostModel,
+    Manifest,
+    Plan,
+    Topology,
+)
 from deeppart.errors import PlanError, WireError
 from deeppart.proto import planner_pb2 as pb
 
@@ -22,12 +31,6 @@ from deeppart.proto import planner_pb2 as pb
 #: and with them (``group_sizes``, ``group_ranks``, ``holders``).
 MANIFEST_VERSION = 1
 MANIFEST_VERSION_GROUPS = 2
-#: The JSON form's limits on holder groups (planner/src/manifest.rs
-#: ``MAX_GROUPS``, ``MAX_GROUP_ENTRIES``, ``MAX_GROUP_RANK``; docs/SECURITY.md),
-#: checked on the packed arrays before any group is built.
-MAX_GROUPS = 1 << 16
-MAX_GROUP_ENTRIES = 1 << 22
-MAX_GROUP_RANK = 1 << 20
 
 Ranks = list[list[tuple[int, int, int]]]
 
