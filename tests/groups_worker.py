@@ -13,8 +13,9 @@ tensors (``to_local()`` shards of ``parallelize_module``). Scenarios:
   the same keys), the TP x DP ``to_local()`` shards with ``group=`` the dp
   group, and ``dcp.save`` with ``BalancedSavePlanner`` and with the default
   planner; each loaded back at the same layout, bitwise; prints each
-  checkpoint's slowest rank over the ideal (``BALANCE name ratio``); the
-  refusals (no ``group=``; ``group="auto"`` over equal paths that differ),
+  checkpoint's slowest rank over the ideal (``BALANCE name ratio``);
+  ``async_save`` with ``group=``, the state changed right after the call;
+  the refusals (no ``group=``; ``group="auto"`` over equal paths that differ),
   nothing committed;
 - ``load2`` (2 ranks): rank 0 loads A's state, rank 1 B's, bitwise;
 - ``load1`` (one process): without a target, everything; ``into=`` one
@@ -141,6 +142,15 @@ def scenario_save(d: Path, dims: tuple[int, int, int]) -> None:
         target = zeros(flat(g, dims))
         dcp_load(target, checkpoint_id=str(d / name))
         equal(flat(g, dims), target)
+
+    # async_save with group=: each group's share is snapshotted at the call;
+    # the state changed right after it does not reach the checkpoint.
+    live = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, mine)
+    pending = deeppart.async_save(live, d / "async", group=pgs[g])
+    tree_map(lambda t: t.add_(1) if isinstance(t, torch.Tensor) else t, live)
+    pending.wait()
+    report("async", deeppart_balance(d / "async"))
+    equal(mine, deeppart.load(d / "async", into=zeros(mine), group=pgs[g]))
     ok("save")
 
 

@@ -43,7 +43,8 @@ def test_two_dp_groups_save_balanced_within_each_group(saved: tuple[Path, str]) 
     and group=<ProcessGroup> each write one checkpoint of the whole job with
     the slowest rank's data <= 1.02 x the ideal (unique bytes / ranks), and
     load back bitwise at the same layout; TP x DP to_local() shards with
-    group=<dp group> too. BalancedSavePlanner balances the items only a
+    group=<dp group> too; async_save with group= holds the values at the
+    call, balanced as well. BalancedSavePlanner balances the items only a
     group lists (no DcpPlanError), never worse than DCP's default, and stock
     dcp.load reads it back bitwise. Without group= (or with "auto" over
     equal paths that differ) every rank refuses, naming group=."""
@@ -53,11 +54,11 @@ def test_two_dp_groups_save_balanced_within_each_group(saved: tuple[Path, str]) 
         for line in out.splitlines()
         if line.startswith("BALANCE ")
     }
-    assert sorted(figures) == ["auto", "dcp-balanced", "dcp-default", "explicit", "tp"], out
-    for name in ("auto", "explicit", "tp", "dcp-balanced"):
+    assert sorted(figures) == ["async", "auto", "dcp-balanced", "dcp-default", "explicit", "tp"]
+    for name in ("async", "auto", "explicit", "tp", "dcp-balanced"):
         assert figures[name] <= 1.02, figures
     assert figures["dcp-balanced"] <= figures["dcp-default"], figures
-    for name in ("auto", "explicit", "tp"):
+    for name in ("async", "auto", "explicit", "tp"):
         assert (d / name / "COMMITTED").exists()
     assert not any((d / n).exists() for n in ("none", "same", "some"))
 
