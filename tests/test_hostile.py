@@ -31,7 +31,7 @@ import torch
 import zstandard
 
 import deeppart
-from deeppart._planner import ManifestError
+from deeppart._planner import MAX_GROUPS, ManifestError
 from deeppart.checkpointer import Checkpointer
 from deeppart.compression import MAX_EXPANSION, decompress
 from deeppart.errors import CheckpointError, CodecError, CorruptCheckpointError, StateError
@@ -888,3 +888,66 @@ def test_holder_groups_in_metadata_are_checked(
     with pytest.raises(deeppart.DeepPartError) as info:
         deeppart.load(d)
     assert error in str(info.value)
+
+
+def _grouped_manifest(**groups: Any) -> pb.Manifest:
+    """One float32 leaf in a version-2 wire manifest with ``groups``'
+    ``group_sizes``, ``group_ranks`` and ``holders``."""
+    return pb.Manifest(
+        version=2, string_keys=["a"], dtypes=["float32"], shared=[0], suffix_len=[1],
+        suffix_keys=[0], dtype=[1], ndim=[1], dims=[4], **groups,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["too-many-groups", "sizes-overflow", "rank-huge", "holders-beyond", "unsorted", "most-groups"],
+)
+def test_wire_holder_groups_are_bounded(tmp_path: Path, case: str) -> None:
+    """Holder groups on the wire (fields 14-16), measured in a fresh process:
+    each malformed one is a clear error and the decoder's peak memory and CPU
+    stay bounded; the most groups the limits allow (65,536 of 4 ranks) decode."""
+    most = MAX_GROUPS
+    msg = {
+        "too-many-groups": lambda: _grouped_manifest(
+            group_sizes=[1] * (most + 1), group_ranks=[0] * (most + 1), holders=[1]),
+        "sizes-overflow": lambda: _grouped_manifest(
+            group_sizes=[(1 << 32) - 1] * 4, group_ranks=[0], holders=[1]),
+        "rank-huge": lambda: _grouped_manifest(
+            group_sizes=[1], group_ranks=[(1 << 32) - 1], holders=[1]),
+        "holders-beyond": lambda: _grouped_manifest(
+            group_sizes=[1], group_ranks=[0], holders=[(1 << 32) - 1]),
+        "unsorted": lambda: _grouped_manifest(group_sizes=[2], group_ranks=[3, 1], holders=[1]),
+        "most-groups": lambda: _grouped_manifest(
+            group_sizes=[4] * most, group_ranks=list(range(4 * most)), holders=[most]),
+    }[case]()  # fmt: skip
+    data = msg.SerializeToString()
+    assert len(data) <= 1 << 20
+    f = tmp_path / "manifest.pb"
+    f.write_bytes(data)
+    out = measure("wire", str(f))
+    if case == "most-groups":
+        assert out["error"] is None and out["result"] == 1, out
+    else:
+        raised(out, ManifestError if case == "unsorted" else ValueError)
+        assert "group" in out["message"] or "holders" in out["message"], out
+
+
+def test_most_holder_groups_in_metadata_load_bounded(tmp_path: Path) -> None:
+    """A committed checkpoint whose manifest lists the most holder groups the
+    limit allows loads, measured in a fresh process: bounded memory and CPU;
+    one more is refused, naming the limit."""
+    d = tmp_path / "ck"
+    deeppart.save({"w": torch.arange(4, dtype=torch.float32)}, d)
+    meta = read_meta(d)
+    meta["manifest"]["version"] = 2
+    meta["manifest"]["leaves"][0]["holders"] = MAX_GROUPS - 1
+    for n, error in ((MAX_GROUPS, None), (MAX_GROUPS + 1, "more than the limit")):
+        meta["manifest"]["groups"] = [[0]] * n
+        commit(d, meta)
+        out = measure("load", str(d))
+        if error is None:
+            assert out["error"] is None and out["result"] == "dict", out
+        else:
+            raised(out, deeppart.DeepPartError)
+            assert error in out["message"], out
