@@ -335,6 +335,16 @@ def _wide_manifest(leaves: int, key_chars: int) -> pb.Manifest:
     )
 
 
+def measure_wire(tmp_path: Path, msg: pb.Manifest) -> dict[str, Any]:
+    """``msg`` (at most 1 MiB serialized) decoded as the service does, in a
+    measured fresh process."""
+    data = msg.SerializeToString()
+    assert len(data) <= 1 << 20
+    f = tmp_path / "manifest.pb"
+    f.write_bytes(data)
+    return measure("wire", str(f))
+
+
 @pytest.mark.parametrize(
     "case",
     ["deep", "wide", "shared-beyond-previous", "key-out-of-range", "dims-mismatch", "ndim-huge",
@@ -373,11 +383,7 @@ def test_wire_manifest_decoding_is_bounded(tmp_path: Path, case: str) -> None:
             version=1, string_keys=[""] * 300_000, int_keys=range(50_000), shared=[0],
             suffix_len=[1], suffix_keys=[0], dtype=[0], object_nbytes=[1]),
     }[case]()  # fmt: skip
-    data = msg.SerializeToString()
-    assert len(data) <= 1 << 20
-    f = tmp_path / "manifest.pb"
-    f.write_bytes(data)
-    out = measure("wire", str(f))
+    out = measure_wire(tmp_path, msg)
     if case == "many-keys":
         assert out["error"] is None and out["result"] == 1, out
     else:  # the service answers both with INVALID_ARGUMENT
@@ -921,11 +927,7 @@ def test_wire_holder_groups_are_bounded(tmp_path: Path, case: str) -> None:
         "most-groups": lambda: _grouped_manifest(
             group_sizes=[4] * most, group_ranks=list(range(4 * most)), holders=[most]),
     }[case]()  # fmt: skip
-    data = msg.SerializeToString()
-    assert len(data) <= 1 << 20
-    f = tmp_path / "manifest.pb"
-    f.write_bytes(data)
-    out = measure("wire", str(f))
+    out = measure_wire(tmp_path, msg)
     if case == "most-groups":
         assert out["error"] is None and out["result"] == 1, out
     else:
