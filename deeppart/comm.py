@@ -20,7 +20,6 @@ import contextlib
 import os
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any, Protocol
 
@@ -32,11 +31,6 @@ MAX_MESSAGE = 1 << 30
 
 #: First MPI tag of :meth:`MPIComm.sendrecv_u8`'s chunks.
 _TAG = 7100
-
-#: How long a rank polls a small MPI collective before it starts sleeping
-#: between polls, and how long each sleep is (seconds): see :func:`_wait`.
-SPIN_SECONDS = 50e-6
-POLL_SECONDS = 50e-6
 
 U8 = npt.NDArray[np.uint8]
 U64 = npt.NDArray[np.uint64]
@@ -125,27 +119,6 @@ class SingleComm:
         return None
 
 
-def _wait(req: Any) -> None:
-    """Waits for a nonblocking MPI request without holding a core.
-
-    A blocking MPI collective busy-polls (MPICH, Open MPI) until the last
-    rank arrives. With more ranks than cores (4 ranks on 2 here, or ranks
-    beside a training step or a writer thread), a rank that arrives early
-    then takes a core from the ranks it waits for: an asynchronous save's
-    agreement cost up to ~9 ms of CPU a rank, in its stall. Here a rank
-    polls for :data:`SPIN_SECONDS`, then sleeps :data:`POLL_SECONDS`
-    between polls (the GIL and the core released). For the small
-    collectives of the agreements only: bulk transfers keep MPI's own wait."""
-    if req.Test():
-        return
-    deadline = time.perf_counter() + SPIN_SECONDS
-    while time.perf_counter() < deadline:
-        if req.Test():
-            return
-    while not req.Test():
-        time.sleep(POLL_SECONDS)
-
-
 class _Ranked:
     """``rank`` and ``size``, read-only, of a communicator that knows them."""
 
@@ -178,13 +151,13 @@ class MPIComm(_Ranked):
         send = np.zeros(width, dtype=np.uint8)
         send[: len(data)] = np.frombuffer(data, dtype=np.uint8)
         recv = np.empty(width * self._size, dtype=np.uint8)
-        _wait(self.comm.Iallgather([send, self._MPI.BYTE], [recv, self._MPI.BYTE]))
+        self.comm.Allgather([send, self._MPI.BYTE], [recv, self._MPI.BYTE])
         return [recv[r * width : (r + 1) * width].tobytes() for r in range(self._size)]
 
     def allgather_f64(self, values: F64) -> F64:
         send = np.ascontiguousarray(values, dtype=np.float64).reshape(-1)
         recv = np.empty((self._size, send.size), dtype=np.float64)
-        _wait(self.comm.Iallgather([send, self._MPI.DOUBLE], [recv, self._MPI.DOUBLE]))
+        self.comm.Allgather([send, self._MPI.DOUBLE], [recv, self._MPI.DOUBLE])
         return recv
 
     def allgather_varbytes(self, data: bytes) -> list[bytes]:
@@ -193,7 +166,7 @@ class MPIComm(_Ranked):
         displs = [sum(counts[:r]) for r in range(self._size)]
         recv = np.empty(max(1, sum(counts)), dtype=np.uint8)
         send = np.frombuffer(data, dtype=np.uint8) if data else np.empty(0, dtype=np.uint8)
-        _wait(self.comm.Iallgatherv([send, self._MPI.BYTE], [recv, counts, displs, self._MPI.BYTE]))
+        self.comm.Allgatherv([send, self._MPI.BYTE], [recv, counts, displs, self._MPI.BYTE])
         return [recv[displs[r] : displs[r] + counts[r]].tobytes() for r in range(self._size)]
 
     def gatherv_u64(self, values: U64, counts: list[int], root: int = 0) -> U64 | None:
