@@ -247,3 +247,29 @@ def test_a_failed_snapshot_raises_at_the_call_and_writes_nothing(
     assert list(tmp_path.iterdir()) == []
     deeppart.async_save(make_state(), tmp_path / "ck").wait()
     assert_bitwise_equal(make_state(), deeppart.load(tmp_path / "ck"))
+
+
+def test_the_snapshot_copies_every_kind_of_cpu_tensor(tmp_path: Path) -> None:
+    """The snapshot's CPU copy (a numpy memcpy of each piece's bytes) holds
+    the values as of the call for tensors numpy has no dtype for
+    (bfloat16), non-contiguous views, parameters that require grad,
+    0-dim and empty tensors: all overwritten right after the call."""
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randn(6, 5, generator=gen)
+    state = {
+        "bf16": torch.randn(7, 3, generator=gen).to(torch.bfloat16),
+        "transposed": base.t(),
+        "param": torch.nn.Parameter(torch.randn(4, 4, generator=gen)),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.empty(0, 3),
+        "ints": torch.arange(10, dtype=torch.int16),
+    }
+    expected = host_copy(state)
+    handle = deeppart.async_save(state, tmp_path / "ck")
+    with torch.no_grad():
+        for t in state.values():
+            t.fill_(-1)
+    handle.wait()
+    assert not handle.synchronous
+    assert handle.staged_bytes == sum(t.numel() * t.element_size() for t in expected.values())
+    assert_bitwise_equal(expected, deeppart.load(tmp_path / "ck"))
