@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import socket
 import warnings
 from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,6 +32,7 @@ import numpy as np
 
 from deeppart import staging as _staging
 from deeppart._planner import Manifest, ManifestError
+from deeppart.agreement import agree
 from deeppart.comm import Comm, node_shared
 from deeppart.compression import decompress, decompress_into
 from deeppart.errors import CheckpointError, CodecError, CorruptCheckpointError, StateMismatchError
@@ -53,6 +53,7 @@ from deeppart.format import (
     parse_metadata,
     read_checked_metadata,
 )
+from deeppart.integrity import FileView, check_in_memory, file_view, unstable_view, views_digest
 from deeppart.progress import Progress
 from deeppart.restore import ABSENT, IncompatibleKeys, match, prune, select, write_back_plain
 from deeppart.state import FlatLeaf, decode_plain, flatten, unflatten
@@ -71,13 +72,14 @@ __all__ = [
     "exchange_share",
     "leaf_infos",
     "leaf_targets",
-    "one_host",
     "open_checkpoint",
     "plan_reads",
     "read_file",
     "read_metadata",
     "read_pieces",
     "read_share",
+    "read_views",
+    "recheck_if_views_differ",
     "shared_buffers",
 ]
 
@@ -255,12 +257,6 @@ def assign_readers(file_bytes: list[int], readers: int) -> list[int]:
     return owner
 
 
-def one_host(comm: Comm) -> bool:
-    """Whether every rank of ``comm`` runs on this host (collective)."""
-    hosts = comm.allgather_varbytes(socket.gethostname().encode())
-    return len(set(hosts)) == 1
-
-
 @dataclass
 class ReadPlan:
     """Who reads what, and where it goes."""
@@ -284,6 +280,16 @@ class ReadPlan:
     file_raw: list[int] = field(default_factory=list)
     #: The data files this rank reads.
     mine: list[int] = field(default_factory=list)
+    #: This rank.
+    rank: int = 0
+    #: Per data file: the one rank that checksums its raw pieces, when every
+    #: rank reads everything on one kernel (:mod:`deeppart.integrity`);
+    #: None: every rank checksums everything it reads.
+    verifier: list[int] | None = None
+
+    def verifies(self, f: int) -> bool:
+        """Whether this rank checksums the raw pieces of data file ``f``."""
+        return self.verifier is None or self.verifier[f] == self.rank
 
 
 def plan_reads(
@@ -296,11 +302,14 @@ def plan_reads(
     strict: bool,
     exchange: str,
     same_host: bool,
+    same_kernel: bool = False,
     elsewhere: Collection[int] = (),
     into_elsewhere: Collection[int] = (),
 ) -> ReadPlan:
     """The reads of this rank: the same decisions on every rank (they
-    depend only on the metadata, the arguments and ``same_host``). The
+    depend only on the metadata, the arguments, ``same_host`` and
+    ``same_kernel``: whether every rank runs on this kernel, so that each
+    data file read by all needs checksumming by one only). The
     checkpoint leaves in ``elsewhere`` and the ``into=`` leaves in
     ``into_elsewhere`` are left to :mod:`deeppart.reshard` (sharded tensors)."""
     selected = select([lf.path for lf in meta.leaves], keys)
@@ -322,6 +331,8 @@ def plan_reads(
         raise ValueError(f"exchange must be 'auto', 'bcast' or 'read', not {exchange!r}")
     read_all = exchange == "read" or comm.size == 1
     owner = [comm.rank] * meta.world_size if read_all else assign_readers(raw_per_file, comm.size)
+    shared_check = read_all and comm.size > 1 and same_kernel
+    verifier = assign_readers(raw_per_file, comm.size) if shared_check else None
     check_file_sizes(path, meta, [f for f in range(meta.world_size) if owner[f] == comm.rank])
     by_file: list[list[Piece]] = [[] for _ in range(meta.world_size)]
     for p in meta.pieces:
@@ -337,7 +348,10 @@ def plan_reads(
     mine = [
         f for f in range(meta.world_size) if owner[f] == comm.rank and (by_file[f] or not partial)
     ]
-    return ReadPlan(path, meta, tgts, matched, owner, read_all, via_shared, by_file, file_raw, mine)
+    return ReadPlan(
+        path, meta, tgts, matched, owner, read_all, via_shared, by_file, file_raw, mine,
+        comm.rank, verifier,
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------
@@ -352,16 +366,26 @@ def read_file(
     dest: Callable[[Piece], U8 | _staging.DeviceSink],
     progress: Progress,
     staging: _staging.Staging | None = None,
+    *,
+    verify: bool = True,
+    views: dict[int, FileView] | None = None,
 ) -> int:
     """Reads, verifies and decodes the pieces of one data file into
-    ``dest(piece)``; returns the bytes read."""
+    ``dest(piece)``; returns the bytes read. ``verify=False``: raw pieces
+    into host memory are not checksummed (another rank checks them, see
+    :mod:`deeppart.integrity`). ``views``: gets this rank's view of the file
+    (:func:`deeppart.integrity.file_view`), at index ``rank``."""
     path = directory / data_file_name(rank)
     try:
         f = open_regular(path)
     except OSError as e:
         raise CorruptCheckpointError(f"{path}: cannot open ({e.strerror})") from e
     with f:
-        return read_pieces(f, path, directory, meta, rank, pieces, dest, progress, staging)
+        before = file_view(f.fileno())
+        n = read_pieces(f, path, directory, meta, rank, pieces, dest, progress, staging, verify)
+        if views is not None:
+            views[rank] = before if file_view(f.fileno()) == before else unstable_view()
+        return n
 
 
 class _Checksums:
@@ -370,12 +394,16 @@ class _Checksums:
     releases the GIL) while the next piece is read, all compared by
     :meth:`check` before the read returns."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, verify: bool = True) -> None:
         self.directory = directory
+        #: False: the raw pieces are not checksummed (another rank does).
+        self.verify = verify
         self.pool: ThreadPoolExecutor | None = None
         self.pending: list[tuple[Piece, Future[int]]] = []
 
     def add(self, p: Piece, data: memoryview) -> None:
+        if not self.verify:
+            return
         if len(data) < OVERLAP_CHECKSUM_BYTES:
             self._compare(p, checksum(data))
             return
@@ -410,12 +438,13 @@ def read_pieces(
     dest: Callable[[Piece], U8 | _staging.DeviceSink],
     progress: Progress,
     staging: _staging.Staging | None = None,
+    verify: bool = True,
 ) -> int:
     """:func:`read_file` from ``f`` (an open file, or anything with
     ``seek``/``read``/``readinto``, e.g. :class:`io.BytesIO`)."""
     sizes = {i: lf.itemsize for i, lf in enumerate(meta.leaves)}
     check_header(path, f.read(HEADER_SIZE), rank, meta.world_size, meta.plan_fingerprint)
-    sums = _Checksums(directory)
+    sums = _Checksums(directory, verify)
     try:
         n = _read_each(f, directory, meta, pieces, dest, progress, staging, sizes, sums)
         sums.check()
@@ -570,23 +599,63 @@ def read_share(
     buffers: ReadBuffers,
     progress: Progress,
     stage: _staging.Staging,
+    views: dict[int, FileView] | None = None,
 ) -> int:
     """Reads this rank's data files: straight into the targets (when every
     rank reads everything, and for a broadcast, which goes out from there),
     else into ``buffers`` for :func:`exchange_share` (a node-shared window,
-    or a host buffer for a file with device targets). Returns the bytes read
-    from disk."""
+    or a host buffer for a file with device targets). Checksums the raw
+    pieces of the files :meth:`ReadPlan.verifies` gives it, and records
+    its view of every file in ``views``. Returns the bytes read from disk."""
     nread = 0
     direct = _direct(rp)
     for f in rp.mine:
         pieces = rp.by_file[f]
         if rp.read_all or (not buffers.shared and not _to_device(rp, pieces)):
             # Into the targets: a broadcast goes out from there.
-            nread += read_file(rp.path, rp.meta, f, pieces, direct, progress, stage)
+            nread += read_file(
+                rp.path, rp.meta, f, pieces, direct, progress, stage,
+                verify=rp.verifies(f), views=views,
+            )  # fmt: skip
         else:
             buf = buffers.files.setdefault(f, np.empty(rp.file_raw[f], dtype=np.uint8))
             nread += read_file(rp.path, rp.meta, f, pieces, _place(buf, pieces), progress)
     return nread
+
+
+def read_views(rp: ReadPlan, views: dict[int, FileView]) -> bytes:
+    """The payload of the read's agreement: what this rank saw of the files
+    it read, when their checks are shared (else nothing)."""
+    return views_digest(views) if rp.verifier is not None else b""
+
+
+def recheck_if_views_differ(comm: Comm, rp: ReadPlan, rows: Sequence[bytes]) -> None:
+    """After the read's agreement (``rows``: every rank's :func:`read_views`):
+    when the checks were shared but the ranks did not all see the same
+    files, unchanged, every rank checksums in its own memory the raw pieces
+    it did not check while reading, then agrees (collective; every rank
+    takes the same branch)."""
+    if rp.verifier is None or len(set(rows)) == 1:
+        return
+    err: BaseException | None = None
+    try:
+        direct = _direct(rp)
+        skipped = [
+            p
+            for f in rp.mine
+            if not rp.verifies(f)
+            for p in rp.by_file[f]
+            if p.codec == "none" and not isinstance(direct(p), _staging.DeviceSink)
+        ]
+        check_in_memory(skipped, lambda p: _host(direct(p)), rp.path)
+    except Exception as e:
+        err = e
+    agree(comm, err)
+
+
+def _host(out: U8 | _staging.DeviceSink) -> U8:
+    assert isinstance(out, np.ndarray)
+    return out
 
 
 #: Pieces shorter than this travel together in one broadcast; longer ones

@@ -198,6 +198,14 @@ def test_flipped_byte_detected_on_every_rank(tmp_path: Path) -> None:
     assert proc.stdout.count("OK corrupt") == 2
 
 
+def test_one_host_load_checks_each_byte_once_and_still_fails_every_rank(tmp_path: Path) -> None:
+    """On one host each data file is checksummed by one rank; a corrupt
+    piece in a file rank 0 does not check, or a rank that read a replaced
+    copy of a file another rank checked, still fails every rank with the
+    same CorruptCheckpointError (tests/mpi_checkpoint.py shared_check)."""
+    run(4, "shared_check", str(tmp_path / "ck"))
+
+
 def test_truncated_file_detected_on_every_rank(tmp_path: Path) -> None:
     d = tmp_path / "ck"
     run(3, "save", str(d))
