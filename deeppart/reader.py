@@ -467,9 +467,12 @@ def _read_each(
     """The loop of :func:`read_pieces`: the raw pieces' checksums are left
     to ``sums``."""
     n = 0
+    at = -1  # the file's position after a raw piece (no seek to get there)
     for p in pieces:
         out = dest(p)
-        f.seek(p.offset)
+        if p.offset != at:
+            f.seek(p.offset)
+        at = -1
         if isinstance(out, _staging.DeviceSink):
             _read_staged(f, p, out, staging or _staging.Staging(), directory, sizes[p.leaf])
             n += p.stored
@@ -480,6 +483,7 @@ def _read_each(
             if got != p.length:
                 raise CorruptCheckpointError(f"{p.describe(directory)}: short read")
             sums.add(p, out.data)
+            at = p.offset + p.length
             n += p.stored
             progress.advance(p.length)
             continue
@@ -693,24 +697,75 @@ def exchange_messages(pieces: Sequence[Piece]) -> Iterator[Message]:
         yield batch
 
 
+#: The most bytes of packed short pieces that one batch of the exchange's
+#: broadcasts holds in flight (in one reused buffer).
+EXCHANGE_BATCH_BYTES = 4 * EXCHANGE_MESSAGE_BYTES
+#: The most broadcasts in flight in one batch.
+EXCHANGE_BATCH_MESSAGES = 256
+
+
+class _Batch:
+    """Broadcasts of the exchange in flight together
+    (:meth:`Comm.bcast_many_u8`), and what to do with the bytes received
+    once they complete. Packed messages get consecutive slices of one
+    buffer of at most :data:`EXCHANGE_BATCH_BYTES` (or one message),
+    reused after each flush."""
+
+    def __init__(self, comm: Comm, cap: int) -> None:
+        self.comm, self.cap = comm, cap
+        self.items: list[tuple[U8, int]] = []
+        self.after: list[Callable[[], None]] = []
+        self.arena: U8 | None = None
+        self.used = 0
+
+    def packed(self, n: int) -> U8:
+        """A buffer for one packed message of ``n`` bytes."""
+        if self.arena is None or self.arena.size < n:
+            self.flush()
+            self.arena = np.empty(max(n, self.cap), dtype=np.uint8)
+        elif self.used + n > self.arena.size:
+            self.flush()
+        out = self.arena[self.used : self.used + n]
+        self.used += n
+        return out
+
+    def add(self, buf: U8, root: int, after: Callable[[], None] | None = None) -> None:
+        self.items.append((buf, root))
+        if after is not None:
+            self.after.append(after)
+        if len(self.items) >= EXCHANGE_BATCH_MESSAGES:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.items:
+            self.comm.bcast_many_u8(self.items)
+        for then in self.after:
+            then()
+        self.items, self.after, self.used = [], [], 0
+
+
 def exchange_share(comm: Comm, rp: ReadPlan, buffers: ReadBuffers, stage: _staging.Staging) -> None:
     """Every rank gets every file's bytes (by broadcast from its reader, or
     from the shared window) and copies them into its targets.
 
     A broadcast goes from the reader's targets straight into the other
     ranks' targets where it can (a long piece in host memory), else through
-    one small buffer (:func:`exchange_messages`): no rank holds a copy of a
-    data file, except a reader whose file has device targets."""
+    a bounded buffer (:func:`exchange_messages`, :class:`_Batch`): no rank
+    holds a copy of a data file, except a reader whose file has device
+    targets. The broadcasts go in batches, in flight together."""
     if rp.read_all:
         return
     dest = _direct(rp)
-    spare: U8 | None = None
+    batch = _Batch(comm, min(EXCHANGE_BATCH_BYTES, sum(rp.file_raw)))
 
-    def spare_of(n: int, f: int) -> U8:
-        nonlocal spare
-        if spare is None or spare.size < n:
-            spare = np.empty(max(n, min(EXCHANGE_MESSAGE_BYTES, rp.file_raw[f])), np.uint8)
-        return spare[:n]
+    def unpack(message: Message, packed: U8) -> Callable[[], None]:
+        def then() -> None:
+            at = 0
+            for p, off, length in message:
+                _copy_to(dest(p), off, packed[at : at + length], stage)
+                at += length
+
+        return then
 
     for f in range(rp.meta.world_size):
         if rp.file_raw[f] == 0:
@@ -722,28 +777,24 @@ def exchange_share(comm: Comm, rp: ReadPlan, buffers: ReadBuffers, stage: _stagi
             # A broadcast between targets: the reader read straight into its
             # (host) targets and sends from there, the others receive into
             # theirs; a message of short pieces (or for a device target)
-            # goes through the spare buffer, packed by the reader.
+            # goes through the batch's buffer, packed by the reader.
             sending = comm.rank == root
             for message in exchange_messages(pieces):
                 n = sum(part[2] for part in message)
                 p, off, _ = message[0]
                 out = dest(p)
                 if len(message) == 1 and isinstance(out, np.ndarray):
-                    comm.bcast_u8(out[off : off + n], root=root)
+                    batch.add(out[off : off + n], root)
                     continue
-                packed = spare_of(n, f)
-                at = 0
+                packed = batch.packed(n)
                 if sending:
+                    at = 0
                     for p, off, length in message:
                         mine = dest(p)
                         assert isinstance(mine, np.ndarray)
                         packed[at : at + length] = mine[off : off + length]
                         at += length
-                comm.bcast_u8(packed, root=root)
-                if not sending:
-                    for p, off, length in message:
-                        _copy_to(dest(p), off, packed[at : at + length], stage)
-                        at += length
+                batch.add(packed, root, None if sending else unpack(message, packed))
             continue
         if not buffers.shared:
             # The reader of a file with device targets, read into a host
@@ -751,12 +802,13 @@ def exchange_share(comm: Comm, rp: ReadPlan, buffers: ReadBuffers, stage: _stagi
             at = 0
             for message in exchange_messages(pieces):
                 n = sum(part[2] for part in message)
-                comm.bcast_u8(buf[at : at + n], root=root)
+                batch.add(buf[at : at + n], root)
                 at += n
         src = _place(buf, pieces)
         for p in pieces:
             _copy_to(dest(p), 0, src(p), stage)
         del buf
+    batch.flush()
 
 
 def _to_device(rp: ReadPlan, pieces: Sequence[Piece]) -> bool:

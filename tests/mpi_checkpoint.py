@@ -581,6 +581,9 @@ def main() -> None:
 
         reader.EXCHANGE_MESSAGE_BYTES = args.exchange_message
         reader.DIRECT_PIECE_BYTES = args.exchange_message // 4
+        # Batches of broadcasts fill up (and are flushed) mid-exchange too.
+        reader.EXCHANGE_BATCH_BYTES = 2 * args.exchange_message
+        reader.EXCHANGE_BATCH_MESSAGES = 3
     if args.stage:
         from deeppart import staging
 

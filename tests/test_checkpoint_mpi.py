@@ -82,9 +82,10 @@ def test_large_messages_are_chunked(tmp_path: Path) -> None:
 
 def test_exchange_messages_batch_short_pieces_and_split_long_ones(tmp_path: Path) -> None:
     """With the exchange's broadcasts capped at 8 KiB (pieces of 2 KiB and
-    more go straight into their targets), a load by broadcast batches short
-    pieces, splits long ones across many messages and restores bitwise, on
-    host tensors and through the staged device path."""
+    more go straight into their targets) and their batches in flight to 16
+    KiB of packed pieces or 3 broadcasts, a load by broadcast batches short
+    pieces, splits long ones across many messages, flushes many batches and
+    restores bitwise, on host tensors and through the staged device path."""
     d = str(tmp_path / "ck")
     run(3, "save", d)
     run(4, "load", d, "--exchange-message", "8192")
