@@ -39,6 +39,7 @@ from deeppart.commit import TEMP_NAME_MAX, commit_dir, make_temp_dir, metadata_j
 from deeppart.errors import StateError, StateMismatchError
 from deeppart.format import Metadata, data_file_name, remove_tree
 from deeppart.groups import grouped_prepare, load_view, read_own, selection_digest
+from deeppart.integrity import FileView, Hosts, hosts
 from deeppart.ownership import check_target
 from deeppart.planning import PlanProvider
 from deeppart.prepare import AGREE_WIDTH, Prepared, agree_prepared_flags, prepare
@@ -48,10 +49,11 @@ from deeppart.reader import (
     ReadPlan,
     assemble,
     exchange_share,
-    one_host,
     open_checkpoint,
     plan_reads,
     read_share,
+    read_views,
+    recheck_if_views_differ,
     shared_buffers,
 )
 from deeppart.reshard import (
@@ -462,7 +464,7 @@ def load(
     view = load_view(group, into, keys, c.rank)
     into, keys = view.into, view.keys
     t0 = time.perf_counter()
-    same_host = one_host(c) if exchange == "auto" else True
+    where = hosts(c) if c.size > 1 and exchange != "bcast" else Hosts(True, False)
 
     # Open the checkpoint and plan the reads; every rank checks that all
     # read the same metadata.
@@ -481,7 +483,8 @@ def load(
             keys=keys,
             strict=strict,
             exchange=plain_exchange(exchange, st),
-            same_host=same_host,
+            same_host=where.one_host,
+            same_kernel=where.one_kernel,
             elsewhere=st.leaves,
             into_elsewhere=st.into_leaves,
         )
@@ -501,16 +504,20 @@ def load(
     )
     stage = _staging.Staging(staging_bytes)
     nread = 0
+    views: dict[int, FileView] = {}
     with shared_buffers(c, rp) as buffers:
         try:
-            nread = read_share(rp, buffers, prog, stage)
+            nread = read_share(rp, buffers, prog, stage, views)
             if sr is not None:
                 nread += read_shards(rp.path, rp.meta, sr, prog)
         except Exception as e:
             err = e
         finally:
             prog.close()
-        agree(c, err)  # also: every reader has filled its shared segment
+        # Also: every reader has filled its shared segment; and, where each
+        # file was checksummed by one rank, all saw the same files.
+        rows = agree(c, err, read_views(rp, views))
+        recheck_if_views_differ(c, rp, rows)
         exchange_share(c, rp, buffers, stage)
         if sr is not None:
             exchange_shards(c, sr, rp.meta)

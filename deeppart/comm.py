@@ -20,7 +20,7 @@ import contextlib
 import os
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -60,6 +60,11 @@ class Comm(Protocol):
     def bcast_u8(self, buf: U8, root: int) -> None:
         """Broadcasts ``buf`` (a contiguous uint8 array, the same length on
         every rank) in place from ``root``, in chunks."""
+        ...
+    def bcast_many_u8(self, items: Sequence[tuple[U8, int]]) -> None:
+        """Each ``(buf, root)`` of ``items`` broadcast as :meth:`bcast_u8`
+        does, in this order on every rank, possibly all in flight at once;
+        returns when all are complete."""
         ...
     def sendrecv_u8(self, send: U8, dest: int, recv: U8, source: int) -> None:
         """Sends ``send`` to rank ``dest`` while receiving ``recv`` (whose
@@ -106,6 +111,9 @@ class SingleComm:
         return np.ascontiguousarray(values, dtype=np.uint64).copy()
 
     def bcast_u8(self, buf: U8, root: int) -> None:
+        return None
+
+    def bcast_many_u8(self, items: Sequence[tuple[U8, int]]) -> None:
         return None
 
     def sendrecv_u8(self, send: U8, dest: int, recv: U8, source: int) -> None:
@@ -188,6 +196,17 @@ class MPIComm(_Ranked):
     def bcast_u8(self, buf: U8, root: int) -> None:
         for chunk in _chunks(buf, "bcast_u8"):
             self.comm.Bcast([chunk, self._MPI.BYTE], root=root)
+
+    def bcast_many_u8(self, items: Sequence[tuple[U8, int]]) -> None:
+        # Non-blocking broadcasts, matched in the order they are started:
+        # with more ranks than cores, one blocking Bcast after another was
+        # measured 2x slower than the same messages in flight together.
+        reqs = [
+            self.comm.Ibcast([chunk, self._MPI.BYTE], root=root)
+            for buf, root in items
+            for chunk in _chunks(buf, "bcast_u8")
+        ]
+        self._MPI.Request.Waitall(reqs)
 
     def sendrecv_u8(self, send: U8, dest: int, recv: U8, source: int) -> None:
         for buf in (send, recv):
@@ -318,6 +337,10 @@ class TorchDistComm(_Ranked):
             t = self._dev(chunk)
             self._dist.broadcast(t, src=self._global(root), group=self.group)
             self._back(t, chunk)
+
+    def bcast_many_u8(self, items: Sequence[tuple[U8, int]]) -> None:
+        for buf, root in items:
+            self.bcast_u8(buf, root)
 
     def sendrecv_u8(self, send: U8, dest: int, recv: U8, source: int) -> None:
         for buf in (send, recv):

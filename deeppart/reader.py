@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import socket
 import warnings
 from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,6 +32,7 @@ import numpy as np
 
 from deeppart import staging as _staging
 from deeppart._planner import Manifest, ManifestError
+from deeppart.agreement import agree
 from deeppart.comm import Comm, node_shared
 from deeppart.compression import decompress, decompress_into
 from deeppart.errors import CheckpointError, CodecError, CorruptCheckpointError, StateMismatchError
@@ -53,6 +53,7 @@ from deeppart.format import (
     parse_metadata,
     read_checked_metadata,
 )
+from deeppart.integrity import FileView, check_in_memory, file_view, unstable_view, views_digest
 from deeppart.progress import Progress
 from deeppart.restore import ABSENT, IncompatibleKeys, match, prune, select, write_back_plain
 from deeppart.state import FlatLeaf, decode_plain, flatten, unflatten
@@ -71,13 +72,14 @@ __all__ = [
     "exchange_share",
     "leaf_infos",
     "leaf_targets",
-    "one_host",
     "open_checkpoint",
     "plan_reads",
     "read_file",
     "read_metadata",
     "read_pieces",
     "read_share",
+    "read_views",
+    "recheck_if_views_differ",
     "shared_buffers",
 ]
 
@@ -255,12 +257,6 @@ def assign_readers(file_bytes: list[int], readers: int) -> list[int]:
     return owner
 
 
-def one_host(comm: Comm) -> bool:
-    """Whether every rank of ``comm`` runs on this host (collective)."""
-    hosts = comm.allgather_varbytes(socket.gethostname().encode())
-    return len(set(hosts)) == 1
-
-
 @dataclass
 class ReadPlan:
     """Who reads what, and where it goes."""
@@ -284,6 +280,16 @@ class ReadPlan:
     file_raw: list[int] = field(default_factory=list)
     #: The data files this rank reads.
     mine: list[int] = field(default_factory=list)
+    #: This rank.
+    rank: int = 0
+    #: Per data file: the one rank that checksums its raw pieces, when every
+    #: rank reads everything on one kernel (:mod:`deeppart.integrity`);
+    #: None: every rank checksums everything it reads.
+    verifier: list[int] | None = None
+
+    def verifies(self, f: int) -> bool:
+        """Whether this rank checksums the raw pieces of data file ``f``."""
+        return self.verifier is None or self.verifier[f] == self.rank
 
 
 def plan_reads(
@@ -296,11 +302,14 @@ def plan_reads(
     strict: bool,
     exchange: str,
     same_host: bool,
+    same_kernel: bool = False,
     elsewhere: Collection[int] = (),
     into_elsewhere: Collection[int] = (),
 ) -> ReadPlan:
     """The reads of this rank: the same decisions on every rank (they
-    depend only on the metadata, the arguments and ``same_host``). The
+    depend only on the metadata, the arguments, ``same_host`` and
+    ``same_kernel``: whether every rank runs on this kernel, so that each
+    data file read by all needs checksumming by one only). The
     checkpoint leaves in ``elsewhere`` and the ``into=`` leaves in
     ``into_elsewhere`` are left to :mod:`deeppart.reshard` (sharded tensors)."""
     selected = select([lf.path for lf in meta.leaves], keys)
@@ -322,6 +331,8 @@ def plan_reads(
         raise ValueError(f"exchange must be 'auto', 'bcast' or 'read', not {exchange!r}")
     read_all = exchange == "read" or comm.size == 1
     owner = [comm.rank] * meta.world_size if read_all else assign_readers(raw_per_file, comm.size)
+    shared_check = read_all and comm.size > 1 and same_kernel
+    verifier = assign_readers(raw_per_file, comm.size) if shared_check else None
     check_file_sizes(path, meta, [f for f in range(meta.world_size) if owner[f] == comm.rank])
     by_file: list[list[Piece]] = [[] for _ in range(meta.world_size)]
     for p in meta.pieces:
@@ -337,7 +348,10 @@ def plan_reads(
     mine = [
         f for f in range(meta.world_size) if owner[f] == comm.rank and (by_file[f] or not partial)
     ]
-    return ReadPlan(path, meta, tgts, matched, owner, read_all, via_shared, by_file, file_raw, mine)
+    return ReadPlan(
+        path, meta, tgts, matched, owner, read_all, via_shared, by_file, file_raw, mine,
+        comm.rank, verifier,
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------
@@ -352,16 +366,26 @@ def read_file(
     dest: Callable[[Piece], U8 | _staging.DeviceSink],
     progress: Progress,
     staging: _staging.Staging | None = None,
+    *,
+    verify: bool = True,
+    views: dict[int, FileView] | None = None,
 ) -> int:
     """Reads, verifies and decodes the pieces of one data file into
-    ``dest(piece)``; returns the bytes read."""
+    ``dest(piece)``; returns the bytes read. ``verify=False``: raw pieces
+    into host memory are not checksummed (another rank checks them, see
+    :mod:`deeppart.integrity`). ``views``: gets this rank's view of the file
+    (:func:`deeppart.integrity.file_view`), at index ``rank``."""
     path = directory / data_file_name(rank)
     try:
         f = open_regular(path)
     except OSError as e:
         raise CorruptCheckpointError(f"{path}: cannot open ({e.strerror})") from e
     with f:
-        return read_pieces(f, path, directory, meta, rank, pieces, dest, progress, staging)
+        before = file_view(f.fileno())
+        n = read_pieces(f, path, directory, meta, rank, pieces, dest, progress, staging, verify)
+        if views is not None:
+            views[rank] = before if file_view(f.fileno()) == before else unstable_view()
+        return n
 
 
 class _Checksums:
@@ -370,12 +394,16 @@ class _Checksums:
     releases the GIL) while the next piece is read, all compared by
     :meth:`check` before the read returns."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, verify: bool = True) -> None:
         self.directory = directory
+        #: False: the raw pieces are not checksummed (another rank does).
+        self.verify = verify
         self.pool: ThreadPoolExecutor | None = None
         self.pending: list[tuple[Piece, Future[int]]] = []
 
     def add(self, p: Piece, data: memoryview) -> None:
+        if not self.verify:
+            return
         if len(data) < OVERLAP_CHECKSUM_BYTES:
             self._compare(p, checksum(data))
             return
@@ -410,12 +438,13 @@ def read_pieces(
     dest: Callable[[Piece], U8 | _staging.DeviceSink],
     progress: Progress,
     staging: _staging.Staging | None = None,
+    verify: bool = True,
 ) -> int:
     """:func:`read_file` from ``f`` (an open file, or anything with
     ``seek``/``read``/``readinto``, e.g. :class:`io.BytesIO`)."""
     sizes = {i: lf.itemsize for i, lf in enumerate(meta.leaves)}
     check_header(path, f.read(HEADER_SIZE), rank, meta.world_size, meta.plan_fingerprint)
-    sums = _Checksums(directory)
+    sums = _Checksums(directory, verify)
     try:
         n = _read_each(f, directory, meta, pieces, dest, progress, staging, sizes, sums)
         sums.check()
@@ -438,9 +467,12 @@ def _read_each(
     """The loop of :func:`read_pieces`: the raw pieces' checksums are left
     to ``sums``."""
     n = 0
+    at = -1  # the file's position after a raw piece (no seek to get there)
     for p in pieces:
         out = dest(p)
-        f.seek(p.offset)
+        if p.offset != at:
+            f.seek(p.offset)
+        at = -1
         if isinstance(out, _staging.DeviceSink):
             _read_staged(f, p, out, staging or _staging.Staging(), directory, sizes[p.leaf])
             n += p.stored
@@ -451,6 +483,7 @@ def _read_each(
             if got != p.length:
                 raise CorruptCheckpointError(f"{p.describe(directory)}: short read")
             sums.add(p, out.data)
+            at = p.offset + p.length
             n += p.stored
             progress.advance(p.length)
             continue
@@ -570,23 +603,63 @@ def read_share(
     buffers: ReadBuffers,
     progress: Progress,
     stage: _staging.Staging,
+    views: dict[int, FileView] | None = None,
 ) -> int:
     """Reads this rank's data files: straight into the targets (when every
     rank reads everything, and for a broadcast, which goes out from there),
     else into ``buffers`` for :func:`exchange_share` (a node-shared window,
-    or a host buffer for a file with device targets). Returns the bytes read
-    from disk."""
+    or a host buffer for a file with device targets). Checksums the raw
+    pieces of the files :meth:`ReadPlan.verifies` gives it, and records
+    its view of every file in ``views``. Returns the bytes read from disk."""
     nread = 0
     direct = _direct(rp)
     for f in rp.mine:
         pieces = rp.by_file[f]
         if rp.read_all or (not buffers.shared and not _to_device(rp, pieces)):
             # Into the targets: a broadcast goes out from there.
-            nread += read_file(rp.path, rp.meta, f, pieces, direct, progress, stage)
+            nread += read_file(
+                rp.path, rp.meta, f, pieces, direct, progress, stage,
+                verify=rp.verifies(f), views=views,
+            )  # fmt: skip
         else:
             buf = buffers.files.setdefault(f, np.empty(rp.file_raw[f], dtype=np.uint8))
             nread += read_file(rp.path, rp.meta, f, pieces, _place(buf, pieces), progress)
     return nread
+
+
+def read_views(rp: ReadPlan, views: dict[int, FileView]) -> bytes:
+    """The payload of the read's agreement: what this rank saw of the files
+    it read, when their checks are shared (else nothing)."""
+    return views_digest(views) if rp.verifier is not None else b""
+
+
+def recheck_if_views_differ(comm: Comm, rp: ReadPlan, rows: Sequence[bytes]) -> None:
+    """After the read's agreement (``rows``: every rank's :func:`read_views`):
+    when the checks were shared but the ranks did not all see the same
+    files, unchanged, every rank checksums in its own memory the raw pieces
+    it did not check while reading, then agrees (collective; every rank
+    takes the same branch)."""
+    if rp.verifier is None or len(set(rows)) == 1:
+        return
+    err: BaseException | None = None
+    try:
+        direct = _direct(rp)
+        skipped = [
+            p
+            for f in rp.mine
+            if not rp.verifies(f)
+            for p in rp.by_file[f]
+            if p.codec == "none" and not isinstance(direct(p), _staging.DeviceSink)
+        ]
+        check_in_memory(skipped, lambda p: _host(direct(p)), rp.path)
+    except Exception as e:
+        err = e
+    agree(comm, err)
+
+
+def _host(out: U8 | _staging.DeviceSink) -> U8:
+    assert isinstance(out, np.ndarray)
+    return out
 
 
 #: Pieces shorter than this travel together in one broadcast; longer ones
@@ -624,24 +697,75 @@ def exchange_messages(pieces: Sequence[Piece]) -> Iterator[Message]:
         yield batch
 
 
+#: The most bytes of packed short pieces that one batch of the exchange's
+#: broadcasts holds in flight (in one reused buffer).
+EXCHANGE_BATCH_BYTES = 4 * EXCHANGE_MESSAGE_BYTES
+#: The most broadcasts in flight in one batch.
+EXCHANGE_BATCH_MESSAGES = 256
+
+
+class _Batch:
+    """Broadcasts of the exchange in flight together
+    (:meth:`Comm.bcast_many_u8`), and what to do with the bytes received
+    once they complete. Packed messages get consecutive slices of one
+    buffer of at most :data:`EXCHANGE_BATCH_BYTES` (or one message),
+    reused after each flush."""
+
+    def __init__(self, comm: Comm, cap: int) -> None:
+        self.comm, self.cap = comm, cap
+        self.items: list[tuple[U8, int]] = []
+        self.after: list[Callable[[], None]] = []
+        self.arena: U8 | None = None
+        self.used = 0
+
+    def packed(self, n: int) -> U8:
+        """A buffer for one packed message of ``n`` bytes."""
+        if self.arena is None or self.arena.size < n:
+            self.flush()
+            self.arena = np.empty(max(n, self.cap), dtype=np.uint8)
+        elif self.used + n > self.arena.size:
+            self.flush()
+        out = self.arena[self.used : self.used + n]
+        self.used += n
+        return out
+
+    def add(self, buf: U8, root: int, after: Callable[[], None] | None = None) -> None:
+        self.items.append((buf, root))
+        if after is not None:
+            self.after.append(after)
+        if len(self.items) >= EXCHANGE_BATCH_MESSAGES:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.items:
+            self.comm.bcast_many_u8(self.items)
+        for then in self.after:
+            then()
+        self.items, self.after, self.used = [], [], 0
+
+
 def exchange_share(comm: Comm, rp: ReadPlan, buffers: ReadBuffers, stage: _staging.Staging) -> None:
     """Every rank gets every file's bytes (by broadcast from its reader, or
     from the shared window) and copies them into its targets.
 
     A broadcast goes from the reader's targets straight into the other
     ranks' targets where it can (a long piece in host memory), else through
-    one small buffer (:func:`exchange_messages`): no rank holds a copy of a
-    data file, except a reader whose file has device targets."""
+    a bounded buffer (:func:`exchange_messages`, :class:`_Batch`): no rank
+    holds a copy of a data file, except a reader whose file has device
+    targets. The broadcasts go in batches, in flight together."""
     if rp.read_all:
         return
     dest = _direct(rp)
-    spare: U8 | None = None
+    batch = _Batch(comm, min(EXCHANGE_BATCH_BYTES, sum(rp.file_raw)))
 
-    def spare_of(n: int, f: int) -> U8:
-        nonlocal spare
-        if spare is None or spare.size < n:
-            spare = np.empty(max(n, min(EXCHANGE_MESSAGE_BYTES, rp.file_raw[f])), np.uint8)
-        return spare[:n]
+    def unpack(message: Message, packed: U8) -> Callable[[], None]:
+        def then() -> None:
+            at = 0
+            for p, off, length in message:
+                _copy_to(dest(p), off, packed[at : at + length], stage)
+                at += length
+
+        return then
 
     for f in range(rp.meta.world_size):
         if rp.file_raw[f] == 0:
@@ -653,28 +777,24 @@ def exchange_share(comm: Comm, rp: ReadPlan, buffers: ReadBuffers, stage: _stagi
             # A broadcast between targets: the reader read straight into its
             # (host) targets and sends from there, the others receive into
             # theirs; a message of short pieces (or for a device target)
-            # goes through the spare buffer, packed by the reader.
+            # goes through the batch's buffer, packed by the reader.
             sending = comm.rank == root
             for message in exchange_messages(pieces):
                 n = sum(part[2] for part in message)
                 p, off, _ = message[0]
                 out = dest(p)
                 if len(message) == 1 and isinstance(out, np.ndarray):
-                    comm.bcast_u8(out[off : off + n], root=root)
+                    batch.add(out[off : off + n], root)
                     continue
-                packed = spare_of(n, f)
-                at = 0
+                packed = batch.packed(n)
                 if sending:
+                    at = 0
                     for p, off, length in message:
                         mine = dest(p)
                         assert isinstance(mine, np.ndarray)
                         packed[at : at + length] = mine[off : off + length]
                         at += length
-                comm.bcast_u8(packed, root=root)
-                if not sending:
-                    for p, off, length in message:
-                        _copy_to(dest(p), off, packed[at : at + length], stage)
-                        at += length
+                batch.add(packed, root, None if sending else unpack(message, packed))
             continue
         if not buffers.shared:
             # The reader of a file with device targets, read into a host
@@ -682,12 +802,13 @@ def exchange_share(comm: Comm, rp: ReadPlan, buffers: ReadBuffers, stage: _stagi
             at = 0
             for message in exchange_messages(pieces):
                 n = sum(part[2] for part in message)
-                comm.bcast_u8(buf[at : at + n], root=root)
+                batch.add(buf[at : at + n], root)
                 at += n
         src = _place(buf, pieces)
         for p in pieces:
             _copy_to(dest(p), 0, src(p), stage)
         del buf
+    batch.flush()
 
 
 def _to_device(rp: ReadPlan, pieces: Sequence[Piece]) -> bool:

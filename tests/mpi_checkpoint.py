@@ -27,6 +27,7 @@ import deeppart
 import deeppart.state
 from deeppart import reader, writer
 from deeppart.comm import resolve
+from deeppart.format import data_file_name
 
 
 def make_state(seed: int = 0, steps: int = 2) -> dict[str, Any]:
@@ -250,6 +251,90 @@ def scenario_corrupt(d: Path, expect: str) -> None:
         ok("corrupt")
         return
     raise AssertionError("no error raised")
+
+
+def _verifiers(d: Path, size: int) -> tuple[list[int], list[list[Any]]]:
+    """Which rank checksums each data file of ``d`` on a one-host load by
+    ``size`` ranks (:func:`reader.assign_readers` of the raw bytes per
+    file), and the pieces of each file."""
+    meta, _ = reader.read_metadata(d)
+    raw = [0] * meta.world_size
+    by_file: list[list[Any]] = [[] for _ in range(meta.world_size)]
+    for p in meta.pieces:
+        raw[p.rank] += p.length
+        by_file[p.rank].append(p)
+    return reader.assign_readers(raw, size), by_file
+
+
+def _expect_corrupt(d: Path, expect: str, phase: str) -> None:
+    try:
+        deeppart.load(d, into=make_state(seed=1))
+    except deeppart.CorruptCheckpointError as e:
+        assert expect in str(e), (phase, e)
+        return
+    raise AssertionError(f"{phase}: no error raised")
+
+
+def scenario_shared_check(d: Path) -> None:
+    """A one-host load (exchange="auto" reads all on every rank) checksums
+    each raw byte on one rank only; a corrupt piece in a file that rank 0
+    does not check still fails every rank; a rank whose view of a data file
+    differs from the others' (here: it opens a corrupted copy, a file
+    replaced between the ranks' reads) rechecks its own bytes, and fails."""
+    c = resolve()
+    state = make_state()
+    deeppart.save(state, d)
+    verifier, by_file = _verifiers(d, c.size)
+    # 1. Each raw byte checksummed once over the ranks.
+    counted = [0]
+    real = reader.checksum  # type: ignore[attr-defined]
+
+    def counting(data: Any) -> int:
+        counted[0] += len(data)
+        return real(data)
+
+    reader.checksum = counting  # type: ignore[attr-defined]
+    assert_bitwise_equal(state, deeppart.load(d, into=make_state(seed=1)), "shared")
+    reader.checksum = real  # type: ignore[attr-defined]
+    counts = c.allgather_f64(np.array([float(counted[0])]))[:, 0]
+    total = sum(p.length for ps in by_file for p in ps)
+    assert counts.sum() == total and counts.max() < total, (counts, total)
+    # 2. The last rank reads a replaced (corrupted) copy of a file that
+    #    another rank checks: its view differs, it rechecks its own bytes.
+    seen_by = c.size - 1
+    f = next(f for f, v in enumerate(verifier) if v != seen_by and by_file[f])
+    p = max(by_file[f], key=lambda p: p.length)
+    expect = f"{data_file_name(f)}: piece of leaf {p.leaf} [{p.start}:{p.stop}]"
+    if c.rank == seen_by:
+        copy = d.parent / f"replaced-{c.rank}.bin"
+        data = bytearray((d / data_file_name(f)).read_bytes())
+        data[p.offset + p.length // 2] ^= 0x10
+        copy.write_bytes(bytes(data))
+        real_open = reader.open_regular  # type: ignore[attr-defined]
+
+        def replaced(path: Path) -> Any:
+            return real_open(copy if path.name == data_file_name(f) else path)
+
+        reader.open_regular = replaced  # type: ignore[attr-defined]
+        _expect_corrupt(d, expect, "replaced")
+        reader.open_regular = real_open  # type: ignore[attr-defined]
+    else:
+        _expect_corrupt(d, expect, "replaced")
+    # Nothing on disk was touched: the same load succeeds.
+    assert_bitwise_equal(state, deeppart.load(d), "after replaced")
+    # 3. A flipped byte in a file that rank 0 does not check.
+    f = next(f for f, v in enumerate(verifier) if v != 0 and by_file[f])
+    p = max(by_file[f], key=lambda p: p.length)
+    c.barrier()
+    if c.rank == 0:
+        path = d / data_file_name(f)
+        data = bytearray(path.read_bytes())
+        data[p.offset + p.length // 2] ^= 0x10
+        path.write_bytes(bytes(data))
+    c.barrier()
+    expect = f"{data_file_name(f)}: piece of leaf {p.leaf} [{p.start}:{p.stop}]"
+    _expect_corrupt(d, expect, "flipped")
+    ok("shared_check")
 
 
 def scenario_mismatch(d: Path) -> None:
@@ -477,6 +562,7 @@ def main() -> None:
         "latecomer": lambda: scenario_latecomer(args.dir),
         "decompress_once": lambda: scenario_decompress_once(args.dir),
         "corrupt": lambda: scenario_corrupt(args.dir, args.expect),
+        "shared_check": lambda: scenario_shared_check(args.dir),
         "mismatch": lambda: scenario_mismatch(args.dir),
         "nonplain": lambda: scenario_nonplain(args.dir),
         "crash": lambda: scenario_crash(args.dir),
@@ -495,6 +581,9 @@ def main() -> None:
 
         reader.EXCHANGE_MESSAGE_BYTES = args.exchange_message
         reader.DIRECT_PIECE_BYTES = args.exchange_message // 4
+        # Batches of broadcasts fill up (and are flushed) mid-exchange too.
+        reader.EXCHANGE_BATCH_BYTES = 2 * args.exchange_message
+        reader.EXCHANGE_BATCH_MESSAGES = 3
     if args.stage:
         from deeppart import staging
 

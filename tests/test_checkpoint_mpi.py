@@ -82,9 +82,10 @@ def test_large_messages_are_chunked(tmp_path: Path) -> None:
 
 def test_exchange_messages_batch_short_pieces_and_split_long_ones(tmp_path: Path) -> None:
     """With the exchange's broadcasts capped at 8 KiB (pieces of 2 KiB and
-    more go straight into their targets), a load by broadcast batches short
-    pieces, splits long ones across many messages and restores bitwise, on
-    host tensors and through the staged device path."""
+    more go straight into their targets) and their batches in flight to 16
+    KiB of packed pieces or 3 broadcasts, a load by broadcast batches short
+    pieces, splits long ones across many messages, flushes many batches and
+    restores bitwise, on host tensors and through the staged device path."""
     d = str(tmp_path / "ck")
     run(3, "save", d)
     run(4, "load", d, "--exchange-message", "8192")
@@ -196,6 +197,14 @@ def test_flipped_byte_detected_on_every_rank(tmp_path: Path) -> None:
     expect = f"{data_file_name(1)}: piece of leaf {row[0]} [{row[1]}:{row[2]}]"
     proc = run(2, "corrupt", str(d), "--expect", expect)
     assert proc.stdout.count("OK corrupt") == 2
+
+
+def test_one_host_load_checks_each_byte_once_and_still_fails_every_rank(tmp_path: Path) -> None:
+    """On one host each data file is checksummed by one rank; a corrupt
+    piece in a file rank 0 does not check, or a rank that read a replaced
+    copy of a file another rank checked, still fails every rank with the
+    same CorruptCheckpointError (tests/mpi_checkpoint.py shared_check)."""
+    run(4, "shared_check", str(tmp_path / "ck"))
 
 
 def test_truncated_file_detected_on_every_rank(tmp_path: Path) -> None:
