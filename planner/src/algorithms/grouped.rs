@@ -31,6 +31,13 @@
 //!    whole. Cuts are placed against the absolute ends, so errors do not
 //!    accumulate: each writer is within about one grain (or half an
 //!    uncuttable leaf) of its quota, plus one piece overhead per cut.
+//! 5. **Small states** (up to [`REFINE_MOST_LEAVES`] leaves): each filled
+//!    candidate is improved by the local search of [`super::refine`]. When
+//!    the winner is still more than [`WIDEN_ABOVE`] above the bound, the
+//!    best few candidates are also filled *packed* (a group's uncuttable
+//!    leaves first, whole, largest first, each to the quota with the most
+//!    room; the cuttable ones streamed over what room is left), and the
+//!    winner is searched again with wider trades.
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -59,6 +66,8 @@ const MOST_EVALUATED: usize = 256;
 /// the search's index of every piece would cost more than it gains.
 const REFINE_WORK: usize = 2_000_000;
 const REFINE_MOST_LEAVES: usize = 200_000;
+/// The winner's gap over the bound above which it gets a wider search.
+const WIDEN_ABOVE: f64 = 1.002;
 
 pub(super) fn plan(
     manifest: &Manifest,
@@ -139,6 +148,7 @@ pub(super) fn plan(
         candidates.push((Key(bound), k, seats.clone()));
     }
     candidates.sort_by(|a, b| a.0.cmp(&b.0).then(a.1.cmp(&b.1)));
+    let lower = candidates.first().map_or(0.0, |c| c.0 .0);
 
     let aggregate = cost
         .aggregate_bandwidth
@@ -171,44 +181,92 @@ pub(super) fn plan(
     let fills = FILLED.max(FILL_WORK / manifest.len().max(1));
     let sorted = group_members(manifest, flow);
     let writes: Vec<bool> = ranks.iter().map(|l| !l.is_empty()).collect();
-    for (_, level, writers) in evaluated.into_iter().take(fills) {
+    let small = manifest.len() <= REFINE_MOST_LEAVES;
+    let filled: Vec<(f64, Vec<u32>)> = evaluated
+        .into_iter()
+        .take(fills)
+        .map(|(_, level, writers)| (level, writers))
+        .collect();
+    let search = |placed: &mut [Vec<Piece>], widen: bool| {
+        super::refine::refine(
+            manifest,
+            flow,
+            cost,
+            owned,
+            &writes,
+            placed,
+            REFINE_WORK,
+            widen,
+        );
+    };
+    let try_fill = |level: f64, writers: &[u32], packed: bool, chosen: &mut Option<_>| {
         let mut placed = fill(
-            manifest, &sorted, flow, cost, owned, &writers, level, world_size,
+            manifest, &sorted, flow, cost, owned, writers, level, world_size, packed,
         );
         let unrefined = cost.node_bandwidth.is_some().then(|| placed.clone());
-        if manifest.len() <= REFINE_MOST_LEAVES {
-            super::refine::refine(
-                manifest,
-                flow,
-                cost,
-                owned,
-                &writes,
-                &mut placed,
-                REFINE_WORK,
-            );
+        if small {
+            search(&mut placed, false);
         }
-        let t = time_of(manifest, cost, topology, ranks, &placed);
-        if chosen.as_ref().is_none_or(|(b, _)| t < *b) {
-            chosen = Some((t, placed));
-        }
+        keep(manifest, cost, topology, ranks, placed, chosen);
         // A node bandwidth is not in the local search's costs: the fill as
         // it was competes too.
         if let Some(placed) = unrefined {
-            let t = time_of(manifest, cost, topology, ranks, &placed);
-            if chosen.as_ref().is_none_or(|(b, _)| t < *b) {
-                chosen = Some((t, placed));
-            }
+            keep(manifest, cost, topology, ranks, placed, chosen);
         }
+    };
+    for (level, writers) in &filled {
+        try_fill(*level, writers, false, &mut chosen);
+    }
+    // A small state whose winner is more than `WIDEN_ABOVE` above the bound
+    // and has uncuttable shared leaves also tries the packed fill
+    // (uncuttable leaves first) on the best few candidates.
+    let above = |chosen: &Option<(f64, Vec<Vec<Piece>>)>| {
+        small
+            && chosen
+                .as_ref()
+                .is_some_and(|(t, _)| *t > lower * WIDEN_ABOVE)
+    };
+    if above(&chosen)
+        && sorted
+            .iter()
+            .flatten()
+            .any(|&i| cost.max_pieces(&manifest.leaves()[i as usize]) <= 1)
+    {
+        for (level, writers) in filled.iter().take(FILLED) {
+            try_fill(*level, writers, true, &mut chosen);
+        }
+    }
+    // A winner more than `WIDEN_ABOVE` above the bound gets a wider search:
+    // more writers to trade with.
+    if above(&chosen) {
+        let mut wider = chosen.as_ref().expect("a winner").1.clone();
+        search(&mut wider, true);
+        keep(manifest, cost, topology, ranks, wider, &mut chosen);
     }
     let placed = chosen.map(|(_, p)| p).unwrap_or_else(|| {
         // No candidate had a feasible level: cannot happen (every group's
         // ranks are in the world, and the largest candidate holds them all).
         fill(
-            manifest, &sorted, flow, cost, owned, &everyone, full, world_size,
+            manifest, &sorted, flow, cost, owned, &everyone, full, world_size, false,
         )
     });
     for (list, more) in ranks.iter_mut().zip(placed) {
         list.extend(more);
+    }
+}
+
+/// Makes `placed` the `chosen` plan if it is faster.
+fn keep(
+    manifest: &Manifest,
+    cost: &CostModel,
+    topology: &Topology,
+    ranks: &[Vec<Piece>],
+    placed: Vec<Vec<Piece>>,
+    chosen: &mut Option<(f64, Vec<Vec<Piece>>)>,
+) {
+    let t = time_of(manifest, cost, topology, ranks, &placed);
+    if chosen.as_ref().is_none_or(|(b, _)| t < *b) {
+        *chosen = Some((t, placed));
     }
 }
 
@@ -303,6 +361,7 @@ fn fill(
     writers: &[u32],
     level: f64,
     world_size: u32,
+    packed: bool,
 ) -> Vec<Vec<Piece>> {
     let routing = flow.routing(writers, owned, level);
     let classes = flow.classes();
@@ -357,9 +416,54 @@ fn fill(
                 .unwrap_or_else(|| flow.class_ranks[flow.reach[g][0] as usize][0]);
             quotas[g].push((r, 0.0));
         }
-        stream(leaves, order, &quotas[g], cost, &mut out);
+        if packed {
+            pack_then_stream(leaves, order, &quotas[g], cost, &mut out);
+        } else {
+            stream(leaves, order, &quotas[g], cost, &mut out);
+        }
     }
     out
+}
+
+/// The packed variant of [`stream`]: the leaves that cannot be cut go
+/// first, whole, largest first, each to the quota with the most room left
+/// (LPT); the cuttable leaves are then streamed over what room is left, so
+/// that quotas end on cuts at the grain instead of on a whole leaf.
+fn pack_then_stream(
+    leaves: &[Leaf],
+    order: &[u32],
+    quotas: &[(u32, f64)],
+    cost: &CostModel,
+    out: &mut [Vec<Piece>],
+) {
+    let (whole, cuttable): (Vec<u32>, Vec<u32>) = order
+        .iter()
+        .partition(|&&i| cost.max_pieces(&leaves[i as usize]) <= 1);
+    let mut room: Vec<f64> = quotas.iter().map(|&(_, q)| q).collect();
+    let mut heap: BinaryHeap<(Key, Reverse<usize>)> = room
+        .iter()
+        .enumerate()
+        .map(|(j, &q)| (Key(q), Reverse(j)))
+        .collect();
+    for i in whole {
+        let Some((_, Reverse(j))) = heap.pop() else {
+            break;
+        };
+        let leaf = &leaves[i as usize];
+        out[quotas[j].0 as usize].push(Piece {
+            leaf: i,
+            start: 0,
+            stop: leaf.units(),
+        });
+        room[j] -= cost.piece_cost(leaf.nbytes);
+        heap.push((Key(room[j]), Reverse(j)));
+    }
+    let rest: Vec<(u32, f64)> = quotas
+        .iter()
+        .zip(&room)
+        .map(|(&(r, _), &left)| (r, left.max(0.0)))
+        .collect();
+    stream(leaves, &cuttable, &rest, cost, out);
 }
 
 /// What to do with the rest of a leaf that crosses a quota's end.

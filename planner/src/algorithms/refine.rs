@@ -16,6 +16,16 @@
 //!   on the leaf's grain, pieces of at least `min_piece_bytes`);
 //! - **absorb** `r`'s piece into that adjacent piece (one piece fewer).
 //!
+//! - **swap** one of its pieces for one or several smaller pieces of that
+//!   writer that `r` may hold;
+//! - **chain** boundary shifts along cut leaves to the least-loaded writer
+//!   reached.
+//!
+//! The targets are the least-loaded writers of each group; with `widen`,
+//! when the least-loaded one takes no step, the 8 least-loaded are tried
+//! before the search stops (a trade with a writer a little above the least
+//! is often what frees a slowest writer whose cut piece is at the minimum).
+//!
 //! A step is taken only when `max(cost_r', cost_t') < cost_r`: the costs'
 //! sum of squares then strictly falls (moving `x` from `a` to `b` with
 //! `b + x < a` changes it by `2x (b + x - a) < 0`, and absorbing also
@@ -30,6 +40,11 @@ use crate::cost::CostModel;
 use crate::holders::HolderFlow;
 use crate::manifest::{Holders, Manifest};
 use crate::plan::Piece;
+
+/// How many of a group's least-loaded writers a piece of the slowest
+/// writer is offered to (moved to the first, traded with any) when the two
+/// least-loaded ones took no step.
+const TARGETS: usize = 8;
 
 /// A piece in the search.
 #[derive(Clone, Copy)]
@@ -60,7 +75,9 @@ enum Step {
 /// Improves `placed` (the shared leaves' pieces per rank) in place.
 /// `base_load` is each rank's cost before them (its owned leaves, fixed
 /// cost excluded); `writes` whether the rank writes anything besides
-/// `placed`. At most about `budget` slot and writer visits.
+/// `placed`. At most about `budget` slot and writer visits. With `widen`,
+/// when no step helps, the slowest writer's pieces are offered to more
+/// writers before the search stops.
 pub(super) fn refine(
     manifest: &Manifest,
     flow: &HolderFlow,
@@ -69,6 +86,7 @@ pub(super) fn refine(
     writes: &[bool],
     placed: &mut [Vec<Piece>],
     budget: usize,
+    widen: bool,
 ) {
     let leaves = manifest.leaves();
     let beta = cost.bandwidth;
@@ -131,8 +149,12 @@ pub(super) fn refine(
         }
     };
     let mut work = 0usize;
-    let mut least: Vec<[Option<u32>; 2]> = vec![[None; 2]; flow.demand.len()];
+    let mut least: Vec<Vec<u32>> = vec![Vec::with_capacity(TARGETS + 1); flow.demand.len()];
+    // Whether this step offers pieces to `TARGETS` writers, not two: with
+    // `widen`, when two found no step (a wider search costs more per step).
+    let mut wide = false;
     while work < budget {
+        let width = if wide { TARGETS } else { 2 };
         let r = *writers
             .iter()
             .max_by(|&&a, &&b| {
@@ -143,20 +165,19 @@ pub(super) fn refine(
             .expect("two writers");
         let lr = load[r as usize];
         let tolerance = lr * 1e-9;
-        // The two least-loaded writers of each group.
+        // The least-loaded writers of each group, ascending.
         for (g, ranks) in group_writers.iter().enumerate() {
-            let mut two: [Option<u32>; 2] = [None; 2];
+            let few = &mut least[g];
+            few.clear();
             for &w in ranks {
                 let lw = load[w as usize];
-                match two {
-                    [None, _] => two[0] = Some(w),
-                    [Some(a), _] if lw < load[a as usize] => two = [Some(w), two[0]],
-                    [_, None] => two[1] = Some(w),
-                    [_, Some(b)] if lw < load[b as usize] => two[1] = Some(w),
-                    _ => {}
+                if few.len() == width && lw >= load[few[width - 1] as usize] {
+                    continue;
                 }
+                let at = few.partition_point(|&a| load[a as usize] <= lw);
+                few.insert(at, w);
+                few.truncate(width);
             }
-            least[g] = two;
             work += ranks.len();
         }
         let mut best: Option<(f64, Step)> = None;
@@ -179,50 +200,57 @@ pub(super) fn refine(
             };
             let c = cost.piece_cost(slot.bytes);
             let pieces = cut.get(&slot.leaf);
-            let target = least[g].iter().flatten().copied().find(|&t| t != r);
-            if let Some(t) = target {
-                let taken = pieces.is_some_and(|v| v.iter().any(|&x| slots[x].rank == t));
-                if !taken {
-                    let lt = load[t as usize];
-                    consider((lr - c).max(lt + c), Step::Move(s, t));
-                    // A swap with a smaller piece of `t` that `r` may hold:
-                    // the one nearest to moving half the difference.
-                    let offer = offers.entry(t).or_insert_with(|| {
-                        let mut o: Vec<(f64, usize)> = rank_slots[t as usize]
-                            .iter()
-                            .filter(|&&b| {
-                                let leaf = slots[b].leaf;
-                                manifest.holders(&leaves[leaf as usize]).contains(r)
-                                    && holds_none(r, leaf, &slots)
-                            })
-                            .map(|&b| (cost.piece_cost(slots[b].bytes), b))
-                            .collect();
-                        o.sort_by(|a, b| a.0.total_cmp(&b.0));
-                        o
-                    });
-                    work += offer.len();
-                    let want = c - (lr - lt) / 2.0;
-                    let at = offer.partition_point(|&(cb, _)| cb < want);
-                    for &(cb, b) in &offer[at.saturating_sub(2)..(at + 2).min(offer.len())] {
-                        if cb < c {
-                            let d = c - cb;
-                            consider((lr - d).max(lt + d), Step::Swap(s, vec![b]));
-                        }
+            let taken = |t: u32| pieces.is_some_and(|v| v.iter().any(|&x| slots[x].rank == t));
+            let targets: Vec<u32> = least[g]
+                .iter()
+                .copied()
+                .filter(|&t| t != r && load[t as usize] < lr - tolerance && !taken(t))
+                .collect();
+            if let Some(&t) = targets.first() {
+                let lt = load[t as usize];
+                consider((lr - c).max(lt + c), Step::Move(s, t));
+            }
+            // Trades with the least-loaded target, or with every one in a
+            // wide step.
+            for &t in targets.iter().take(if wide { TARGETS } else { 1 }) {
+                let lt = load[t as usize];
+                // A swap with a smaller piece of `t` that `r` may hold:
+                // the one nearest to moving half the difference.
+                let offer = offers.entry(t).or_insert_with(|| {
+                    let mut o: Vec<(f64, usize)> = rank_slots[t as usize]
+                        .iter()
+                        .filter(|&&b| {
+                            let leaf = slots[b].leaf;
+                            manifest.holders(&leaves[leaf as usize]).contains(r)
+                                && holds_none(r, leaf, &slots)
+                        })
+                        .map(|&b| (cost.piece_cost(slots[b].bytes), b))
+                        .collect();
+                    o.sort_by(|a, b| a.0.total_cmp(&b.0));
+                    o
+                });
+                work += offer.len();
+                let want = c - (lr - lt) / 2.0;
+                let at = offer.partition_point(|&(cb, _)| cb < want);
+                for &(cb, b) in &offer[at.saturating_sub(2)..(at + 2).min(offer.len())] {
+                    if cb < c {
+                        let d = c - cb;
+                        consider((lr - d).max(lt + d), Step::Swap(s, vec![b]));
                     }
-                    // Or for several: the largest that still fit `want`.
-                    let mut room = want;
-                    let mut back = Vec::new();
-                    for &(cb, b) in offer[..at.min(offer.len())].iter().rev() {
-                        if cb <= room {
-                            room -= cb;
-                            back.push(b);
-                        }
+                }
+                // Or for several: the largest that still fit `want`.
+                let mut room = want;
+                let mut back = Vec::new();
+                for &(cb, b) in offer[..at.min(offer.len())].iter().rev() {
+                    if cb <= room {
+                        room -= cb;
+                        back.push(b);
                     }
-                    if back.len() > 1 {
-                        let d = c - (want - room);
-                        if d > 0.0 {
-                            consider((lr - d).max(lt + d), Step::Swap(s, back));
-                        }
+                }
+                if back.len() > 1 {
+                    let d = c - (want - room);
+                    if d > 0.0 {
+                        consider((lr - d).max(lt + d), Step::Swap(s, back));
                     }
                 }
             }
@@ -284,8 +312,13 @@ pub(super) fn refine(
             consider(value, Step::Chain(links, grains));
         }
         let Some((_, step)) = best else {
-            break;
+            if wide || !widen {
+                break;
+            }
+            wide = true;
+            continue;
         };
+        wide = false;
         match step {
             Step::Move(s, t) => {
                 let c = cost.piece_cost(slots[s].bytes);
