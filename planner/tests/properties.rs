@@ -1178,3 +1178,55 @@ proptest! {
         prop_assert_eq!(refused.is_err(), m.uses_groups());
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// More ranks with holder groups: the same leaves in a world of `P`
+    /// ranks and in one of `P' > P`, where each new rank joins some of the
+    /// groups (holder sets only grow; leaves on every rank gain the new
+    /// ranks too). Every plan of the small world is a legal plan of the
+    /// large one, so `balanced` should never be slower there.
+    /// Not yet true: the grouped search apportions its candidates over
+    /// the holder classes of each world, so a larger world need not try
+    /// the smaller one's writer sets. First counterexample: 3 ranks on 3
+    /// nodes -> 4 ranks, 0.0541 s -> 0.0586 s (a coarse `[2, 1776, 2322]`
+    /// tensor, row grain, node and aggregate bandwidths); run it with
+    /// `cargo test --release -p deeppart-planner --test properties -- --ignored`.
+    #[test]
+    #[ignore = "fails: balanced with holder groups is not yet monotone in the world size"]
+    fn modelled_time_is_non_increasing_in_world_size_with_holder_groups(
+        leaves in prop::collection::vec(prop_oneof![3 => leaf_spec(), 1 => coarse_leaf_spec()], 0..=30),
+        ranks_per_node in prop_oneof![Just(1u32), Just(8)],
+        nodes in 1u32..=4,
+        more_nodes in 1u32..=8,
+        groups in prop::collection::vec(1u32..u32::MAX, 1..=6),
+        pick in prop::collection::vec(0usize..16, 30),
+        joins in prop::collection::vec(any::<u64>(), 6),
+        cost in cost_model(),
+    ) {
+        let topology = Topology { ranks_per_node };
+        let small = nodes * ranks_per_node;
+        let large = (nodes + more_nodes) * ranks_per_node;
+        let m = grouped_manifest(&leaves, small, &groups, &pick);
+        let grown: Vec<Vec<u32>> = m
+            .groups()
+            .iter()
+            .enumerate()
+            .map(|(i, g)| {
+                let join = joins.get(i).copied().unwrap_or(0);
+                let mut g = g.clone();
+                g.extend((small..large).filter(|r| join & (1 << ((r - small) % 64)) != 0));
+                g
+            })
+            .collect();
+        let m2 = Arc::new(Manifest::with_groups(m.leaves().to_vec(), grown).unwrap());
+        let m = Arc::new(m);
+        let before = plan(m, small as u64, topology, cost, Algorithm::Balanced).unwrap().stats.makespan_s;
+        let after = plan(m2, large as u64, topology, cost, Algorithm::Balanced).unwrap().stats.makespan_s;
+        prop_assert!(
+            after <= before * (1.0 + 1e-9),
+            "modelled time rose from {before} at {small} ranks to {after} at {large} ranks"
+        );
+    }
+}
