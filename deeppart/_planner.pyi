@@ -18,6 +18,7 @@ __all__ = [
     "MAX_GROUP_RANK",
     "PLANNER_VERSION",
     "REPLICA_DIGEST_LEN",
+    "STREAMING_MIN_BYTES",
     "CacheError",
     "CacheWarning",
     "CostModel",
@@ -30,6 +31,7 @@ __all__ = [
     "PlanError",
     "PlanStats",
     "Topology",
+    "copy_into",
     "default_cache_dir",
     "differing_leaves",
     "model_time",
@@ -43,6 +45,7 @@ __all__ = [
 PLANNER_VERSION: Final[str]
 ALGORITHMS: Final[list[str]]
 REPLICA_DIGEST_LEN: Final[int]
+STREAMING_MIN_BYTES: Final[int]
 #: A manifest's limits on holder groups (docs/SECURITY.md): at most
 #: ``MAX_GROUPS`` groups, ``MAX_GROUP_ENTRIES`` ranks listed in all of them
 #: together, every rank below ``MAX_GROUP_RANK``.
@@ -485,3 +488,11 @@ def replica_digests(buffers: Iterable[Buffer], threads: int = 1) -> bytes:
 def differing_leaves(per_rank: Sequence[bytes], leaves: int) -> list[tuple[int, list[int]]]:
     """The leaves on which the ranks' concatenated digests differ, each with
     the ranks that differ from the majority."""
+
+# Streaming copies (deeppart_planner::copy): an asynchronous save's snapshot.
+def copy_into(dst: Buffer, src: Buffer) -> None:
+    """Copies ``src`` into ``dst`` (C-contiguous buffers of one length,
+    ``dst`` writable, not overlapping), with non-temporal stores from
+    ``STREAMING_MIN_BYTES`` on (x86_64), the GIL released. Raises TypeError
+    for a read-only or non-buffer ``dst``, ValueError for lengths that
+    differ, a non-contiguous buffer or overlapping buffers."""

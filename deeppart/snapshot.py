@@ -7,8 +7,9 @@ replicated on P ranks, or, when the plan gives a leaf to some holders only,
 this rank's part among them. :meth:`ShareSnapshot.take` copies each of
 those pieces' byte ranges into one flat host buffer, sized to the share
 (pinned when a piece is on a CUDA device: one asynchronous device-to-host
-copy per piece, one synchronisation at the end; a memcpy for CPU tensors,
-through numpy, not ``Tensor.copy_``: see :meth:`ShareSnapshot.take`),
+copy per piece, one synchronisation at the end; for CPU tensors a memcpy
+with non-temporal stores, ``deeppart._planner.copy_into``, not
+``Tensor.copy_``: see :meth:`ShareSnapshot.take`),
 and returns a :class:`~deeppart.prepare.Prepared` whose ``staged`` pieces
 point into that buffer and whose leaves no longer reference the live
 tensors. Plain values are already immutable bytes (their encoding, made
@@ -29,9 +30,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import numpy as np
-
 from deeppart import staging as _staging
+from deeppart._planner import copy_into
 from deeppart.prepare import Prepared, StagedPiece
 from deeppart.state import FlatLeaf
 
@@ -118,10 +118,11 @@ class ShareSnapshot:
             if n:
                 src = flat[li][start * isz : stop * isz]
                 if src.device.type == "cpu":
-                    # A plain memcpy (numpy): with torch's
-                    # intra-op threads (its default), copy_ of a rank's 115
-                    # pieces took ~6x as long under CPU load (as fast with one).
-                    np.copyto(view[at : at + n], src.numpy())
+                    # A streaming copy (deeppart._planner.copy_into:
+                    # non-temporal stores, the GIL released), not copy_:
+                    # with torch's intra-op threads (its default), copy_ of
+                    # a rank's 115 pieces took ~6x as long under CPU load.
+                    copy_into(view[at : at + n], src.numpy())
                 else:
                     non_blocking = src.device.type == "cuda" and buf.is_pinned()
                     buf[at : at + n].copy_(src, non_blocking=non_blocking)

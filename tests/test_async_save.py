@@ -250,7 +250,7 @@ def test_a_failed_snapshot_raises_at_the_call_and_writes_nothing(
 
 
 def test_the_snapshot_copies_every_kind_of_cpu_tensor(tmp_path: Path) -> None:
-    """The snapshot's CPU copy (a numpy memcpy of each piece's bytes) holds
+    """The snapshot's CPU copy (a streaming copy of each piece's bytes, copy_into) holds
     the values as of the call for tensors numpy has no dtype for
     (bfloat16), non-contiguous views, parameters that require grad,
     0-dim and empty tensors: all overwritten right after the call."""

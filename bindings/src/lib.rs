@@ -7,6 +7,7 @@ use pyo3::prelude::*;
 
 mod cache;
 mod convert;
+mod copy;
 mod cost;
 mod erasure;
 mod errors;
@@ -26,5 +27,6 @@ fn _planner(m: &Bound<'_, PyModule>) -> PyResult<()> {
     cache::register(m)?;
     erasure::register(m)?;
     replica::register(m)?;
+    copy::register(m)?;
     Ok(())
 }

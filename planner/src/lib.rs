@@ -9,6 +9,7 @@ pub mod algorithms;
 pub mod bound;
 pub mod cache;
 pub mod codec;
+pub mod copy;
 pub mod cost;
 pub mod dtype;
 pub mod erasure;

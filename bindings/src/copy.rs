@@ -1,0 +1,54 @@
+//! Streaming copies for Python: `copy_into(dst, src)`, over
+//! `deeppart_planner::copy`, with the GIL released.
+
+use deeppart_planner::copy;
+use pyo3::buffer::PyUntypedBuffer;
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+
+use crate::erasure::ByteView;
+
+/// Copies the bytes of `src` into `dst` (both C-contiguous buffers of the
+/// same length; `dst` writable, not overlapping `src`), with non-temporal
+/// stores when long (`deeppart_planner::copy`), the GIL released.
+#[pyfunction]
+fn copy_into(py: Python<'_>, dst: &Bound<'_, PyAny>, src: &Bound<'_, PyAny>) -> PyResult<()> {
+    let out = PyUntypedBuffer::get(dst).map_err(|_| {
+        PyTypeError::new_err("dst must be a writable bytes-like object (buffer protocol)")
+    })?;
+    if out.readonly() {
+        return Err(PyTypeError::new_err("dst must be a writable buffer"));
+    }
+    if !out.is_c_contiguous() {
+        return Err(PyValueError::new_err("dst must be a C-contiguous buffer"));
+    }
+    let input = ByteView::get(src, &|| "src".to_string())?;
+    let from = input.bytes();
+    let len = out.len_bytes();
+    if len != from.len() {
+        return Err(PyValueError::new_err(format!(
+            "dst holds {len} bytes, src {}",
+            from.len()
+        )));
+    }
+    if len == 0 {
+        return Ok(());
+    }
+    let (d0, s0) = (out.buf_ptr() as usize, from.as_ptr() as usize);
+    if d0 < s0 + len && s0 < d0 + len {
+        return Err(PyValueError::new_err("dst and src overlap"));
+    }
+    // SAFETY: `out` is a writable, C-contiguous buffer of `len` bytes that
+    // stays exported (alive, not resized) until this function returns, and
+    // it does not overlap `from` (checked above).
+    let to = unsafe { std::slice::from_raw_parts_mut(d0 as *mut u8, len) };
+    py.detach(|| copy::copy_streaming(to, from));
+    Ok(())
+}
+
+/// Adds `copy_into` to the `_planner` module.
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("STREAMING_MIN_BYTES", copy::STREAMING_MIN_BYTES)?;
+    m.add_function(wrap_pyfunction!(copy_into, m)?)?;
+    Ok(())
+}
