@@ -2,8 +2,7 @@
 //! `deeppart_planner::copy`, with the GIL released.
 
 use deeppart_planner::copy;
-use pyo3::buffer::PyUntypedBuffer;
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use crate::erasure::ByteView;
@@ -13,18 +12,10 @@ use crate::erasure::ByteView;
 /// stores when long (`deeppart_planner::copy`), the GIL released.
 #[pyfunction]
 fn copy_into(py: Python<'_>, dst: &Bound<'_, PyAny>, src: &Bound<'_, PyAny>) -> PyResult<()> {
-    let out = PyUntypedBuffer::get(dst).map_err(|_| {
-        PyTypeError::new_err("dst must be a writable bytes-like object (buffer protocol)")
-    })?;
-    if out.readonly() {
-        return Err(PyTypeError::new_err("dst must be a writable buffer"));
-    }
-    if !out.is_c_contiguous() {
-        return Err(PyValueError::new_err("dst must be a C-contiguous buffer"));
-    }
+    let out = ByteView::get_writable(dst, &|| "dst".to_string())?;
     let input = ByteView::get(src, &|| "src".to_string())?;
     let from = input.bytes();
-    let len = out.len_bytes();
+    let len = out.len();
     if len != from.len() {
         return Err(PyValueError::new_err(format!(
             "dst holds {len} bytes, src {}",
@@ -34,7 +25,7 @@ fn copy_into(py: Python<'_>, dst: &Bound<'_, PyAny>, src: &Bound<'_, PyAny>) -> 
     if len == 0 {
         return Ok(());
     }
-    let (d0, s0) = (out.buf_ptr() as usize, from.as_ptr() as usize);
+    let (d0, s0) = (out.as_mut_ptr() as usize, from.as_ptr() as usize);
     if d0 < s0 + len && s0 < d0 + len {
         return Err(PyValueError::new_err("dst and src overlap"));
     }

@@ -55,6 +55,33 @@ impl ByteView {
         Ok(ByteView(buf))
     }
 
+    /// [`ByteView::get`] of a buffer that must also be writable.
+    pub(crate) fn get_writable(
+        obj: &Bound<'_, PyAny>,
+        what: &dyn Fn() -> String,
+    ) -> PyResult<ByteView> {
+        let view = ByteView::get(obj, what)?;
+        if view.0.readonly() {
+            return Err(PyTypeError::new_err(format!(
+                "{} must be a writable buffer",
+                what()
+            )));
+        }
+        Ok(view)
+    }
+
+    /// The buffer's length in bytes.
+    pub(crate) fn len(&self) -> usize {
+        self.0.len_bytes()
+    }
+
+    /// The buffer's first byte, for a writer that checked the view is
+    /// writable ([`ByteView::get_writable`]) and that no other live slice
+    /// overlaps the bytes it writes.
+    pub(crate) fn as_mut_ptr(&self) -> *mut u8 {
+        self.0.buf_ptr() as *mut u8
+    }
+
     pub(crate) fn bytes(&self) -> &[u8] {
         let len = self.0.len_bytes();
         if len == 0 {
