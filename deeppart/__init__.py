@@ -32,6 +32,7 @@ from deeppart.errors import (
     AsyncSaveWarning,
     CheckpointError,
     CodecError,
+    CommitConflictError,
     CorruptCheckpointError,
     ForeignPathError,
     FTIError,
@@ -43,6 +44,7 @@ from deeppart.errors import (
     StateMismatchError,
     TopologyMismatchError,
     UnrecoverableError,
+    UnsupportedURLError,
 )
 from deeppart.levels import LevelConfig, LevelSaveStats, RecoveryReport, open_backend
 from deeppart.plan_cache import plan
@@ -66,6 +68,7 @@ __all__ = [
     "CheckpointStats",
     "Checkpointer",
     "CodecError",
+    "CommitConflictError",
     "CorruptCheckpointError",
     "CostModel",
     "DeepPartError",
@@ -92,6 +95,7 @@ __all__ = [
     "Topology",
     "TopologyMismatchError",
     "UnrecoverableError",
+    "UnsupportedURLError",
     "__version__",
     "async_save",
     "default_cache_dir",

@@ -28,7 +28,9 @@ docs/ASYNC.md.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import sys
 import threading
 import time
 import warnings
@@ -39,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 from deeppart.checkpoint import plan_save
 from deeppart.comm import Comm, resolve, writer_comm
 from deeppart.errors import AsyncSaveWarning
+from deeppart.ownership import local_path
 from deeppart.prepare import Prepared
 from deeppart.progress import Stats
 from deeppart.snapshot import ShareSnapshot, share_bytes
@@ -114,6 +117,37 @@ class AsyncSave:
 
 _IN_FLIGHT: dict[Any, AsyncSave] = {}
 _LOCK = threading.Lock()
+
+
+def _report_at_exit() -> None:
+    """At interpreter exit: waits for every asynchronous save still in
+    flight (Python has already joined the writer threads by then; this
+    also covers one still running) and prints the error of each that
+    failed and whose error nobody has seen (through ``wait``, ``result``,
+    ``exception``, the next save, or ``Checkpointer.wait``/``close``) to
+    stderr. The exit status stays the script's own: Python lets an exit
+    handler change it only by skipping the handlers after it (an MPI
+    finalize among them). docs/ASYNC.md."""
+    with _LOCK:
+        handles = list(_IN_FLIGHT.values())
+        _IN_FLIGHT.clear()
+    for handle in handles:
+        seen = handle._seen
+        try:
+            error = handle.exception()
+        except BaseException as e:  # never let one handle hide the others
+            error = e
+        if error is not None and not seen:
+            print(
+                f"deeppart: the asynchronous save to {handle.directory} FAILED and was never "
+                f"waited for (the script ended without wait() or close()): "
+                f"{type(error).__name__}: {error}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+atexit.register(_report_at_exit)
 
 
 # ----------------------------------------------------------------------------
@@ -239,7 +273,7 @@ def async_save(
     return start(
         resolve(comm),
         state,
-        Path(directory),
+        local_path(directory),
         save_kwargs,
         max_staging_bytes=max_staging_bytes,
     )

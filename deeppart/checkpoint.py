@@ -35,12 +35,18 @@ from deeppart import staging as _staging
 from deeppart._planner import Plan
 from deeppart.agreement import agree
 from deeppart.comm import Comm, resolve
-from deeppart.commit import TEMP_NAME_MAX, commit_dir, make_temp_dir, metadata_json
+from deeppart.commit import (
+    TEMP_NAME_MAX,
+    commit_dir,
+    make_temp_dir,
+    metadata_json,
+    remove_temp_dir,
+)
 from deeppart.errors import StateError, StateMismatchError
-from deeppart.format import Metadata, data_file_name, remove_tree
+from deeppart.format import SAVE_ID_HEX, Metadata, data_file_name, new_save_id
 from deeppart.groups import grouped_prepare, load_view, read_own, selection_digest
 from deeppart.integrity import FileView, Hosts, hosts
-from deeppart.ownership import check_target
+from deeppart.ownership import check_target, local_path
 from deeppart.planning import PlanProvider
 from deeppart.prepare import AGREE_WIDTH, Prepared, agree_prepared_flags, prepare
 from deeppart.prepare import verify_replicas as check_replicas
@@ -211,35 +217,38 @@ class PlannedSave:
         the save's :class:`Stats` count from ``t0`` (default: now)."""
         t0 = time.perf_counter() if t0 is None else t0
         prep, final = self.prep, self.final
-        # Rank 0 makes the temporary directory.
+        # Rank 0 makes the temporary directory and the save's id.
         err: BaseException | None = None
-        tmp_name = b""
+        payload = b""
         if c.rank == 0:
             try:
-                tmp_name = make_temp_dir(final, self.overwrite).encode()
+                payload = new_save_id().encode() + make_temp_dir(final, self.overwrite).encode()
             except Exception as e:
                 err = e
-        names = agree(c, err, tmp_name, width=TEMP_NAME_MAX)
+        names = agree(c, err, payload, width=SAVE_ID_HEX + TEMP_NAME_MAX)
         # Every rank leaves that agreement at about the same moment: a rank's
         # time in save() is its time before it plus the common time after it.
         t_sync = time.perf_counter()
         before_sync = t_sync - t0
-        tmp = final.parent / names[0].rstrip(b"\0").decode()
+        save_id = names[0][:SAVE_ID_HEX].decode()
+        tmp = final.parent / names[0][SAVE_ID_HEX:].rstrip(b"\0").decode()
 
         # Every rank writes its pieces; rank 0 gathers the piece records.
-        gathered = _write(c, prep, tmp, self.zstd_level, self.progress, self.staging_bytes)
+        gathered = _write(
+            c, prep, tmp, self.zstd_level, self.progress, self.staging_bytes, save_id
+        )
 
         # Rank 0 commits: metadata, fsyncs, rename, marker.
         stored_total = 0
         if c.rank == 0:
             assert gathered is not None
             try:
-                meta = metadata_json(prep, gathered, self.user)
+                meta = metadata_json(prep, gathered, self.user, save_id=save_id)
                 stored_total = int(json.loads(meta)["stored_bytes"])
-                commit_dir(tmp, final, meta)
+                commit_dir(tmp, final, meta, overwrite=self.overwrite, save_id=save_id)
             except Exception as e:
                 err = e
-                remove_tree(tmp)
+                remove_temp_dir(tmp, save_id)
         rows = agree(c, err, struct.pack("<dQ", before_sync, stored_total), width=16)
 
         after_sync = time.perf_counter() - t_sync
@@ -299,7 +308,7 @@ def plan_save(
     that the same collective shares (``PlannedSave.flags``), and its
     failure fails the agreement on every rank."""
     o = options
-    final = Path(directory)
+    final = local_path(directory)
     zstd_level = compression_level_of(o.get("compression_level", 1), o.get("level"), 4)
     plan_provider = o.get("plan_provider")
     if plan_provider is None:
@@ -363,11 +372,12 @@ def _write(
     zstd_level: int,
     progress: bool | None,
     staging_bytes: int | None,
+    save_id: str = "",
 ) -> Any:
     """The write stage with its agreement: this rank's data file in
-    ``tmp``; rank 0 returns everyone's piece records (flat, each rank's
-    followed by its file size), the others None. On any failure every rank
-    raises, and rank 0 removes ``tmp``."""
+    ``tmp`` (its header carrying ``save_id``); rank 0 returns everyone's
+    piece records (flat, each rank's followed by its file size), the others
+    None. On any failure every rank raises, and rank 0 removes ``tmp``."""
     err: BaseException | None = None
     prog = Progress(
         "save", prep.plan.rank_bytes()[c.rank], enabled=progress if c.rank == 0 else False
@@ -381,6 +391,7 @@ def _write(
             zstd_level,
             prog,
             staging=_staging.Staging(staging_bytes),
+            save_id=save_id,
         )
         local = np.concatenate([records.reshape(-1), np.array([size], dtype=np.uint64)])
     except Exception as e:
@@ -391,7 +402,7 @@ def _write(
         agree(c, err)
     except BaseException:
         if c.rank == 0:
-            remove_tree(tmp)
+            remove_temp_dir(tmp, save_id)
         raise
     counts = [len(prep.plan.rank_pieces(r)) * RECORD_FIELDS + 1 for r in range(c.size)]
     return c.gatherv_u64(local, counts, root=0)
@@ -473,7 +484,7 @@ def load(
     st: ShardTargets | None = None
     digest = b""
     try:
-        path, meta, digest = open_checkpoint(Path(directory))
+        path, meta, digest = open_checkpoint(local_path(directory))
         st = shard_targets(meta, into, keys, strict)
         rp = plan_reads(
             c,

@@ -35,6 +35,7 @@ from deeppart.format import (
     read_regular,
     step_dir_name,
 )
+from deeppart.ownership import local_path
 from deeppart.progress import Progress, human_bytes
 from deeppart.regions import Region
 
@@ -649,10 +650,10 @@ def _print_verify(report: VerifyReport, levels: LevelFiles | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    directory = Path(args.checkpoint)
-    if directory.name == METADATA:
-        directory = directory.parent
     try:
+        directory = local_path(args.checkpoint)
+        if directory.name == METADATA:
+            directory = directory.parent
         meta, committed = _load_metadata(directory, allow_uncommitted=True)
         levels = LevelFiles.from_metadata(meta.raw, args.ckpt_dir)
     except CheckpointError as e:

@@ -15,10 +15,10 @@ from deeppart.checkpoint import compression_level_of, load, save
 from deeppart.comm import resolve
 from deeppart.compression import check_codec
 from deeppart.errors import CheckpointError
-from deeppart.format import STEP_PREFIX, is_committed, remove_tree, step_dir_name, step_number
+from deeppart.format import STEP_PREFIX, is_committed, step_dir_name, step_number
 from deeppart.levels import open_backend
 from deeppart.levels.backend import LevelBackend, LevelSaveStats, RecoveryReport
-from deeppart.ownership import foreign_entries, owned_dir, side_name
+from deeppart.ownership import foreign_entries, local_path, owned_dir, remove_owned, side_name
 from deeppart.planning import PlanProvider
 from deeppart.progress import Stats
 
@@ -87,7 +87,7 @@ class Checkpointer:
             raise ValueError("keep_last must be at least 1")
         if config is not None and async_:
             raise ValueError("async_=True is not supported with config= (multi-level storage)")
-        self.root = Path(root)
+        self.root = local_path(root)
         self.comm = resolve(comm)
         self.keep_last = keep_last
         self.compression = check_codec(compression)
@@ -243,7 +243,9 @@ class Checkpointer:
             step = self._step_of(name)
             side = side_name(name)
             if side is not None and side[0] == "tmp":
-                if step_number(side[1], self.PREFIX) is not None and owned_dir(child):
+                if step_number(side[1], self.PREFIX) is not None and owned_dir(
+                    child, partial=True
+                ):
                     doomed.append(child)
             elif side is not None:
                 if ((step is not None and step in pruned) or self._superseded(child)) and (
@@ -269,9 +271,12 @@ class Checkpointer:
                 doomed.append(child)
         for d in doomed:
             try:
-                remove_tree(d)
+                left = remove_owned(d, partial=d.name.startswith(".tmp-"))
             except OSError as e:
                 failures.append(f"{d}: {e.strerror or e}")
+                continue
+            if left:
+                failures.append(f"{d}: kept, it holds files DeepPart did not write ({left[0]})")
         return failures
 
     def _superseded(self, child: Path) -> bool:

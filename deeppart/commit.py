@@ -4,16 +4,35 @@ Before anything is written, rank 0 makes the save's temporary directory
 (:func:`make_temp_dir`, ``.tmp-NAME-<hex>`` next to the final one); after
 every rank has written its data file, rank 0 builds ``metadata.json`` from
 everyone's piece records (:func:`metadata_json`) and commits
-(:func:`commit_dir`): metadata, fsyncs, rename, and the ``COMMITTED``
-marker last. A directory without the marker is never loaded; a replaced
-checkpoint stays committed (moved aside) until the new marker exists.
+(:func:`commit_dir`): metadata and the ``COMMITTED`` marker into the
+temporary directory, fsyncs, then one rename that cannot replace anything
+(:func:`rename_noreplace`): the rename is the commit. A directory without
+the marker is never loaded; a replaced checkpoint (``overwrite=True``, and
+only a committed DeepPart checkpoint, checked again at commit time) is
+moved aside first, stays committed there until the new one is in place,
+and is then removed file by file (:func:`deeppart.ownership.remove_owned`).
+
+What a commit may replace (docs/SECURITY.md, "What DeepPart may replace or
+delete"): nothing, if the target is absent or an empty directory (removed
+with ``rmdir``, which cannot remove anything else); with ``overwrite=True``
+a committed DeepPart checkpoint; and an uncommitted directory holding only
+DeepPart's files (what an older version's interrupted save left). Anything
+else at the target when the commit runs (another save's committed
+checkpoint with ``overwrite=False``, a user's file put there while the save
+was writing) fails the save with :class:`CommitConflictError` and stays as
+it is.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import errno
 import json
 import os
 import time
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +40,7 @@ import numpy as np
 import numpy.typing as npt
 
 from deeppart.compression import CODECS
-from deeppart.errors import CheckpointError
+from deeppart.errors import CheckpointError, CommitConflictError
 from deeppart.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -33,17 +52,88 @@ from deeppart.format import (
     fsync_dir,
     is_committed,
     marker_text,
-    remove_tree,
+    new_save_id,
     write_durable,
 )
-from deeppart.ownership import check_target
+from deeppart.ownership import (
+    check_target,
+    checkpoint_file,
+    foreign_entries,
+    metadata_save_id,
+    remove_owned,
+)
 from deeppart.prepare import Prepared
 from deeppart.writer import RECORD_FIELDS
 
-__all__ = ["TEMP_NAME_MAX", "commit_dir", "make_temp_dir", "metadata_head", "metadata_json"]
+__all__ = [
+    "TEMP_NAME_MAX",
+    "commit_dir",
+    "has_renameat2",
+    "make_temp_dir",
+    "metadata_head",
+    "metadata_json",
+    "remove_temp_dir",
+    "rename_noreplace",
+]
 
 #: The longest temporary directory name (``.tmp-`` NAME ``-`` 12 hex digits).
 TEMP_NAME_MAX = len(".tmp--") + 12 + 255
+
+# ----------------------------------------------------------------------------
+# A rename that never replaces.
+
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+#: errno values by which renameat2 says it cannot do RENAME_NOREPLACE here
+#: (an old kernel, a file system without it): then the fallback runs.
+_UNSUPPORTED = (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP)
+
+
+def _load_renameat2() -> Callable[..., int] | None:
+    """libc's ``renameat2`` (glibc 2.28 and later), or None."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn  # type: ignore[no-any-return]
+
+
+_renameat2: Callable[..., int] | None = _load_renameat2()
+
+
+def has_renameat2() -> bool:
+    """Whether this process has ``renameat2`` (whether a file system also
+    supports its RENAME_NOREPLACE is known only when a rename is tried)."""
+    return _renameat2 is not None
+
+
+def rename_noreplace(src: Path, dst: Path) -> None:
+    """Renames ``src`` to ``dst`` only if nothing is at ``dst``; else
+    :class:`FileExistsError`, and nothing changes. Atomic through
+    ``renameat2(RENAME_NOREPLACE)`` (Linux 3.15+, on local file systems,
+    and NFS or FUSE servers that support it). Where that is missing (another
+    OS, an old libc, a file system that answers EINVAL), it checks that
+    ``dst`` is absent and then renames: in the window between the two, the
+    only thing ``rename(2)`` of a directory can replace is an *empty*
+    directory made there meanwhile (POSIX refuses a non-empty directory and
+    a file), so no file is ever lost; docs/SECURITY.md says the same."""
+    fn = _renameat2
+    if fn is not None:
+        if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+            return
+        code = ctypes.get_errno()
+        if code not in _UNSUPPORTED:
+            raise OSError(code, os.strerror(code), str(src), None, str(dst))
+    if os.path.lexists(dst):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(src), None, str(dst))
+    os.rename(src, dst)
+
+
+# ----------------------------------------------------------------------------
+# The temporary directory.
 
 
 def make_temp_dir(final: Path, overwrite: bool) -> str:
@@ -64,11 +154,31 @@ def make_temp_dir(final: Path, overwrite: bool) -> str:
     return name
 
 
-def metadata_head(prep: Prepared, codec: str) -> dict[str, Any]:
-    """The keys of ``metadata.json`` that describe the state and its plan."""
+def remove_temp_dir(tmp: Path, save_id: str | None) -> None:
+    """Removes a failed save's temporary directory ``tmp`` (which this save
+    made): only the files this save wrote there (by name and content, its
+    ``save_id``; partly written data files too); anything else stays, with
+    the directory, and a warning names it."""
+    try:
+        left = remove_owned(tmp, save_id=save_id, partial=True)
+    except OSError as e:
+        left = [f"({e})"]
+    if left:
+        warnings.warn(
+            f"{tmp}: the failed save's temporary directory is kept: it holds entries this "
+            f"save did not write ({', '.join(left[:5])})",
+            stacklevel=2,
+        )
+
+
+def metadata_head(prep: Prepared, codec: str, save_id: str | None = None) -> dict[str, Any]:
+    """The keys of ``metadata.json`` that describe the state and its plan;
+    ``save_id``: the save's id (default: a new one), kept near the start,
+    where :func:`deeppart.ownership.metadata_save_id` reads it."""
     return {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
+        "save_id": save_id or new_save_id(),
         "created_unix": time.time(),
         "world_size": prep.plan.world_size,
         "algorithm": prep.plan.algorithm,
@@ -95,6 +205,7 @@ def metadata_json(
     records: npt.NDArray[np.uint64],
     user: Any,
     extra: dict[str, Any] | None = None,
+    save_id: str | None = None,
 ) -> bytes:
     world = prep.plan.world_size
     counts = [len(prep.plan.rank_pieces(r)) for r in range(world)]
@@ -113,7 +224,7 @@ def metadata_json(
             raw_total += length
             stored_total += stored
     meta = {
-        **metadata_head(prep, prep.codec),
+        **metadata_head(prep, prep.codec, save_id),
         "alignment": HEADER_SIZE,
         "raw_bytes": raw_total,
         "stored_bytes": stored_total,
@@ -126,22 +237,110 @@ def metadata_json(
     return json.dumps(meta, separators=(",", ":"), allow_nan=False).encode()
 
 
-def commit_dir(tmp: Path, final: Path, meta: bytes) -> None:
+def commit_dir(
+    tmp: Path, final: Path, meta: bytes, *, overwrite: bool = False, save_id: str | None = None
+) -> None:
     """Rank 0's commit of a written temporary directory ``tmp`` as ``final``:
-    metadata.json, fsyncs, rename (a replaced ``final`` is moved aside,
-    still committed, and removed only after the new marker), then the
-    COMMITTED marker, written last."""
+    metadata.json and the COMMITTED marker into ``tmp``, fsyncs, then
+    :func:`rename_noreplace` (the commit itself). What may be at ``final``
+    then: nothing, an empty directory (removed with ``rmdir``), an
+    uncommitted directory of DeepPart's files only, or with ``overwrite``
+    a committed DeepPart checkpoint (all checked again here, by content).
+    Those are moved aside (still committed: if this save dies now, load()
+    serves them from there) and removed after the rename, file by file.
+    Anything else raises :class:`CommitConflictError` and stays; the caller
+    removes ``tmp``. ``save_id``: this save's id (recorded in ``meta``)."""
     write_durable(tmp / METADATA, meta)
+    write_durable(tmp / MARKER, marker_text(meta))
     fsync_dir(tmp)
-    old: Path | None = None
-    if final.exists():
-        # Moved aside still committed: if this save dies before its marker,
-        # load() serves the previous checkpoint from there.
-        old = final.parent / f".old-{final.name}-{os.urandom(6).hex()}"
-        final.rename(old)
-    tmp.rename(final)
+    old = _move_aside(final, overwrite)
+    try:
+        rename_noreplace(tmp, final)
+    except FileExistsError as e:
+        if old is not None:
+            # Put back what was moved aside, unless the target was taken.
+            with contextlib.suppress(OSError):
+                rename_noreplace(old, final)
+        raise CommitConflictError(
+            f"{final}: something was put there while the save committed; nothing was replaced"
+            f"{'' if old is None else f' (the replaced checkpoint is at {old} if not back)'}"
+        ) from e
     fsync_dir(final.parent)
-    write_durable(final / MARKER, marker_text(meta))
-    fsync_dir(final)
     if old is not None:
-        remove_tree(old)
+        _remove_aside(old)
+
+
+def _move_aside(final: Path, overwrite: bool) -> Path | None:
+    """What :func:`commit_dir` does with whatever is at ``final`` before its
+    rename: None if nothing is there (an empty directory is removed); the
+    ``.old-NAME-<hex>`` path it moved a replaceable checkpoint to; else
+    :class:`CommitConflictError`."""
+    if not os.path.lexists(final):
+        return None
+    if final.is_dir() and not final.is_symlink():
+        try:
+            final.rmdir()  # only ever removes an empty directory
+            return None
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+    committed = is_committed(final)
+    why = _not_replaceable(final, committed, overwrite)
+    if why:
+        raise CommitConflictError(why)
+    old = final.parent / f".old-{final.name}-{os.urandom(6).hex()}"
+    rename_noreplace(final, old)
+    # Checked again once it can no longer change under its name: if it
+    # was swapped between the check and the rename, it goes back.
+    why = _not_replaceable(old, committed, overwrite, shown=final)
+    if why:
+        try:
+            rename_noreplace(old, final)
+        except OSError:
+            why += f" (it is now at {old})"
+        raise CommitConflictError(why)
+    return old
+
+
+def _not_replaceable(
+    path: Path, committed: bool, overwrite: bool, shown: Path | None = None
+) -> str:
+    """Why the commit may not replace ``path`` ("" if it may)."""
+    shown = shown or path
+    if path.is_symlink() or not path.is_dir():
+        return (
+            f"{shown}: a file or link was put there while the save was writing; DeepPart "
+            "replaces only its own checkpoints: nothing was replaced"
+        )
+    foreign = foreign_entries(path, checkpoint_file, metadata_save_id(path))
+    if foreign:
+        return (
+            f"{shown}: holds entries DeepPart did not write ({', '.join(foreign[:5])}), put "
+            "there while the save was writing; DeepPart replaces only its own checkpoints, "
+            "even with overwrite=True: nothing was replaced"
+        )
+    if is_committed(path) != committed:
+        return f"{shown}: changed while the save committed; nothing was replaced"
+    if committed and not overwrite:
+        return (
+            f"{shown}: another save committed a checkpoint there while this one was writing "
+            "(overwrite=False): that checkpoint is kept and this save failed; pass "
+            "overwrite=True to replace it, or save to another directory"
+        )
+    return ""
+
+
+def _remove_aside(old: Path) -> None:
+    """Removes a replaced checkpoint moved aside to ``old`` (only its own
+    files, by content and its save id); whatever else is there stays, with
+    a warning."""
+    try:
+        left = remove_owned(old, save_id=metadata_save_id(old))
+    except OSError as e:
+        left = [f"({e})"]
+    if left:
+        warnings.warn(
+            f"{old}: the replaced checkpoint is kept here: it holds entries DeepPart did not "
+            f"write ({', '.join(left[:5])})",
+            stacklevel=3,
+        )

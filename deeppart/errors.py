@@ -50,6 +50,7 @@ __all__ = [
     "CacheWarning",
     "CheckpointError",
     "CodecError",
+    "CommitConflictError",
     "CorruptCheckpointError",
     "DcpPlanError",
     "DeepPartError",
@@ -68,6 +69,7 @@ __all__ = [
     "StateMismatchError",
     "TopologyMismatchError",
     "UnrecoverableError",
+    "UnsupportedURLError",
     "ValueEncodeError",
     "WireError",
     "code_of",
@@ -103,6 +105,18 @@ class ForeignPathError(CheckpointError):
     """A save's target holds something DeepPart did not write (a regular
     file, a symbolic link, a directory with other files): DeepPart replaces
     and removes only its own checkpoints (:mod:`deeppart.ownership`)."""
+
+
+class CommitConflictError(CheckpointError):
+    """A save's commit found its target taken: another save committed there
+    first (with ``overwrite=False``), or something that is not a committed
+    DeepPart checkpoint appeared at the target while the save was writing.
+    Nothing at the target was replaced; the save's own files are removed."""
+
+
+class UnsupportedURLError(CheckpointError, ValueError):
+    """A path is a URL (``scheme://...``) that DeepPart does not serve: it
+    reads and writes local (or mounted) file systems only."""
 
 
 class CorruptCheckpointError(CheckpointError):
@@ -210,6 +224,8 @@ ERROR_TYPES: tuple[type[DeepPartError], ...] = (
     FTIError,
     ExportError,
     ForeignPathError,
+    CommitConflictError,
+    UnsupportedURLError,
     CheckpointError,
     ValueEncodeError,
     StateError,

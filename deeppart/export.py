@@ -28,6 +28,7 @@ from deeppart.checkpoint import load, save
 from deeppart.comm import SingleComm
 from deeppart.errors import CheckpointError, DeepPartError, ExportError
 from deeppart.format import decode_metadata, read_checked_metadata
+from deeppart.ownership import local_path
 from deeppart.state import skeleton_paths
 
 #: Hugging Face's names of the files in a safetensors model directory.
@@ -123,7 +124,8 @@ def export_safetensors(
     before anything is written, unless ``overwrite``. Returns the files."""
     from safetensors.torch import save_file
 
-    src = Path(checkpoint)
+    src = local_path(checkpoint)
+    out = local_path(out_dir)
     key = _model_key(src, key)
     paths, sizes, aliases = _tensor_leaves(src, key)
     if not paths:
@@ -144,7 +146,6 @@ def export_safetensors(
             used = 0
         shards[-1].append(i)
         used += size
-    out = Path(out_dir)
     count = len(shards)
     names = [
         SAFETENSORS_SINGLE if count == 1 else f"model-{n:05d}-of-{count:05d}.safetensors"
@@ -215,10 +216,10 @@ def export_torch(
     ``out_file`` is refused (:class:`ExportError`) unless ``overwrite``."""
     import torch
 
-    _refuse_existing([Path(out_file)], overwrite)
+    out = local_path(out_file)
+    _refuse_existing([out], overwrite)
 
     state = load(checkpoint, comm=SingleComm())
-    out = Path(out_file)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = _temporary(out)
     torch.save(state, tmp)
@@ -275,7 +276,8 @@ def import_checkpoint(
     save's Stats."""
     import torch
 
-    src = Path(source)
+    src = local_path(source)
+    local_path(checkpoint)
     if src.is_dir() or src.suffix == ".safetensors":
         state: Any = {key: _read_safetensors(src)}
     else:

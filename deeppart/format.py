@@ -18,6 +18,7 @@ import contextlib
 import hashlib
 import json
 import os
+import secrets
 import stat
 import struct
 from dataclasses import dataclass, field
@@ -44,6 +45,12 @@ HEADER_SIZE = ALIGN
 MAGIC = b"DPCKPT01"
 #: Header: magic, format version, rank, world size, plan fingerprint (hex).
 _HEADER = struct.Struct("<8sIII64s")
+#: Then (in the header's former padding, so older readers ignore it) the
+#: id of the save that wrote the file: 16 bytes, all zero in files written
+#: before save ids existed.
+_SAVE_ID = struct.Struct("<16s")
+#: The length in hex digits of a save's id (:func:`new_save_id`).
+SAVE_ID_HEX = 32
 #: Largest object (plain value) leaf accepted on load.
 MAX_OBJECT_BYTES = 1 << 30
 #: Largest metadata.json accepted on load. Its parse takes memory and time
@@ -98,10 +105,29 @@ def checksum(data: bytes | memoryview) -> int:
     return int(xxhash.xxh3_64(data).intdigest())
 
 
-def header_bytes(rank: int, world_size: int, plan_fingerprint: str) -> bytes:
+def new_save_id() -> str:
+    """A fresh random id for one save (32 hex digits): stored in its
+    ``metadata.json`` (``save_id``) and in its data files' headers, so that
+    DeepPart tells its own files from others by content
+    (:mod:`deeppart.ownership`)."""
+    return secrets.token_hex(SAVE_ID_HEX // 2)
+
+
+def header_bytes(rank: int, world_size: int, plan_fingerprint: str, save_id: str = "") -> bytes:
     fp = plan_fingerprint.encode("ascii")[:64].ljust(64, b"\0")
     head = _HEADER.pack(MAGIC, FORMAT_VERSION, rank, world_size, fp)
+    head += _SAVE_ID.pack(bytes.fromhex(save_id) if save_id else b"")
     return head.ljust(HEADER_SIZE, b"\0")
+
+
+def header_save_id(data: bytes) -> str | None:
+    """The save id in a data file's first bytes ``data``: its hex digits,
+    ``""`` for a DeepPart file written before save ids, None if ``data`` is
+    not the start of a DeepPart data file (no magic)."""
+    if len(data) < _HEADER.size + _SAVE_ID.size or not data.startswith(MAGIC):
+        return None if not data.startswith(MAGIC) else ""
+    raw: bytes = _SAVE_ID.unpack_from(data, _HEADER.size)[0]
+    return "" if not any(raw) else raw.hex()
 
 
 def check_header(path: Path, data: bytes, rank: int, world_size: int, fingerprint: str) -> None:
@@ -208,6 +234,10 @@ def write_durable(path: Path, data: bytes) -> None:
 def marker_text(metadata: bytes) -> bytes:
     digest = hashlib.sha256(metadata).hexdigest()
     return f"{FORMAT_NAME} v{FORMAT_VERSION}\nsha256 {digest}\n".encode()
+
+
+#: How every COMMITTED marker begins.
+MARKER_PREFIX = f"{FORMAT_NAME} v".encode()
 
 
 def is_committed(directory: Path) -> bool:

@@ -128,8 +128,10 @@ def write_pieces(
     level: int,
     progress: Progress,
     staging: _staging.Staging | None = None,
+    save_id: str = "",
 ) -> tuple[npt.NDArray[np.uint64], int]:
-    """Writes this rank's data file; returns its piece records and size.
+    """Writes this rank's data file (its header carrying the save's id
+    ``save_id``, if any); returns its piece records and size.
     Pieces of device tensors pass through ``staging`` in bounded chunks."""
     stage = staging if staging is not None else _staging.Staging()
     on_device: dict[int, Any] = {}
@@ -146,7 +148,7 @@ def write_pieces(
     sums: list[tuple[int, Future[int]]] = []
     pool: ThreadPoolExecutor | None = None
     with contextlib.ExitStack() as stack, open(path, "wb") as f:
-        f.write(header_bytes(rank, prep.plan.world_size, prep.plan.fingerprint))
+        f.write(header_bytes(rank, prep.plan.world_size, prep.plan.fingerprint, save_id))
         pos = end = HEADER_SIZE
         for k, (li, start, stop) in enumerate(pieces):
             leaf = prep.leaves[li]

@@ -404,24 +404,25 @@ def test_interrupted_overwrite_keeps_the_previous_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """overwrite=True over a committed checkpoint, dying after the old one was
-    moved aside and the new one renamed in but before its marker: load()
-    serves the old one (with a warning), never nothing; a Checkpointer's
-    cleanup keeps that only copy until the step commits again."""
+    moved aside but before the new one was renamed in (its marker is
+    written before that rename, which is the commit): load() serves the old
+    one (with a warning), never nothing; a Checkpointer's cleanup keeps that
+    only copy until the step commits again."""
     d = tmp_path / "step-00000005"
     old_state = {"w": torch.arange(10.0), "step": 5}
     deeppart.save(old_state, d)
-    from deeppart.format import write_durable as real
+    real = commit.rename_noreplace
 
-    def die_at_marker(path: Path, data: bytes) -> None:
-        if path.name == MARKER:
-            raise KeyboardInterrupt("killed before the marker")
-        real(path, data)
+    def die_at_commit(src: Path, dst: Path) -> None:
+        if src.name.startswith(".tmp-"):
+            raise KeyboardInterrupt("killed before the commit's rename")
+        real(src, dst)
 
-    monkeypatch.setattr(commit, "write_durable", die_at_marker)
+    monkeypatch.setattr(commit, "rename_noreplace", die_at_commit)
     with pytest.raises(KeyboardInterrupt):
         deeppart.save({"w": torch.zeros(10), "step": 6}, d, overwrite=True)
-    monkeypatch.setattr(commit, "write_durable", real)
-    assert not is_committed(d)
+    monkeypatch.setattr(commit, "rename_noreplace", real)
+    assert not d.exists()
     olds = [p for p in tmp_path.iterdir() if p.name.startswith(".old-")]
     assert len(olds) == 1 and is_committed(olds[0])
     with pytest.warns(UserWarning, match="a save replacing it was interrupted"):

@@ -149,10 +149,11 @@ def test_checkpointer_still_removes_its_interrupted_saves(tmp_path: Path) -> Non
     ck.save(1, state())
     half = root / ".tmp-step-00000002-00112233aabb"
     half.mkdir()
-    (half / "rank-00000.bin").write_bytes(b"partial")
+    (half / "rank-00000.bin").write_bytes(b"")  # a write that died before its header
     uncommitted = root / step_dir_name(3)
     uncommitted.mkdir()
-    (uncommitted / "metadata.json").write_text("{}")
+    # DeepPart's by content (an older version's save died before its marker).
+    (uncommitted / "metadata.json").write_text('{"format": "deeppart-checkpoint"}')
     ck.save(4, state())
     assert not half.exists() and not uncommitted.exists()
     assert ck.steps() == [1, 4]

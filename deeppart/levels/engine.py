@@ -46,20 +46,20 @@ import numpy.typing as npt
 from deeppart.agreement import agree
 from deeppart.checkpoint import save
 from deeppart.comm import Comm, resolve
-from deeppart.commit import commit_dir, metadata_json
+from deeppart.commit import commit_dir, metadata_json, remove_temp_dir
 from deeppart.errors import (
     CheckpointError,
     LevelConfigError,
     TopologyMismatchError,
     UnrecoverableError,
 )
-from deeppart.format import MARKER, data_file_name, fsync_dir, remove_tree
+from deeppart.format import MARKER, data_file_name, fsync_dir, new_save_id
 from deeppart.levels import erasure, partner, recovery
 from deeppart.levels.backend import LevelSaveStats, RecoveryReport
 from deeppart.levels.config import LevelConfig
 from deeppart.levels.erasure import STRIPE_BYTES
 from deeppart.levels.layout import Layout, step_name, steps_in
-from deeppart.ownership import check_target, checkpoint_file, level_file, owned_dir, side_name
+from deeppart.ownership import check_target, checkpoint_file, level_file, remove_owned, side_name
 from deeppart.planning import PlanProvider
 from deeppart.prepare import Prepared, agree_prepared, prepare, refuse_sharded
 from deeppart.progress import Progress
@@ -70,9 +70,9 @@ _T = TypeVar("_T")
 
 
 def _remove_owned(path: Path, ours: Callable[[str], bool] = checkpoint_file) -> None:
-    """Removes ``path`` if it holds only DeepPart's files; else leaves it."""
-    if owned_dir(path, ours):
-        remove_tree(path)
+    """Removes ``path`` if it holds only DeepPart's files (by name and
+    content, :func:`deeppart.ownership.remove_owned`); else leaves it."""
+    remove_owned(path, ours)
 
 
 class BuiltinBackend:
@@ -346,17 +346,23 @@ class BuiltinBackend:
             "parity_sizes": parity_sizes,
             "parity_xxh3": parity_xxh3,
         }
+        save_id = new_save_id()
         meta = metadata_json(
-            prep, np.concatenate(blocks), {"step": step, "user": user}, {"levels": levels}
+            prep,
+            np.concatenate(blocks),
+            {"step": step, "user": user},
+            {"levels": levels},
+            save_id=save_id,
         )
         final = self.meta_step(step)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.parent / f".tmp-{final.name}-{os.urandom(6).hex()}"
         tmp.mkdir()
         try:
-            commit_dir(tmp, final, meta)
+            # Re-saving a step replaces its (uncommitted: see save) metadata.
+            commit_dir(tmp, final, meta, overwrite=True, save_id=save_id)
         except BaseException:
-            remove_tree(tmp)
+            remove_temp_dir(tmp, save_id)
             raise
 
     # ------------------------------------------------------------------

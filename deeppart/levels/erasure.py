@@ -275,5 +275,6 @@ def restore_parity(
                 fsync_dir(local)
                 done.append(str(final))
         except OSError:
-            pass
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)  # e.g. ``final`` is a directory
     return done

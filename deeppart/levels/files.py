@@ -19,6 +19,7 @@ time.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,6 +36,7 @@ from deeppart.format import (
     check_header,
     checksum,
     data_file_name,
+    fsync_dir,
 )
 
 U8 = npt.NDArray[np.uint8]
@@ -49,6 +51,23 @@ def write_file(path: Path, chunks: Sequence[U8 | bytes]) -> None:
             f.write(c if isinstance(c, bytes) else c.data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def replace_file(path: Path, chunks: Sequence[U8 | bytes]) -> None:
+    """Writes ``chunks`` as ``path`` through the temporary name
+    ``path.tmp`` (written, fsynced, renamed, the directory fsynced). On any
+    failure (a full disk, ``path`` being a directory) the temporary file is
+    removed and the error raised: a failed write leaves nothing behind."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        write_file(tmp, chunks)
+        tmp.replace(path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            if tmp.is_file() and not tmp.is_symlink():
+                tmp.unlink()
+        raise
+    fsync_dir(path.parent)
 
 
 def read_all(path: Path, size: int) -> U8 | None:

@@ -20,7 +20,6 @@ from pathlib import Path
 import numpy as np
 
 from deeppart.comm import Comm
-from deeppart.format import fsync_dir
 from deeppart.levels import files
 from deeppart.levels.files import EMPTY, U8
 from deeppart.levels.layout import Layout, partner_file
@@ -88,9 +87,7 @@ def restore_copy(
         path = local / partner_file(source)
         try:
             local.mkdir(parents=True, exist_ok=True)
-            files.write_file(path.with_name(path.name + ".tmp"), [recv])
-            path.with_name(path.name + ".tmp").replace(path)
-            fsync_dir(local)
+            files.replace_file(path, [recv])
             done.append(str(path))
         except OSError:
             pass

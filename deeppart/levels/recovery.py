@@ -41,7 +41,7 @@ from deeppart.agreement import agree
 from deeppart.checkpoint import load
 from deeppart.comm import Comm
 from deeppart.errors import CheckpointError, CorruptCheckpointError, UnrecoverableError
-from deeppart.format import Metadata, Piece, checksum, data_file_name, fsync_dir, is_committed
+from deeppart.format import Metadata, Piece, checksum, data_file_name, is_committed
 from deeppart.levels import erasure, files, partner
 from deeppart.levels.backend import RecoveryReport
 from deeppart.levels.files import EMPTY, U8, BufReader, by_rank, file_ok, read_all, size_is
@@ -242,10 +242,7 @@ def store(path: Path, buf: U8) -> str:
     (recovery does not need the file on disk)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        files.write_file(tmp, [buf])
-        tmp.replace(path)
-        fsync_dir(path.parent)
+        files.replace_file(path, [buf])
     except OSError:
         return ""
     return str(path)
@@ -412,10 +409,7 @@ def recover_own(
             local = layout.local_step(st.step, r)
             local.mkdir(parents=True, exist_ok=True)
             final = local / data_file_name(r)
-            tmp = local / (data_file_name(r) + ".tmp")
-            files.write_file(tmp, [own])
-            tmp.replace(final)
-            fsync_dir(local)
+            files.replace_file(final, [own])
             rewritten = str(final)
     except UnrecoverableError as e:
         err = e

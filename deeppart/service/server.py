@@ -21,6 +21,7 @@ import hmac
 import json
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -120,11 +121,58 @@ class JsonLog:
 # Persistence.
 
 
+#: The temporary name :func:`atomic_write` writes under:
+#: ``.NAME.<pid>.<thread id>.tmp``.
+_TEMP_NAME = re.compile(r"\.(.+)\.(\d+)\.(\d+)\.tmp")
+
+
+def _temp_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return pid > 0  # someone else's live process (or no such pid at all)
+    return True
+
+
+def remove_stale_temps(directory: Path) -> list[Path]:
+    """Removes the temporary files that :func:`atomic_write` left in
+    ``directory`` when its process was killed (SIGKILL, power loss) between
+    creating and renaming them: those named ``.NAME.<pid>.<tid>.tmp`` whose
+    process no longer runs. Returns what it removed. Run when a store opens,
+    so such files never outlive the next start of the service."""
+    removed: list[Path] = []
+    try:
+        children = list(directory.iterdir())
+    except OSError:
+        return removed
+    for child in children:
+        m = _TEMP_NAME.fullmatch(child.name)
+        if m is None or _pid_alive(int(m.group(2))):
+            continue  # this process's own (another store may write here), or a live one's
+        try:
+            if child.is_file() and not child.is_symlink():
+                child.unlink()
+                removed.append(child)
+        except OSError:
+            continue
+    return removed
+
+
 def atomic_write(path: Path, data: bytes) -> None:
     """Writes ``data`` to ``path`` so that a reader (or a restart after SIGKILL)
-    sees either the old file or the whole new one: tmp file, fsync, rename, fsync dir."""
+    sees either the old file or the whole new one: tmp file, fsync, rename, fsync dir.
+    A temporary file a SIGKILL leaves is removed when the store opens next
+    (:func:`remove_stale_temps`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp = _temp_path(path)
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
@@ -171,6 +219,8 @@ class DiskBudget:
         self._log = log
         self._what = what
         self._lock = threading.Lock()
+        for gone in remove_stale_temps(directory):
+            log("stale_temp_removed", path=str(gone))
         with self._lock:
             self.bytes = sum(c for _, _, c in self._files())
             if self.bytes > self.max_bytes:  # the budget was lowered since the last run
@@ -671,7 +721,7 @@ class PlannerService:
             expected = plan_fingerprint(
                 manifest, req.world_size, algorithm=algorithm, cost=cost, topology=topology
             )
-        except (ValueError, DeepPartError) as e:
+        except (ValueError, OverflowError, DeepPartError) as e:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
         if expected != req.plan_fingerprint:
             raise ServiceError(
@@ -689,7 +739,7 @@ class PlannerService:
                 return self._served(cached, "response-cache")
             try:
                 plan = self._plan(manifest, req.world_size, algorithm, cost, topology)
-            except (ValueError, DeepPartError) as e:
+            except (ValueError, OverflowError, DeepPartError) as e:
                 raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
             if plan.fingerprint != req.plan_fingerprint:
                 raise ServiceError(

@@ -358,20 +358,24 @@ def cost_to_proto(cost: CostModel | None) -> pb.CostModel:
 
 
 def cost_from_proto(msg: pb.CostModel) -> CostModel:
-    """The cost model; ``PlanError`` if a value is invalid."""
-    return CostModel(
-        fixed_s=msg.fixed_s if msg.HasField("fixed_s") else None,
-        piece_s=msg.piece_s if msg.HasField("piece_s") else None,
-        bandwidth=msg.bandwidth if msg.HasField("bandwidth") else None,
-        writer_s=msg.writer_s if msg.HasField("writer_s") else None,
-        min_piece_bytes=msg.min_piece_bytes if msg.HasField("min_piece_bytes") else None,
-        align_bytes=msg.align_bytes if msg.HasField("align_bytes") else None,
-        grain=_grain_from_proto(msg),
-        node_bandwidth=msg.node_bandwidth if msg.HasField("node_bandwidth") else None,
-        aggregate_bandwidth=(
-            msg.aggregate_bandwidth if msg.HasField("aggregate_bandwidth") else None
-        ),
-    )
+    """The cost model; ``PlanError`` if a value is invalid (also one too
+    large for the planner's integers, e.g. ``align_bytes = 2**63``)."""
+    try:
+        return CostModel(
+            fixed_s=msg.fixed_s if msg.HasField("fixed_s") else None,
+            piece_s=msg.piece_s if msg.HasField("piece_s") else None,
+            bandwidth=msg.bandwidth if msg.HasField("bandwidth") else None,
+            writer_s=msg.writer_s if msg.HasField("writer_s") else None,
+            min_piece_bytes=msg.min_piece_bytes if msg.HasField("min_piece_bytes") else None,
+            align_bytes=msg.align_bytes if msg.HasField("align_bytes") else None,
+            grain=_grain_from_proto(msg),
+            node_bandwidth=msg.node_bandwidth if msg.HasField("node_bandwidth") else None,
+            aggregate_bandwidth=(
+                msg.aggregate_bandwidth if msg.HasField("aggregate_bandwidth") else None
+            ),
+        )
+    except OverflowError as e:
+        raise PlanError(f"cost model: a value is out of range ({e})") from e
 
 
 def _grain_from_proto(msg: pb.CostModel) -> Literal["element", "row"] | None:
