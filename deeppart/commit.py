@@ -98,7 +98,7 @@ def _load_renameat2() -> Callable[..., int] | None:
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
     fn.restype = ctypes.c_int
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 _renameat2: Callable[..., int] | None = _load_renameat2()
