@@ -129,7 +129,14 @@ def rename_noreplace(src: Path, dst: Path) -> None:
             raise OSError(code, os.strerror(code), str(src), None, str(dst))
     if os.path.lexists(dst):
         raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(src), None, str(dst))
-    os.rename(src, dst)
+    try:
+        os.rename(src, dst)
+    except OSError as e:
+        # Something appeared at ``dst`` after the check: rename(2) refused
+        # to replace it (a non-empty directory, or a file for a directory).
+        if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            raise FileExistsError(e.errno, e.strerror, str(src), None, str(dst)) from e
+        raise
 
 
 # ----------------------------------------------------------------------------

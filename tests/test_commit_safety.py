@@ -81,6 +81,29 @@ def test_rename_noreplace_never_replaces(tmp_path: Path, rename_kind: str) -> No
     assert (tmp_path / "free" / "a").read_text() == "new" and not src.exists()
 
 
+def test_fallback_race_window_loses_no_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without renameat2, a target that appears between the check and the
+    rename: rename(2) refuses a non-empty directory or a file, and the
+    commit sees that as the target taken."""
+    monkeypatch.setattr(commit, "_renameat2", None)
+    monkeypatch.setattr(commit.os.path, "lexists", lambda p: False)  # the check "passes"
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a").write_text("new")
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "notes.txt").write_text("mine")
+    (tmp_path / "file").write_text("mine")
+    for dst in (full, tmp_path / "file"):
+        with pytest.raises(FileExistsError):
+            commit.rename_noreplace(src, dst)
+    assert (full / "notes.txt").read_text() == "mine"
+    assert (tmp_path / "file").read_text() == "mine"
+    assert (src / "a").read_text() == "new"
+
+
 # ----------------------------------------------------------------------------
 # Item 4: two saves to one directory, both with overwrite=False.
 
