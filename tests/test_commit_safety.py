@@ -88,7 +88,7 @@ def test_fallback_race_window_loses_no_file(
     rename: rename(2) refuses a non-empty directory or a file, and the
     commit sees that as the target taken."""
     monkeypatch.setattr(commit, "_renameat2", None)
-    monkeypatch.setattr(commit.os.path, "lexists", lambda p: False)  # the check "passes"
+    monkeypatch.setattr(os.path, "lexists", lambda p: False)  # the check "passes"
     src = tmp_path / "src"
     src.mkdir()
     (src / "a").write_text("new")
