@@ -240,8 +240,11 @@ class Checkpointer:
         base = lines.nodes.get(parent.step) if parent is not None else None
         ours = lines.ancestry(base) if base is not None and parent == base.link else []
         replace = False
-        if at is not None and at.path == self.path(step) and lines.left_by(ours, at):
-            replace = not self._retire_aside(at.path) if self.keep_last is None else True
+        if at is not None and lines.left_by(ours, at):
+            # Without keep_last it is moved aside now; else (or if it cannot
+            # move) this save replaces it, as overwrite=True would.
+            moved = self.keep_last is None and self._retire_aside(at.path, step)
+            replace = not moved and at.path == self.path(step)
         if at is not None and parent == at.link and at.parent is not None:
             # Saving again the step it came from (overwrite=True): the new
             # step takes its place in the line.
@@ -250,14 +253,16 @@ class Checkpointer:
         value = lineage.record(step, user, run, seq, parent)
         return value, lineage.Link(step, seq), run, replace
 
-    def _retire_aside(self, path: Path) -> bool:
-        """Moves a retired step out of the line's way, to
-        ``.abandoned-<name>-<12 hex>`` (``keep_last=None``); whether it did
-        (only a directory of DeepPart's files moves)."""
+    def _retire_aside(self, path: Path, step: int) -> bool:
+        """Moves step ``step``'s committed copy ``path`` (``step-N``, or the
+        ``.old-step-N-*`` copy of an interrupted overwrite) out of the
+        line's way, to ``.abandoned-step-N-<12 hex>`` (``keep_last=None``);
+        whether it did (only a directory of DeepPart's files moves)."""
         if not owned_dir(path):
             return False
+        name = f"{self.ABANDONED}{step_dir_name(step)}-{os.urandom(6).hex()}"
         try:
-            path.rename(path.parent / f"{self.ABANDONED}{path.name}-{os.urandom(6).hex()}")
+            path.rename(path.parent / name)
         except OSError:
             return False
         return True
@@ -308,8 +313,11 @@ class Checkpointer:
                 )
         if self.keep_last is None:
             for node in left:
-                if node.path == self.path(node.step) and not self._retire_aside(node.path):
-                    failures.append(f"{node.path}: a step of a line left behind, not moved aside")
+                if not self._retire_aside(node.path, node.step):
+                    failures.append(
+                        f"{node.path}: a step of a line left behind, not moved aside "
+                        f"({', '.join(foreign_entries(node.path)[:5]) or 'cannot rename'})"
+                    )
         gone = {n.step for n in pruned} | (
             {n.step for n in left} if self.keep_last is not None else set()
         )

@@ -7,7 +7,9 @@ asynchronous ones), loads of the newest and of earlier steps (rollbacks),
 restarts, foreign files and directories dropped under the root and inside
 step directories, checkpoints of other writers under the same root (a
 second Checkpointer, ``deeppart.save`` under the Checkpointer's naming, an
-earlier version's step without a line record), and crashes injected at
+earlier version's step without a line record; with exclusive commits, one
+that takes a step while the Checkpointer's save of it is writing), and
+crashes injected at
 each stage of a save: the writer's fault hooks (``before-write``,
 ``after-write``) and the commit's (before the rename: ``metadata.json``;
 after it: the ``COMMITTED`` marker). A crash is followed by a restart (a
@@ -31,6 +33,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+import threading
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,7 +42,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -51,11 +54,15 @@ from hypothesis.stateful import (
 
 import deeppart
 from deeppart import commit
-from deeppart.format import MARKER, METADATA, step_dir_name, write_durable
+from deeppart.format import MARKER, METADATA, is_committed, step_dir_name, write_durable
 from deeppart.writer import WriteEvent, fault_hook
 
-EXAMPLES = int(os.environ.get("DEEPPART_MODEL_EXAMPLES", "30"))
+EXAMPLES = int(os.environ.get("DEEPPART_MODEL_EXAMPLES", "50"))
 STEPS = int(os.environ.get("DEEPPART_MODEL_STEPS", "30"))
+#: Whether a commit can never replace what another writer committed (or
+#: put) at its target meanwhile (issue 31, "Commits are exclusive"): the
+#: racing-writer rule asserts that, so it runs only where commits are.
+EXCLUSIVE_COMMITS = hasattr(deeppart, "CommitConflictError")
 #: Step numbers the rules draw from (small, so that they collide).
 STEP = st.integers(0, 9)
 #: Where the examples' roots go: tmpfs when there is one (the test is about
@@ -211,10 +218,21 @@ class CheckpointerModel(RuleBasedStateMachine):
             ours = self.ancestry(base) if base is not None and base.seq == self.parent[1] else []
             since = ours[-1].parent[1] if ours and ours[-1].parent else ours[-1].seq if ours else 0
             if ours and at.seq > since and all(n.step != step for n in ours):
+                event("a rollback saves a step of the line it leaves")
                 return "ok", True
-        if (at is not None or step in self.others) and not overwrite:
+        if self.taken(step) and not overwrite:
             return "exists", False
         return "ok", False
+
+    def taken(self, step: int) -> bool:
+        """Whether a save of ``step`` without ``overwrite`` is refused: a
+        committed checkpoint is at its name (not when only the ``.old-``
+        copy of an interrupted overwrite is committed: deeppart.save does
+        not refuse that either, and the copy goes once the step commits)."""
+        assert (step in self.nodes or step in self.others) or not is_committed(
+            self.root / step_dir_name(step)
+        ), f"step {step} is committed on disk, not in the oracle"
+        return is_committed(self.root / step_dir_name(step))
 
     def committed(self, step: int, value: int) -> None:
         """The oracle's side of a successful save by the Checkpointer."""
@@ -245,6 +263,10 @@ class CheckpointerModel(RuleBasedStateMachine):
             for n in self.nodes.values()
             if n.run == newest.run and n.step not in on and n.seq > since
         ]
+        if left:
+            event("a rollback retires steps")
+        if pruned:
+            event("keep_last prunes steps")
         for n in pruned + left:
             if n.step not in self.pinned:
                 del self.nodes[n.step]
@@ -326,6 +348,19 @@ class CheckpointerModel(RuleBasedStateMachine):
         self.check_value(step, got)
         self.resume_from(step)
 
+    @rule(data=st.data())
+    def rollback(self, data: st.DataObject) -> None:
+        """Back to an earlier step of the live line, then a save (of a
+        new step number, or of one the left line holds)."""
+        assert self.ck is not None
+        line = self.expected_steps() if self.nodes else []
+        if len(line) < 2:
+            return
+        back = data.draw(st.sampled_from(line[:-1]), label="back to")
+        self.check_value(back, self.ck.load(back))
+        self.resume_from(back)
+        self.do_save(data.draw(STEP, label="then save"))
+
     def check_value(self, step: int, got: Any) -> None:
         if step in self.nodes:
             assert_state(got, self.nodes[step].value)
@@ -373,12 +408,67 @@ class CheckpointerModel(RuleBasedStateMachine):
             with pytest.raises(deeppart.ForeignPathError):
                 other.save(step, make_state(v))
             return
-        if step in self.nodes or step in self.others:
+        if self.taken(step):
             with pytest.raises(deeppart.CheckpointError, match="committed checkpoint exists"):
                 other.save(step, make_state(v))
             return
         other.save(step, make_state(v))
+        self.others.pop(step, None)
         self.nodes[step] = Node(step, self.max_seq() + 1, self.new_run(), None, v)
+
+    @precondition(lambda self: EXCLUSIVE_COMMITS)
+    @rule(step=STEP, other=st.sampled_from(["checkpointer", "deeppart.save", "user"]))
+    def racing_writer(self, step: int, other: str) -> None:
+        """The Checkpointer's save of a free step is held after its data
+        file is written while another writer takes the step (another
+        Checkpointer, deeppart.save, or the user's directory with a file);
+        then it goes on: its commit must fail, and replace nothing."""
+        assert self.ck is not None
+        if step in self.nodes or step in self.others or step in self.foreign_steps:
+            return
+        main = threading.get_ident()
+        held, go = threading.Event(), threading.Event()
+
+        def hold(_event: WriteEvent) -> None:
+            if threading.get_ident() != main:
+                held.set()
+                go.wait(60)
+
+        mine, theirs = self.next_value(), self.next_value()
+        outcome: list[BaseException | None] = []
+        ck = self.ck
+
+        def save_mine() -> None:
+            try:
+                settle(ck.save(step, make_state(mine)))
+                outcome.append(None)
+            except BaseException as e:
+                outcome.append(e)
+
+        with fault_hook("after-write", hold):
+            thread = threading.Thread(target=save_mine)
+            thread.start()
+            try:
+                assert held.wait(60), "the held save never wrote"
+                target = self.root / step_dir_name(step)
+                if other == "checkpointer":
+                    deeppart.Checkpointer(self.root).save(step, make_state(theirs))
+                elif other == "deeppart.save":
+                    deeppart.save(make_state(theirs), target)
+                else:
+                    target.mkdir()
+                    (target / "tokenizer.json").write_bytes(b"the user's tokenizer")
+            finally:
+                go.set()
+                thread.join(60)
+        assert outcome and isinstance(outcome[0], deeppart.CheckpointError), outcome
+        if other == "checkpointer":
+            self.nodes[step] = Node(step, self.max_seq() + 1, self.new_run(), None, theirs)
+        elif other == "deeppart.save":
+            self.others[step] = (theirs, False)
+        else:
+            self.foreign[f"{step_dir_name(step)}/tokenizer.json"] = b"the user's tokenizer"
+            self.foreign_steps.add(step)
 
     @rule(step=STEP, legacy=st.booleans())
     def deeppart_save(self, step: int, legacy: bool) -> None:
@@ -391,11 +481,12 @@ class CheckpointerModel(RuleBasedStateMachine):
             with pytest.raises(deeppart.ForeignPathError):
                 deeppart.save(make_state(v), target, user=user)
             return
-        if step in self.nodes or step in self.others:
+        if self.taken(step):
             with pytest.raises(deeppart.CheckpointError, match="committed checkpoint exists"):
                 deeppart.save(make_state(v), target, user=user)
             return
         deeppart.save(make_state(v), target, user=user)
+        self.nodes.pop(step, None)
         self.others[step] = (v, legacy)
 
     @rule(
@@ -460,10 +551,18 @@ class CheckpointerModel(RuleBasedStateMachine):
         for rel, payload in self.foreign.items():
             path = self.root / rel
             assert path.is_file() and path.read_bytes() == payload, f"the user's {rel} is gone"
-        for step in list(self.nodes) + list(self.others):
-            assert (self.root / step_dir_name(step)).is_dir() or any(
-                p.name.startswith(f".old-{step_dir_name(step)}-") for p in self.root.iterdir()
-            ), f"step {step} is gone"
+        # The committed step directories are exactly the oracle's (a step
+        # whose replacement died is served from its committed .old- copy).
+        held = set(self.nodes) | set(self.others)
+        on_disk: set[int] = set()
+        for p in self.root.iterdir():
+            for step in held | set(range(10)):
+                name = step_dir_name(step)
+                if (p.name == name or p.name.startswith(f".old-{name}-")) and is_committed(p):
+                    on_disk.add(step)
+        committed_here = {s for s in on_disk if is_committed(self.root / step_dir_name(s))}
+        assert held <= on_disk, f"steps {sorted(held - on_disk)} are gone"
+        assert committed_here <= held, f"steps {sorted(committed_here - held)} should be gone"
         aside = [p for p in self.root.iterdir() if p.name.startswith(".abandoned-")]
         assert len(aside) - sum(1 for r in self.foreign if r.startswith(".abandoned-")) == (
             self.aside
