@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from deeppart import lineage
 from deeppart.async_save import AsyncCheckpointer, AsyncSave
 from deeppart.checkpoint import compression_level_of, load, save
 from deeppart.comm import resolve
@@ -46,9 +47,17 @@ class Checkpointer:
     """Numbered checkpoints ``ROOT/step-00000100`` in one root directory.
 
     ``save(step, state)`` reuses the plan while the state's structure stays
-    the same; ``keep_last`` old committed checkpoints are kept (older ones
-    and leftovers of interrupted saves are removed only after the new one is
-    committed); ``latest()`` is the newest committed step; ``load(step)``.
+    the same. Steps form a line (:mod:`deeppart.lineage`): each records its
+    parent, the step this Checkpointer last loaded or saved, and its place
+    in the commit order. ``latest()`` is the newest committed step by commit
+    order (not by number), and a restart resumes from it; after a
+    ``load`` of an earlier step, the next save starts a new line, and the
+    newer steps of the line it leaves are retired (removed with
+    ``keep_last``, else moved aside to ``.abandoned-step-N-<hex>``).
+    ``keep_last`` counts only the live line's steps (older ones, and
+    leftovers of interrupted saves, are removed only after the new one is
+    committed); nothing that is not a DeepPart checkpoint written by a
+    Checkpointer under its own naming is counted or touched. ``load(step)``.
 
     With ``async_=True``, ``save`` returns an :class:`deeppart.AsyncSave`
     as soon as this rank's planned share of the state is copied to host
@@ -60,6 +69,8 @@ class Checkpointer:
     """
 
     PREFIX = STEP_PREFIX
+    #: The prefix of a retired step moved aside (``keep_last=None``).
+    ABANDONED = ".abandoned-"
 
     def __init__(
         self,
@@ -112,6 +123,10 @@ class Checkpointer:
             topology=topology,
             reuse=True,
         )
+        #: The line the next save continues (rank 0 writes the records): the
+        #: step last loaded or saved, and its run; None before either.
+        self._parent: lineage.Link | None = None
+        self._run: str | None = None
         self._async: AsyncCheckpointer | None = None
         if async_:
             self._async = AsyncCheckpointer(self.comm, max_staging_bytes)
@@ -140,35 +155,29 @@ class Checkpointer:
     def path(self, step: int) -> Path:
         return self.root / step_dir_name(step)
 
-    def _step_of(self, name: str) -> int | None:
-        """The step a directory name holds: ``step-N`` or ``.old-step-N-<hex>``
-        (a committed checkpoint moved aside by an interrupted overwrite)."""
-        if name.startswith(".old-") and len(name) > len(".old--") + 12 and name[-13] == "-":
-            name = name[len(".old-") : -13]
-        return step_number(name, self.PREFIX)
+    def lines(self) -> lineage.Lines:
+        """The committed steps of ``root`` with their line records
+        (:func:`deeppart.lineage.scan`)."""
+        return lineage.scan(self.root)
 
     def steps(self) -> list[int]:
-        """Committed steps, oldest first: also a step whose committed copy
-        sits in ``.old-step-N-*`` because a save replacing it was
-        interrupted (:meth:`load` serves that copy). With ``config=``: the
-        level backend's committed steps that can still be recovered (the
-        last is :meth:`latest`; collective, like :meth:`latest`)."""
+        """The live line's committed steps, oldest first (in commit
+        order); a step whose committed copy sits in ``.old-step-N-*``
+        because a save replacing it was interrupted counts (:meth:`load`
+        serves that copy). Without any step that carries a line record,
+        the steps an earlier Checkpointer wrote. With ``config=``: the level
+        backend's committed steps that can still be recovered (the last is
+        :meth:`latest`; collective, like :meth:`latest`)."""
         if self.levels is not None:
             return self.levels.steps()
-        out: set[int] = set()
-        if not self.root.is_dir():
-            return []
-        for child in self.root.iterdir():
-            step = self._step_of(child.name)
-            if step is not None and step not in out and is_committed(child):
-                out.add(step)
-        return sorted(out)
+        return self.lines().steps()
 
     def latest(self) -> int | None:
+        """The newest committed step of the live line: the step a restart
+        resumes from (None if there is none)."""
         if self.levels is not None:
             return self.levels.latest()
-        steps = self.steps()
-        return steps[-1] if steps else None
+        return self.lines().latest()
 
     def save(
         self, step: int, state: Any, *, user: Any = None, overwrite: bool = False
@@ -182,11 +191,18 @@ class Checkpointer:
         step = _step_index(step, state)
         if self.levels is not None:
             return self.levels.save(step, state)
+        if self._async is not None:
+            self._async.wait()  # the line continues from the save in flight
+        value: Any = {"step": step, "user": user}
+        link, run = lineage.Link(step, 0), self._run or ""
+        if self.comm.rank == 0:  # only rank 0's user value is written
+            value, link, run, replace = self._line_record(step, user)
+            overwrite = overwrite or replace
         kwargs: dict[str, Any] = {
             "compression": self.compression,
             "compression_level": self.compression_level,
             "overwrite": overwrite,
-            "user": {"step": step, "user": user},
+            "user": value,
             "progress": self.progress,
             "verbose": self.verbose,
             "staging_bytes": self.staging_bytes,
@@ -194,25 +210,68 @@ class Checkpointer:
         }
         if self._async is not None:
 
-            def cleanup() -> None:
+            def committed() -> None:
+                self._parent, self._run = link, run
                 if self.comm.rank == 0:
-                    self._cleanup_or_warn(step)
+                    self._cleanup_or_warn(step, link.seq)
 
-            return self._async.save(self.path(step), state, kwargs, after=cleanup)
+            return self._async.save(self.path(step), state, kwargs, after=committed)
         stats = save(state, self.path(step), comm=self.comm, **kwargs)
+        self._parent, self._run = link, run
         # The save succeeded everywhere: a failed cleanup is a warning on
         # every rank (one small collective), never one rank's exception.
-        problem = self._cleanup_or_warn(step, warn=False) if self.comm.rank == 0 else ""
+        problem = self._cleanup_or_warn(step, link.seq, warn=False) if self.comm.rank == 0 else ""
         message = self.comm.allgather_varbytes(problem.encode())[0].decode()
         if message:
             warnings.warn(message, stacklevel=2)
         return stats
 
-    def _cleanup_or_warn(self, newest: int, *, warn: bool = True) -> str:
+    def _line_record(self, step: int, user: Any) -> tuple[Any, lineage.Link, str, bool]:
+        """Rank 0: the user value of a save of ``step`` (with its line
+        record), the new step as a parent, its run, and whether the save
+        may replace what is at ``path(step)``: a committed step of a line
+        that this save leaves (a rollback that saves again a step number
+        the left line has; with ``keep_last=None`` it is moved aside here
+        first)."""
+        lines = self.lines()
+        parent, run = self._parent, self._run or lineage.new_run()
+        at = lines.nodes.get(step)
+        # The line this save continues: the parent and its ancestors.
+        base = lines.nodes.get(parent.step) if parent is not None else None
+        ours = lines.ancestry(base) if base is not None and parent == base.link else []
+        replace = False
+        if at is not None and lines.left_by(ours, at):
+            # Without keep_last it is moved aside now; else (or if it cannot
+            # move) this save replaces it, as overwrite=True would.
+            moved = self.keep_last is None and self._retire_aside(at.path, step)
+            replace = not moved and at.path == self.path(step)
+        if at is not None and parent == at.link and at.parent is not None:
+            # Saving again the step it came from (overwrite=True): the new
+            # step takes its place in the line.
+            parent = at.parent
+        seq = lines.max_seq() + 1
+        value = lineage.record(step, user, run, seq, parent)
+        return value, lineage.Link(step, seq), run, replace
+
+    def _retire_aside(self, path: Path, step: int) -> bool:
+        """Moves step ``step``'s committed copy ``path`` (``step-N``, or the
+        ``.old-step-N-*`` copy of an interrupted overwrite) out of the
+        line's way, to ``.abandoned-step-N-<12 hex>`` (``keep_last=None``);
+        whether it did (only a directory of DeepPart's files moves)."""
+        if not owned_dir(path):
+            return False
+        name = f"{self.ABANDONED}{step_dir_name(step)}-{os.urandom(6).hex()}"
+        try:
+            path.rename(path.parent / name)
+        except OSError:
+            return False
+        return True
+
+    def _cleanup_or_warn(self, newest: int, seq: int, *, warn: bool = True) -> str:
         """Runs :meth:`_cleanup`; returns what failed ("" if nothing), and
         also warns with it if ``warn``."""
         try:
-            failures = self._cleanup(newest)
+            failures = self._cleanup(newest, seq)
         except OSError as e:
             failures = [f"{self.root}: cannot list ({e})"]
         if not failures:
@@ -225,58 +284,70 @@ class Checkpointer:
             warnings.warn(message, stacklevel=2)
         return message
 
-    def _cleanup(self, newest: int) -> list[str]:
-        """Removes the steps beyond ``keep_last`` and leftovers of
+    def _cleanup(self, newest: int, seq: int) -> list[str]:
+        """After step ``newest`` committed as ``seq``: removes the steps of
+        its line beyond ``keep_last``, retires the steps of the lines it
+        left (:meth:`deeppart.lineage.Lines.abandoned`: removed with
+        ``keep_last``, else moved aside), and removes leftovers of
         interrupted saves; returns one line per directory it failed to
-        remove. A committed ``.old-step-N-*`` stays while it is the only
-        committed copy of step N (unless step N itself is pruned). Only
-        directories that hold nothing but DeepPart's files are removed
-        (:func:`deeppart.ownership.owned_dir`): a ``step-N`` of the user's
-        stays, and a pruned step that holds other files too is kept and
-        reported."""
-        committed = self.steps()
-        pruned = set(committed[: -self.keep_last]) if self.keep_last is not None else set()
+        remove. Only step directories named ``step-NNNNNNNN`` whose
+        committed metadata holds a line record are pruned or retired, and
+        only when they hold nothing but DeepPart's files
+        (:func:`deeppart.ownership.owned_dir`): a pruned step that holds
+        other files too is kept and reported. A committed ``.old-step-N-*``
+        stays while it is the only committed copy of step N (unless step N
+        itself is pruned)."""
+        lines = self.lines()
+        line = lines.line_of(newest, seq)
+        pruned = line[self.keep_last :] if self.keep_last is not None else []
+        left = lines.abandoned(line)
         doomed: list[Path] = []
         failures: list[str] = []
+        for node in pruned + (left if self.keep_last is not None else []):
+            if owned_dir(node.path):
+                doomed.append(node.path)
+            else:
+                failures.append(
+                    f"{node.path}: kept, it holds files DeepPart did not write "
+                    f"({', '.join(foreign_entries(node.path)[:5])})"
+                )
+        if self.keep_last is None:
+            for node in left:
+                if not self._retire_aside(node.path, node.step):
+                    failures.append(
+                        f"{node.path}: a step of a line left behind, not moved aside "
+                        f"({', '.join(foreign_entries(node.path)[:5]) or 'cannot rename'})"
+                    )
+        gone = {n.step for n in pruned} | (
+            {n.step for n in left} if self.keep_last is not None else set()
+        )
         for child in self.root.iterdir():
+            if child in doomed:
+                continue
             name = child.name
-            step = self._step_of(name)
             side = side_name(name)
+            base = side[1] if side is not None else name
+            step = step_number(base, self.PREFIX)
+            if step is None or base != step_dir_name(step):
+                continue  # not DeepPart's naming: never touched
             if side is not None and side[0] == "tmp":
-                if step_number(side[1], self.PREFIX) is not None and owned_dir(
-                    child, partial=True
-                ):
+                if owned_dir(child, partial=True):
                     doomed.append(child)
             elif side is not None:
-                if ((step is not None and step in pruned) or self._superseded(child)) and (
-                    owned_dir(child)
-                ):
+                if (step in gone or self._superseded(child)) and owned_dir(child):
                     doomed.append(child)
-            elif step is not None and step in pruned:
-                if owned_dir(child):
-                    doomed.append(child)
-                else:
-                    failures.append(
-                        f"{child}: kept, it holds files DeepPart did not write "
-                        f"({', '.join(foreign_entries(child)[:5])})"
-                    )
-            elif (
-                step is not None
-                and step < newest
-                and not is_committed(child)
-                and owned_dir(child, empty=False)
-            ):
+            elif step < newest and not is_committed(child) and owned_dir(child, empty=False):
                 # What a save interrupted between its rename and its marker
                 # left; a user's directory of that name stays.
                 doomed.append(child)
         for d in doomed:
             try:
-                left = remove_owned(d, partial=d.name.startswith(".tmp-"))
+                foreign = remove_owned(d, partial=d.name.startswith(".tmp-"))
             except OSError as e:
                 failures.append(f"{d}: {e.strerror or e}")
                 continue
-            if left:
-                failures.append(f"{d}: kept, it holds files DeepPart did not write ({left[0]})")
+            if foreign:
+                failures.append(f"{d}: kept, it holds files DeepPart did not write ({foreign[0]})")
         return failures
 
     def _superseded(self, child: Path) -> bool:
@@ -316,7 +387,7 @@ class Checkpointer:
             step = self.latest()
             if step is None:
                 raise CheckpointError(f"{self.root}: no committed checkpoint")
-        return load(
+        state = load(
             self.path(step),
             comm=self.comm,
             into=into,
@@ -327,3 +398,9 @@ class Checkpointer:
             keys=keys,
             strict=strict,
         )
+        # The next save continues from this step (a new line if it is not
+        # the newest); a step without a line record starts a fresh one.
+        node = self.lines().nodes.get(step) if self.comm.rank == 0 else None
+        self._parent = node.link if node is not None else None
+        self._run = node.run if node is not None else None
+        return state

@@ -474,11 +474,12 @@ def test_interrupted_overwrite_is_still_the_latest_step(tmp_path: Path, at: str)
     assert cp.steps() == [2, 3]
     with pytest.warns(UserWarning, match="interrupted") if aside else contextlib.nullcontext():
         assert torch.equal(cp.load(2)["w"], torch.full((8,), 2.0))
-    # Step 2 committed again: the moved-aside copy goes.
+    # Step 2 committed again (after load(2): a rollback, so step 3 is
+    # retired): the moved-aside copy goes.
     cp.save(2, {"w": torch.full((8,), 4.0)}, overwrite=True)
     cp.save(4, {"w": torch.full((8,), 5.0)})
     assert not any(p.name.startswith(".old-") for p in tmp_path.iterdir())
-    assert cp.steps() == [3, 4]
+    assert cp.steps() == [2, 4] and not cp.path(3).exists()
 
 
 # ----------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from deeppart import lineage
 from deeppart.agreement import agree
 from deeppart.checkpoint import save
 from deeppart.comm import Comm, resolve
@@ -136,6 +137,10 @@ class BuiltinBackend:
             reuse=True,
         )
         self.last_recovery: RecoveryReport | None = None
+        #: The line the next save continues (rank 0 writes the records,
+        #: :mod:`deeppart.lineage`): the step last loaded or saved, its run.
+        self._parent: lineage.Link | None = None
+        self._run: str | None = None
         #: CPU seconds in Reed-Solomon decoding on this rank, and the bytes of
         #: data (all members' stripe chunks) it decoded, since creation.
         self.decode_seconds = 0.0
@@ -185,9 +190,13 @@ class BuiltinBackend:
         phases: dict[str, float] = {}
         err: BaseException | None = None
         prep: Prepared | None = None
+        value: Any = {"step": step, "user": user}
+        link, run = lineage.Link(step, 0), self._run or ""
         try:
             if step < 0:
                 raise CheckpointError(f"step {step}: must be >= 0")
+            if c.rank == 0:  # only rank 0's user value is written
+                value, link, run = self._line_record(step, user)
             if user is not None:
                 from deeppart.state import encode_plain
 
@@ -258,7 +267,7 @@ class BuiltinBackend:
                 compression=self.compression,
                 compression_level=self.zstd_level,
                 overwrite=True,
-                user={"step": step, "user": user},
+                user=value,
                 plan_provider=self.plans,
             )
             phases["l4"] = time.perf_counter() - t
@@ -278,19 +287,32 @@ class BuiltinBackend:
         if c.rank == 0:
             assert gathered is not None
             try:
-                self._commit_meta(step, lv, prep, gathered, counts, user)
+                self._commit_meta(step, lv, prep, gathered, counts, value)
             except Exception as e:
                 err = e
         agree(c, err)
+        self._parent, self._run = link, run
         phases["commit"] = time.perf_counter() - t
         t = time.perf_counter()
-        self._cleanup(step)
+        self._cleanup(step, link.seq)
         phases["cleanup"] = time.perf_counter() - t
         seconds = time.perf_counter() - t0
         stats = LevelSaveStats(step, lv, prep.manifest.total_bytes, seconds, phases)
         if self.verbose and c.rank == 0:
             print(f"deeppart levels: step {step} at L{lv} in {seconds:.2f} s {phases}", flush=True)
         return stats
+
+    def _line_record(self, step: int, user: Any) -> tuple[Any, lineage.Link, str]:
+        """Rank 0: the user value of a save of ``step`` with its line record
+        (:mod:`deeppart.lineage`), the new step as a parent, and its run."""
+        lines = self.layout.lines()
+        parent, run = self._parent, self._run or lineage.new_run()
+        at = lines.nodes.get(step)
+        if at is not None and parent == at.link and at.parent is not None:
+            # Saving again the step it came from: the new one takes its place.
+            parent = at.parent
+        seq = lines.max_seq() + 1
+        return lineage.record(step, user, run, seq, parent), lineage.Link(step, seq), run
 
     def _phase(self, phases: dict[str, float], name: str, fn: Callable[[], _T]) -> _T:
         """Runs ``fn`` on every rank, then agrees (every rank raises if one
@@ -315,6 +337,8 @@ class BuiltinBackend:
         counts: list[int],
         user: Any,
     ) -> None:
+        """Rank 0: commits ``step``'s metadata (``user``: the user value
+        with its line record) in ``meta_dir``."""
         # Split each rank's block into the piece records + size (the format
         # v1 layout _metadata_json reads) and the parity size and checksum.
         blocks: list[npt.NDArray[np.uint64]] = []
@@ -348,11 +372,7 @@ class BuiltinBackend:
         }
         save_id = new_save_id()
         meta = metadata_json(
-            prep,
-            np.concatenate(blocks),
-            {"step": step, "user": user},
-            {"levels": levels},
-            save_id=save_id,
+            prep, np.concatenate(blocks), user, {"levels": levels}, save_id=save_id
         )
         final = self.meta_step(step)
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -372,22 +392,39 @@ class BuiltinBackend:
         """Committed steps (node-local or global), oldest first."""
         return self.layout.committed_steps()
 
-    def _cleanup(self, newest: int) -> None:
-        """Removes the steps beyond ``keep`` and uncommitted older ones, in
-        every root, and leftovers of interrupted commits: only directories
-        that hold nothing but DeepPart's files (a user's directory of such
-        a name stays)."""
+    def _cleanup(self, newest: int, seq: int) -> None:
+        """After step ``newest`` committed as ``seq``: removes, in every
+        root, the steps of its line beyond ``keep`` and the steps of the
+        lines it left (:meth:`deeppart.lineage.Lines.abandoned`), uncommitted
+        older ones, and leftovers of interrupted commits: only step
+        directories named as DeepPart names them, holding nothing but
+        DeepPart's files (a user's directory of such a name stays); a
+        committed step without a line record (an earlier run's) is never
+        pruned."""
         c = self.comm
         payload = b""
         if c.rank == 0:
+            lines = self.layout.lines()
+            line = lines.line_of(newest, seq)
+            retired = line[self.keep :] + lines.abandoned(line)
+            doomed = {n.step for n in retired}
             committed = self.committed_steps()
-            doomed = set(committed[: -self.keep])
             meta_root = self.config.meta_root()
             for s in steps_in(meta_root, False):
                 if s < newest and s not in committed:
                     doomed.add(s)
             payload = json.dumps(sorted(doomed)).encode()
-            for s in sorted(doomed):
+            for node in retired:
+                # Each root's copy of the step goes if it is that very save.
+                roots = [self.meta_step(node.step)]
+                if self.config.glbl_dir.strip():
+                    roots.append(self.global_step(node.step))
+                for d in roots:
+                    _, got = lineage.read_node(d, node.step)
+                    if isinstance(got, lineage.Node) and got.seq == node.seq:
+                        _remove_owned(d)
+            for s in sorted(doomed - {n.step for n in retired}):
+                # Uncommitted everywhere: what an interrupted save left.
                 _remove_owned(self.meta_step(s))
                 if self.config.glbl_dir.strip():
                     _remove_owned(self.global_step(s))
@@ -446,6 +483,11 @@ class BuiltinBackend:
                 reasons.append(f"step {s}: {result}")
                 continue
             self.last_recovery = result[1]
+            # The next save continues from this step (a new line if it is
+            # not the newest; a step without a record starts a fresh one).
+            node = self.layout.lines().nodes.get(s) if self.rank == 0 else None
+            self._parent = node.link if node is not None else None
+            self._run = node.run if node is not None else None
             if self.verbose and self.rank == 0:
                 print(f"deeppart levels: {result[1].summary()}", flush=True)
             return result

@@ -590,9 +590,11 @@ class FTIBackend:
                 meta = self._index(prep, step, lv, gathered)
                 write_durable(self._index_path(step), meta)
                 fsync_dir(self._dir)
-                for old in self._dir.glob(f"{INDEX_PREFIX}*.json"):
-                    if old != self._index_path(step):
-                        old.unlink(missing_ok=True)
+                # FTI keeps one checkpoint: the other indexes go (only
+                # files named as this backend names them).
+                for old in self._indexed_steps():
+                    if old != step:
+                        self._index_path(old).unlink(missing_ok=True)
             except Exception as e:
                 err = e
         agree(c, err)
@@ -672,7 +674,7 @@ class FTIBackend:
         steps: list[int] = []
         for p in self._dir.glob(f"{INDEX_PREFIX}*.json"):
             digits = p.stem[len(INDEX_PREFIX) :]
-            if digits.isascii() and digits.isdigit():
+            if digits.isascii() and digits.isdigit() and p == self._index_path(int(digits)):
                 steps.append(int(digits))
         return sorted(steps)
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from deeppart import lineage
 from deeppart.format import STEP_PREFIX, data_file_name, is_committed, step_dir_name, step_number
 from deeppart.levels.config import LevelConfig
 
@@ -50,14 +51,15 @@ def rank_files(step_dir: Path) -> Callable[[int], Path]:
 
 
 def steps_in(root: Path, committed: bool) -> list[int]:
-    """The steps with a directory in ``root`` (only committed ones when
-    ``committed``), oldest first."""
+    """The steps with a directory in ``root`` named as DeepPart names them
+    (``step-NNNNNNNN``; only committed ones when ``committed``), oldest
+    first."""
     out: list[int] = []
     if not root.is_dir():
         return out
     for child in root.iterdir():
         n = step_number(child.name, PREFIX)
-        if n is not None and (not committed or is_committed(child)):
+        if n is not None and child.name == step_name(n) and (not committed or is_committed(child)):
             out.append(n)
     return sorted(out)
 
@@ -130,3 +132,11 @@ class Layout:
         if self.has_global():
             steps |= set(steps_in(self.config.global_root(), True))
         return sorted(steps)
+
+    def lines(self) -> lineage.Lines:
+        """The committed steps' line records (:mod:`deeppart.lineage`):
+        ``meta_dir``'s, then ``glbl_dir``'s for steps it alone holds."""
+        roots = [self.config.meta_root()]
+        if self.has_global():
+            roots.append(self.config.global_root())
+        return lineage.scan(*roots)

@@ -119,11 +119,12 @@ def global_ok(layout: Layout, step: int) -> bool:
 
 
 def candidates(comm: Comm, layout: Layout, step: int | None) -> list[int]:
-    """The steps to try, newest first: ``step``, else every committed one
-    (the same list on every rank, else every rank raises)."""
+    """The steps to try, newest first: ``step``, else the live line's
+    committed steps (:mod:`deeppart.lineage`; the same list on every rank,
+    else every rank raises)."""
     if step is not None:
         return [step]
-    steps = layout.committed_steps()
+    steps = layout.lines().steps()
     # Every rank must try the same steps.
     rows = comm.allgather_varbytes(json.dumps(steps).encode())
     if len(set(rows)) != 1:

@@ -1,0 +1,221 @@
+"""Steps as a line (issue 31, item 6; deeppart/lineage.py): ``keep_last``
+counts only the live line's steps written by a Checkpointer under its own
+naming, a rollback starts a new line whose abandoned steps are retired and
+never resumed, in ``Checkpointer`` and in the multi-level engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import deeppart
+from deeppart.format import is_committed, step_dir_name
+from deeppart.levels import LevelConfig
+from deeppart.levels.engine import BuiltinBackend
+
+
+def state(v: int) -> dict[str, Any]:
+    return {"w": torch.arange(16, dtype=torch.float32) + v, "step": v}
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    """Every file under ``root`` with its bytes."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def check(ck: Any, v: int, step: int | None = None) -> None:
+    got = ck.load(step)
+    assert got["step"] == v and torch.equal(got["w"], state(v)["w"])
+
+
+# ----------------------------------------------------------------------------
+# Checkpointer.
+
+
+@pytest.mark.parametrize("name", ["step-500", step_dir_name(500)])
+def test_keep_last_ignores_a_deeppart_save_named_like_a_step(tmp_path: Path, name: str) -> None:
+    """A committed ``step-500`` (the README's naming for deeppart.save) or a
+    ``step-00000500`` written by deeppart.save: the Checkpointer's new
+    steps are kept, latest() is a step load() finds, the other checkpoint
+    is untouched."""
+    root = tmp_path / "ck"
+    deeppart.save(state(500), root / name)
+    before = tree(root)
+    ck = deeppart.Checkpointer(root, keep_last=1)
+    ck.save(10, state(10))
+    assert ck.latest() == 10 and ck.steps() == [10]
+    check(ck, 10)
+    ck.save(20, state(20))
+    assert ck.steps() == [20] and not ck.path(10).exists()
+    check(ck, 20)
+    assert {k: v for k, v in tree(root).items() if k.startswith(name + "/")} == before
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_an_earlier_runs_step_is_not_counted(tmp_path: Path, legacy: bool) -> None:
+    """An earlier run's ``step-00000500`` (by a Checkpointer of this
+    version, or of an earlier one, whose steps carry no line record): a new
+    run that does not resume from it keeps its own steps, resumes from its
+    own newest one, and never touches step 500."""
+    root = tmp_path / "ck"
+    if legacy:  # what an earlier Checkpointer wrote: user = {"step": N, "user": ...}
+        deeppart.save(state(500), root / step_dir_name(500), user={"step": 500, "user": None})
+        assert deeppart.Checkpointer(root).latest() == 500, "an upgrade still resumes"
+    else:
+        deeppart.Checkpointer(root).save(500, state(500))
+    before = tree(root)
+    ck = deeppart.Checkpointer(root, keep_last=1)
+    for step in (10, 20, 30):
+        ck.save(step, state(step))
+        assert ck.latest() == step and ck.path(step).is_dir()
+    assert ck.steps() == [30]
+    restart = deeppart.Checkpointer(root, keep_last=1)
+    assert restart.latest() == 30
+    check(restart, 30)
+    check(restart, 500, 500)
+    assert {k: v for k, v in tree(root).items() if k.startswith(step_dir_name(500))} == before
+
+
+def test_rollback_starts_a_new_line_that_a_restart_resumes(tmp_path: Path) -> None:
+    """save 10, 20, 30; load(20); save 21, 22 with keep_last=2: the line is
+    20 -> 21 -> 22, so 21 and 22 stay, 30 (abandoned) is removed, and a
+    restart resumes at 22."""
+    root = tmp_path / "ck"
+    ck = deeppart.Checkpointer(root, keep_last=2)
+    for step in (10, 20, 30):
+        ck.save(step, state(step))
+    check(ck, 20, 20)
+    ck.save(21, state(21))
+    assert ck.latest() == 21 and ck.steps() == [20, 21]
+    assert not ck.path(30).exists(), "the abandoned step is retired"
+    ck.save(22, state(22))
+    assert ck.steps() == [21, 22]
+    assert sorted(p.name for p in root.iterdir()) == [step_dir_name(21), step_dir_name(22)]
+    restart = deeppart.Checkpointer(root, keep_last=2)
+    assert restart.latest() == 22
+    check(restart, 22)
+
+
+def test_rollback_without_keep_last_moves_the_abandoned_steps_aside(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    ck = deeppart.Checkpointer(root)
+    for step in (10, 20, 30, 40):
+        ck.save(step, state(step))
+    ck.load(20)
+    ck.save(21, state(21))
+    assert ck.steps() == [10, 20, 21] and ck.latest() == 21
+    aside = sorted(p.name for p in root.iterdir() if p.name.startswith(".abandoned-"))
+    assert [n[: -len("-0123456789ab")] for n in aside] == [
+        ".abandoned-" + step_dir_name(30),
+        ".abandoned-" + step_dir_name(40),
+    ]
+    assert all(is_committed(root / n) for n in aside), "moved aside whole, still loadable"
+    assert deeppart.load(root / aside[1])["step"] == 40
+    ck.save(22, state(22))
+    assert deeppart.Checkpointer(root).latest() == 22
+    assert deeppart.Checkpointer(root).steps() == [10, 20, 21, 22]
+
+
+@pytest.mark.parametrize("keep_last", [None, 2])
+def test_rollback_saves_again_a_step_of_the_left_line(
+    tmp_path: Path, keep_last: int | None
+) -> None:
+    """Checkpoints every 10 steps, back to 20, train again: the new step 30
+    replaces the abandoned one (no 'committed checkpoint exists')."""
+    root = tmp_path / "ck"
+    ck = deeppart.Checkpointer(root, keep_last=keep_last)
+    for step in (10, 20, 30):
+        ck.save(step, state(step))
+    ck.load(20)
+    ck.save(30, state(31))
+    check(ck, 31)
+    ck.save(40, state(40))
+    assert ck.latest() == 40
+    assert ck.steps() == ([10, 20, 30, 40] if keep_last is None else [30, 40])
+    check(deeppart.Checkpointer(root), 31, 30)
+    # Without a rollback, a committed step is still refused.
+    with pytest.raises(deeppart.CheckpointError, match="a committed checkpoint exists"):
+        ck.save(40, state(0))
+
+
+def test_saving_again_the_loaded_step_keeps_its_place(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    ck = deeppart.Checkpointer(root)
+    for step in (10, 20, 30):
+        ck.save(step, state(step))
+    ck.load(20)
+    ck.save(20, state(25), overwrite=True)
+    ck.save(21, state(21))
+    assert ck.steps() == [10, 20, 21]
+    check(ck, 25, 20)
+
+
+def test_async_rollback(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    ck = deeppart.Checkpointer(root, keep_last=2, async_=True)
+    for step in (10, 20, 30):
+        ck.save(step, state(step))
+    check(ck, 20, 20)
+    ck.save(21, state(21))
+    ck.save(22, state(22))
+    ck.wait()
+    assert ck.steps() == [21, 22] and not ck.path(30).exists()
+    ck.close()
+    assert deeppart.Checkpointer(root).latest() == 22
+
+
+# ----------------------------------------------------------------------------
+# The multi-level engine.
+
+
+def engine_config(tmp_path: Path, keep: int) -> LevelConfig:
+    return LevelConfig.from_dict(
+        {
+            "ckpt_dir": str(tmp_path / "local"),
+            "meta_dir": str(tmp_path / "meta"),
+            "glbl_dir": str(tmp_path / "global"),
+            "ckpt_l4": 2,
+            "local_test": 1,
+            "keep": keep,
+        }
+    )
+
+
+def test_engine_rollback_starts_a_new_line(tmp_path: Path) -> None:
+    c = engine_config(tmp_path, keep=2)
+    ck = deeppart.Checkpointer(tmp_path / "unused", config=c, backend="builtin")
+    for step in (10, 20, 30):
+        ck.save(step, state(step))
+    check(ck, 20, 20)
+    ck.save(21, state(21))
+    ck.save(22, state(22))
+    assert ck.latest() == 22 and ck.steps() == [21, 22]
+    for root in (tmp_path / "meta" / "deeppart", tmp_path / "local" / "node0" / "deeppart"):
+        assert not (root / step_dir_name(30)).exists(), root
+    restart = BuiltinBackend(c)
+    assert restart.latest() == 22
+    got, report = restart.load()
+    assert report.step == 22 and got["step"] == 22
+
+
+def test_engine_keep_ignores_other_checkpoints(tmp_path: Path) -> None:
+    """A deeppart.save checkpoint named step-00000500 in the engine's
+    metadata root, and a user's step-7: not counted, not touched."""
+    c = engine_config(tmp_path, keep=1)
+    meta = tmp_path / "meta" / "deeppart"
+    deeppart.save(state(500), meta / step_dir_name(500))
+    (meta / "step-7").mkdir()
+    (meta / "step-7" / "notes.txt").write_text("mine")
+    before = tree(meta)
+    be = BuiltinBackend(c)
+    be.save(10, state(10))
+    assert be.latest() == 10
+    be.save(11, state(11))
+    assert be.latest() == 11 and be.steps() == [11]
+    got, _ = BuiltinBackend(c).load()
+    assert got["step"] == 11
+    after = tree(meta)
+    assert {k: v for k, v in after.items() if not k.startswith("step-0000001")} == before
