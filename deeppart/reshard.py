@@ -57,7 +57,7 @@ from deeppart.format import (
 from deeppart.integrity import FileView, check_in_memory, file_view, unstable_view
 from deeppart.progress import Progress
 from deeppart.reader import read_file
-from deeppart.regions import DTensorRecord, Region, ShardRecord, _positions
+from deeppart.regions import DTensorRecord, Region, ShardRecord
 from deeppart.restore import describe, select
 from deeppart.state import flatten, is_dtensor
 from deeppart.tensors import U8, torch_dtypes, torch_module, u8_view
@@ -544,10 +544,11 @@ def fill_shards(meta: Metadata, sr: ShardReads) -> dict[int, Any]:
                 # Where the common box is a slice of the stored shard (every
                 # Shard placement), a view; an index array only for the
                 # dimensions of interleaved rows (_StridedShard).
-                for d, span in enumerate(shard.region.spans(common)):
+                spans = shard.region.spans(common)
+                where = shard.region.positions(common) if None in spans else []
+                for d, span in enumerate(spans):
                     if span is None:
-                        pos = _positions(common.runs[d], shard.region.runs[d])
-                        src = src.index_select(d, torch.from_numpy(pos))
+                        src = src.index_select(d, torch.from_numpy(where[d]))
                     elif span != (0, src.shape[d]):
                         src = src.narrow(d, span[0], span[1] - span[0])
                 spans = need.region.spans(common)
