@@ -1,10 +1,20 @@
 """Sharded state (FSDP2, HSDP, TP): DCP's default, ``BalancedSavePlanner`` and
 ``deeppart.save`` on the same DTensor state, in one run.
 
-    .venv/bin/python bench/dtensor.py              # 4 gloo ranks, ~23 MB model + AdamW
-    .venv/bin/python bench/dtensor.py --reps 1 --layouts hsdp tp
+    .venv/bin/python bench/dtensor.py              # reshard: HSDP (2,2) -> FSDP (1,4), 350 MB
+    .venv/bin/python bench/dtensor.py --reps 5 --profile
+    .venv/bin/python bench/dtensor.py --reps 1 --layouts hsdp ddp2d fsdp tp groups
 
-It launches 4 torchrun ranks (gloo, CPU) of itself. For each layout (HSDP
+It launches 4 torchrun ranks (gloo, CPU) of itself. The default layout,
+``reshard``: a 29 M-parameter MLP + AdamW (350 MB) with FSDP2 on HSDP
+(2,2), saved by ``dcp.save`` and ``deeppart.save``, each loaded into the
+same model on FSDP (1,4) (``dcp.load``; ``deeppart.load(into=)``), checked
+bitwise against the saved state; the contenders interleaved within each
+round (the order rotated per round; one untimed warm-up round), and
+reported as the median over rounds of each round's ratio to DCP;
+``--profile`` prints rank 0's cProfile of DeepPart's saves and loads.
+
+The other layouts (23 MB). For each layout (HSDP
 (2,2), DDP in a 2-D mesh (4,1), FSDP (1,4), TP x DP (2,2) through
 ``parallelize_module``) it builds the model with real FSDP2 ``fully_shard``
 or ``parallelize_module``, takes one AdamW step and saves
@@ -48,7 +58,18 @@ if __package__ in (None, ""):
 
 from bench import jobs
 
-LAYOUTS = ("hsdp", "ddp2d", "fsdp", "tp", "groups")
+LAYOUTS = ("hsdp", "ddp2d", "fsdp", "tp", "groups", "reshard")
+#: The contenders of the ``reshard`` layout, in the order of round 0 (each
+#: round rotates it by one). Meta's torch_checkpointing (PyPI
+#: ``torch-checkpointing`` 0.1.1) cannot join on CPU: the save of a state
+#: whose items have its DTensor resharder (needed to load at another mesh)
+#: all-gathers its metadata sizes through a tensor it creates on
+#: ``device="cuda"`` (metadata_manager.py), which fails without a GPU.
+RESHARD_METHODS = ("dcp", "deeppart")
+#: The MLP of the ``reshard`` layout: 29.2 M parameters, 350 MB with AdamW.
+RESHARD_DIMS = (3000, 4860, 3000)
+#: The MLP of the other layouts: 7.7 MB of parameters, 23 MB with AdamW.
+DEFAULT_DIMS = (1000, 966, 1000)
 #: Mesh shape of each FSDP2 layout, for ``n`` ranks.
 MESHES: dict[str, Callable[[int], tuple[int, int]]] = {
     "hsdp": lambda n: (n // 2, 2),
@@ -183,6 +204,120 @@ def _load(method: str, state: Any, d: Path, group: str | None = None) -> None:
         dcp_load(state, checkpoint_id=str(d))
 
 
+def _dtensors(state: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[tuple[Any, ...], Any]]:
+    import torch
+
+    out: list[tuple[tuple[Any, ...], Any]] = []
+    if isinstance(state, dict):
+        for k, v in state.items():
+            out += _dtensors(v, (*prefix, k))
+    elif isinstance(state, list | tuple):
+        for i, v in enumerate(state):
+            out += _dtensors(v, (*prefix, i))
+    elif isinstance(state, torch.Tensor):
+        out.append((prefix, state))
+    return out
+
+
+def _clear(state: Any) -> None:
+    """Every tensor of ``state`` (its local shards) set to NaN / -1, so a
+    load that skips one is caught by :func:`_equal`."""
+    import torch
+
+    with torch.no_grad():
+        for _, t in _dtensors(state):
+            local = t.to_local() if hasattr(t, "to_local") else t
+            local.fill_(float("nan") if local.is_floating_point() else -1)
+
+
+def _equal(source: Any, target: Any) -> bool:
+    """Whether every tensor of ``target`` (another mesh) holds, bitwise, the
+    same global tensor as ``source`` (compared one tensor at a time)."""
+    import torch
+
+    def full(t: Any) -> Any:
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+    src, dst = dict(_dtensors(source)), dict(_dtensors(target))
+    if src.keys() != dst.keys():
+        return False
+    ok = True
+    for path in sorted(src, key=str):
+        a, b = full(src[path]), full(dst[path])
+        ok = ok and a.shape == b.shape and torch.equal(
+            a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)
+        )
+    return ok
+
+
+_METHOD = {"dcp": "dcp-default", "deeppart": "deeppart"}
+
+
+def reshard_rounds(args: argparse.Namespace, root: Path) -> None:
+    """The ``reshard`` layout: HSDP (2,2) state saved by each contender and
+    loaded into FSDP (1,4) DTensors; the contenders interleaved within each
+    round (order rotated per round), every load checked bitwise; per round
+    the ratio of each contender to ``dcp``, and the median of those ratios."""
+    import cProfile
+    import pstats
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    dims = tuple(args.dims) if tuple(args.dims) != DEFAULT_DIMS else RESHARD_DIMS
+    src = sharded_state(*build("hsdp", seed=1, dims=dims))
+    dst = sharded_state(*build("fsdp", seed=2, dims=dims))
+    mb = sum(t.to_local().numel() * t.element_size() for _, t in _dtensors(src)
+             if hasattr(t, "to_local")) * 2  # HSDP: each shard on 2 of the 4 ranks
+    methods = list(RESHARD_METHODS)
+    times: dict[str, dict[str, list[float]]] = {m: {"save": [], "load": []} for m in methods}
+    exact: dict[str, bool] = dict.fromkeys(methods, True)
+    prof = cProfile.Profile() if args.profile and rank == 0 else None
+    for rnd in range(args.reps + 1):  # round 0 warms up, untimed in the figures
+        order = methods[rnd % len(methods):] + methods[: rnd % len(methods)]
+        for method in order:
+            d = root / f"reshard-{method}-{rnd}"
+            if prof is not None and method == "deeppart" and rnd > 0:
+                prof.enable()
+            ts = _timed(functools.partial(_save, _METHOD[method], src, d))
+            if prof is not None:
+                prof.disable()
+            _clear(dst)
+            dist.barrier()
+            if prof is not None and method == "deeppart" and rnd > 0:
+                prof.enable()
+            tl = _timed(functools.partial(_load, _METHOD[method], dst, d))
+            if prof is not None:
+                prof.disable()
+            exact[method] = exact[method] and _equal(src, dst)
+            if rnd > 0:
+                times[method]["save"].append(ts)
+                times[method]["load"].append(tl)
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(d, ignore_errors=True)
+            dist.barrier()
+    if rank != 0:
+        return
+    print(f"reshard: HSDP (2,2) -> FSDP (1,4), {mb / 1e6:.0f} MB of state, "
+          f"{args.reps} rounds (+1 warm-up), load average {os.getloadavg()[0]:.1f}")
+    print(f"{'method':22} {'save s':>8} {'load s':>8} {'save/dcp':>9} {'load/dcp':>9} bitwise")
+    rows = {}
+    for m in methods:
+        ratios = {
+            k: statistics.median(a / b for a, b in zip(times[m][k], times["dcp"][k], strict=True))
+            for k in ("save", "load")
+        }
+        med = {k: statistics.median(times[m][k]) for k in ("save", "load")}
+        rows[m] = {**{f"{k}_s": v for k, v in med.items()},
+                   **{f"{k}_ratio": v for k, v in ratios.items()}, "bitwise": exact[m]}
+        print(f"{m:22} {med['save']:8.3f} {med['load']:8.3f} {ratios['save']:9.2f} "
+              f"{ratios['load']:9.2f} {'yes' if exact[m] else 'NO'}")
+    print("JSON " + json.dumps([["reshard", rows]]))
+    if prof is not None:
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(45)
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
@@ -191,6 +326,9 @@ def worker(args: argparse.Namespace) -> None:
     root = Path(args.dir)
     rows = []
     for layout in args.layouts:
+        if layout == "reshard":
+            reshard_rounds(args, root)
+            continue
         group = None
         if layout == "groups":  # model A on ranks {0,1}, B on {2,3}: plain tensors
             g = rank * 2 // world
@@ -216,7 +354,7 @@ def worker(args: argparse.Namespace) -> None:
                 "load_s": statistics.median(loads),
             }
         rows.append((layout, results))
-    if rank == 0:
+    if rank == 0 and rows:
         print(f"{'layout':8} {'method':14} {'slowest/ideal':>13} {'save s':>8} {'load s':>8}")
         for layout, results in rows:
             for method, r in results.items():
@@ -262,10 +400,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
+    ap.add_argument("--layouts", nargs="+", default=["reshard"], choices=LAYOUTS,
+                    help="default: reshard (HSDP (2,2) -> FSDP (1,4), 350 MB); the "
+                    "23 MB per-layout table: --layouts hsdp ddp2d fsdp tp groups")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument(
-        "--dims", type=int, nargs=3, default=[1000, 966, 1000],
+        "--dims", type=int, nargs=3, default=list(DEFAULT_DIMS),
         help="the MLP's in, hidden, out sizes (default: 7.7 MB of float32 "
         "parameters, 23 MB with AdamW's two moments)",
     )
@@ -274,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
         help="instead: the sampled replica check's cost against a one-process save of "
         "bench/checkpoint.py's state at SCALE (e.g. 0.1)",
     )
+    ap.add_argument("--profile", action="store_true",
+                    help="reshard: print rank 0's cProfile of deeppart.save + load")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--dir", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -288,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
             "--standalone", str(Path(__file__).resolve()), "--worker", "--dir", tmp,
             "--reps", str(args.reps), "--dims", *map(str, args.dims),
-            "--layouts", *args.layouts,
+            "--layouts", *args.layouts, *(["--profile"] if args.profile else []),
         ]
         env = dict(os.environ, OMP_NUM_THREADS="1", **jobs.BUFFERED)
         env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent)

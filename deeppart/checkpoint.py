@@ -69,6 +69,7 @@ from deeppart.reshard import (
     fill_shards,
     plan_shard_reads,
     read_shards,
+    recheck_shards,
     shard_targets,
 )
 from deeppart.restore import IncompatibleKeys
@@ -436,11 +437,12 @@ def load(
     interconnect or the CPUs are the bottleneck, e.g. oversubscribed ranks).
     ``exchange="auto"`` (default): ``"read"`` when every rank runs on the same
     host and no piece is compressed, else ``"bcast"``; all ranks take the
-    same decision. A load of sharded state (the checkpoint or ``into=``
-    holds DTensors) is cooperative by default: its plain leaves are read
-    as with ``"bcast"`` and its shards once per job (each needed piece by
-    one of the ranks that need it, then sent to the others), so storage
-    serves each byte about once, not once per replica. A compressed piece
+    same decision. The shards of sharded state (the checkpoint or
+    ``into=`` holds DTensors) follow the same rule: with ``"read"`` each
+    rank reads the stored pieces its shards need itself; with ``"bcast"``
+    the load is cooperative (each needed piece read by one of the ranks
+    that need it, then sent to the others), so storage serves each byte
+    about once, not once per replica. A compressed piece
     is decompressed once, by the rank that read it, and its raw bytes
     exchanged: on one host (MPI) through memory all its ranks map (a shared
     window), else by broadcast.
@@ -493,7 +495,7 @@ def load(
             into=into,
             keys=keys,
             strict=strict,
-            exchange=plain_exchange(exchange, st),
+            exchange=exchange,
             same_host=where.one_host,
             same_kernel=where.one_kernel,
             elsewhere=st.leaves,
@@ -507,7 +509,11 @@ def load(
         raise StateMismatchError(f"{rp.path}: ranks read different metadata.json files")
     if len({row[32:] for row in rows}) != 1:
         rp = read_own(rp, c.rank)  # the ranks load different leaves
-    sr = plan_shard_reads(c, rp.meta, st) if st.active else None
+    sr = None
+    if st.active:
+        own = shard_exchange(exchange, rp.meta, where.one_host)
+        shared = own and c.size > 1 and where.one_kernel and rp.verifier is not None
+        sr = plan_shard_reads(c, rp.meta, st, read_own=own, shared_checks=shared)
 
     # Read this rank's share, then exchange it.
     prog = Progress(
@@ -520,7 +526,7 @@ def load(
         try:
             nread = read_share(rp, buffers, prog, stage, views)
             if sr is not None:
-                nread += read_shards(rp.path, rp.meta, sr, prog)
+                nread += read_shards(rp.path, rp.meta, sr, prog, views)
         except Exception as e:
             err = e
         finally:
@@ -529,6 +535,8 @@ def load(
         # file was checksummed by one rank, all saw the same files.
         rows = agree(c, err, read_views(rp, views))
         recheck_if_views_differ(c, rp, rows)
+        if sr is not None:  # the same decision on every rank (rows)
+            recheck_shards(c, rp.meta, sr, rp.path, len(set(rows)) != 1)
         exchange_share(c, rp, buffers, stage)
         if sr is not None:
             exchange_shards(c, sr, rp.meta)
@@ -545,11 +553,16 @@ def load(
     return state
 
 
-def plain_exchange(exchange: str, st: ShardTargets) -> str:
-    """The exchange of the plain (non-sharded) leaves: with sharded state,
-    ``"auto"`` is ``"bcast"`` (each byte read once per job, as the shards
-    are); otherwise ``exchange`` unchanged."""
-    return "bcast" if exchange == "auto" and st.active else exchange
+def shard_exchange(exchange: str, meta: Metadata, one_host: bool) -> bool:
+    """Whether each rank reads the stored shard pieces it needs itself (no
+    exchange): with ``"read"``, and with ``"auto"`` when every rank runs on
+    one host and no piece is compressed (the rule of the plain leaves: the
+    page cache serves a piece to each of its readers faster than a send
+    between processes; measured in bench/dtensor.py). Otherwise each needed
+    piece is read by one of the ranks that need it and sent to the others."""
+    if exchange == "auto":
+        return one_host and all(p.codec == "none" for p in meta.pieces)
+    return exchange == "read"
 
 
 def _load_stats(

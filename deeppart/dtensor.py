@@ -19,12 +19,13 @@ torch is only imported when a state holds a DTensor.
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from deeppart.errors import StateError
-from deeppart.regions import SHARD_KEY, DTensorRecord, Region, ShardRecord, runs_of
+from deeppart.regions import SHARD_KEY, DTensorRecord, Region, ShardRecord, placement_region
 from deeppart.state import FlatLeaf, describe_leaf, is_dtensor
 
 __all__ = [
@@ -42,40 +43,55 @@ def _where(path: Sequence[Any]) -> str:
     return "/".join(map(str, path))
 
 
+def _placement_specs(placements: Any) -> tuple[tuple[int, int] | None, ...]:
+    """``placements`` as :func:`deeppart.regions.placement_region` takes
+    them: ``(dim, split_factor)`` per Shard / _StridedShard, else None."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    out: list[tuple[int, int] | None] = []
+    for p in placements:
+        if isinstance(p, _StridedShard):
+            sf = p._split_factor_int() if hasattr(p, "_split_factor_int") else p.split_factor
+            out.append((int(p.dim), int(sf)))
+        elif isinstance(p, Shard):
+            out.append((int(p.dim), 1))
+        else:
+            out.append(None)
+    return tuple(out)
+
+
 def _region_at(
     shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int], placements: Any
 ) -> Region:
     """The region of the global tensor that the rank at mesh coordinate
-    ``coord`` holds: torch's own per-dimension shard arithmetic
-    (``_get_shard_size_and_offsets``), keeping every global index so that
-    ``_StridedShard``'s interleaved rows are described exactly."""
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor._utils import _get_shard_size_and_offsets
-    from torch.distributed.tensor.placement_types import _StridedShard
+    ``coord`` holds: torch's per-dimension shard arithmetic
+    (``_get_shard_size_and_offsets``) done on runs of indices, in O(runs)
+    rather than O(rows), exact for ``_StridedShard``'s interleaved rows
+    (tests/test_regions_fast.py checks it against torch's)."""
+    return placement_region(shape, mesh_shape, coord, _placement_specs(placements))
 
-    local = list(shape)
-    index: dict[int, Any] = {}
-    for mesh_dim, p in enumerate(placements):
-        if not isinstance(p, Shard | _StridedShard):
-            continue
-        size, offsets = _get_shard_size_and_offsets(
-            local[p.dim],
-            mesh_shape[mesh_dim],
-            coord[mesh_dim],
-            p,
-            index.get(p.dim),
-            shape[p.dim],
-            False,
-        )
-        local[p.dim] = size
-        index[p.dim] = offsets  # torch's own index (chained by a later placement)
-    runs = []
-    for d, n in enumerate(shape):
-        if d in index:
-            runs.append(runs_of([int(x) for x in index[d]][: local[d]]) if local[d] else ())
-        else:
-            runs.append(((0, int(n)),) if n else ())
-    return Region(tuple(runs))
+
+#: Regions of a layout (mesh ranks, which of its dimensions the DTensor's
+#: mesh spans, placements, global shape), unchanged between saves.
+_LAYOUTS: OrderedDict[tuple[Any, ...], list[tuple[Region, list[int]]]] = OrderedDict()
+_LAYOUT_CACHE = 4096
+#: Per device mesh object: its ranks as nested tuples (a cache key), and numpy.
+_MESHES: dict[int, tuple[Any, tuple[Any, ...], Any]] = {}
+
+
+def _mesh_ranks(mesh: Any) -> tuple[tuple[Any, ...], Any]:
+    """``mesh``'s ranks as a hashable key and as a numpy array (cached per
+    mesh object; meshes live as long as the model, so few are held)."""
+    hit = _MESHES.get(id(mesh))
+    if hit is not None and hit[0] is mesh:
+        return hit[1], hit[2]
+    arr = mesh.mesh.cpu().numpy().astype("int64")
+    key = (arr.shape, tuple(arr.reshape(-1).tolist()))
+    if len(_MESHES) > 256:
+        _MESHES.clear()
+    _MESHES[id(mesh)] = (mesh, key, arr)
+    return key, arr
 
 
 def _check_placements(dt: Any, path: Sequence[Any]) -> None:
@@ -115,20 +131,37 @@ def mesh_regions(dt: Any, path: Sequence[Any] = ()) -> list[tuple[Region, list[i
     root mesh, for a DTensor on a sub-mesh), with its holders (the sorted
     global ranks whose local shards are exactly that region), in the order
     of their lowest holder. Empty regions are left out (all of them but one
-    for an empty tensor)."""
+    for an empty tensor). O(shards): one region per coordinate of the
+    sharded mesh dimensions, the replicated ones giving the holders; cached
+    per layout."""
     _check_placements(dt, path)
     root, dims = _root_view(dt, path)
-    ranks = root.mesh
+    key_ranks, ranks = _mesh_ranks(root)
+    specs = _placement_specs(dt.placements)
+    shape = tuple(int(n) for n in dt.shape)
+    key = (key_ranks, tuple(dims), specs, shape)
+    hit = _LAYOUTS.get(key)
+    if hit is not None:
+        _LAYOUTS.move_to_end(key)
+        return [(r, list(h)) for r, h in hit]
     sub_shape = [int(ranks.shape[d]) for d in dims]
-    shape = list(dt.shape)
+    sharded = [m for m, p in enumerate(specs) if p is not None]
     found: dict[Region, list[int]] = {}
-    for coord in itertools.product(*(range(n) for n in ranks.shape)):
-        region = _region_at(shape, sub_shape, [coord[d] for d in dims], dt.placements)
-        found.setdefault(region, []).append(int(ranks[coord]))
+    for sc in itertools.product(*(range(sub_shape[m]) for m in sharded)):
+        coord = [0] * len(dims)
+        sel: list[Any] = [slice(None)] * ranks.ndim
+        for m, c in zip(sharded, sc, strict=True):
+            coord[m] = c
+            sel[dims[m]] = c
+        region = placement_region(shape, sub_shape, coord, specs)
+        found.setdefault(region, []).extend(ranks[tuple(sel)].reshape(-1).tolist())
     out = [(r, sorted(h)) for r, h in found.items()]
     nonempty = [x for x in out if x[0].numel]
-    out = nonempty or out[:1]
-    return sorted(out, key=lambda x: x[1][0])
+    out = sorted(nonempty or out[:1], key=lambda x: x[1][0])
+    _LAYOUTS[key] = out
+    if len(_LAYOUTS) > _LAYOUT_CACHE:
+        _LAYOUTS.popitem(last=False)
+    return [(r, list(h)) for r, h in out]
 
 
 def local_region(dt: Any, path: Sequence[Any] = ()) -> Region:
@@ -138,7 +171,9 @@ def local_region(dt: Any, path: Sequence[Any] = ()) -> Region:
     coord = mesh.get_coordinate()
     if coord is None:
         raise StateError(f"{_where(path)}: this rank is not in the DTensor's device mesh")
-    return _region_at(list(dt.shape), list(mesh.mesh.shape), coord, dt.placements)
+    return placement_region(
+        list(dt.shape), list(mesh.mesh.shape), coord, _placement_specs(dt.placements)
+    )
 
 
 @dataclass

@@ -32,7 +32,9 @@ __all__ = [
     "Region",
     "ShardRecord",
     "parse_records",
+    "placement_region",
     "runs_of",
+    "select_positions",
     "tiles_exactly",
 ]
 
@@ -50,14 +52,82 @@ I64 = npt.NDArray[np.int64]
 
 
 def runs_of(index: Sequence[int] | I64) -> Runs:
-    """Sorted global indices as ``[start, stop)`` runs of consecutive ones."""
+    """Sorted global indices as ``[start, stop)`` runs of consecutive ones
+    (vectorised: one pass of numpy over the indices)."""
+    a = np.asarray(index, dtype=np.int64).reshape(-1)
+    if not a.size:
+        return ()
+    cut = np.flatnonzero(np.diff(a) != 1) + 1
+    starts = a[np.concatenate(([0], cut))]
+    stops = a[np.concatenate((cut - 1, [a.size - 1]))] + 1
+    return tuple(zip(starts.tolist(), stops.tolist(), strict=True))
+
+
+def chunk_span(n: int, k: int, i: int) -> tuple[int, int]:
+    """Chunk ``i`` of ``k`` of ``range(n)`` as ``torch.chunk`` cuts it (the
+    first chunks ``ceil(n / k)`` long, the last ones short or empty), the
+    arithmetic of torch's ``Shard.local_shard_size_and_offset``."""
+    c = -(-n // k) if n > 0 else 0
+    return min(c * i, n), min(c * (i + 1), n)
+
+
+def select_positions(runs: Runs, positions: Sequence[tuple[int, int]]) -> Runs:
+    """The global indices at the local positions ``positions`` (sorted,
+    disjoint ``[start, stop)`` runs of positions in ``runs``' order) of
+    ``runs``, as runs (adjacent ones merged). O(len(runs) + len(positions))."""
     out: list[tuple[int, int]] = []
-    for i in (int(x) for x in index):
-        if out and out[-1][1] == i:
-            out[-1] = (out[-1][0], i + 1)
-        else:
-            out.append((i, i + 1))
+    j = 0
+    base = 0  # local position of runs[j][0]
+    for a, b in positions:
+        while j < len(runs) and base + runs[j][1] - runs[j][0] <= a:
+            base += runs[j][1] - runs[j][0]
+            j += 1
+        k, kbase = j, base
+        while a < b and k < len(runs):
+            lo, hi = runs[k]
+            s, e = lo + a - kbase, min(hi, lo + b - kbase)
+            if out and out[-1][1] == s:
+                out[-1] = (out[-1][0], e)
+            else:
+                out.append((s, e))
+            a = kbase + e - lo
+            if e == hi:
+                kbase += hi - lo
+                k += 1
     return tuple(out)
+
+
+def placement_region(
+    shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    coord: Sequence[int],
+    placements: Sequence[tuple[int, int] | None],
+) -> Region:
+    """The region of a global tensor of ``shape`` that the mesh coordinate
+    ``coord`` holds, from its placements alone in O(runs): per mesh
+    dimension ``None`` (replicated) or ``(dim, split_factor)`` (``Shard(dim)``
+    is split factor 1, ``_StridedShard(dim, sf)`` is ``sf``), applied left to
+    right as torch does (``_compute_local_shape_and_global_offset``): a
+    Shard takes one chunk of the current local indices, a _StridedShard
+    cuts them into ``sf`` chunks and takes the same chunk of each."""
+    runs: list[Runs] = [((0, int(n)),) if n else () for n in shape]
+    for m, p in enumerate(placements):
+        if p is None:
+            continue
+        d, sf = p
+        size = sum(b - a for a, b in runs[d])
+        k, i = int(mesh_shape[m]), int(coord[m])
+        pos: list[tuple[int, int]] = []
+        for j in range(max(int(sf), 1)):
+            f0, f1 = chunk_span(size, sf, j) if sf > 1 else (0, size)
+            s0, s1 = chunk_span(f1 - f0, k, i)
+            if s0 < s1:
+                if pos and pos[-1][1] == f0 + s0:
+                    pos[-1] = (pos[-1][0], f0 + s1)
+                else:
+                    pos.append((f0 + s0, f0 + s1))
+        runs[d] = select_positions(runs[d], pos)
+    return Region(tuple(runs))
 
 
 def _intersect_runs(a: Runs, b: Runs) -> Runs:
@@ -76,16 +146,35 @@ def _intersect_runs(a: Runs, b: Runs) -> Runs:
 
 def _positions(runs: Runs, within: Runs) -> I64:
     """Where the indices of ``runs`` (a subset of ``within``) sit in ``within``'s order."""
-    out: list[I64] = []
+    if not runs:
+        return np.zeros(0, dtype=np.int64)
+    w = np.asarray(within, dtype=np.int64).reshape(-1, 2)
+    r = np.asarray(runs, dtype=np.int64).reshape(-1, 2)
+    base = np.concatenate(([0], np.cumsum(w[:, 1] - w[:, 0])[:-1]))
+    k = np.searchsorted(w[:, 1], r[:, 0], side="right")  # the run of within holding each start
+    first = r[:, 0] - w[k, 0] + base[k]
+    lengths = r[:, 1] - r[:, 0]
+    if len(r) == 1:
+        return np.arange(first[0], first[0] + lengths[0], dtype=np.int64)
+    # Each run's positions: its first position plus 0..length-1, in one pass.
+    at = np.repeat(first - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
+    return at + np.arange(int(lengths.sum()), dtype=np.int64)
+
+
+def _span(runs: Runs, within: Runs) -> tuple[int, int] | None:
+    """``[first, stop)`` of the positions of ``runs`` in ``within``'s order
+    when they are consecutive (one slice), else None."""
+    if not runs:
+        return (0, 0)
     base = 0
-    k = 0
+    first = -1
     for lo, hi in within:
-        while k < len(runs) and runs[k][0] < hi:
-            a, b = runs[k]
-            out.append(np.arange(a - lo + base, b - lo + base, dtype=np.int64))
-            k += 1
+        if first < 0 and lo <= runs[0][0] < hi:
+            first = base + runs[0][0] - lo
         base += hi - lo
-    return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+    n = sum(b - a for a, b in runs)
+    pos = _positions(((runs[-1][1] - 1, runs[-1][1]),), within)
+    return (first, first + n) if first >= 0 and int(pos[0]) == first + n - 1 else None
 
 
 @dataclass(frozen=True)
@@ -123,6 +212,12 @@ class Region:
         """Per dimension, where ``sub``'s indices (a subset of this region's)
         sit in this region's local order."""
         return [_positions(s, w) for s, w in zip(sub.runs, self.runs, strict=True)]
+
+    def spans(self, sub: Region) -> list[tuple[int, int] | None]:
+        """Per dimension, ``[first, stop)`` of ``sub``'s positions in this
+        region's local order where they are consecutive (a slice, no index
+        array), else None."""
+        return [_span(s, w) for s, w in zip(sub.runs, self.runs, strict=True)]
 
     def rows(self, first: int, stop: int) -> Region:
         """The sub-region of local rows ``[first, stop)`` along dimension 0."""

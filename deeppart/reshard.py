@@ -20,7 +20,9 @@ The stages, which :func:`deeppart.load` runs beside the others:
 2. :func:`plan_shard_reads` (one ``allgather``): every rank's regions; each
    stored piece that some rank needs is read by exactly one of the ranks
    that need it (the least loaded so far), so storage serves each byte once
-   per job, not once per replica;
+   per job, not once per replica (cooperative: ``exchange="bcast"``, and
+   ``"auto"`` across hosts); or, on one host (``"auto"``, ``"read"``), by
+   each rank that needs it, and nothing is exchanged;
 3. :func:`read_shards`: each rank reads its pieces (checksums verified,
    decoded), only the pieces whose rows meet a needed region;
 4. :func:`exchange_shards`: a piece that other ranks need too is sent
@@ -32,6 +34,7 @@ The stages, which :func:`deeppart.load` runs beside the others:
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,15 +42,25 @@ from typing import Any
 
 import numpy as np
 
+from deeppart.agreement import agree
 from deeppart.comm import Comm
-from deeppart.errors import StateMismatchError
-from deeppart.format import Metadata, Piece, check_file_sizes
+from deeppart.errors import CorruptCheckpointError, StateMismatchError
+from deeppart.format import (
+    HEADER_SIZE,
+    Metadata,
+    Piece,
+    check_file_sizes,
+    check_header,
+    data_file_name,
+    open_regular,
+)
+from deeppart.integrity import FileView, check_in_memory, file_view, unstable_view
 from deeppart.progress import Progress
 from deeppart.reader import read_file
 from deeppart.regions import DTensorRecord, Region, ShardRecord
 from deeppart.restore import describe, select
 from deeppart.state import flatten, is_dtensor
-from deeppart.tensors import U8, torch_dtypes, torch_module
+from deeppart.tensors import U8, torch_dtypes, torch_module, u8_view
 
 __all__ = [
     "ShardReads",
@@ -167,6 +180,54 @@ def shard_targets(meta: Metadata, into: Any, keys: Any, strict: bool) -> ShardTa
 
 
 @dataclass
+class Direct:
+    """Bytes ``[lo, hi)`` of a stored shard leaf (row-major), read from the
+    file straight into ``dest`` (a tensor's memory, ``hi - lo`` bytes)."""
+
+    lo: int
+    hi: int
+    dest: U8
+
+
+def _direct_ranges(meta: Metadata, shard: ShardRecord, needs: list[Need]) -> list[Direct] | None:
+    """Where each of ``needs`` takes whole rows of ``shard`` (the common
+    box spans every index of the other dimensions, in the shard and in the
+    need's contiguous CPU tensor): the byte ranges, disjoint and sorted;
+    None when some need takes anything else (then the shard is read into a
+    buffer and its intersections copied, :func:`fill_shards`)."""
+    info = meta.leaves[shard.leaf]
+    isz = info.itemsize
+    out: list[Direct] = []
+    for need in needs:
+        common = shard.region.intersect(need.region)
+        if common is None:
+            continue
+        dest = need.dest
+        if dest.device.type != "cpu" or not dest.is_contiguous() or dest.is_conj() or (
+            dest.is_neg()
+        ):
+            return None
+        if not shard.region.runs:  # a 0-d tensor
+            out.append(Direct(0, isz, u8_view(dest)))
+            continue
+        ss, ds = shard.region.spans(common), need.region.spans(common)
+        sshape, dshape = shard.region.shape, need.region.shape
+        if ss[0] is None or ds[0] is None or any(
+            ss[d] != (0, sshape[d]) or ds[d] != (0, dshape[d]) for d in range(1, len(sshape))
+        ):
+            return None
+        row = isz
+        for n in sshape[1:]:
+            row *= n
+        (s0, s1), (d0, d1) = ss[0], ds[0]
+        out.append(Direct(s0 * row, s1 * row, u8_view(dest)[d0 * row : d1 * row]))
+    out.sort(key=lambda d: d.lo)
+    if any(a.hi > b.lo for a, b in itertools.pairwise(out)):
+        return None
+    return out
+
+
+@dataclass
 class ShardReads:
     """Who reads which stored piece of the sharded tensors, and who needs it."""
 
@@ -187,6 +248,13 @@ class ShardReads:
     read_raw: int = 0
     #: Bytes this rank received in the exchange (set by exchange_shards).
     received: int = 0
+    #: Raw pieces this rank reads without checksumming them: with
+    #: ``read_own`` on one kernel each piece is checksummed by the lowest
+    #: of the ranks that read it (:mod:`deeppart.integrity`).
+    unverified: set[int] = field(default_factory=set)
+    #: Shard leaves read straight into this rank's tensors (``read_own``,
+    #: raw pieces, rows that are whole in both): no buffer, no copy after.
+    direct: dict[int, list[Direct]] = field(default_factory=dict)
 
     def raw_bytes(self, meta: Metadata) -> int:
         """Raw bytes of the stored pieces that the job read (each once)."""
@@ -204,9 +272,17 @@ def _piece_region(meta: Metadata, shard: ShardRecord, p: Piece) -> Region:
     return shard.region.rows(p.start // row, -(-p.stop // row))
 
 
-def plan_shard_reads(c: Comm, meta: Metadata, st: ShardTargets) -> ShardReads:
+def plan_shard_reads(
+    c: Comm, meta: Metadata, st: ShardTargets, read_own: bool = False, shared_checks: bool = False
+) -> ShardReads:
     """Collective: exchanges every rank's needed regions and assigns each
-    needed piece to one of the ranks that need it (deterministic)."""
+    needed piece to one of the ranks that need it (deterministic), who
+    sends it to the others; with ``read_own``, each rank that needs a piece
+    reads it itself and nothing is sent (one host: the page cache serves
+    each reader). ``shared_checks`` (with ``read_own``, every rank on one
+    kernel): each raw piece is checksummed by the lowest of its readers
+    only, the others' copies trusted after the read's agreement on the
+    files' views (:func:`recheck_shards` otherwise)."""
     mine = json.dumps(
         [[list(n.path), n.region.to_json()] for n in st.needs], separators=(",", ":")
     ).encode()
@@ -226,8 +302,16 @@ def plan_shard_reads(c: Comm, meta: Metadata, st: ShardTargets) -> ShardReads:
         pieces_of.setdefault(p.leaf, []).append(p)
     out = ShardReads(st, records)
     load = [0] * c.size
+    mine_of: dict[tuple[Any, ...], list[Need]] = {}
+    for need in st.needs:
+        mine_of.setdefault(need.path, []).append(need)
     for key in sorted(wants, key=lambda k: json.dumps(list(k))):
         for shard in records[key].shards:
+            raw = all(p.codec == "none" for p in pieces_of.get(shard.leaf, []))
+            if read_own and raw and key in mine_of:
+                direct = _direct_ranges(meta, shard, mine_of[key])
+                if direct is not None:
+                    out.direct[shard.leaf] = direct
             for p in pieces_of.get(shard.leaf, []):
                 span = _piece_region(meta, shard, p)
                 needers = sorted(
@@ -235,18 +319,27 @@ def plan_shard_reads(c: Comm, meta: Metadata, st: ShardTargets) -> ShardReads:
                 )
                 if not needers:
                     continue
-                reader = min(needers, key=lambda r: (load[r], r))
-                load[reader] += p.stored
                 out.total_raw += p.length
-                if reader == c.rank:
-                    out.mine.setdefault(p.rank, []).append(p)
-                    out.read_raw += p.length
-                for r in needers:
-                    if r != reader:
-                        out.sends.setdefault((reader, r), []).append(p)
+                if read_own:
+                    if c.rank in needers:
+                        out.mine.setdefault(p.rank, []).append(p)
+                        out.read_raw += p.length
+                        if shared_checks and p.codec == "none" and c.rank != needers[0]:
+                            out.unverified.add(id(p))
+                else:
+                    reader = min(needers, key=lambda r: (load[r], r))
+                    load[reader] += p.stored
+                    if reader == c.rank:
+                        out.mine.setdefault(p.rank, []).append(p)
+                        out.read_raw += p.length
+                    for r in needers:
+                        if r != reader:
+                            out.sends.setdefault((reader, r), []).append(p)
                 if c.rank in needers:
                     out.needed.add(id(p))
-                    if shard.leaf not in out.buffers:
+                    if shard.leaf in out.direct:
+                        out.unverified.discard(id(p))  # checked as it is read
+                    elif shard.leaf not in out.buffers:
                         out.buffers[shard.leaf] = np.empty(meta.leaves[shard.leaf].nbytes, np.uint8)
     return out
 
@@ -256,14 +349,114 @@ def _slot(meta: Metadata, sr: ShardReads, p: Piece) -> U8:
     return sr.buffers[p.leaf][p.start * isz : p.stop * isz]
 
 
-def read_shards(path: Path, meta: Metadata, sr: ShardReads, progress: Progress) -> int:
-    """Reads this rank's pieces into its shard buffers; returns the bytes read."""
+def read_shards(
+    path: Path,
+    meta: Metadata,
+    sr: ShardReads,
+    progress: Progress,
+    views: dict[int, FileView] | None = None,
+) -> int:
+    """Reads this rank's pieces into its shard buffers; returns the bytes
+    read. ``views`` gets this rank's view of each data file it read."""
     check_file_sizes(path, meta, sorted(sr.mine))
     n = 0
     for f in sorted(sr.mine):
         pieces = sorted(sr.mine[f], key=lambda p: p.offset)
-        n += read_file(path, meta, f, pieces, lambda p: _slot(meta, sr, p), progress)
+        direct = [p for p in pieces if p.leaf in sr.direct]
+        if direct:
+            n += _read_direct(path, meta, f, direct, sr, progress, views)
+        for verify in (True, False):
+            part = [
+                p for p in pieces
+                if p.leaf not in sr.direct and (id(p) not in sr.unverified) == verify
+            ]
+            if part:
+                n += read_file(
+                    path, meta, f, part, lambda p: _slot(meta, sr, p), progress,
+                    verify=verify, views=views,
+                )
     return n
+
+
+#: The most bytes of a piece read at once into the scratch buffer (the
+#: bytes no tensor here takes, read to checksum the whole piece).
+SCRATCH_BYTES = 8 << 20
+
+
+def _read_into(f: Any, view: U8, p: Piece, directory: Path, hasher: Any) -> None:
+    got = f.readinto(view.data)
+    if got != view.size:
+        raise CorruptCheckpointError(f"{p.describe(directory)}: short read")
+    hasher.update(view.data)
+
+
+def _read_direct(
+    directory: Path,
+    meta: Metadata,
+    rank: int,
+    pieces: list[Piece],
+    sr: ShardReads,
+    progress: Progress,
+    views: dict[int, FileView] | None,
+) -> int:
+    """Reads raw ``pieces`` of data file ``rank``: the bytes of the rows
+    that this rank's tensors take go straight into them, the others through
+    a small scratch buffer; each whole piece is checksummed as it is read."""
+    import xxhash
+
+    path = directory / data_file_name(rank)
+    try:
+        f = open_regular(path)
+    except OSError as e:
+        raise CorruptCheckpointError(f"{path}: cannot open ({e.strerror})") from e
+    n = 0
+    scratch: U8 | None = None
+    with f:
+        before = file_view(f.fileno())
+        check_header(path, f.read(HEADER_SIZE), rank, meta.world_size, meta.plan_fingerprint)
+        for p in pieces:
+            isz = meta.leaves[p.leaf].itemsize
+            a, b = p.start * isz, p.stop * isz
+            f.seek(p.offset)
+            hasher = xxhash.xxh3_64()
+            at = a
+            for d in [*sr.direct[p.leaf], Direct(b, b, _EMPTY)]:
+                lo, hi = max(d.lo, a), min(d.hi, b)
+                if lo < at or lo > b:
+                    continue
+                while at < lo:  # bytes no tensor here takes: checksummed only
+                    if scratch is None:
+                        scratch = np.empty(SCRATCH_BYTES, np.uint8)
+                    k = min(lo - at, SCRATCH_BYTES)
+                    _read_into(f, scratch[:k], p, directory, hasher)
+                    at += k
+                if lo < hi:
+                    _read_into(f, d.dest[lo - d.lo : hi - d.lo], p, directory, hasher)
+                    at = hi
+            if int(hasher.intdigest()) != p.xxh3:
+                raise CorruptCheckpointError(
+                    f"{p.describe(directory)}: checksum mismatch (xxh3_64)"
+                )
+            n += p.stored
+            progress.advance(p.length)
+        if views is not None:
+            views[rank] = before if file_view(f.fileno()) == before else unstable_view()
+    return n
+
+
+def recheck_shards(c: Comm, meta: Metadata, sr: ShardReads, path: Path, differ: bool) -> None:
+    """After the read's agreement: when the ranks did not all see the same
+    files, unchanged (``differ``, the same on every rank), each checksums
+    in its memory the pieces it read unchecked, then agrees (collective)."""
+    if not differ:
+        return
+    err: BaseException | None = None
+    try:
+        pieces = [p for ps in sr.mine.values() for p in ps if id(p) in sr.unverified]
+        check_in_memory(pieces, lambda p: _slot(meta, sr, p), path)
+    except Exception as e:
+        err = e
+    agree(c, err)
 
 
 def exchange_shards(c: Comm, sr: ShardReads, meta: Metadata) -> None:
@@ -330,13 +523,6 @@ def _unpack(meta: Metadata, sr: ShardReads, batch: list[Piece], buf: U8) -> None
         at += p.length
 
 
-def _index(pos: Any, n: int) -> Any:
-    """A slice when ``pos`` is a run of consecutive positions, else None."""
-    if len(pos) and int(pos[-1]) - int(pos[0]) + 1 == len(pos):
-        return slice(int(pos[0]), int(pos[-1]) + 1)
-    return None
-
-
 def fill_shards(meta: Metadata, sr: ShardReads) -> dict[int, Any]:
     """Copies what each stored shard shares with each needed region into the
     region's tensor; returns the new full tensors by the index of the leaf
@@ -355,14 +541,21 @@ def fill_shards(meta: Metadata, sr: ShardReads) -> dict[int, Any]:
                 src = torch.from_numpy(sr.buffers[shard.leaf]).view(dtype).reshape(
                     shard.region.shape
                 )
-                for d, pos in enumerate(shard.region.positions(common)):
-                    if len(pos) != src.shape[d]:
-                        src = src.index_select(d, torch.from_numpy(pos))
-                at = need.region.positions(common)
-                slices = [_index(p, need.dest.shape[d]) for d, p in enumerate(at)]
-                if all(s is not None for s in slices):
-                    need.dest[tuple(slices)].copy_(src)
+                # Where the common box is a slice of the stored shard (every
+                # Shard placement), a view; an index array only for the
+                # dimensions of interleaved rows (_StridedShard).
+                spans = shard.region.spans(common)
+                where = shard.region.positions(common) if None in spans else []
+                for d, span in enumerate(spans):
+                    if span is None:
+                        src = src.index_select(d, torch.from_numpy(where[d]))
+                    elif span != (0, src.shape[d]):
+                        src = src.narrow(d, span[0], span[1] - span[0])
+                spans = need.region.spans(common)
+                if all(sp is not None for sp in spans):
+                    need.dest[tuple(slice(*sp) for sp in spans if sp is not None)].copy_(src)
                 else:
+                    at = need.region.positions(common)
                     grids = [
                         torch.from_numpy(p).reshape([-1 if k == d else 1 for k in range(len(at))])
                         for d, p in enumerate(at)

@@ -289,9 +289,17 @@ def scenario_eight(d: Path, layouts: list[str]) -> None:
         ref = to_full(sharded_state(m, opt))
         saved = deeppart.save(sharded_state(m, opt), d / src)
         m2, opt2 = build(dst, seed=7)
-        # The default call: a load of sharded state is cooperative (the
-        # plain leaves' files are read once per job too, also on one host).
+        # The default on one host: each rank reads the stored pieces its
+        # shards need itself, nothing is exchanged.
         out = deeppart.load(d / src, into=sharded_state(m2, opt2))
+        equal(to_full(out), ref, f"{src}->{dst} (own reads)")
+        own = last_stats("load")
+        assert own is not None and not any(own.rank_received), own
+        assert own.rank_shard_read[dist.get_rank()] == needed_bytes(
+            d / src, sharded_state(m2, opt2)), own
+        # Cooperative (exchange="bcast", the default across hosts): each
+        # piece read once per job, sent to the other ranks that need it.
+        out = deeppart.load(d / src, into=sharded_state(m2, opt2), exchange="bcast")
         equal(to_full(out), ref, f"{src}->{dst}")
         stats = last_stats("load")
         assert stats is not None
@@ -432,7 +440,7 @@ def mpi_main() -> None:
 
     d, layout = Path(sys.argv[2]), sys.argv[3]
     ref = deeppart.load(d / f"{layout}-ref")
-    out = deeppart.load(d / layout, comm=MPI.COMM_WORLD)
+    out = deeppart.load(d / layout, comm=MPI.COMM_WORLD, exchange="bcast")
     equal(out, ref, f"{layout} over MPI")
     stats = last_stats("load")
     assert stats is not None and stats.world_size == MPI.COMM_WORLD.Get_size(), stats
