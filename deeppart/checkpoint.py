@@ -38,8 +38,8 @@ from deeppart.comm import Comm, resolve
 from deeppart.commit import TEMP_NAME_MAX, commit_dir, make_temp_dir, metadata_json
 from deeppart.errors import StateError, StateMismatchError
 from deeppart.format import Metadata, data_file_name, remove_tree
-from deeppart.groups import grouped_prepare, load_view, read_own, selection_digest
-from deeppart.integrity import FileView, Hosts, hosts
+from deeppart.groups import LoadView, grouped_prepare, load_view, read_own, selection_digest
+from deeppart.integrity import Hosts, hosts
 from deeppart.ownership import check_target
 from deeppart.planning import PlanProvider
 from deeppart.prepare import AGREE_WIDTH, Prepared, agree_prepared_flags, prepare
@@ -52,8 +52,6 @@ from deeppart.reader import (
     open_checkpoint,
     plan_reads,
     read_share,
-    read_views,
-    recheck_if_views_differ,
     shared_buffers,
 )
 from deeppart.reshard import (
@@ -420,19 +418,20 @@ def load(
     ``exchange="bcast"``: each rank reads a balanced share of the data files
     and broadcasts it (the file system serves each byte once: right for a
     parallel file system under many nodes).
-    ``exchange="read"``: every rank reads every piece itself, with no bulk
-    MPI traffic (right when all ranks share one node's page cache, or the
-    interconnect or the CPUs are the bottleneck, e.g. oversubscribed ranks).
-    ``exchange="auto"`` (default): ``"read"`` when every rank runs on the same
-    host and no piece is compressed, else ``"bcast"``; all ranks take the
-    same decision. A load of sharded state (the checkpoint or ``into=``
-    holds DTensors) is cooperative by default: its plain leaves are read
-    as with ``"bcast"`` and its shards once per job (each needed piece by
-    one of the ranks that need it, then sent to the others), so storage
-    serves each byte about once, not once per replica. A compressed piece
-    is decompressed once, by the rank that read it, and its raw bytes
-    exchanged: on one host (MPI) through memory all its ranks map (a shared
-    window), else by broadcast.
+    ``exchange="read"``: every rank reads and checksums every piece itself,
+    with no bulk MPI traffic (right when the interconnect is the
+    bottleneck).
+    ``exchange="auto"`` (default): each data file is read, checksummed and
+    decompressed once, by one rank; on one host (MPI) into memory that all
+    its ranks map (a shared window), from which every rank copies, else
+    broadcast from the reader's tensors (``"bcast"``); all ranks take the
+    same decision. Whatever a rank returns was checksummed where it lies or
+    copied from memory where it was (docs/FORMAT.md). A load of sharded
+    state (the checkpoint or ``into=`` holds DTensors) is cooperative too:
+    its plain leaves are read as with ``"bcast"`` and its shards once per
+    job (each needed piece by one of the ranks that need it, then sent to
+    the others), so storage serves each byte about once, not once per
+    replica.
 
     With ``into`` (a state of the same structure, e.g. ``model.state_dict()``),
     tensors are filled in place (``copy_`` semantics, no second full copy)
@@ -461,18 +460,19 @@ def load(
     that load different leaves each read their own.
     """
     c = resolve(comm)
-    view = load_view(group, into, keys, c.rank)
-    into, keys = view.into, view.keys
     t0 = time.perf_counter()
-    where = hosts(c) if c.size > 1 and exchange != "bcast" else Hosts(True, False)
+    where = hosts(c) if c.size > 1 and exchange != "bcast" else Hosts(True)
 
     # Open the checkpoint and plan the reads; every rank checks that all
     # read the same metadata.
     err: BaseException | None = None
+    view: LoadView | None = None
     rp: ReadPlan | None = None
     st: ShardTargets | None = None
     digest = b""
     try:
+        view = load_view(group, into, keys, c.rank)
+        into, keys = view.into, view.keys
         path, meta, digest = open_checkpoint(Path(directory))
         st = shard_targets(meta, into, keys, strict)
         rp = plan_reads(
@@ -484,14 +484,13 @@ def load(
             strict=strict,
             exchange=plain_exchange(exchange, st),
             same_host=where.one_host,
-            same_kernel=where.one_kernel,
             elsewhere=st.leaves,
             into_elsewhere=st.into_leaves,
         )
     except Exception as e:
         err = e
     rows = agree(c, err, digest + (selection_digest(rp) if rp is not None else b""), width=48)
-    assert rp is not None and st is not None
+    assert view is not None and rp is not None and st is not None
     if len({row[:32] for row in rows}) != 1:
         raise StateMismatchError(f"{rp.path}: ranks read different metadata.json files")
     if len({row[32:] for row in rows}) != 1:
@@ -504,28 +503,41 @@ def load(
     )
     stage = _staging.Staging(staging_bytes)
     nread = 0
-    views: dict[int, FileView] = {}
     with shared_buffers(c, rp) as buffers:
         try:
-            nread = read_share(rp, buffers, prog, stage, views)
+            nread = read_share(rp, buffers, prog, stage)
             if sr is not None:
                 nread += read_shards(rp.path, rp.meta, sr, prog)
         except Exception as e:
             err = e
         finally:
             prog.close()
-        # Also: every reader has filled its shared segment; and, where each
-        # file was checksummed by one rank, all saw the same files.
-        rows = agree(c, err, read_views(rp, views))
-        recheck_if_views_differ(c, rp, rows)
-        exchange_share(c, rp, buffers, stage)
+        # Also: every reader has filled (and verified) its shared segment.
+        agree(c, err)
+        # Each exchange runs all its collectives even after a local failure
+        # (reader.FirstError), so both run on every rank; then one agreement.
+        try:
+            exchange_share(c, rp, buffers, stage)
+        except Exception as e:
+            err = e
         if sr is not None:
-            exchange_shards(c, sr, rp.meta)
+            try:
+                exchange_shards(c, sr, rp.meta)
+            except Exception as e:
+                err = err or e
+        agree(c, err)
 
-    filled = fill_shards(rp.meta, sr) if sr is not None else None
-    state = assemble(rp.meta, rp.targets, rp.path, rp.matched, keys is not None, filled)
-    if view.unwrap is not None:
-        state = state[view.unwrap]
+    # Decoding the plain values and rebuilding the tree can fail too (a
+    # value that does not decode): agreed like every other stage.
+    state: Any = None
+    try:
+        filled = fill_shards(rp.meta, sr) if sr is not None else None
+        state = assemble(rp.meta, rp.targets, rp.path, rp.matched, keys is not None, filled)
+        if view.unwrap is not None:
+            state = state[view.unwrap]
+    except Exception as e:
+        err = e
+    agree(c, err)
     if rp.matched is not None:
         _last_keys[:] = [rp.matched.keys]
     _last_stats["load"] = stats = _load_stats(c, rp, time.perf_counter() - t0, nread, sr)
