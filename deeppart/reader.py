@@ -32,7 +32,7 @@ import numpy as np
 
 from deeppart import staging as _staging
 from deeppart._planner import Manifest, ManifestError, copy_into
-from deeppart.comm import Comm, node_shared
+from deeppart.comm import Comm, release_node_shared, reused_node_shared
 from deeppart.compression import decompress, decompress_into
 from deeppart.errors import CheckpointError, CodecError, CorruptCheckpointError, StateMismatchError
 from deeppart.format import (
@@ -550,11 +550,12 @@ def shared_buffers(comm: Comm, rp: ReadPlan) -> Iterator[ReadBuffers]:
     node-shared window (file f in its reader's segment, after that reader's
     earlier files), which every rank of the host maps; else filled in as the
     files are read. Collective on exit (nobody still copies out of another
-    rank's segment)."""
+    rank's segment); a small window is kept for the next load
+    (:func:`deeppart.comm.reused_node_shared`)."""
     out = ReadBuffers()
     shared = None
     if rp.via_shared and not rp.read_all:
-        shared = node_shared(comm, sum(rp.file_raw[f] for f in rp.mine))
+        shared = reused_node_shared(comm, sum(rp.file_raw[f] for f in rp.mine))
     if shared is not None:
         out.shared = True
         ends = [0] * comm.size
@@ -568,7 +569,7 @@ def shared_buffers(comm: Comm, rp: ReadPlan) -> Iterator[ReadBuffers]:
         if shared is not None:
             out.files.clear()
             comm.barrier()
-            shared.close()
+            release_node_shared(comm, shared)
 
 
 def read_share(
