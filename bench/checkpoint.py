@@ -28,14 +28,15 @@ load times measure the software path, not the disk. ``torch.save`` writes
 on rank 0 only and ``torch.load`` reads the whole file on every rank (what
 a data-parallel restart does); DCP and DeepPart load in place into the
 existing state (DeepPart: ``into=``). DeepPart loads with its default
-exchange (``"auto"``: on one host, every rank reads everything itself from
-the shared page cache, as DCP does here) and, for comparison, with
-``exchange="bcast"`` (each rank reads 1/K of the files, then MPI
-broadcasts: what ``"auto"`` picks across nodes). "raw" writes ``1/K`` of
+exchange (``"auto"``: on one host each file is read and checksummed once,
+by one rank, into an MPI shared window that every rank copies from) and,
+for comparison, with ``exchange="bcast"`` (each rank reads 1/K of the
+files, then MPI broadcasts: what ``"auto"`` picks across nodes). "raw" writes ``1/K`` of
 the state's bytes per rank as one sequential write of one file: the ceiling
 of this machine for K parallel writers. A replicated restore must put every
 byte in every rank's memory, so the load ceilings are "raw read all" (every
-rank reads all K raw files: the ceiling of ``exchange="read"``) and "raw
+rank reads all K raw files, unchecked: what a replicated one-host restore
+costs without a checksum or an exchange) and "raw
 read+bcast" (each rank reads its file, then every file is broadcast: the
 ceiling of ``exchange="bcast"``); "raw share" (each rank reads only its own
 file) is shown for reference, it is not a restore. A compressed checkpoint

@@ -44,8 +44,8 @@ from deeppart.commit import (
 )
 from deeppart.errors import StateError, StateMismatchError
 from deeppart.format import SAVE_ID_HEX, Metadata, data_file_name, new_save_id
-from deeppart.groups import grouped_prepare, load_view, read_own, selection_digest
-from deeppart.integrity import FileView, Hosts, hosts
+from deeppart.groups import LoadView, grouped_prepare, load_view, read_own, selection_digest
+from deeppart.integrity import Hosts, hosts
 from deeppart.ownership import check_target, local_path
 from deeppart.planning import PlanProvider
 from deeppart.prepare import AGREE_WIDTH, Prepared, agree_prepared_flags, prepare
@@ -58,8 +58,6 @@ from deeppart.reader import (
     open_checkpoint,
     plan_reads,
     read_share,
-    read_views,
-    recheck_if_views_differ,
     shared_buffers,
 )
 from deeppart.reshard import (
@@ -69,7 +67,6 @@ from deeppart.reshard import (
     fill_shards,
     plan_shard_reads,
     read_shards,
-    recheck_shards,
     shard_targets,
 )
 from deeppart.restore import IncompatibleKeys
@@ -432,20 +429,21 @@ def load(
     ``exchange="bcast"``: each rank reads a balanced share of the data files
     and broadcasts it (the file system serves each byte once: right for a
     parallel file system under many nodes).
-    ``exchange="read"``: every rank reads every piece itself, with no bulk
-    MPI traffic (right when all ranks share one node's page cache, or the
-    interconnect or the CPUs are the bottleneck, e.g. oversubscribed ranks).
-    ``exchange="auto"`` (default): ``"read"`` when every rank runs on the same
-    host and no piece is compressed, else ``"bcast"``; all ranks take the
-    same decision. The shards of sharded state (the checkpoint or
-    ``into=`` holds DTensors) follow the same rule: with ``"read"`` each
-    rank reads the stored pieces its shards need itself; with ``"bcast"``
-    the load is cooperative (each needed piece read by one of the ranks
-    that need it, then sent to the others), so storage serves each byte
-    about once, not once per replica. A compressed piece
-    is decompressed once, by the rank that read it, and its raw bytes
-    exchanged: on one host (MPI) through memory all its ranks map (a shared
-    window), else by broadcast.
+    ``exchange="read"``: every rank reads and checksums every piece itself,
+    with no bulk MPI traffic (right when the interconnect is the
+    bottleneck).
+    ``exchange="auto"`` (default): each data file is read, checksummed and
+    decompressed once, by one rank; on one host (MPI) into memory that all
+    its ranks map (a shared window), from which every rank copies, else
+    broadcast from the reader's tensors (``"bcast"``); all ranks take the
+    same decision. Whatever a rank returns was checksummed where it lies or
+    copied from memory where it was (docs/FORMAT.md). The shards of sharded
+    state (the checkpoint or ``into=`` holds DTensors): with ``"read"``, and
+    with ``"auto"`` on one host when no piece is compressed, each rank reads
+    and checksums the stored pieces its shards need itself (the page cache
+    serves them); otherwise the load is cooperative (each needed piece read
+    by one of the ranks that need it, then sent to the others), so storage
+    serves each byte about once, not once per replica.
 
     With ``into`` (a state of the same structure, e.g. ``model.state_dict()``),
     tensors are filled in place (``copy_`` semantics, no second full copy)
@@ -474,18 +472,19 @@ def load(
     that load different leaves each read their own.
     """
     c = resolve(comm)
-    view = load_view(group, into, keys, c.rank)
-    into, keys = view.into, view.keys
     t0 = time.perf_counter()
-    where = hosts(c) if c.size > 1 and exchange != "bcast" else Hosts(True, False)
+    where = hosts(c) if c.size > 1 and exchange != "bcast" else Hosts(True)
 
     # Open the checkpoint and plan the reads; every rank checks that all
     # read the same metadata.
     err: BaseException | None = None
+    view: LoadView | None = None
     rp: ReadPlan | None = None
     st: ShardTargets | None = None
     digest = b""
     try:
+        view = load_view(group, into, keys, c.rank)
+        into, keys = view.into, view.keys
         path, meta, digest = open_checkpoint(local_path(directory))
         st = shard_targets(meta, into, keys, strict)
         rp = plan_reads(
@@ -497,14 +496,13 @@ def load(
             strict=strict,
             exchange=exchange,
             same_host=where.one_host,
-            same_kernel=where.one_kernel,
             elsewhere=st.leaves,
             into_elsewhere=st.into_leaves,
         )
     except Exception as e:
         err = e
     rows = agree(c, err, digest + (selection_digest(rp) if rp is not None else b""), width=48)
-    assert rp is not None and st is not None
+    assert view is not None and rp is not None and st is not None
     if len({row[:32] for row in rows}) != 1:
         raise StateMismatchError(f"{rp.path}: ranks read different metadata.json files")
     if len({row[32:] for row in rows}) != 1:
@@ -512,8 +510,7 @@ def load(
     sr = None
     if st.active:
         own = shard_exchange(exchange, rp.meta, where.one_host)
-        shared = own and c.size > 1 and where.one_kernel and rp.verifier is not None
-        sr = plan_shard_reads(c, rp.meta, st, read_own=own, shared_checks=shared)
+        sr = plan_shard_reads(c, rp.meta, st, read_own=own)
 
     # Read this rank's share, then exchange it.
     prog = Progress(
@@ -521,30 +518,41 @@ def load(
     )
     stage = _staging.Staging(staging_bytes)
     nread = 0
-    views: dict[int, FileView] = {}
     with shared_buffers(c, rp) as buffers:
         try:
-            nread = read_share(rp, buffers, prog, stage, views)
+            nread = read_share(rp, buffers, prog, stage)
             if sr is not None:
-                nread += read_shards(rp.path, rp.meta, sr, prog, views)
+                nread += read_shards(rp.path, rp.meta, sr, prog)
         except Exception as e:
             err = e
         finally:
             prog.close()
-        # Also: every reader has filled its shared segment; and, where each
-        # file was checksummed by one rank, all saw the same files.
-        rows = agree(c, err, read_views(rp, views))
-        recheck_if_views_differ(c, rp, rows)
-        if sr is not None:  # the same decision on every rank (rows)
-            recheck_shards(c, rp.meta, sr, rp.path, len(set(rows)) != 1)
-        exchange_share(c, rp, buffers, stage)
+        # Also: every reader has filled (and verified) its shared segment.
+        agree(c, err)
+        # Each exchange runs all its collectives even after a local failure
+        # (reader.FirstError), so both run on every rank; then one agreement.
+        try:
+            exchange_share(c, rp, buffers, stage)
+        except Exception as e:
+            err = e
         if sr is not None:
-            exchange_shards(c, sr, rp.meta)
+            try:
+                exchange_shards(c, sr, rp.meta)
+            except Exception as e:
+                err = err or e
+        agree(c, err)
 
-    filled = fill_shards(rp.meta, sr) if sr is not None else None
-    state = assemble(rp.meta, rp.targets, rp.path, rp.matched, keys is not None, filled)
-    if view.unwrap is not None:
-        state = state[view.unwrap]
+    # Decoding the plain values and rebuilding the tree can fail too (a
+    # value that does not decode): agreed like every other stage.
+    state: Any = None
+    try:
+        filled = fill_shards(rp.meta, sr) if sr is not None else None
+        state = assemble(rp.meta, rp.targets, rp.path, rp.matched, keys is not None, filled)
+        if view.unwrap is not None:
+            state = state[view.unwrap]
+    except Exception as e:
+        err = e
+    agree(c, err)
     if rp.matched is not None:
         _last_keys[:] = [rp.matched.keys]
     _last_stats["load"] = stats = _load_stats(c, rp, time.perf_counter() - t0, nread, sr)

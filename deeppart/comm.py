@@ -414,6 +414,62 @@ def node_shared(c: Comm, nbytes: int) -> NodeShared | None:
     return NodeShared(win, node, segments)
 
 
+#: A node-shared window of at most this many bytes per rank is kept after
+#: a load for the next one (:func:`reused_node_shared`): its pages stay
+#: mapped and faulted in, which a new window pays for on every load (about
+#: as much as the copies out of it). Larger windows are freed after use.
+KEEP_SHARED_BYTES = 256 << 20
+
+_KEPT: dict[Any, NodeShared] = {}
+
+
+def reused_node_shared(c: Comm, nbytes: int) -> NodeShared | None:
+    """:func:`node_shared`, but the window kept by :func:`release_node_shared`
+    after an earlier call is reused when every rank's segment holds its
+    ``nbytes`` (one small allgather decides, so every rank takes the same
+    branch). Collective over ``c``."""
+    if not isinstance(c, MPIComm):
+        return None
+    key = (id(c.comm), c.comm.py2f())
+    kept = _KEPT.get(key)
+    fits = kept is not None and kept.segments[c.rank].size >= nbytes
+    if all(row == b"\1" for row in c.allgather_bytes(bytes([fits]), 1)):
+        assert kept is not None
+        return kept
+    if kept is not None:
+        del _KEPT[key]
+        kept.close()
+    return node_shared(c, nbytes)
+
+
+def release_node_shared(c: Comm, shared: NodeShared) -> None:
+    """Done with ``shared`` (from :func:`reused_node_shared`): kept for the
+    next call when it is at most :data:`KEEP_SHARED_BYTES` per rank, else
+    freed. Collective over ``c`` (every rank decides alike: from the sizes
+    of all segments)."""
+    assert isinstance(c, MPIComm)
+    if max(seg.size for seg in shared.segments) <= KEEP_SHARED_BYTES:
+        _KEPT[(id(c.comm), c.comm.py2f())] = shared
+    else:
+        shared.close()
+
+
+def release_kept_windows() -> None:
+    """Frees the windows kept for the next load (at interpreter exit, before
+    mpi4py finalizes MPI)."""
+    kept = list(_KEPT.values())
+    _KEPT.clear()
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or mpi.Is_finalized():
+        return
+    for shared in kept:
+        with contextlib.suppress(Exception):
+            shared.close()
+
+
+atexit.register(release_kept_windows)
+
+
 def launched_by_mpiexec() -> bool:
     for var in _LAUNCHER_SIZE_VARS:
         try:

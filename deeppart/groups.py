@@ -334,7 +334,6 @@ def read_own(rp: ReadPlan, rank: int) -> ReadPlan:
     """``rp`` changed so that this rank reads every piece it needs itself:
     for ranks that select different leaves (no broadcast can serve them)."""
     rp.read_all, rp.via_shared = True, False
-    rp.verifier = None  # the ranks read different files: each checks its own
     rp.owner = [rank] * rp.meta.world_size
     rp.mine = [f for f in range(rp.meta.world_size) if rp.by_file[f]]
     return rp

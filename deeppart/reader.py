@@ -31,9 +31,8 @@ from typing import Any
 import numpy as np
 
 from deeppart import staging as _staging
-from deeppart._planner import Manifest, ManifestError
-from deeppart.agreement import agree
-from deeppart.comm import Comm, node_shared
+from deeppart._planner import Manifest, ManifestError, copy_into
+from deeppart.comm import Comm, release_node_shared, reused_node_shared
 from deeppart.compression import decompress, decompress_into
 from deeppart.errors import CheckpointError, CodecError, CorruptCheckpointError, StateMismatchError
 from deeppart.format import (
@@ -53,7 +52,6 @@ from deeppart.format import (
     parse_metadata,
     read_checked_metadata,
 )
-from deeppart.integrity import FileView, check_in_memory, file_view, unstable_view, views_digest
 from deeppart.progress import Progress
 from deeppart.restore import ABSENT, IncompatibleKeys, match, prune, select, write_back_plain
 from deeppart.state import FlatLeaf, decode_plain, flatten, unflatten
@@ -78,8 +76,6 @@ __all__ = [
     "read_metadata",
     "read_pieces",
     "read_share",
-    "read_views",
-    "recheck_if_views_differ",
     "shared_buffers",
 ]
 
@@ -282,14 +278,6 @@ class ReadPlan:
     mine: list[int] = field(default_factory=list)
     #: This rank.
     rank: int = 0
-    #: Per data file: the one rank that checksums its raw pieces, when every
-    #: rank reads everything on one kernel (:mod:`deeppart.integrity`);
-    #: None: every rank checksums everything it reads.
-    verifier: list[int] | None = None
-
-    def verifies(self, f: int) -> bool:
-        """Whether this rank checksums the raw pieces of data file ``f``."""
-        return self.verifier is None or self.verifier[f] == self.rank
 
 
 def plan_reads(
@@ -302,16 +290,18 @@ def plan_reads(
     strict: bool,
     exchange: str,
     same_host: bool,
-    same_kernel: bool = False,
     elsewhere: Collection[int] = (),
     into_elsewhere: Collection[int] = (),
 ) -> ReadPlan:
     """The reads of this rank: the same decisions on every rank (they
-    depend only on the metadata, the arguments, ``same_host`` and
-    ``same_kernel``: whether every rank runs on this kernel, so that each
-    data file read by all needs checksumming by one only). The
-    checkpoint leaves in ``elsewhere`` and the ``into=`` leaves in
-    ``into_elsewhere`` are left to :mod:`deeppart.reshard` (sharded tensors)."""
+    depend only on the metadata, the arguments and ``same_host``: whether
+    every rank runs on this host). The checkpoint leaves in ``elsewhere``
+    and the ``into=`` leaves in ``into_elsewhere`` are left to
+    :mod:`deeppart.reshard` (sharded tensors).
+
+    Every rank checksums every byte it reads from storage; a rank that does
+    not read a file gets its bytes copied from the memory in which its
+    reader verified them (:mod:`deeppart.integrity`)."""
     selected = select([lf.path for lf in meta.leaves], keys)
     selected = [s and i not in elsewhere for i, s in enumerate(selected)]
     tgts, matched = leaf_targets(meta, into, selected, strict, into_elsewhere)
@@ -321,18 +311,15 @@ def plan_reads(
             raw_per_file[p.rank] += p.length
     via_shared = False
     if exchange == "auto":
-        # A compressed piece is decompressed once, by the rank that reads
-        # it, and its raw bytes exchanged: with "read" every rank would
-        # decompress everything.
-        compressed = any(p.codec != "none" for p in meta.pieces)
-        exchange = "read" if same_host and not compressed else "bcast"
-        via_shared = same_host and compressed
+        # Each file is read and verified once, by one rank; on one host the
+        # readers read into memory that every rank of the host maps (an MPI
+        # shared window, else a broadcast), and the others copy from there.
+        exchange = "bcast"
+        via_shared = same_host
     if exchange not in ("bcast", "read"):
         raise ValueError(f"exchange must be 'auto', 'bcast' or 'read', not {exchange!r}")
     read_all = exchange == "read" or comm.size == 1
     owner = [comm.rank] * meta.world_size if read_all else assign_readers(raw_per_file, comm.size)
-    shared_check = read_all and comm.size > 1 and same_kernel
-    verifier = assign_readers(raw_per_file, comm.size) if shared_check else None
     check_file_sizes(path, meta, [f for f in range(meta.world_size) if owner[f] == comm.rank])
     by_file: list[list[Piece]] = [[] for _ in range(meta.world_size)]
     for p in meta.pieces:
@@ -349,9 +336,8 @@ def plan_reads(
         f for f in range(meta.world_size) if owner[f] == comm.rank and (by_file[f] or not partial)
     ]
     return ReadPlan(
-        path, meta, tgts, matched, owner, read_all, via_shared, by_file, file_raw, mine,
-        comm.rank, verifier,
-    )  # fmt: skip
+        path, meta, tgts, matched, owner, read_all, via_shared, by_file, file_raw, mine, comm.rank
+    )
 
 
 # ----------------------------------------------------------------------------
@@ -366,26 +352,18 @@ def read_file(
     dest: Callable[[Piece], U8 | _staging.DeviceSink],
     progress: Progress,
     staging: _staging.Staging | None = None,
-    *,
-    verify: bool = True,
-    views: dict[int, FileView] | None = None,
 ) -> int:
     """Reads, verifies and decodes the pieces of one data file into
-    ``dest(piece)``; returns the bytes read. ``verify=False``: raw pieces
-    into host memory are not checksummed (another rank checks them, see
-    :mod:`deeppart.integrity`). ``views``: gets this rank's view of the file
-    (:func:`deeppart.integrity.file_view`), at index ``rank``."""
+    ``dest(piece)``; returns the bytes read. A raw piece is checksummed in
+    the memory it was read into (``dest(piece)``, or the staging buffer of
+    a device target), after the read."""
     path = directory / data_file_name(rank)
     try:
         f = open_regular(path)
     except OSError as e:
         raise CorruptCheckpointError(f"{path}: cannot open ({e.strerror})") from e
     with f:
-        before = file_view(f.fileno())
-        n = read_pieces(f, path, directory, meta, rank, pieces, dest, progress, staging, verify)
-        if views is not None:
-            views[rank] = before if file_view(f.fileno()) == before else unstable_view()
-        return n
+        return read_pieces(f, path, directory, meta, rank, pieces, dest, progress, staging)
 
 
 class _Checksums:
@@ -394,16 +372,12 @@ class _Checksums:
     releases the GIL) while the next piece is read, all compared by
     :meth:`check` before the read returns."""
 
-    def __init__(self, directory: Path, verify: bool = True) -> None:
+    def __init__(self, directory: Path) -> None:
         self.directory = directory
-        #: False: the raw pieces are not checksummed (another rank does).
-        self.verify = verify
         self.pool: ThreadPoolExecutor | None = None
         self.pending: list[tuple[Piece, Future[int]]] = []
 
     def add(self, p: Piece, data: memoryview) -> None:
-        if not self.verify:
-            return
         if len(data) < OVERLAP_CHECKSUM_BYTES:
             self._compare(p, checksum(data))
             return
@@ -438,13 +412,12 @@ def read_pieces(
     dest: Callable[[Piece], U8 | _staging.DeviceSink],
     progress: Progress,
     staging: _staging.Staging | None = None,
-    verify: bool = True,
 ) -> int:
     """:func:`read_file` from ``f`` (an open file, or anything with
     ``seek``/``read``/``readinto``, e.g. :class:`io.BytesIO`)."""
     sizes = {i: lf.itemsize for i, lf in enumerate(meta.leaves)}
     check_header(path, f.read(HEADER_SIZE), rank, meta.world_size, meta.plan_fingerprint)
-    sums = _Checksums(directory, verify)
+    sums = _Checksums(directory)
     try:
         n = _read_each(f, directory, meta, pieces, dest, progress, staging, sizes, sums)
         sums.check()
@@ -577,11 +550,12 @@ def shared_buffers(comm: Comm, rp: ReadPlan) -> Iterator[ReadBuffers]:
     node-shared window (file f in its reader's segment, after that reader's
     earlier files), which every rank of the host maps; else filled in as the
     files are read. Collective on exit (nobody still copies out of another
-    rank's segment)."""
+    rank's segment); a small window is kept for the next load
+    (:func:`deeppart.comm.reused_node_shared`)."""
     out = ReadBuffers()
     shared = None
     if rp.via_shared and not rp.read_all:
-        shared = node_shared(comm, sum(rp.file_raw[f] for f in rp.mine))
+        shared = reused_node_shared(comm, sum(rp.file_raw[f] for f in rp.mine))
     if shared is not None:
         out.shared = True
         ends = [0] * comm.size
@@ -595,7 +569,7 @@ def shared_buffers(comm: Comm, rp: ReadPlan) -> Iterator[ReadBuffers]:
         if shared is not None:
             out.files.clear()
             comm.barrier()
-            shared.close()
+            release_node_shared(comm, shared)
 
 
 def read_share(
@@ -603,63 +577,23 @@ def read_share(
     buffers: ReadBuffers,
     progress: Progress,
     stage: _staging.Staging,
-    views: dict[int, FileView] | None = None,
 ) -> int:
-    """Reads this rank's data files: straight into the targets (when every
-    rank reads everything, and for a broadcast, which goes out from there),
-    else into ``buffers`` for :func:`exchange_share` (a node-shared window,
-    or a host buffer for a file with device targets). Checksums the raw
-    pieces of the files :meth:`ReadPlan.verifies` gives it, and records
-    its view of every file in ``views``. Returns the bytes read from disk."""
+    """Reads this rank's data files, verifying every piece: straight into
+    the targets (when every rank reads everything, and for a broadcast,
+    which goes out from there), else into ``buffers`` for
+    :func:`exchange_share` (a node-shared window, or a host buffer for a
+    file with device targets). Returns the bytes read from disk."""
     nread = 0
     direct = _direct(rp)
     for f in rp.mine:
         pieces = rp.by_file[f]
         if rp.read_all or (not buffers.shared and not _to_device(rp, pieces)):
             # Into the targets: a broadcast goes out from there.
-            nread += read_file(
-                rp.path, rp.meta, f, pieces, direct, progress, stage,
-                verify=rp.verifies(f), views=views,
-            )  # fmt: skip
+            nread += read_file(rp.path, rp.meta, f, pieces, direct, progress, stage)
         else:
             buf = buffers.files.setdefault(f, np.empty(rp.file_raw[f], dtype=np.uint8))
             nread += read_file(rp.path, rp.meta, f, pieces, _place(buf, pieces), progress)
     return nread
-
-
-def read_views(rp: ReadPlan, views: dict[int, FileView]) -> bytes:
-    """The payload of the read's agreement: what this rank saw of the files
-    it read, when their checks are shared (else nothing)."""
-    return views_digest(views) if rp.verifier is not None else b""
-
-
-def recheck_if_views_differ(comm: Comm, rp: ReadPlan, rows: Sequence[bytes]) -> None:
-    """After the read's agreement (``rows``: every rank's :func:`read_views`):
-    when the checks were shared but the ranks did not all see the same
-    files, unchanged, every rank checksums in its own memory the raw pieces
-    it did not check while reading, then agrees (collective; every rank
-    takes the same branch)."""
-    if rp.verifier is None or len(set(rows)) == 1:
-        return
-    err: BaseException | None = None
-    try:
-        direct = _direct(rp)
-        skipped = [
-            p
-            for f in rp.mine
-            if not rp.verifies(f)
-            for p in rp.by_file[f]
-            if p.codec == "none" and not isinstance(direct(p), _staging.DeviceSink)
-        ]
-        check_in_memory(skipped, lambda p: _host(direct(p)), rp.path)
-    except Exception as e:
-        err = e
-    agree(comm, err)
-
-
-def _host(out: U8 | _staging.DeviceSink) -> U8:
-    assert isinstance(out, np.ndarray)
-    return out
 
 
 #: Pieces shorter than this travel together in one broadcast; longer ones
@@ -704,6 +638,28 @@ EXCHANGE_BATCH_BYTES = 4 * EXCHANGE_MESSAGE_BYTES
 EXCHANGE_BATCH_MESSAGES = 256
 
 
+class FirstError:
+    """The first exception of a stage's local steps on this rank, kept
+    while the stage's collectives go on: a rank that failed still takes
+    part in every broadcast, so no rank is left waiting in one, and the
+    stage's agreement then raises on every rank."""
+
+    def __init__(self) -> None:
+        self.err: Exception | None = None
+
+    def run(self, step: Callable[[], None]) -> None:
+        """Runs ``step`` unless a step failed before; keeps its exception."""
+        if self.err is None:
+            try:
+                step()
+            except Exception as e:
+                self.err = e
+
+    def raise_first(self) -> None:
+        if self.err is not None:
+            raise self.err
+
+
 class _Batch:
     """Broadcasts of the exchange in flight together
     (:meth:`Comm.bcast_many_u8`), and what to do with the bytes received
@@ -711,8 +667,8 @@ class _Batch:
     buffer of at most :data:`EXCHANGE_BATCH_BYTES` (or one message),
     reused after each flush."""
 
-    def __init__(self, comm: Comm, cap: int) -> None:
-        self.comm, self.cap = comm, cap
+    def __init__(self, comm: Comm, cap: int, failed: FirstError) -> None:
+        self.comm, self.cap, self.failed = comm, cap, failed
         self.items: list[tuple[U8, int]] = []
         self.after: list[Callable[[], None]] = []
         self.arena: U8 | None = None
@@ -740,7 +696,7 @@ class _Batch:
         if self.items:
             self.comm.bcast_many_u8(self.items)
         for then in self.after:
-            then()
+            self.failed.run(then)
         self.items, self.after, self.used = [], [], 0
 
 
@@ -752,11 +708,17 @@ def exchange_share(comm: Comm, rp: ReadPlan, buffers: ReadBuffers, stage: _stagi
     ranks' targets where it can (a long piece in host memory), else through
     a bounded buffer (:func:`exchange_messages`, :class:`_Batch`): no rank
     holds a copy of a data file, except a reader whose file has device
-    targets. The broadcasts go in batches, in flight together."""
+    targets. The broadcasts go in batches, in flight together.
+
+    From a shared window, every rank (the reader too) copies each piece
+    out of the memory in which its reader verified it (non-temporal
+    stores). A rank whose copy fails still takes part in every broadcast,
+    then raises (:class:`FirstError`): the caller's agreement spreads it."""
     if rp.read_all:
         return
     dest = _direct(rp)
-    batch = _Batch(comm, min(EXCHANGE_BATCH_BYTES, sum(rp.file_raw)))
+    failed = FirstError()
+    batch = _Batch(comm, min(EXCHANGE_BATCH_BYTES, sum(rp.file_raw)), failed)
 
     def unpack(message: Message, packed: U8) -> Callable[[], None]:
         def then() -> None:
@@ -788,12 +750,7 @@ def exchange_share(comm: Comm, rp: ReadPlan, buffers: ReadBuffers, stage: _stagi
                     continue
                 packed = batch.packed(n)
                 if sending:
-                    at = 0
-                    for p, off, length in message:
-                        mine = dest(p)
-                        assert isinstance(mine, np.ndarray)
-                        packed[at : at + length] = mine[off : off + length]
-                        at += length
+                    failed.run(_pack(message, packed, dest))
                 batch.add(packed, root, None if sending else unpack(message, packed))
             continue
         if not buffers.shared:
@@ -804,11 +761,42 @@ def exchange_share(comm: Comm, rp: ReadPlan, buffers: ReadBuffers, stage: _stagi
                 n = sum(part[2] for part in message)
                 batch.add(buf[at : at + n], root)
                 at += n
-        src = _place(buf, pieces)
-        for p in pieces:
-            _copy_to(dest(p), 0, src(p), stage)
+        failed.run(_copy_out(pieces, _place(buf, pieces), dest, stage))
         del buf
     batch.flush()
+    failed.raise_first()
+
+
+def _pack(
+    message: Message, packed: U8, dest: Callable[[Piece], U8 | _staging.DeviceSink]
+) -> Callable[[], None]:
+    """The reader's step that packs ``message`` from its targets."""
+
+    def step() -> None:
+        at = 0
+        for p, off, length in message:
+            mine = dest(p)
+            assert isinstance(mine, np.ndarray)
+            packed[at : at + length] = mine[off : off + length]
+            at += length
+
+    return step
+
+
+def _copy_out(
+    pieces: Sequence[Piece],
+    src: Callable[[Piece], U8],
+    dest: Callable[[Piece], U8 | _staging.DeviceSink],
+    stage: _staging.Staging,
+) -> Callable[[], None]:
+    """The step that copies ``pieces`` from a file's read buffer (``src``)
+    into their targets."""
+
+    def step() -> None:
+        for p in pieces:
+            _copy_to(dest(p), 0, src(p), stage)
+
+    return step
 
 
 def _to_device(rp: ReadPlan, pieces: Sequence[Piece]) -> bool:
@@ -825,7 +813,7 @@ def _copy_to(out: U8 | _staging.DeviceSink, at: int, data: U8, stage: _staging.S
     if isinstance(out, _staging.DeviceSink):
         stage.put(out, data, at)
     else:
-        out[at : at + data.size] = data
+        copy_into(out[at : at + data.size].data, data.data)
 
 
 # ----------------------------------------------------------------------------

@@ -339,11 +339,18 @@ def parse_records(raw: Any, leaves: Sequence[Any], dtype_known: Any) -> list[DTe
     if not isinstance(raw, list):
         raise CorruptCheckpointError("metadata: dtensors is not a list")
     used: set[int] = set()
+    paths: dict[tuple[str | int, ...], int] = {}
     budget = [MAX_RUNS]
     out: list[DTensorRecord] = []
     for i, rec in enumerate(raw):
         if not isinstance(rec, dict) or not isinstance(rec.get("path"), list):
             raise _bad(i, "malformed record")
+        path = tuple(rec["path"])
+        if not all(isinstance(k, str) or _int(k, -(1 << 63), (1 << 63) - 1) for k in path):
+            raise _bad(i, "a path key is neither a string nor an integer")
+        if path in paths:
+            raise _bad(i, f"the same path as dtensors[{paths[path]}]")
+        paths[path] = i
         dtype, shape, shards = rec.get("dtype"), rec.get("shape"), rec.get("shards")
         if not isinstance(dtype, str) or not dtype_known(dtype):
             raise _bad(i, f"unknown dtype {dtype!r}")
@@ -375,5 +382,5 @@ def parse_records(raw: Any, leaves: Sequence[Any], dtype_known: Any) -> list[DTe
             total and not tiles_exactly(shape, [s.region for s in parsed])
         ):
             raise _bad(i, "its shards do not cover the global tensor exactly once")
-        out.append(DTensorRecord(list(rec["path"]), dtype, list(shape), parsed))
+        out.append(DTensorRecord(list(path), dtype, list(shape), parsed))
     return out

@@ -54,7 +54,6 @@ from deeppart.format import (
     data_file_name,
     open_regular,
 )
-from deeppart.integrity import FileView, check_in_memory, file_view, unstable_view
 from deeppart.progress import Progress
 from deeppart.reader import read_file
 from deeppart.regions import DTensorRecord, Region, ShardRecord
@@ -248,10 +247,6 @@ class ShardReads:
     read_raw: int = 0
     #: Bytes this rank received in the exchange (set by exchange_shards).
     received: int = 0
-    #: Raw pieces this rank reads without checksumming them: with
-    #: ``read_own`` on one kernel each piece is checksummed by the lowest
-    #: of the ranks that read it (:mod:`deeppart.integrity`).
-    unverified: set[int] = field(default_factory=set)
     #: Shard leaves read straight into this rank's tensors (``read_own``,
     #: raw pieces, rows that are whole in both): no buffer, no copy after.
     direct: dict[int, list[Direct]] = field(default_factory=dict)
@@ -273,16 +268,13 @@ def _piece_region(meta: Metadata, shard: ShardRecord, p: Piece) -> Region:
 
 
 def plan_shard_reads(
-    c: Comm, meta: Metadata, st: ShardTargets, read_own: bool = False, shared_checks: bool = False
+    c: Comm, meta: Metadata, st: ShardTargets, read_own: bool = False
 ) -> ShardReads:
     """Collective: exchanges every rank's needed regions and assigns each
     needed piece to one of the ranks that need it (deterministic), who
     sends it to the others; with ``read_own``, each rank that needs a piece
     reads it itself and nothing is sent (one host: the page cache serves
-    each reader). ``shared_checks`` (with ``read_own``, every rank on one
-    kernel): each raw piece is checksummed by the lowest of its readers
-    only, the others' copies trusted after the read's agreement on the
-    files' views (:func:`recheck_shards` otherwise)."""
+    each reader, and each reader checksums what it read)."""
     mine = json.dumps(
         [[list(n.path), n.region.to_json()] for n in st.needs], separators=(",", ":")
     ).encode()
@@ -324,8 +316,6 @@ def plan_shard_reads(
                     if c.rank in needers:
                         out.mine.setdefault(p.rank, []).append(p)
                         out.read_raw += p.length
-                        if shared_checks and p.codec == "none" and c.rank != needers[0]:
-                            out.unverified.add(id(p))
                 else:
                     reader = min(needers, key=lambda r: (load[r], r))
                     load[reader] += p.stored
@@ -337,9 +327,7 @@ def plan_shard_reads(
                             out.sends.setdefault((reader, r), []).append(p)
                 if c.rank in needers:
                     out.needed.add(id(p))
-                    if shard.leaf in out.direct:
-                        out.unverified.discard(id(p))  # checked as it is read
-                    elif shard.leaf not in out.buffers:
+                    if shard.leaf not in out.direct and shard.leaf not in out.buffers:
                         out.buffers[shard.leaf] = np.empty(meta.leaves[shard.leaf].nbytes, np.uint8)
     return out
 
@@ -354,27 +342,19 @@ def read_shards(
     meta: Metadata,
     sr: ShardReads,
     progress: Progress,
-    views: dict[int, FileView] | None = None,
 ) -> int:
-    """Reads this rank's pieces into its shard buffers; returns the bytes
-    read. ``views`` gets this rank's view of each data file it read."""
+    """Reads and checksums this rank's pieces into its shard buffers (or
+    straight into its tensors); returns the bytes read."""
     check_file_sizes(path, meta, sorted(sr.mine))
     n = 0
     for f in sorted(sr.mine):
         pieces = sorted(sr.mine[f], key=lambda p: p.offset)
         direct = [p for p in pieces if p.leaf in sr.direct]
         if direct:
-            n += _read_direct(path, meta, f, direct, sr, progress, views)
-        for verify in (True, False):
-            part = [
-                p for p in pieces
-                if p.leaf not in sr.direct and (id(p) not in sr.unverified) == verify
-            ]
-            if part:
-                n += read_file(
-                    path, meta, f, part, lambda p: _slot(meta, sr, p), progress,
-                    verify=verify, views=views,
-                )
+            n += _read_direct(path, meta, f, direct, sr, progress)
+        part = [p for p in pieces if p.leaf not in sr.direct]
+        if part:
+            n += read_file(path, meta, f, part, lambda p: _slot(meta, sr, p), progress)
     return n
 
 
@@ -397,7 +377,6 @@ def _read_direct(
     pieces: list[Piece],
     sr: ShardReads,
     progress: Progress,
-    views: dict[int, FileView] | None,
 ) -> int:
     """Reads raw ``pieces`` of data file ``rank``: the bytes of the rows
     that this rank's tensors take go straight into them, the others through
@@ -412,7 +391,6 @@ def _read_direct(
     n = 0
     scratch: U8 | None = None
     with f:
-        before = file_view(f.fileno())
         check_header(path, f.read(HEADER_SIZE), rank, meta.world_size, meta.plan_fingerprint)
         for p in pieces:
             isz = meta.leaves[p.leaf].itemsize
@@ -439,24 +417,7 @@ def _read_direct(
                 )
             n += p.stored
             progress.advance(p.length)
-        if views is not None:
-            views[rank] = before if file_view(f.fileno()) == before else unstable_view()
     return n
-
-
-def recheck_shards(c: Comm, meta: Metadata, sr: ShardReads, path: Path, differ: bool) -> None:
-    """After the read's agreement: when the ranks did not all see the same
-    files, unchanged (``differ``, the same on every rank), each checksums
-    in its memory the pieces it read unchecked, then agrees (collective)."""
-    if not differ:
-        return
-    err: BaseException | None = None
-    try:
-        pieces = [p for ps in sr.mine.values() for p in ps if id(p) in sr.unverified]
-        check_in_memory(pieces, lambda p: _slot(meta, sr, p), path)
-    except Exception as e:
-        err = e
-    agree(c, err)
 
 
 def exchange_shards(c: Comm, sr: ShardReads, meta: Metadata) -> None:

@@ -200,10 +200,11 @@ def test_flipped_byte_detected_on_every_rank(tmp_path: Path) -> None:
 
 
 def test_one_host_load_checks_each_byte_once_and_still_fails_every_rank(tmp_path: Path) -> None:
-    """On one host each data file is checksummed by one rank; a corrupt
-    piece in a file rank 0 does not check, or a rank that read a replaced
-    copy of a file another rank checked, still fails every rank with the
-    same CorruptCheckpointError (tests/mpi_checkpoint.py shared_check)."""
+    """On one host each data file is read and checksummed by one rank, into
+    a node-shared window the others copy from: a rank that would have read
+    a replaced copy of a file returns the verified bytes, and a corrupt
+    piece in a file rank 0 does not read fails every rank with the same
+    CorruptCheckpointError (tests/mpi_checkpoint.py shared_check)."""
     run(4, "shared_check", str(tmp_path / "ck"))
 
 

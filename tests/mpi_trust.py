@@ -1,0 +1,240 @@
+"""Multi-rank scenarios of issue 31 (verified bytes; every failure reaches
+every rank), run by tests/test_trust_mpi.py as one job:
+``mpiexec -n K python tests/mpi_trust.py DIR``.
+
+- ``verified``: a process (here the rank that reads and verifies a data
+  file) holds a shared mapping of that file and flips a byte right after
+  its read, before the others' read and the exchange; no rank may return
+  the flipped byte (a tensor byte, then a plain value's digit): every rank
+  returns the saved bytes, or every rank raises CorruptCheckpointError.
+- ``stages``: each stage of a save and of a load, made to raise on one
+  rank only; every rank must raise the same error type (a hang is the
+  job's timeout).
+
+Each rank prints ``RESULT <scenario> <case> rank <r> <outcome>`` lines,
+then ``OK <scenario> rank <r>/<size>`` when its checks pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from mpi_checkpoint import abort_on_failure, assert_bitwise_equal, make_state
+from rank_output import print_line
+
+import deeppart
+import deeppart.checkpoint as checkpoint
+from deeppart import reader
+from deeppart.comm import Comm, resolve
+from deeppart.errors import CorruptCheckpointError, DeepPartError, StateError
+from deeppart.format import data_file_name
+
+
+def _outcome(c: Comm, scenario: str, case: str, run: Callable[[], str]) -> list[str]:
+    """Runs ``run`` (its outcome: a word) on every rank; an exception's
+    outcome is its type's name. Every rank's outcome, after one collective."""
+    try:
+        got = run()
+    except Exception as e:
+        got = type(e).__name__
+    print_line(f"RESULT {scenario} {case} rank {c.rank} {got}")
+    return [row.decode() for row in c.allgather_varbytes(got.encode())]
+
+
+# ----------------------------------------------------------------------------
+# Verified bytes.
+
+#: The read stage of deeppart.load, wrapped to flip a byte after it.
+READ_STAGE = "read_share"
+
+
+def _flip_during_load(
+    c: Comm, d: Path, state: Any, case: str, f: int, pos: int, flip: int, verifier: int
+) -> list[str]:
+    """Rank ``verifier`` (which reads and checksums data file ``f``) maps
+    the file shared and dirties it before the load, then flips byte ``pos``
+    (xor ``flip``) right after its read; the other ranks read after that.
+    Returns every rank's outcome."""
+    mm: mmap.mmap | None = None
+    if c.rank == verifier:
+        fd = os.open(d / data_file_name(f), os.O_RDWR)
+        mm = mmap.mmap(fd, 0, mmap.MAP_SHARED)
+        os.close(fd)
+        mm[pos] = mm[pos]  # the page dirtied once, before the load
+    c.barrier()
+    real = getattr(checkpoint, READ_STAGE)
+
+    def hooked(*args: Any, **kwargs: Any) -> int:
+        if mm is None:
+            c.barrier()  # the verifier has read its files
+            got: int = real(*args, **kwargs)
+            return got
+        n: int = real(*args, **kwargs)
+        mm[pos] ^= flip
+        c.barrier()
+        return n
+
+    def run() -> str:
+        setattr(checkpoint, READ_STAGE, hooked)
+        try:
+            out = deeppart.load(d)
+        finally:
+            setattr(checkpoint, READ_STAGE, real)
+        try:
+            assert_bitwise_equal(state, out, case)
+        except AssertionError:
+            return f"wrong-bytes(step={out.get('step')!r})"
+        return "ok"
+
+    outcomes = _outcome(c, "verified", case, run)
+    if mm is not None:
+        mm[pos] ^= flip
+        mm.flush()
+        mm.close()
+    c.barrier()
+    return outcomes
+
+
+def scenario_verified(d: Path) -> None:
+    c = resolve()
+    state = make_state()
+    state["step"] = 7
+    deeppart.save(state, d)
+    meta, _ = reader.read_metadata(d)
+    raw = [0] * meta.world_size
+    for p in meta.pieces:
+        raw[p.rank] += p.length
+    readers = reader.assign_readers(raw, c.size)
+    tensor = max(meta.pieces, key=lambda p: p.length)
+    tensor_outcomes = _flip_during_load(
+        c, d, state, "tensor-byte", tensor.rank, tensor.offset + tensor.length // 2, 0x10,
+        readers[tensor.rank],
+    )  # fmt: skip
+    step_leaf = next(i for i, lf in enumerate(meta.leaves) if lf.path == ["step"])
+    step = next(p for p in meta.pieces if p.leaf == step_leaf)
+    data = (d / data_file_name(step.rank)).read_bytes()[step.offset : step.offset + step.length]
+    at = step.offset + data.rindex(b"7")
+    # "7" xor 0x0e is "9": a valid value, step = 9, if it is returned.
+    plain_outcomes = _flip_during_load(
+        c, d, state, "plain-value", step.rank, at, 0x0E, readers[step.rank]
+    )
+    # Every rank the saved bytes, or every rank the same error.
+    ok = ({"ok"}, {"CorruptCheckpointError"})
+    assert set(tensor_outcomes) in ok and set(plain_outcomes) in ok, (
+        tensor_outcomes,
+        plain_outcomes,
+    )
+    # Nothing on disk changed: the same load succeeds.
+    assert_bitwise_equal(state, deeppart.load(d), "after")
+    print_line(f"OK verified rank {c.rank}/{c.size}")
+
+
+# ----------------------------------------------------------------------------
+# Every failure reaches every rank.
+
+
+def _failing(module: Any, name: str, exc: type[DeepPartError]) -> Callable[[], None]:
+    """Makes ``module.name`` raise ``exc`` (on the rank that calls this);
+    returns the undo."""
+    real = getattr(module, name)
+
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        raise exc(f"injected failure in {name}")
+
+    setattr(module, name, fail)
+    return lambda: setattr(module, name, real)
+
+
+#: (case, the stage's function: module and name, the rank it fails on,
+#: the injected type, the operation: "save" or a load's exchange).
+LOAD_STAGES: list[tuple[str, Any, str, int, str]] = [
+    ("load-open", checkpoint, "open_checkpoint", 1, "auto"),
+    ("load-plan", checkpoint, "plan_reads", 1, "auto"),
+    ("load-read", reader, "read_file", 1, "auto"),
+    ("load-read-all", reader, "read_file", 1, "read"),
+    ("load-exchange-shared", reader, "_copy_to", 1, "auto"),
+    ("load-exchange-bcast", reader, "_copy_to", 1, "bcast"),
+    ("load-decode-plain", reader, "decode_plain", 1, "auto"),
+    ("load-assemble", checkpoint, "assemble", 1, "auto"),
+]
+SAVE_STAGES: list[tuple[str, Any, str, int]] = [
+    ("save-target", checkpoint, "check_target", 1),
+    ("save-prepare", checkpoint, "prepare", 1),
+    ("save-temp-dir", checkpoint, "make_temp_dir", 0),
+    ("save-write", checkpoint, "write_pieces", 1),
+    ("save-metadata", checkpoint, "metadata_json", 0),
+    ("save-commit", checkpoint, "commit_dir", 0),
+]
+
+
+def _loading(d: Path, exchange: str) -> Callable[[], str]:
+    def run() -> str:
+        deeppart.load(d, exchange=exchange)
+        return "ok"
+
+    return run
+
+
+def _saving(state: Any, d: Path) -> Callable[[], str]:
+    def run() -> str:
+        deeppart.save(state, d)
+        return "ok"
+
+    return run
+
+
+def scenario_stages(d: Path) -> None:
+    c = resolve()
+    state = make_state()
+    good = d / "good"
+    deeppart.save(state, good)
+    failures: list[str] = []
+    for case, module, name, bad, exchange in LOAD_STAGES:
+        undo = _failing(module, name, CorruptCheckpointError) if c.rank == bad else None
+        try:
+            outcomes = _outcome(c, "stages", case, _loading(good, exchange))
+        finally:
+            if undo is not None:
+                undo()
+        if set(outcomes) != {"CorruptCheckpointError"}:
+            failures.append(f"{case}: {outcomes}")
+    for k, (case, module, name, bad) in enumerate(SAVE_STAGES):
+        target = d / f"save-{k}"
+        undo = _failing(module, name, StateError) if c.rank == bad else None
+        try:
+            outcomes = _outcome(c, "stages", case, _saving(state, target))
+        finally:
+            if undo is not None:
+                undo()
+        if set(outcomes) != {"StateError"}:
+            failures.append(f"{case}: {outcomes}")
+        c.barrier()
+        if c.rank == 0:
+            shutil.rmtree(target, ignore_errors=True)
+        c.barrier()
+    # After all that, the job still saves and loads.
+    assert_bitwise_equal(state, deeppart.load(good), "after the failures")
+    assert not failures, failures
+    print_line(f"OK stages rank {c.rank}/{c.size}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("dir", type=Path)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    c = resolve()
+    scenario_verified(args.dir / "verified")
+    c.barrier()
+    scenario_stages(args.dir / "stages")
+
+
+if __name__ == "__main__":
+    abort_on_failure(main)
