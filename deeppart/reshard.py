@@ -42,7 +42,6 @@ from typing import Any
 
 import numpy as np
 
-from deeppart.agreement import agree
 from deeppart.comm import Comm
 from deeppart.errors import CorruptCheckpointError, StateMismatchError
 from deeppart.format import (
