@@ -24,7 +24,7 @@ import os
 import struct
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict, Unpack
@@ -36,13 +36,14 @@ from deeppart._planner import Plan
 from deeppart.agreement import agree
 from deeppart.comm import Comm, resolve
 from deeppart.commit import TEMP_NAME_MAX, commit_dir, make_temp_dir, metadata_json
-from deeppart.errors import StateError, StateMismatchError
+from deeppart.errors import StateMismatchError
 from deeppart.format import Metadata, data_file_name, remove_tree
-from deeppart.groups import grouped_prepare, load_view, read_own, selection_digest
+from deeppart.groups import load_view, read_own, selection_digest
 from deeppart.integrity import FileView, Hosts, hosts
+from deeppart.own_view import OwnView, own_view, resolve_versions
 from deeppart.ownership import check_target
 from deeppart.planning import PlanProvider
-from deeppart.prepare import AGREE_WIDTH, Prepared, agree_prepared_flags, prepare
+from deeppart.prepare import Prepared, prepare_save
 from deeppart.prepare import verify_replicas as check_replicas
 from deeppart.progress import Progress, Stats
 from deeppart.reader import (
@@ -65,8 +66,8 @@ from deeppart.reshard import (
     read_shards,
     shard_targets,
 )
-from deeppart.restore import IncompatibleKeys
-from deeppart.state import encode_plain
+from deeppart.restore import IncompatibleKeys, describe
+from deeppart.state import encode_plain, flatten
 from deeppart.writer import RECORD_FIELDS, write_pieces
 
 __all__ = [
@@ -135,6 +136,7 @@ def save(
     plan_provider: PlanProvider | None = None,
     level: int | None = None,
     group: Any = None,
+    replica_dims: str | Sequence[str] | None = None,
 ) -> Stats:
     """Saves ``state`` (the same on every rank) to ``directory``, every rank
     writing its planned share. Collective: call it on every rank of ``comm``.
@@ -184,6 +186,7 @@ def save(
         plan_provider=plan_provider,
         level=level,
         group=group,
+        replica_dims=replica_dims,
     )
     return planned.finish(c, t0)
 
@@ -280,6 +283,7 @@ class SaveOptions(TypedDict, total=False):
     plan_provider: PlanProvider | None
     level: int | None
     group: Any
+    replica_dims: str | Sequence[str] | None
 
 
 def plan_save(
@@ -314,33 +318,25 @@ def plan_save(
 
     # Plan and prepare; every rank checks that all prepared the same save.
     err: BaseException | None = None
-    prep: Prepared | None = None
     user = o.get("user")
-    flag = None if local is None else 0
-    group = o.get("group")
     verify_replicas = o.get("verify_replicas", False)
     try:
         if user is not None:
             encode_plain(user, ("<user>",))
         check_target(final)  # on every rank: each may see its own file system
-        if group is None:
-            prep = prepare(state, o.get("compression"), plan_provider, final)
-        elif verify_replicas:
-            raise StateError("verify_replicas=True is not supported with group= yet; drop one")
     except Exception as e:
         err = e
-    if group is not None:
-        # One more collective: every rank's leaf descriptions (deeppart.groups).
-        width = AGREE_WIDTH + (local is not None)  # that of agree_prepared_flags below
-        prep = grouped_prepare(
-            c, err, state, group, o.get("compression"), plan_provider, final, width
-        )
-    try:
-        if local is not None and prep is not None and err is None:
-            flag = local(prep)
-    except Exception as e:
-        err = e
-    prep, flags = agree_prepared_flags(c, err, prep, flag, samples=not verify_replicas)
+    prep, flags = prepare_save(
+        c,
+        err,
+        state,
+        o.get("compression"),
+        plan_provider,
+        final,
+        group=o.get("group"),
+        replica_dims=o.get("replica_dims"),
+        local=local,
+    )
     if verify_replicas:
         check_replicas(c, prep)
     return PlannedSave(
@@ -413,6 +409,7 @@ def load(
     keys: Any = None,
     strict: bool = True,
     group: Any = None,
+    per_rank: Any = None,
 ) -> Any:
     """Loads a committed checkpoint on every rank of ``comm`` (any number of
     ranks, also one process without MPI). Collective.
@@ -459,6 +456,17 @@ def load(
     a group (a ProcessGroup, or the saved ranks of one group as a list)
     loads that group's tree; ``"auto"`` loads ``into=``'s leaves only. Ranks
     that load different leaves each read their own.
+
+    A checkpoint of each rank's own state (:mod:`deeppart.union`: per-rank
+    values, pipeline stages, sub-meshes) gives each rank, at the world size
+    of the save, exactly the tree it saved. ``per_rank``: what to do with
+    paths that hold one version per group of saved ranks where a rank
+    cannot get its own (another world size, one process): None raises
+    :class:`PerRankStateError` naming them; a saved rank ``r`` takes the
+    version ``r`` saved; ``"drop"`` leaves them out (``into=`` keeps its
+    values; :func:`last_incompatible_keys` lists them as missing);
+    ``"all"`` puts ``{"ranks:0,2": value, ...}`` at the path (no ``into=``);
+    a function gets ``(path, {saved ranks: value})`` and returns the value.
     """
     c = resolve(comm)
     view = load_view(group, into, keys, c.rank)
@@ -472,8 +480,11 @@ def load(
     rp: ReadPlan | None = None
     st: ShardTargets | None = None
     digest = b""
+    own: OwnView | None = None
     try:
         path, meta, digest = open_checkpoint(Path(directory))
+        own = own_view(meta, c.rank, c.size, per_rank, into, held_only=group is None)
+        meta = own.meta
         st = shard_targets(meta, into, keys, strict)
         rp = plan_reads(
             c,
@@ -486,7 +497,7 @@ def load(
             same_host=where.one_host,
             same_kernel=where.one_kernel,
             elsewhere=st.leaves,
-            into_elsewhere=st.into_leaves,
+            into_elsewhere=st.into_leaves | dropped_into(into, own.dropped),
         )
     except Exception as e:
         err = e
@@ -523,15 +534,33 @@ def load(
             exchange_shards(c, sr, rp.meta)
 
     filled = fill_shards(rp.meta, sr) if sr is not None else None
-    state = assemble(rp.meta, rp.targets, rp.path, rp.matched, keys is not None, filled)
+    assert own is not None
+    pruned = keys is not None or own.pruned
+    state = assemble(rp.meta, rp.targets, rp.path, rp.matched, pruned, filled)
+    if own.calls:
+        state = resolve_versions(state, own.calls, per_rank)
     if view.unwrap is not None:
         state = state[view.unwrap]
     if rp.matched is not None:
+        rp.matched.keys.missing_keys.extend(describe(p) for p in own.dropped)
         _last_keys[:] = [rp.matched.keys]
     _last_stats["load"] = stats = _load_stats(c, rp, time.perf_counter() - t0, nread, sr)
     if verbose and c.rank == 0:
         print(stats.summary(), flush=True)
     return state
+
+
+def dropped_into(into: Any, dropped: list[tuple[Any, ...]]) -> set[int]:
+    """The ``into=`` leaves (indices of its flattened leaves) under the
+    paths that ``per_rank="drop"`` leaves out: neither read nor missing."""
+    if into is None or not dropped:
+        return set()
+    gone = set(dropped)
+    leaves = flatten(into)[0]
+    return {
+        j for j, lf in enumerate(leaves)
+        if any(tuple(lf.path[:n]) in gone for n in range(1, len(lf.path) + 1))
+    }  # fmt: skip
 
 
 def plain_exchange(exchange: str, st: ShardTargets) -> str:

@@ -313,7 +313,7 @@ def plan_reads(
     checkpoint leaves in ``elsewhere`` and the ``into=`` leaves in
     ``into_elsewhere`` are left to :mod:`deeppart.reshard` (sharded tensors)."""
     selected = select([lf.path for lf in meta.leaves], keys)
-    selected = [s and i not in elsewhere for i, s in enumerate(selected)]
+    selected = [s and i not in elsewhere and i not in meta.skip for i, s in enumerate(selected)]
     tgts, matched = leaf_targets(meta, into, selected, strict, into_elsewhere)
     raw_per_file = [0] * meta.world_size
     for p in meta.pieces:
@@ -343,6 +343,7 @@ def plan_reads(
     partial = (
         keys is not None
         or bool(elsewhere)
+        or bool(meta.skip)
         or (matched is not None and len(matched.pairs) < len(meta.leaves))
     )
     mine = [
