@@ -380,7 +380,8 @@ def _own_prepare(
     from deeppart.groups import AUTO, group_ranks, namespace
 
     codec = check_codec(compression)
-    if group is not None and group != AUTO:
+    kind = "none" if group is None else "auto" if group == AUTO else "explicit"
+    if kind == "explicit":
         state = {namespace(group_ranks(group, rank, world)): state}
     flat, skeleton = flatten(state)
     check_has_data(flat)
@@ -388,8 +389,11 @@ def _own_prepare(
     manifest = Manifest.from_leaves(ex.descs, ex.groups or None)
     plan = plan_for(manifest)
     digest = save_digest(plan, manifest, ex.skeleton, codec, directory, ex.records)
+    # Ranks that pass different kinds of group= never agree (nor hang).
+    digest = hashlib.sha256(digest + kind.encode()).digest()
     prep = Prepared(ex.leaves, ex.skeleton, manifest, plan, codec, digest, ex.records)
-    common = hashlib.sha256(f"{codec}\0{os.path.abspath(directory)}".encode()).hexdigest()
+    where = os.path.abspath(directory)
+    common = hashlib.sha256(f"{codec}\0{where}\0{kind}".encode()).hexdigest()
     described = Described([], ex.skeleton, [], common)
     digests = Digests()
     h_sample = hashlib.blake2b(digest_size=16)

@@ -73,7 +73,8 @@ class Described:
     #: Its DTensors: ``path``, ``dtype``, ``shape``, ``ranks`` (the ranks of
     #: the mesh that holds it) and ``shards``: ``[local leaf, region]``.
     records: list[dict[str, Any]] = field(default_factory=list)
-    #: Digest of the codec and the directory (all ranks must agree).
+    #: Digest of the codec, the directory and the kind of ``group=`` (all
+    #: ranks must agree).
     common: str = ""
 
 
@@ -308,7 +309,8 @@ def build_union(
     members = _class_ranks(classes)
     if len({st.common for st in states.values()}) > 1:
         raise StateMismatchError(
-            "ranks disagree on the codec or the directory; nothing was written"
+            "ranks disagree on the codec, the directory or the kind of group= (passed on some "
+            "ranks only?); pass the same on every rank; nothing was written"
         )
     differ: list[tuple[Sequence[Any], list[list[int]]]] = []
     items: list[UnionItem] = []

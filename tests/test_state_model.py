@@ -215,5 +215,5 @@ def test_codec_or_directory_disagreement_is_refused():
     a = plain([(["x"], "object")])
     b = plain([(["x"], "object")])
     b.common = "other"
-    with pytest.raises(StateMismatchError, match="codec or the directory"):
+    with pytest.raises(StateMismatchError, match="the codec, the directory or the kind of group="):
         build_union({0: a, 1: b}, [0, 1], [Digests({0: "v"}), Digests({0: "v"})])
