@@ -32,7 +32,7 @@ sub-meshes, ``get_state_dict``, AdamW and LR schedulers:
 
 ``reshard`` (2 ranks): the ``pp_fsdp`` checkpoint loaded at PP(2) x FSDP(1):
 without ``per_rank=`` refused (PerRankStateError naming the loader
-position); with ``per_rank="drop"`` and ``per_rank=0`` each stage gets its
+position, the leaf ``loader``: a plain subtree is one leaf); with ``per_rank="drop"`` and ``per_rank=0`` each stage gets its
 own tensors bitwise.
 
 A scenario's checks run on every rank; rank 0 then prints one line per
@@ -337,6 +337,10 @@ def scenario_pp_fsdp(d: Path, checks: Checks) -> None:
         target, (model, opt, sched) = pp_state(
             pp_mesh(2, 2), 70, {"epoch": 0, "batches_seen": -1}, rng_bytes(rank + 40)
         )
+        # A scheduler's state does not depend on the seed: one step makes it differ.
+        opt.step()
+        sched.step()
+        target["lr_scheduler"] = sched.state_dict()
         for key in ("model", "optim", "lr_scheduler", "loader", "rng"):
             assert differs(target[key], expected[key]), f"the target's {key} equals the saved one"
         out = deeppart.load(d, into=target)
@@ -610,7 +614,6 @@ def reshard_checks(d: Path, checks: Checks) -> None:
         same(to_full(out["model"]), ref["model"], f"{how}: model")
         same(to_full(out["optim"]), ref["optim"], f"{how}: optim")
         same(out["lr_scheduler"], ref["lr_scheduler"], f"{how}: lr_scheduler")
-        assert out["loader"]["epoch"] == 3, f"{how}: loader/epoch {out['loader']['epoch']}"
 
     with checks.sub("without per_rank="):
         try:
@@ -621,8 +624,10 @@ def reshard_checks(d: Path, checks: Checks) -> None:
             assert per_rank_error is not None and isinstance(e, per_rank_error), (
                 f"{type(e).__name__} (not PerRankStateError): {one_line(e)}"
             )
-            assert "loader" in str(e) and "batches_seen" in str(e), (
-                f"does not name loader/batches_seen: {one_line(e)}"
+            # A plain subtree without tensors is one leaf (docs/FORMAT.md):
+            # the per-rank path is "loader", whose batches_seen differs.
+            assert "loader" in str(e) and "rng" in str(e), (
+                f"does not name loader and rng: {one_line(e)}"
             )
             assert "per_rank" in str(e), f"does not say which per_rank= to pass: {one_line(e)}"
         else:
@@ -634,13 +639,11 @@ def reshard_checks(d: Path, checks: Checks) -> None:
         mine = target()
         out = deeppart.load(ckpt, into=mine, per_rank="drop")
         check_tensors(out, "drop")
-        assert out["loader"]["batches_seen"] == -1, out["loader"]
+        assert out["loader"] == {"epoch": 0, "batches_seen": -1}, out["loader"]
         assert out["rng"] == rng_bytes(rank + 40), "rng is not the target's own"
         keys = deeppart.last_incompatible_keys()
         missing = keys.missing_keys if keys is not None else []
-        assert any("batches_seen" in k for k in missing) and any("rng" in k for k in missing), (
-            f"missing keys {missing}"
-        )
+        assert "loader" in missing and "rng" in missing, f"missing keys {missing}"
     with checks.sub("per_rank=0"):
         out = deeppart.load(ckpt, into=target(), per_rank=0)
         check_tensors(out, "per_rank=0")

@@ -76,8 +76,9 @@ def test_pp_fsdp_torchtitan_layout_restores_every_rank(four: tuple[Path, str]) -
 def test_pp_fsdp_reshards_to_two_ranks(two: str) -> None:
     """The PP(2) x FSDP2(2) checkpoint loaded at PP(2) x FSDP(1) on 2
     ranks: without per_rank= every rank raises PerRankStateError naming
-    loader/batches_seen and per_rank=; with per_rank="drop" (the target
-    keeps its loader position and RNG, listed as missing) and per_rank=0
+    loader (a plain subtree is one leaf), rng and per_rank=; with
+    per_rank="drop" (the target keeps its loader position and RNG, listed
+    as missing) and per_rank=0
     (rank 0's), each stage gets its own model, optimizer and scheduler
     state bitwise (against the full tensors the 4-rank job wrote)."""
     verdict(two, "reshard")
