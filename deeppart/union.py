@@ -200,15 +200,15 @@ def _units(states: dict[int, Described]) -> dict[str, list[_Unit]]:
                 shard_of[leaf] = k
         seen_rec: set[int] = set()
         for i, d in enumerate(st.descs):
-            k = shard_of.get(i)
-            if k is None:
+            rk = shard_of.get(i)
+            if rk is None:
                 kind = "object" if d.get("kind") == "object" else "tensor"
                 out.setdefault(_key(d["path"]), []).append(_Unit(c, kind, i, d))
                 continue
-            if k in seen_rec:
+            if rk in seen_rec:
                 continue
-            seen_rec.add(k)
-            rec = st.records[k]
+            seen_rec.add(rk)
+            rec = st.records[rk]
             shards = [
                 (region, list(st.descs[leaf]["holders"]), leaf) for leaf, region in rec["shards"]
             ]
@@ -391,13 +391,13 @@ def build_union(
                 continue
             first_leaf.append(len(items))
             shards = []
-            for j, (region, h, src) in enumerate(x.shards):
+            for j, (region, hs, src) in enumerate(x.shards):
                 shards.append({"leaf": len(items), "index": region})
                 items.append(
                     UnionItem(
                         [*base, _SHARD_KEY, j],
                         {"dtype": x.desc["dtype"], "shape": _region_shape(region)},
-                        sorted(h), dict(src),
+                        sorted(hs), dict(src),
                     )
                 )  # fmt: skip
             records.append(

@@ -32,8 +32,9 @@ sub-meshes, ``get_state_dict``, AdamW and LR schedulers:
 
 ``reshard`` (2 ranks): the ``pp_fsdp`` checkpoint loaded at PP(2) x FSDP(1):
 without ``per_rank=`` refused (PerRankStateError naming the loader
-position, the leaf ``loader``: a plain subtree is one leaf); with ``per_rank="drop"`` and ``per_rank=0`` each stage gets its
-own tensors bitwise.
+position, the leaf ``loader``: a plain subtree is one leaf); with
+``per_rank="drop"`` and ``per_rank=0`` each stage gets its own tensors
+bitwise.
 
 A scenario's checks run on every rank; rank 0 then prints one line per
 scenario, ``RESULT <name> PASS [notes]`` or ``RESULT <name> FAIL <what
@@ -214,7 +215,8 @@ class Block(nn.Module):
         self.ffn = nn.Linear(DIM, DIM, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.ffn(torch.relu(self.attn(self.norm(x))))
+        out: torch.Tensor = x + self.ffn(torch.relu(self.attn(self.norm(x))))
+        return out
 
 
 class Stage(nn.Module):
@@ -577,7 +579,11 @@ def scenario_hsdp_replica(d: Path, checks: Checks) -> None:
     if dist.get_rank() == 2:
         with torch.no_grad():
             weight.to_local().add_(1.0)  # every byte of rank 2's copy of shard 0
-    for variant, kwargs in (("default", {}), ("verify_replicas=True", {"verify_replicas": True})):
+    variants: tuple[tuple[str, dict[str, Any]], ...] = (
+        ("default", {}),
+        ("verify_replicas=True", {"verify_replicas": True}),
+    )
+    for variant, kwargs in variants:
         path = d / variant.split("=")[0]
         with checks.sub(variant):
             try:

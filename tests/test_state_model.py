@@ -3,6 +3,7 @@ descriptions of several ranks, as the save's exchange delivers them."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -46,7 +47,7 @@ def plain(paths: list[tuple[list[Any], Any]]) -> Described:
 
 
 def sharded(
-    path: list[Any], rows: int, holders: list[list[int]], extra: list[Any] = ()
+    path: list[Any], rows: int, holders: list[list[int]], extra: Sequence[list[Any]] = ()
 ) -> Described:
     """A rank holding one DTensor of ``rows`` float32 rows, sharded by rows
     over ``len(holders)`` shards (shard k held by ``holders[k]``), plus
@@ -80,7 +81,7 @@ def _renumber(node: Any, new: dict[int, int]) -> Any:
     return {kind: [[k, _renumber(v, new)] for k, v in body]}
 
 
-def test_per_rank_values_are_versions_and_equal_values_share_one():
+def test_per_rank_values_are_versions_and_equal_values_share_one() -> None:
     st = plain([(["loader", "pos"], "object"), (["w"], ("float32", [2]))])
     classes = [0, 0, 0, 0]
     digests = [Digests({0: v}, {1: "s"}) for v in ("a", "b", "a", "c")]
@@ -101,14 +102,14 @@ def test_per_rank_values_are_versions_and_equal_values_share_one():
     assert u.items[1].source == {1: 0}
 
 
-def test_equal_values_make_no_versions():
+def test_equal_values_make_no_versions() -> None:
     st = plain([(["x"], "object"), (["w"], ("float32", [2]))])
     u = build_union({0: st}, [0, 0, 0], [Digests({0: "a"}, {1: "s"})] * 3)
     assert [it.path for it in u.items] == [["x"], ["w"]]
     assert not u.versions and not u.per_rank
 
 
-def test_pipeline_stages_with_their_own_names_are_the_union():
+def test_pipeline_stages_with_their_own_names_are_the_union() -> None:
     a = sharded(["s0", "w"], 8, [[0], [1]])
     b = sharded(["s1", "w"], 8, [[2], [3]])
     classes = [0, 0, 2, 2]
@@ -121,7 +122,7 @@ def test_pipeline_stages_with_their_own_names_are_the_union():
     assert keys == ["s0", "s1"]
 
 
-def test_stages_that_reuse_names_and_differ_are_two_versions():
+def test_stages_that_reuse_names_and_differ_are_two_versions() -> None:
     a = sharded(["layers", "w"], 8, [[0], [1]])
     b = sharded(["layers", "w"], 8, [[2], [3]])
     states, classes = {0: a, 2: b}, [0, 0, 2, 2]
@@ -141,7 +142,7 @@ def test_stages_that_reuse_names_and_differ_are_two_versions():
     assert u.items[2].source == {2: 0}
 
 
-def test_replicas_on_disjoint_meshes_with_equal_bytes_merge():
+def test_replicas_on_disjoint_meshes_with_equal_bytes_merge() -> None:
     a = sharded(["w"], 8, [[0], [1]])
     b = sharded(["w"], 8, [[2], [3]])
     whole = {(0, 0): "x0", (1, 1): "x1", (2, 0): "x0", (3, 1): "x1"}
@@ -151,7 +152,7 @@ def test_replicas_on_disjoint_meshes_with_equal_bytes_merge():
     assert not u.versions and not u.per_rank
 
 
-def test_differing_declared_replicas_name_each_version():
+def test_differing_declared_replicas_name_each_version() -> None:
     # HSDP: shard k held by ranks [k, k + 2] on one mesh; rank 3 differs.
     st = sharded(["w"], 8, [[0, 2], [1, 3]])
     digests = [Digests({}, {0: "p"}), Digests({}, {1: "q"}), Digests({}, {0: "p"}),
@@ -162,7 +163,7 @@ def test_differing_declared_replicas_name_each_version():
     assert "majority" not in str(e.value) and "minority" not in str(e.value)
 
 
-def test_plain_tensors_of_one_structure_are_replicas():
+def test_plain_tensors_of_one_structure_are_replicas() -> None:
     st = plain([(["emb"], ("float32", [4, 2]))])
     digests = [Digests({}, {0: s}) for s in ("a", "b", "a", "b")]
     with pytest.raises(
@@ -171,7 +172,7 @@ def test_plain_tensors_of_one_structure_are_replicas():
         build_union({0: st}, [0, 0, 0, 0], digests)
 
 
-def test_auto_compares_whole_tensors_and_keeps_each_groups_version():
+def test_auto_compares_whole_tensors_and_keeps_each_groups_version() -> None:
     st = plain([(["emb"], ("float32", [4, 2]))])
     classes = [0, 0, 0, 0]
     need = whole_digests_needed({0: st}, classes, auto=True)
@@ -183,7 +184,7 @@ def test_auto_compares_whole_tensors_and_keeps_each_groups_version():
     assert u.versions[0]["ranks"] == [[0, 1], [2, 3]]
 
 
-def test_plain_tensors_of_two_structures_compared_whole():
+def test_plain_tensors_of_two_structures_compared_whole() -> None:
     a = plain([(["emb"], ("float32", [4, 2])), (["a"], "object")])
     b = plain([(["emb"], ("float32", [4, 2])), (["b"], "object")])
     states, classes = {0: a, 1: b}, [0, 1]
@@ -199,7 +200,7 @@ def test_plain_tensors_of_two_structures_compared_whole():
     ]
 
 
-def test_trees_that_do_not_merge_are_refused_naming_the_path():
+def test_trees_that_do_not_merge_are_refused_naming_the_path() -> None:
     a = plain([(["x"], "object")])
     b = Described(
         [{"path": ["x", "y"], "dtype": "float32", "shape": [1]}],
@@ -211,7 +212,7 @@ def test_trees_that_do_not_merge_are_refused_naming_the_path():
         build_union({0: a, 1: b}, [0, 1], [Digests({0: "v"}), Digests()])
 
 
-def test_codec_or_directory_disagreement_is_refused():
+def test_codec_or_directory_disagreement_is_refused() -> None:
     a = plain([(["x"], "object")])
     b = plain([(["x"], "object")])
     b.common = "other"
