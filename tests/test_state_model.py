@@ -218,3 +218,35 @@ def test_codec_or_directory_disagreement_is_refused() -> None:
     b.common = "other"
     with pytest.raises(StateMismatchError, match="the codec, the directory or the kind of group="):
         build_union({0: a, 1: b}, [0, 1], [Digests({0: "v"}), Digests({0: "v"})])
+
+
+def test_version_3_metadata_is_checked(tmp_path: Any) -> None:
+    """parse_metadata accepts version 3 with its records and refuses
+    malformed ones (CorruptCheckpointError), like every record it reads."""
+    import json
+
+    import deeppart
+    from deeppart.errors import CorruptCheckpointError
+    from deeppart.format import parse_metadata
+    from deeppart.reader import leaf_infos
+
+    torch = pytest.importorskip("torch")
+    deeppart.save({"w": torch.ones(2), "x": 1}, tmp_path / "c")
+    raw = json.loads((tmp_path / "c" / "metadata.json").read_text())
+    raw["leaves"] = [
+        {k: (list(v) if isinstance(v, tuple) else v) for k, v in lf.items() if v is not None}
+        for lf in leaf_infos(raw)
+    ]
+    sizes = {"float32": 4}
+    base = {**raw, "version": 3, "dtensors": [], "versions": []}
+    assert parse_metadata(base, sizes).union
+    bad = [
+        {"path": ["x"], "ranks": [[0], [0]], "leaves": [1, 1]},  # 2 versions on 1 rank
+        {"path": ["x"], "ranks": [[0]], "leaves": [9]},
+        "nope",
+    ]
+    for rec in bad:
+        with pytest.raises(CorruptCheckpointError):
+            parse_metadata({**base, "versions": [rec]}, sizes)
+    with pytest.raises(CorruptCheckpointError, match="version 3 goes with versions"):
+        parse_metadata({**raw, "version": 3, "dtensors": []}, sizes)
