@@ -13,8 +13,9 @@ sub-meshes, ``get_state_dict``, AdamW and LR schedulers:
   ``fully_shard``-ed on ``mesh["dp"]``, each stage with its own FQNs), AdamW
   after a step, a LambdaLR scheduler, a per-rank data-loader position and
   RNG state; ``deeppart.save`` without ``group=``, everything perturbed,
-  then ``load(into=)``: every rank bitwise what it saved. Also writes each
-  stage's full tensors (``torch.save``) for ``reshard``;
+  then ``load(into=)`` and ``load()`` (full tensors): every rank bitwise
+  what it saved. Also writes each stage's full tensors (``torch.save``)
+  for ``reshard``;
 - ``per_rank_values``: plain values that differ between ranks (equal and
   different encoded lengths), loaded back with and without ``into=``;
 - ``reused_names``: two pipeline stages that both name their blocks
@@ -23,7 +24,7 @@ sub-meshes, ``get_state_dict``, AdamW and LR schedulers:
   leaf;
 - ``auto_swap``: two DP groups ({0,1}, {2,3}) whose embeddings share path,
   dtype and shape and differ only in rows the sampled replica check does
-  not read, plus a head of another shape per group; saved with
+  not read, plus a head of its own name and shape per group; saved with
   ``group="auto"`` and without ``group=``: each group its own embedding, or
   a refusal naming it;
 - ``hsdp_replica``: HSDP (2,2) with rank 2's copy of one shard changed: the
@@ -32,8 +33,10 @@ sub-meshes, ``get_state_dict``, AdamW and LR schedulers:
 
 ``reshard`` (2 ranks): the ``pp_fsdp`` checkpoint loaded at PP(2) x FSDP(1):
 without ``per_rank=`` refused (PerRankStateError naming the loader
-position); with ``per_rank="drop"`` and ``per_rank=0`` each stage gets its
-own tensors bitwise.
+position); with ``per_rank="drop"``, ``per_rank=0`` and a callable each
+stage gets its own tensors bitwise and the per-rank values as asked; with
+``per_rank="all"`` and no target, the union of both stages and every
+saved rank's value under ``"ranks:<r>"``.
 
 A scenario's checks run on every rank; rank 0 then prints one line per
 scenario, ``RESULT <name> PASS [notes]`` or ``RESULT <name> FAIL <what
@@ -356,6 +359,10 @@ def scenario_pp_fsdp(d: Path, checks: Checks) -> None:
             {k: expected[k] for k in ("model", "optim", "lr_scheduler")},
             "after set_state_dict",
         )
+    with checks.sub("load without into="):
+        assert saved, "nothing committed"
+        own = {**full, "loader": expected["loader"], "rng": expected["rng"]}
+        same(deeppart.load(d), own, "full")
 
 
 # ----------------------------------------------------------------------------
@@ -653,6 +660,31 @@ def reshard_checks(d: Path, checks: Checks) -> None:
         check_tensors(out, "per_rank=0")
         assert out["loader"] == {"epoch": 3, "batches_seen": 100}, out["loader"]
         assert out["rng"] == rng_bytes(0), "rng is not rank 0's"
+    with checks.sub('per_rank="all" without into='):
+        out = deeppart.load(ckpt, per_rank="all")
+        stages = [torch.load(d / f"pp_fsdp-stage{s}-full.pt", weights_only=True) for s in (0, 1)]
+        union = {
+            "model": {**stages[0]["model"], **stages[1]["model"]},
+            "optim": {**stages[0]["optim"], **stages[1]["optim"]},
+            "lr_scheduler": stages[0]["lr_scheduler"],
+            "loader": {"epoch": 3, "batches_seen": {f"ranks:{r}": 100 + r for r in range(4)}},
+            "rng": {f"ranks:{r}": rng_bytes(r) for r in range(4)},
+        }
+        same(out, union, "all")
+    with checks.sub("per_rank=<callable>"):
+        seen: list[tuple[Any, list[Any]]] = []
+
+        def rank3(path: tuple[Any, ...], versions: dict[tuple[int, ...], Any]) -> Any:
+            seen.append((path, sorted(versions)))
+            return versions[(3,)]
+
+        out = deeppart.load(ckpt, into=target(), per_rank=rank3)
+        check_tensors(out, "callable")
+        assert out["loader"] == {"epoch": 3, "batches_seen": 103}, out["loader"]
+        assert out["rng"] == rng_bytes(3), "rng is not rank 3's"
+        calls = {tuple(map(str, p))[-1]: v for p, v in seen}
+        every = [(0,), (1,), (2,), (3,)]
+        assert calls.get("batches_seen") == every and calls.get("rng") == every, seen
 
 
 # ----------------------------------------------------------------------------
