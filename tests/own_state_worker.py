@@ -33,11 +33,13 @@ sub-meshes, ``get_state_dict``, AdamW and LR schedulers:
 
 ``reshard`` (2 ranks): the ``pp_fsdp`` checkpoint loaded at PP(2) x FSDP(1):
 without ``per_rank=`` refused (PerRankStateError naming the loader
-position and RNG state: the leaves ``loader``, a plain subtree without
-tensors being one leaf, and ``rng``); with ``per_rank="drop"``,
-``per_rank=0`` and a callable each stage gets its own tensors bitwise and
-the per-rank values as asked; with ``per_rank="all"`` and no target, the
-union of both stages and every saved rank's value under ``"ranks:<r>"``.
+position, the leaf ``loader``: a plain subtree is one leaf); with ``per_rank="drop"`` and ``per_rank=0`` each stage gets its
+own tensors bitwise.
+
+Also in ``reshard``: with a callable ``per_rank`` each stage gets its own
+tensors bitwise and the per-rank values the callable picks; with
+``per_rank="all"`` and no target, the union of both stages and every
+saved rank's ``loader`` and ``rng`` under ``"ranks:<r>"``.
 
 A scenario's checks run on every rank; rank 0 then prints one line per
 scenario, ``RESULT <name> PASS [notes]`` or ``RESULT <name> FAIL <what

@@ -79,11 +79,9 @@ def test_pp_fsdp_reshards_to_two_ranks(two: str) -> None:
     ranks: without per_rank= every rank raises PerRankStateError naming
     loader (a plain subtree is one leaf), rng and per_rank=; with
     per_rank="drop" (the target keeps its loader position and RNG, listed
-    as missing), per_rank=0 (rank 0's) and a callable (given each path and
-    its versions by saved ranks), each stage gets its own model, optimizer
-    and scheduler state bitwise (against the full tensors the 4-rank job
-    wrote); per_rank="all" without a target gives both stages and each
-    saved rank's loader position and RNG state under "ranks:<r>"."""
+    as missing) and per_rank=0
+    (rank 0's), each stage gets its own model, optimizer and scheduler
+    state bitwise (against the full tensors the 4-rank job wrote)."""
     verdict(two, "reshard")
 
 
