@@ -13,8 +13,9 @@ sub-meshes, ``get_state_dict``, AdamW and LR schedulers:
   ``fully_shard``-ed on ``mesh["dp"]``, each stage with its own FQNs), AdamW
   after a step, a LambdaLR scheduler, a per-rank data-loader position and
   RNG state; ``deeppart.save`` without ``group=``, everything perturbed,
-  then ``load(into=)``: every rank bitwise what it saved. Also writes each
-  stage's full tensors (``torch.save``) for ``reshard``;
+  then ``load(into=)`` and ``load()`` (full tensors): every rank bitwise
+  what it saved. Also writes each stage's full tensors (``torch.save``)
+  for ``reshard``;
 - ``per_rank_values``: plain values that differ between ranks (equal and
   different encoded lengths), loaded back with and without ``into=``;
 - ``reused_names``: two pipeline stages that both name their blocks
@@ -23,7 +24,7 @@ sub-meshes, ``get_state_dict``, AdamW and LR schedulers:
   leaf;
 - ``auto_swap``: two DP groups ({0,1}, {2,3}) whose embeddings share path,
   dtype and shape and differ only in rows the sampled replica check does
-  not read, plus a head of another shape per group; saved with
+  not read, plus a head of its own name and shape per group; saved with
   ``group="auto"`` and without ``group=``: each group its own embedding, or
   a refusal naming it;
 - ``hsdp_replica``: HSDP (2,2) with rank 2's copy of one shard changed: the
@@ -35,6 +36,11 @@ without ``per_rank=`` refused (PerRankStateError naming the loader
 position, the leaf ``loader``: a plain subtree is one leaf); with
 ``per_rank="drop"`` and ``per_rank=0`` each stage gets its own tensors
 bitwise.
+
+Also in ``reshard``: with a callable ``per_rank`` each stage gets its own
+tensors bitwise and the per-rank values the callable picks; with
+``per_rank="all"`` and no target, the union of both stages and every
+saved rank's ``loader`` and ``rng`` under ``"ranks:<r>"``.
 
 A scenario's checks run on every rank; rank 0 then prints one line per
 scenario, ``RESULT <name> PASS [notes]`` or ``RESULT <name> FAIL <what
@@ -116,7 +122,11 @@ def report(name: str, checks: Checks) -> None:
     dist.all_gather_object(rows, (checks.failed, checks.notes))
     if dist.get_rank() != 0:
         return
-    failed = [f"rank {r}: {f}" for r, (fs, _) in enumerate(rows) for f in fs]
+    by_msg: dict[str, list[int]] = {}
+    for r, (fs, _) in enumerate(rows):
+        for f in fs:
+            by_msg.setdefault(f, []).append(r)
+    failed = [f"ranks {rs}: {f}" for f, rs in by_msg.items()]
     notes = sorted({n for _, ns in rows for n in ns})
     if failed:
         line = f"RESULT {name} FAIL " + " | ".join(failed)
@@ -250,8 +260,9 @@ def build_stage(
 ) -> tuple[nn.Module, Any, Any]:
     """Stage ``stage``'s model (seeded with ``seed``, the same on the ranks
     of its dp group), each block and then the whole stage ``fully_shard``-ed
-    on ``mesh["dp"]``; AdamW after two steps on this rank's own batch and a
-    LambdaLR scheduler stepped with it. Without ``extras``: the blocks only."""
+    on ``mesh["dp"]``; AdamW after two steps (three from seed 50: the load
+    targets) on this rank's own batches and a LambdaLR scheduler stepped
+    with it. Without ``extras``: the blocks only."""
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(seed)
@@ -262,7 +273,7 @@ def build_stage(
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
     g = torch.Generator().manual_seed(seed * 100 + dist.get_rank())
-    for _ in range(2):
+    for _ in range(2 + seed // 50):  # the targets (seed >= 50) one step further
         if model.tok_embeddings is not None:
             x = torch.randint(VOCAB, (2, 5), generator=g)
         else:
@@ -356,6 +367,10 @@ def scenario_pp_fsdp(d: Path, checks: Checks) -> None:
             {k: expected[k] for k in ("model", "optim", "lr_scheduler")},
             "after set_state_dict",
         )
+    with checks.sub("load without into="):
+        assert saved, "nothing committed"
+        own = {**full, "loader": expected["loader"], "rng": expected["rng"]}
+        same(deeppart.load(d), own, "full")
 
 
 # ----------------------------------------------------------------------------
@@ -487,7 +502,8 @@ def unsampled_rows() -> list[int]:
 
 def group_model(g: int) -> dict[str, torch.Tensor]:
     """Group ``g``'s model: the embedding of group 1 differs from group 0's
-    only in :func:`unsampled_rows`; the head has another shape per group."""
+    only in :func:`unsampled_rows`; each group's head has a name and shape
+    of its own (so the groups' trees differ, as two models' do)."""
     gen = torch.Generator().manual_seed(5)
     emb = torch.randn(EMB_ROWS, EMB_DIM, generator=gen)
     if g:
@@ -495,8 +511,8 @@ def group_model(g: int) -> dict[str, torch.Tensor]:
     gen.manual_seed(50 + g)
     return {
         "emb.weight": emb,
-        "head.weight": torch.randn(8 + 4 * g, EMB_DIM, generator=gen),
-        "head.bias": torch.randn(8 + 4 * g, generator=gen),
+        f"head{g}.weight": torch.randn(8 + 4 * g, EMB_DIM, generator=gen),
+        f"head{g}.bias": torch.randn(8 + 4 * g, generator=gen),
     }
 
 
@@ -579,15 +595,11 @@ def scenario_hsdp_replica(d: Path, checks: Checks) -> None:
     if dist.get_rank() == 2:
         with torch.no_grad():
             weight.to_local().add_(1.0)  # every byte of rank 2's copy of shard 0
-    variants: tuple[tuple[str, dict[str, Any]], ...] = (
-        ("default", {}),
-        ("verify_replicas=True", {"verify_replicas": True}),
-    )
-    for variant, kwargs in variants:
+    for variant, verify in (("default", False), ("verify_replicas=True", True)):
         path = d / variant.split("=")[0]
         with checks.sub(variant):
             try:
-                deeppart.save(state, path, **kwargs)
+                deeppart.save(state, path, verify_replicas=verify)
             except Exception as e:
                 if lost_step(e):
                     raise
@@ -655,6 +667,32 @@ def reshard_checks(d: Path, checks: Checks) -> None:
         check_tensors(out, "per_rank=0")
         assert out["loader"] == {"epoch": 3, "batches_seen": 100}, out["loader"]
         assert out["rng"] == rng_bytes(0), "rng is not rank 0's"
+    with checks.sub('per_rank="all" without into='):
+        out = deeppart.load(ckpt, per_rank="all")
+        stages = [torch.load(d / f"pp_fsdp-stage{s}-full.pt", weights_only=True) for s in (0, 1)]
+        union = {
+            "model": {**stages[0]["model"], **stages[1]["model"]},
+            "optim": {**stages[0]["optim"], **stages[1]["optim"]},
+            "lr_scheduler": stages[0]["lr_scheduler"],
+            # "loader" is one leaf (a plain subtree without tensors).
+            "loader": {f"ranks:{r}": {"epoch": 3, "batches_seen": 100 + r} for r in range(4)},
+            "rng": {f"ranks:{r}": rng_bytes(r) for r in range(4)},
+        }
+        same(out, union, "all")
+    with checks.sub("per_rank=<callable>"):
+        seen: list[tuple[Any, list[Any]]] = []
+
+        def rank3(path: tuple[Any, ...], versions: dict[tuple[int, ...], Any]) -> Any:
+            seen.append((path, sorted(versions)))
+            return versions[(3,)]
+
+        out = deeppart.load(ckpt, into=target(), per_rank=rank3)
+        check_tensors(out, "callable")
+        assert out["loader"] == {"epoch": 3, "batches_seen": 103}, out["loader"]
+        assert out["rng"] == rng_bytes(3), "rng is not rank 3's"
+        calls = {tuple(map(str, p))[-1]: v for p, v in seen}
+        every = [(0,), (1,), (2,), (3,)]
+        assert calls.get("loader") == every and calls.get("rng") == every, seen
 
 
 # ----------------------------------------------------------------------------

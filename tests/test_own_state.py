@@ -67,7 +67,8 @@ def test_pp_fsdp_torchtitan_layout_restores_every_rank(four: tuple[Path, str]) -
     FQNs of its own; AdamW moments (flattened optimizer state dict), a
     LambdaLR, a per-rank loader position and RNG state bytes. Saved without
     group=, everything perturbed, load(into=): every rank bitwise what it
-    saved, and set_state_dict / load_state_dict take it."""
+    saved, and set_state_dict / load_state_dict take it; load() without a
+    target gives each rank its own stage's full tensors and values."""
     verdict(four[1], "pp_fsdp")
 
 
@@ -108,8 +109,8 @@ def test_pipeline_stages_that_reuse_module_names(four: tuple[Path, str]) -> None
 @pytest.mark.slow
 def test_dp_groups_whose_embeddings_differ_in_unsampled_rows(four: tuple[Path, str]) -> None:
     """Two DP groups whose embeddings share path, dtype and shape and differ
-    only in rows the sampled replica check does not read, with heads of
-    different shapes: with group="auto" and without group=, each group
+    only in rows the sampled replica check does not read, each with a head
+    of its own name and shape: with group="auto" and without group=, each group
     restores its own embedding bitwise, or every rank refuses naming it."""
     verdict(four[1], "auto_swap")
 
