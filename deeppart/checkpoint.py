@@ -138,7 +138,7 @@ def save(
     group: Any = None,
     replica_dims: str | Sequence[str] | None = None,
 ) -> Stats:
-    """Saves ``state`` (the same on every rank) to ``directory``, every rank
+    """Saves ``state`` (each rank's own) to ``directory``, every rank
     writing its planned share. Collective: call it on every rank of ``comm``.
 
     ``planner``: None (plan in process) or the planner service to ask (see
@@ -157,12 +157,16 @@ def save(
     rank holds the same state (a hash of each leaf on every rank, compared
     in one collective); if not, raise :class:`ReplicaMismatchError` on every
     rank, naming the differing leaves and ranks, and write nothing.
-    ``group``: for groups of ranks that hold different states (two
-    data-parallel groups, plain tensor-parallel shards): this rank's replica
-    group (a ProcessGroup or a list of global ranks; each group's tree is
-    stored under ``"ranks:0,1"``...), or ``"auto"`` (leaves matched across
-    ranks by path, dtype and shape); one checkpoint of the whole job, each
-    leaf balanced over the ranks that hold it (:mod:`deeppart.groups`).
+    Every rank passes its own tree (:mod:`deeppart.union`): the checkpoint
+    is the union of what the ranks hold (DTensors on any mesh, pipeline
+    stages, per-rank values; each rank loads its own back at the same world
+    size). ``group``: ``"auto"`` compares every tensor several ranks hold
+    under one path by its whole bytes (differing ones become versions, one
+    per group); a ProcessGroup or list of global ranks stores this rank's
+    group's tree under ``"ranks:0,1"``... (:mod:`deeppart.groups`).
+    ``replica_dims``: root-mesh dimension names (e.g. ``"dp"``) over which
+    DTensors on sub-meshes are declared replicas (sampled, a difference
+    refused) instead of compared whole.
     """
     c = resolve(comm)
     t0 = time.perf_counter()
