@@ -40,7 +40,7 @@ from deeppart.errors import StateMismatchError
 from deeppart.format import Metadata, data_file_name, remove_tree
 from deeppart.groups import load_view, read_own, selection_digest
 from deeppart.integrity import FileView, Hosts, hosts
-from deeppart.own_view import OwnView, own_view, resolve_versions
+from deeppart.own_view import OwnView, by_ranks, own_view, resolve_versions, set_at, value_at
 from deeppart.ownership import check_target
 from deeppart.planning import PlanProvider
 from deeppart.prepare import Prepared, prepare_save
@@ -501,7 +501,7 @@ def load(
             same_host=where.one_host,
             same_kernel=where.one_kernel,
             elsewhere=st.leaves,
-            into_elsewhere=st.into_leaves | dropped_into(into, own.dropped),
+            into_elsewhere=st.into_leaves | dropped_into(into, own.dropped + own.deferred),
         )
     except Exception as e:
         err = e
@@ -543,6 +543,15 @@ def load(
     state = assemble(rp.meta, rp.targets, rp.path, rp.matched, pruned, filled)
     if own.calls:
         state = resolve_versions(state, own.calls, per_rank)
+    elsewhere = c.size != rp.meta.world_size
+    if callable(per_rank) and into is not None and rp.meta.versions and elsewhere:
+        # Every rank alike: the versions of its deferred paths, then the callable's picks.
+        versions = load(
+            directory, comm=c, keys=list(own.deferred), per_rank="all", exchange=exchange
+        )
+        for p in own.deferred:
+            state = set_at(state, p, per_rank(p, by_ranks(value_at(versions, p))))
+        write_back(rp.matched.root if rp.matched else None, own.deferred, state)
     if view.unwrap is not None:
         state = state[view.unwrap]
     if rp.matched is not None:
@@ -552,6 +561,15 @@ def load(
     if verbose and c.rank == 0:
         print(stats.summary(), flush=True)
     return state
+
+
+def write_back(root: Any, paths: list[tuple[Any, ...]], state: Any) -> None:
+    """The values at ``paths`` of ``state`` set in ``root`` (the caller's
+    ``into=``) in place where they can be."""
+    from deeppart.restore import write_back as set_values
+
+    if root is not None and paths:
+        set_values(root, paths, {j: value_at(state, p) for j, p in enumerate(paths)})
 
 
 def dropped_into(into: Any, dropped: list[tuple[Any, ...]]) -> set[int]:

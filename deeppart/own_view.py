@@ -31,7 +31,7 @@ from deeppart.format import Metadata, VersionRecord
 from deeppart.state import flatten, path_key
 from deeppart.union import VERSION_KEY
 
-__all__ = ["OwnView", "own_view", "resolve_versions"]
+__all__ = ["OwnView", "by_ranks", "own_view", "resolve_versions", "set_at", "value_at"]
 
 
 @dataclass
@@ -45,6 +45,9 @@ class OwnView:
     calls: list[tuple[Any, ...]] = field(default_factory=list)
     #: Whether leaves were left out (the returned tree is pruned).
     pruned: bool = False
+    #: ``into=`` paths whose versions a callable ``per_rank`` resolves after
+    #: the load (read by a second load of those paths, ``per_rank="all"``).
+    deferred: list[tuple[Any, ...]] = field(default_factory=list)
 
 
 def _ns(ranks: list[int]) -> str:
@@ -160,6 +163,9 @@ def own_view(
         elif per_rank == "drop":
             view.dropped.append(tuple(v.path))
             continue
+        elif callable(per_rank) and into is not None:
+            view.deferred.append(tuple(v.path))
+            continue
         elif isinstance(per_rank, int):
             choose = next((k for k, r in enumerate(v.ranks) if per_rank in r), None)
             if choose is None:
@@ -226,27 +232,38 @@ def _leaf_holders(meta: Metadata) -> list[list[int] | None]:
     return out
 
 
+def value_at(tree: Any, path: tuple[Any, ...]) -> Any:
+    """The value at leaf path ``path`` of a loaded tree."""
+    for k in path:
+        tree = tree[_step(tree, k)]
+    return tree
+
+
+def set_at(tree: Any, path: tuple[Any, ...], value: Any) -> Any:
+    """``tree`` with the value at ``path`` replaced by ``value`` (the root
+    when ``path`` is empty: returns ``value``)."""
+    if not path:
+        return value
+    parent = value_at(tree, path[:-1])
+    parent[_step(parent, path[-1])] = value
+    return tree
+
+
+def by_ranks(versions: dict[Any, Any]) -> dict[tuple[int, ...], Any]:
+    """``{"ranks:0,2": v, ...}`` as ``{(0, 2): v, ...}``."""
+    return {
+        tuple(int(r) for r in str(name).removeprefix("ranks:").split(",")): value
+        for name, value in versions.items()
+    }
+
+
 def resolve_versions(
     tree: Any, calls: list[tuple[Any, ...]], fn: Callable[[tuple[Any, ...], dict[Any, Any]], Any]
 ) -> Any:
     """``tree`` with the dict of versions at each of ``calls`` replaced by
     ``fn(path, {saved ranks tuple: value})``."""
     for path in calls:
-        parent: Any = None
-        node = tree
-        key: Any = None
-        for k in path:
-            parent, key = node, _step(node, k)
-            node = parent[key]
-        versions = {
-            tuple(int(r) for r in str(name).removeprefix("ranks:").split(",")): value
-            for name, value in node.items()
-        }
-        value = fn(path, versions)
-        if parent is None:
-            tree = value
-        else:
-            parent[key] = value
+        tree = set_at(tree, path, fn(path, by_ranks(value_at(tree, path))))
     return tree
 
 
