@@ -53,7 +53,7 @@ def _tensor_leaves(
     meta = decode_metadata(read_checked_metadata(directory))
     leaves = list(meta.get("manifest", {}).get("leaves", []))
     versioned = [
-        v.get("path") for v in meta.get("versions") or []
+        list(v["path"]) for v in meta.get("versions") or []
         if isinstance(v, dict) and isinstance(v.get("path"), list)
         and (key is None or v["path"][:1] == [key])
     ]  # fmt: skip
