@@ -24,7 +24,7 @@ import os
 import struct
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict, Unpack
@@ -42,13 +42,14 @@ from deeppart.commit import (
     metadata_json,
     remove_temp_dir,
 )
-from deeppart.errors import StateError, StateMismatchError
+from deeppart.errors import StateMismatchError
 from deeppart.format import SAVE_ID_HEX, Metadata, data_file_name, new_save_id
-from deeppart.groups import LoadView, grouped_prepare, load_view, read_own, selection_digest
+from deeppart.groups import LoadView, load_view, read_own, selection_digest
 from deeppart.integrity import Hosts, hosts
+from deeppart.own_view import OwnView, by_ranks, own_view, resolve_versions, set_at, value_at
 from deeppart.ownership import check_target, local_path
 from deeppart.planning import PlanProvider
-from deeppart.prepare import AGREE_WIDTH, Prepared, agree_prepared_flags, prepare
+from deeppart.prepare import Prepared, prepare_save
 from deeppart.prepare import verify_replicas as check_replicas
 from deeppart.progress import Progress, Stats
 from deeppart.reader import (
@@ -69,8 +70,8 @@ from deeppart.reshard import (
     read_shards,
     shard_targets,
 )
-from deeppart.restore import IncompatibleKeys
-from deeppart.state import encode_plain
+from deeppart.restore import IncompatibleKeys, describe
+from deeppart.state import encode_plain, flatten
 from deeppart.writer import RECORD_FIELDS, write_pieces
 
 __all__ = [
@@ -139,8 +140,9 @@ def save(
     plan_provider: PlanProvider | None = None,
     level: int | None = None,
     group: Any = None,
+    replica_dims: str | Sequence[str] | None = None,
 ) -> Stats:
-    """Saves ``state`` (the same on every rank) to ``directory``, every rank
+    """Saves ``state`` (each rank's own) to ``directory``, every rank
     writing its planned share. Collective: call it on every rank of ``comm``.
 
     ``planner``: None (plan in process) or the planner service to ask (see
@@ -159,12 +161,16 @@ def save(
     rank holds the same state (a hash of each leaf on every rank, compared
     in one collective); if not, raise :class:`ReplicaMismatchError` on every
     rank, naming the differing leaves and ranks, and write nothing.
-    ``group``: for groups of ranks that hold different states (two
-    data-parallel groups, plain tensor-parallel shards): this rank's replica
-    group (a ProcessGroup or a list of global ranks; each group's tree is
-    stored under ``"ranks:0,1"``...), or ``"auto"`` (leaves matched across
-    ranks by path, dtype and shape); one checkpoint of the whole job, each
-    leaf balanced over the ranks that hold it (:mod:`deeppart.groups`).
+    Every rank passes its own tree (:mod:`deeppart.union`): the checkpoint
+    is the union of what the ranks hold (DTensors on any mesh, pipeline
+    stages, per-rank values; each rank loads its own back at the same world
+    size). ``group``: ``"auto"`` compares every tensor several ranks hold
+    under one path by its whole bytes (differing ones become versions, one
+    per group); a ProcessGroup or list of global ranks stores this rank's
+    group's tree under ``"ranks:0,1"``... (:mod:`deeppart.groups`).
+    ``replica_dims``: root-mesh dimension names (e.g. ``"dp"``) over which
+    DTensors on sub-meshes are declared replicas (sampled, a difference
+    refused) instead of compared whole.
     """
     c = resolve(comm)
     t0 = time.perf_counter()
@@ -188,6 +194,7 @@ def save(
         plan_provider=plan_provider,
         level=level,
         group=group,
+        replica_dims=replica_dims,
     )
     return planned.finish(c, t0)
 
@@ -287,6 +294,7 @@ class SaveOptions(TypedDict, total=False):
     plan_provider: PlanProvider | None
     level: int | None
     group: Any
+    replica_dims: str | Sequence[str] | None
 
 
 def plan_save(
@@ -321,33 +329,25 @@ def plan_save(
 
     # Plan and prepare; every rank checks that all prepared the same save.
     err: BaseException | None = None
-    prep: Prepared | None = None
     user = o.get("user")
-    flag = None if local is None else 0
-    group = o.get("group")
     verify_replicas = o.get("verify_replicas", False)
     try:
         if user is not None:
             encode_plain(user, ("<user>",))
         check_target(final)  # on every rank: each may see its own file system
-        if group is None:
-            prep = prepare(state, o.get("compression"), plan_provider, final)
-        elif verify_replicas:
-            raise StateError("verify_replicas=True is not supported with group= yet; drop one")
     except Exception as e:
         err = e
-    if group is not None:
-        # One more collective: every rank's leaf descriptions (deeppart.groups).
-        width = AGREE_WIDTH + (local is not None)  # that of agree_prepared_flags below
-        prep = grouped_prepare(
-            c, err, state, group, o.get("compression"), plan_provider, final, width
-        )
-    try:
-        if local is not None and prep is not None and err is None:
-            flag = local(prep)
-    except Exception as e:
-        err = e
-    prep, flags = agree_prepared_flags(c, err, prep, flag, samples=not verify_replicas)
+    prep, flags = prepare_save(
+        c,
+        err,
+        state,
+        o.get("compression"),
+        plan_provider,
+        final,
+        group=o.get("group"),
+        replica_dims=o.get("replica_dims"),
+        local=local,
+    )
     if verify_replicas:
         check_replicas(c, prep)
     return PlannedSave(
@@ -422,6 +422,7 @@ def load(
     keys: Any = None,
     strict: bool = True,
     group: Any = None,
+    per_rank: Any = None,
 ) -> Any:
     """Loads a committed checkpoint on every rank of ``comm`` (any number of
     ranks, also one process without MPI). Collective.
@@ -470,6 +471,17 @@ def load(
     a group (a ProcessGroup, or the saved ranks of one group as a list)
     loads that group's tree; ``"auto"`` loads ``into=``'s leaves only. Ranks
     that load different leaves each read their own.
+
+    A checkpoint of each rank's own state (:mod:`deeppart.union`: per-rank
+    values, pipeline stages, sub-meshes) gives each rank, at the world size
+    of the save, exactly the tree it saved. ``per_rank``: what to do with
+    paths that hold one version per group of saved ranks where a rank
+    cannot get its own (another world size, one process): None raises
+    :class:`PerRankStateError` naming them; a saved rank ``r`` takes the
+    version ``r`` saved; ``"drop"`` leaves them out (``into=`` keeps its
+    values; :func:`last_incompatible_keys` lists them as missing);
+    ``"all"`` puts ``{"ranks:0,2": value, ...}`` at the path (no ``into=``);
+    a function gets ``(path, {saved ranks: value})`` and returns the value.
     """
     c = resolve(comm)
     t0 = time.perf_counter()
@@ -482,10 +494,13 @@ def load(
     rp: ReadPlan | None = None
     st: ShardTargets | None = None
     digest = b""
+    own: OwnView | None = None
     try:
         view = load_view(group, into, keys, c.rank)
         into, keys = view.into, view.keys
         path, meta, digest = open_checkpoint(local_path(directory))
+        own = own_view(meta, c.rank, c.size, per_rank, into, held_only=group is None)
+        meta = own.meta
         st = shard_targets(meta, into, keys, strict)
         rp = plan_reads(
             c,
@@ -497,7 +512,7 @@ def load(
             exchange=exchange,
             same_host=where.one_host,
             elsewhere=st.leaves,
-            into_elsewhere=st.into_leaves,
+            into_elsewhere=st.into_leaves | dropped_into(into, own.dropped + own.deferred),
         )
     except Exception as e:
         err = e
@@ -509,8 +524,8 @@ def load(
         rp = read_own(rp, c.rank)  # the ranks load different leaves
     sr = None
     if st.active:
-        own = shard_exchange(exchange, rp.meta, where.one_host)
-        sr = plan_shard_reads(c, rp.meta, st, read_own=own)
+        own_reads = shard_exchange(exchange, rp.meta, where.one_host)
+        sr = plan_shard_reads(c, rp.meta, st, read_own=own_reads)
 
     # Read this rank's share, then exchange it.
     prog = Progress(
@@ -545,15 +560,34 @@ def load(
     # Decoding the plain values and rebuilding the tree can fail too (a
     # value that does not decode): agreed like every other stage.
     state: Any = None
+    assert own is not None
     try:
         filled = fill_shards(rp.meta, sr) if sr is not None else None
-        state = assemble(rp.meta, rp.targets, rp.path, rp.matched, keys is not None, filled)
-        if view.unwrap is not None:
-            state = state[view.unwrap]
+        pruned = keys is not None or own.pruned
+        state = assemble(rp.meta, rp.targets, rp.path, rp.matched, pruned, filled)
+        if own.calls:
+            state = resolve_versions(state, own.calls, per_rank)
     except Exception as e:
         err = e
     agree(c, err)
+    elsewhere = c.size != rp.meta.world_size
+    if callable(per_rank) and into is not None and rp.meta.versions and elsewhere:
+        # Every rank alike: the versions of its deferred paths (a collective
+        # load, agreed in itself), then the callable's picks.
+        versions = load(
+            directory, comm=c, keys=list(own.deferred), per_rank="all", exchange=exchange
+        )
+        try:
+            for p in own.deferred:
+                state = set_at(state, p, per_rank(p, by_ranks(value_at(versions, p))))
+            write_back(rp.matched.root if rp.matched else None, own.deferred, state)
+        except Exception as e:
+            err = e
+        agree(c, err)
+    if view.unwrap is not None:
+        state = state[view.unwrap]
     if rp.matched is not None:
+        rp.matched.keys.missing_keys.extend(describe(p) for p in own.dropped)
         _last_keys[:] = [rp.matched.keys]
     _last_stats["load"] = stats = _load_stats(c, rp, time.perf_counter() - t0, nread, sr)
     if verbose and c.rank == 0:
@@ -571,6 +605,28 @@ def shard_exchange(exchange: str, meta: Metadata, one_host: bool) -> bool:
     if exchange == "auto":
         return one_host and all(p.codec == "none" for p in meta.pieces)
     return exchange == "read"
+
+
+def write_back(root: Any, paths: list[tuple[Any, ...]], state: Any) -> None:
+    """The values at ``paths`` of ``state`` set in ``root`` (the caller's
+    ``into=``) in place where they can be."""
+    from deeppart.restore import write_back as set_values
+
+    if root is not None and paths:
+        set_values(root, paths, {j: value_at(state, p) for j, p in enumerate(paths)})
+
+
+def dropped_into(into: Any, dropped: list[tuple[Any, ...]]) -> set[int]:
+    """The ``into=`` leaves (indices of its flattened leaves) under the
+    paths that ``per_rank="drop"`` leaves out: neither read nor missing."""
+    if into is None or not dropped:
+        return set()
+    gone = set(dropped)
+    leaves = flatten(into)[0]
+    return {
+        j for j, lf in enumerate(leaves)
+        if any(tuple(lf.path[:n]) in gone for n in range(1, len(lf.path) + 1))
+    }  # fmt: skip
 
 
 def _load_stats(

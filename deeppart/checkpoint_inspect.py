@@ -431,8 +431,14 @@ def describe(
                 "shards": [
                     {"leaf": sh.leaf, "region": region_str(sh.region)} for sh in r.shards
                 ],
+                **({"ranks": meta.record_ranks[k]} if meta.record_ranks else {}),
             }
-            for r in meta.dtensors
+            for k, r in enumerate(meta.dtensors)
+        ],
+        # Paths with one version per group of saved ranks (metadata version 3).
+        "versions": [
+            {"path": _path_str(v.path), "ranks": v.ranks, "leaves": v.leaves}
+            for v in meta.versions
         ],
     }
 
@@ -513,7 +519,7 @@ def format_text(info: dict[str, Any], *, max_leaves: int, max_ranks: int) -> str
         rshown_d = records[:max_leaves] if max_leaves >= 0 else records
         rows = [
             [
-                r["path"],
+                r["path"] + (f" (ranks {_ranks_str(r['ranks'])})" if "ranks" in r else ""),
                 r["dtype"],
                 "x".join(map(str, r["shape"])),
                 str(len(r["shards"])),
@@ -530,6 +536,19 @@ def format_text(info: dict[str, Any], *, max_leaves: int, max_ranks: int) -> str
             + "\n"
             + _table(["path", "dtype", "shape", "shards", "regions"], rows, right={3})
         )
+
+    versions = info.get("versions", [])
+    if versions:
+        vshown = versions[:max_leaves] if max_leaves >= 0 else versions
+        rows = [
+            [v["path"], str(len(v["ranks"])), "; ".join(_ranks_str(r) for r in v["ranks"])]
+            for v in vshown
+        ]
+        title = (
+            f"per-rank items ({len(vshown)} of {len(versions)} paths with one version per "
+            "group of saved ranks; load elsewhere with per_rank=)"
+        )
+        parts.append(title + "\n" + _table(["path", "versions", "saved ranks"], rows, right={1}))
 
     ranks = info["ranks"]
     rshown = ranks[:max_ranks] if max_ranks >= 0 else ranks

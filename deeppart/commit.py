@@ -48,6 +48,7 @@ from deeppart.format import (
     MARKER,
     METADATA,
     METADATA_VERSION_SHARDED,
+    METADATA_VERSION_UNION,
     PIECE_FIELDS,
     fsync_dir,
     is_committed,
@@ -201,7 +202,12 @@ def metadata_head(prep: Prepared, codec: str, save_id: str | None = None) -> dic
 
 def dtensor_keys(prep: Prepared) -> dict[str, Any]:
     """The ``dtensors`` records of a state with sharded tensors, which
-    version 2 of the metadata adds (docs/FORMAT.md); nothing otherwise."""
+    version 2 of the metadata adds (docs/FORMAT.md); version 3 (items not
+    held by every rank, per-rank values, versions: :mod:`deeppart.union`)
+    adds each record's ``ranks`` and the ``versions`` records; nothing
+    otherwise."""
+    if prep.union is not None:
+        return {"version": METADATA_VERSION_UNION, **prep.union}
     if not prep.dtensors:
         return {}
     return {"version": METADATA_VERSION_SHARDED, "dtensors": [r.to_json() for r in prep.dtensors]}

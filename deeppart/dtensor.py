@@ -32,6 +32,7 @@ __all__ = [
     "Expanded",
     "HolderGroups",
     "expand",
+    "holder_regions",
     "is_dtensor",
     "local_region",
     "mesh_regions",
@@ -164,6 +165,45 @@ def mesh_regions(dt: Any, path: Sequence[Any] = ()) -> list[tuple[Region, list[i
     return [(r, list(h)) for r, h in out]
 
 
+def holder_regions(
+    dt: Any, path: Sequence[Any] = (), replica_dims: Sequence[str] = ()
+) -> tuple[list[tuple[Region, list[int]]], list[int]]:
+    """Like :func:`mesh_regions`, over the DTensor's OWN mesh (a pipeline
+    stage's ``dp`` sub-mesh holds only that stage's ranks), widened by the
+    root-mesh dimensions named in ``replica_dims`` (declared replicas, e.g.
+    ``"dp"`` for tensor-parallel shards replicated over data parallelism);
+    also returns the sorted ranks of that mesh."""
+    _check_placements(dt, path)
+    mesh = dt.device_mesh
+    ranks = mesh.mesh
+    dims = list(range(mesh.ndim))
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
+    wide = [n for n in replica_dims if root_names and n in root_names and n not in (names or ())]
+    if wide and root is not mesh:
+        if not names or any(n not in root_names for n in names):
+            raise StateError(
+                f"{_where(path)}: replica_dims={list(replica_dims)}: the DTensor's mesh is a "
+                "flattened or unnamed part of the root mesh; name its dimensions"
+            )
+        coord = root.get_coordinate()
+        if coord is None:
+            raise StateError(f"{_where(path)}: this rank is not in the DTensor's root mesh")
+        keep = [d for d, n in enumerate(root_names) if n in names or n in wide]
+        ranks = root.mesh[tuple(slice(None) if d in keep else coord[d] for d in range(root.ndim))]
+        dims = [keep.index(root_names.index(n)) for n in names]
+    sub_shape = [int(ranks.shape[d]) for d in dims]
+    shape = list(dt.shape)
+    found: dict[Region, list[int]] = {}
+    for coord in itertools.product(*(range(n) for n in ranks.shape)):
+        region = _region_at(shape, sub_shape, [coord[d] for d in dims], dt.placements)
+        found.setdefault(region, []).append(int(ranks[coord]))
+    out = [(r, sorted(h)) for r, h in found.items()]
+    out = [x for x in out if x[0].numel] or out[:1]
+    members = sorted(int(r) for r in ranks.flatten().tolist())
+    return sorted(out, key=lambda x: x[1][0]), members
+
+
 def local_region(dt: Any, path: Sequence[Any] = ()) -> Region:
     """The region of the global tensor this rank's local shard of ``dt`` holds."""
     _check_placements(dt, path)
@@ -188,6 +228,8 @@ class Expanded:
     records: list[DTensorRecord]
     #: The holder groups that ``descs`` index (``Manifest.from_leaves``).
     groups: list[list[int]] = field(default_factory=list)
+    #: Per record: the sorted ranks of the mesh that holds it.
+    ranks: list[list[int]] = field(default_factory=list)
 
 
 class HolderGroups:
@@ -219,10 +261,18 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def expand(leaves: list[FlatLeaf], skeleton: Any) -> Expanded:
+def expand(
+    leaves: list[FlatLeaf], skeleton: Any, replica_dims: Sequence[str] | None = None
+) -> Expanded:
     """``leaves`` and ``skeleton`` (from :func:`deeppart.state.flatten`) with
     each DTensor leaf replaced by its shard leaves: on this rank a shard leaf
-    holds the local tensor where this rank is a holder, else nothing."""
+    holds the local tensor where this rank is a holder, else nothing.
+
+    ``replica_dims``: None: the holders come from the root mesh (every
+    rank describes every holder alike; the levels backends' view); a
+    sequence (possibly empty): from the DTensor's own mesh, widened by these
+    root-mesh dimensions (:func:`holder_regions`; the union model of
+    :mod:`deeppart.union`)."""
     if not any(lf.tensor is not None and is_dtensor(lf.tensor) for lf in leaves):
         return Expanded(leaves, [describe_leaf(lf) for lf in leaves], skeleton, [])
     out: list[FlatLeaf] = []
@@ -230,6 +280,7 @@ def expand(leaves: list[FlatLeaf], skeleton: Any) -> Expanded:
     records: list[DTensorRecord] = []
     groups = HolderGroups(_world())
     renumber: list[int] = []
+    mesh_ranks: list[list[int]] = []
     for lf in leaves:
         renumber.append(len(out))
         dt = lf.tensor
@@ -237,7 +288,12 @@ def expand(leaves: list[FlatLeaf], skeleton: Any) -> Expanded:
             out.append(lf)
             descs.append(describe_leaf(lf))
             continue
-        regions = mesh_regions(dt, lf.path)
+        if replica_dims is None:
+            regions = mesh_regions(dt, lf.path)
+            mesh_ranks.append(sorted({r for _, h in regions for r in h}))
+        else:
+            regions, members = holder_regions(dt, lf.path, replica_dims)
+            mesh_ranks.append(members)
         mine = local_region(dt, lf.path)
         local = dt.to_local()
         if tuple(local.shape) != mine.shape:
@@ -253,12 +309,18 @@ def expand(leaves: list[FlatLeaf], skeleton: Any) -> Expanded:
             held = local if region == mine else None
             out.append(FlatLeaf(path, held, None))
             descs.append(
-                {"path": list(path), "dtype": dtype, "shape": list(region.shape),
-                 **groups.field(holders)}
+                {
+                    "path": list(path),
+                    "dtype": dtype,
+                    "shape": list(region.shape),
+                    **groups.field(holders),
+                }
             )
             shards.append(ShardRecord(len(out) - 1, region))
         records.append(DTensorRecord(list(lf.path), dtype, list(dt.shape), shards))
-    return Expanded(out, descs, renumber_skeleton(skeleton, renumber), records, groups.groups)
+    return Expanded(
+        out, descs, renumber_skeleton(skeleton, renumber), records, groups.groups, mesh_ranks
+    )
 
 
 def renumber_skeleton(node: Any, new: list[int]) -> Any:

@@ -59,6 +59,7 @@ __all__ = [
     "FTIError",
     "LevelConfigError",
     "ManifestError",
+    "PerRankStateError",
     "PlanError",
     "PlannerServiceError",
     "ReplicaMismatchError",
@@ -131,6 +132,12 @@ class StateMismatchError(CheckpointError):
 
 class ReplicaMismatchError(StateMismatchError):
     """The ranks' copies of the replicated state differ (``verify_replicas``)."""
+
+
+class PerRankStateError(StateMismatchError):
+    """A checkpoint holds per-rank values or distinct versions of one path
+    (one per group of saved ranks) that this load cannot give each rank its
+    own of (another world size, one process): pass ``per_rank=``."""
 
 
 class LevelConfigError(CheckpointError):
@@ -216,6 +223,7 @@ class RngStateWarning(UserWarning):
 #: the same code, but a stable order keeps codes readable in logs.
 ERROR_TYPES: tuple[type[DeepPartError], ...] = (
     ReplicaMismatchError,
+    PerRankStateError,
     CorruptCheckpointError,
     StateMismatchError,
     LevelConfigError,

@@ -53,6 +53,19 @@ def _tensor_leaves(
     holds each (tied weights: more than one)."""
     meta = decode_metadata(read_checked_metadata(directory))
     leaves = list(meta.get("manifest", {}).get("leaves", []))
+    versioned = [
+        list(v["path"]) for v in meta.get("versions") or []
+        if isinstance(v, dict) and isinstance(v.get("path"), list)
+        and (key is None or v["path"][:1] == [key])
+    ]  # fmt: skip
+    if versioned:
+        shown = ", ".join("/".join(map(str, p)) for p in versioned[:5])
+        raise ExportError(
+            f"{directory}: {len(versioned)} paths hold one version per group of saved ranks "
+            f"(per-rank values, pipeline stages that reuse names: {shown}); safetensors names "
+            "one tensor per path: export with --to torch (every version under "
+            '{"ranks:0,1": ...}), or load(..., per_rank=<rank>) and save what you need'
+        )
     # A sharded tensor (``dtensors`` record) is exported whole: the skeleton
     # names it by its first shard's leaf, which stands here for the record's
     # global tensor (``load`` assembles it from all its shards).
@@ -212,14 +225,17 @@ def export_torch(
 ) -> Path:
     """Writes the whole state to one ``torch.save`` file (loadable with
     ``torch.load(..., weights_only=True)`` when the state holds tensors and
-    plain Python values). The state is in memory once. An existing
+    plain Python values). The state is in memory once. A path with one
+    version per group of saved ranks (each rank's own state) holds
+    ``{"ranks:0,1": value, ...}``. An existing
     ``out_file`` is refused (:class:`ExportError`) unless ``overwrite``."""
     import torch
 
     out = local_path(out_file)
     _refuse_existing([out], overwrite)
 
-    state = load(checkpoint, comm=SingleComm())
+    # Per-rank items come as {"ranks:0,1": value, ...} at their path.
+    state = load(checkpoint, comm=SingleComm(), per_rank="all")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = _temporary(out)
     torch.save(state, tmp)

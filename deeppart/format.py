@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import os
 import secrets
@@ -35,6 +36,12 @@ FORMAT_VERSION = 1
 #: metadata.json's version when the state holds sharded tensors (its
 #: ``dtensors`` records); the data files keep FORMAT_VERSION.
 METADATA_VERSION_SHARDED = 2
+#: metadata.json's version when the state's items are not all held by every
+#: rank (each rank's own state, :mod:`deeppart.union`): ``dtensors`` records
+#: with each one's ``ranks``, and ``versions`` records (docs/FORMAT.md).
+METADATA_VERSION_UNION = 3
+#: The most ranks listed in all ``versions`` and record ``ranks`` together.
+MAX_VERSION_ENTRIES = 1 << 24
 METADATA = "metadata.json"
 MARKER = "COMMITTED"
 #: Numbered checkpoints (Checkpointer, the level backends) live in
@@ -296,6 +303,29 @@ class Metadata:
     file_sizes: list[int]
     #: The sharded tensors (DTensors) of the state, checked.
     dtensors: list[DTensorRecord] = field(default_factory=list)
+    #: Version 3: per record of ``dtensors``, the saved ranks that held it.
+    record_ranks: list[list[int]] = field(default_factory=list)
+    #: Version 3: the paths with several versions (:class:`VersionRecord`).
+    versions: list[VersionRecord] = field(default_factory=list)
+    #: Version 3: each rank's own state is stored (:mod:`deeppart.union`).
+    union: bool = False
+    #: A rank's view (:mod:`deeppart.own_view`): leaves it does not read.
+    skip: frozenset[int] = frozenset()
+    #: A rank's view: a DTensor record's key -> the path it loads at.
+    aliases: dict[tuple[Any, ...], tuple[Any, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class VersionRecord:
+    """A path whose saved ranks held different values or tensors: per
+    version, its saved ranks and its leaf (or DTensor record)."""
+
+    path: list[Any]
+    ranks: list[list[int]]
+    #: Per version: its first leaf (a plain leaf, or a DTensor's first shard).
+    leaves: list[int]
+    #: Per version: its DTensor record (empty when the versions are leaves).
+    records: list[int]
 
 
 def _int(value: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
@@ -323,10 +353,15 @@ def parse_metadata(raw: dict[str, Any], dtype_sizes: dict[str, int]) -> Metadata
     one file do not overlap, every length is consistent. File sizes are
     checked separately by :func:`check_file_sizes`."""
     version = raw.get("version")
-    if version not in (FORMAT_VERSION, METADATA_VERSION_SHARDED) or isinstance(version, bool):
+    known = (FORMAT_VERSION, METADATA_VERSION_SHARDED, METADATA_VERSION_UNION)
+    if version not in known or isinstance(version, bool):
         raise CheckpointError(f"unsupported checkpoint format version {raw.get('version')!r}")
-    if (version == METADATA_VERSION_SHARDED) != ("dtensors" in raw):
-        raise CorruptCheckpointError("metadata: version 2 goes with dtensors records, and only it")
+    if (version in known[1:]) != ("dtensors" in raw):
+        raise CorruptCheckpointError(
+            "metadata: versions 2 and 3 go with dtensors records, and only they"
+        )
+    if (version == METADATA_VERSION_UNION) != ("versions" in raw):
+        raise CorruptCheckpointError("metadata: version 3 goes with versions records, and only it")
     world = _int(raw.get("world_size"), "world_size", 1, MAX_WORLD_SIZE)
     fingerprint = raw.get("plan_fingerprint")
     if not isinstance(fingerprint, str) or len(fingerprint) > 64:
@@ -415,6 +450,14 @@ def parse_metadata(raw: dict[str, Any], dtype_sizes: dict[str, int]) -> Metadata
     for r, n in enumerate(declared):
         if _int(n, f"file_sizes[{r}]") < file_sizes[r]:
             raise CorruptCheckpointError(f"metadata: file_sizes[{r}] is smaller than its pieces")
+    dtensors = parse_records(raw.get("dtensors"), leaves, dtype_sizes.__contains__)
+    record_ranks: list[list[int]] = []
+    versions: list[VersionRecord] = []
+    if version == METADATA_VERSION_UNION:
+        budget = [MAX_VERSION_ENTRIES]
+        for i, rec in enumerate(raw["dtensors"]):
+            record_ranks.append(_ranks(rec.get("ranks"), world, f"dtensors[{i}] ranks", budget))
+        versions = _versions(raw["versions"], world, len(leaves), len(dtensors), budget)
     return Metadata(
         raw=raw,
         leaves=leaves,
@@ -423,8 +466,59 @@ def parse_metadata(raw: dict[str, Any], dtype_sizes: dict[str, int]) -> Metadata
         plan_fingerprint=fingerprint,
         skeleton=raw.get("skeleton"),
         file_sizes=[int(n) for n in declared],
-        dtensors=parse_records(raw.get("dtensors"), leaves, dtype_sizes.__contains__),
+        dtensors=dtensors,
+        record_ranks=record_ranks,
+        versions=versions,
+        union=version == METADATA_VERSION_UNION,
     )
+
+
+def _ranks(raw: Any, world: int, what: str, budget: list[int]) -> list[int]:
+    """A sorted list of distinct saved ranks, checked (``budget``: ranks
+    left of :data:`MAX_VERSION_ENTRIES`)."""
+    if not isinstance(raw, list) or not raw:
+        raise CorruptCheckpointError(f"metadata: {what} is not a non-empty list of ranks")
+    budget[0] -= len(raw)
+    if budget[0] < 0:
+        raise CorruptCheckpointError(f"metadata: more than {MAX_VERSION_ENTRIES} version ranks")
+    out = [_int(r, what, 0, world - 1) for r in raw]
+    if any(a >= b for a, b in itertools.pairwise(out)):
+        raise CorruptCheckpointError(f"metadata: {what} are not sorted and distinct")
+    return out
+
+
+def _versions(
+    raw: Any, world: int, nleaves: int, nrecords: int, budget: list[int]
+) -> list[VersionRecord]:
+    """The checked ``versions`` records of version-3 metadata."""
+    if not isinstance(raw, list) or len(raw) > nleaves:
+        raise CorruptCheckpointError("metadata: versions is not a list of at most one per leaf")
+    out: list[VersionRecord] = []
+    for i, rec in enumerate(raw):
+        what = f"versions[{i}]"
+        if not isinstance(rec, dict) or not isinstance(rec.get("path"), list):
+            raise CorruptCheckpointError(f"metadata: {what} is malformed")
+        ranks_raw, leaves_raw = rec.get("ranks"), rec.get("leaves")
+        records_raw = rec.get("records", [])
+        if (
+            not isinstance(ranks_raw, list)
+            or not 2 <= len(ranks_raw) <= world
+            or not isinstance(leaves_raw, list)
+            or len(leaves_raw) != len(ranks_raw)
+            or not isinstance(records_raw, list)
+            or len(records_raw) not in (0, len(ranks_raw))
+        ):
+            raise CorruptCheckpointError(f"metadata: {what} needs 2 to {world} versions")
+        ranks = [_ranks(r, world, f"{what} ranks", budget) for r in ranks_raw]
+        seen: set[int] = set()
+        for r in ranks:
+            if seen & set(r):
+                raise CorruptCheckpointError(f"metadata: {what}: a rank holds two versions")
+            seen |= set(r)
+        leaves = [_int(x, f"{what} leaf", 0, nleaves - 1) for x in leaves_raw]
+        records = [_int(x, f"{what} record", 0, nrecords - 1) for x in records_raw]
+        out.append(VersionRecord(list(rec["path"]), ranks, leaves, records))
+    return out
 
 
 

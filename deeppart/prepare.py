@@ -19,7 +19,7 @@ import ctypes
 import hashlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,11 +30,12 @@ from deeppart._planner import Manifest, Plan
 from deeppart.agreement import agree
 from deeppart.comm import Comm
 from deeppart.compression import check_codec
-from deeppart.dtensor import expand
-from deeppart.errors import CheckpointError, ReplicaMismatchError, StateMismatchError
-from deeppart.regions import DTensorRecord
+from deeppart.dtensor import HolderGroups, expand
+from deeppart.errors import CheckpointError, StateMismatchError
+from deeppart.regions import DTensorRecord, Region, ShardRecord
 from deeppart.state import FlatLeaf, check_has_data, flatten
 from deeppart.tensors import U8, readable, u8_view
+from deeppart.union import Described, Digests, Union, build_union, whole_digests_needed
 
 __all__ = [
     "AGREE_WIDTH",
@@ -43,6 +44,7 @@ __all__ = [
     "agree_prepared",
     "agree_prepared_flags",
     "prepare",
+    "prepare_save",
     "refuse_sharded",
     "replica_sample",
     "sample_bytes",
@@ -90,6 +92,10 @@ class Prepared:
     samples: dict[int, bytes] = field(default_factory=dict)
     #: An asynchronous save's snapshot of this rank's pieces (:mod:`deeppart.snapshot`).
     staged: list[StagedPiece] | None = None
+    #: A union save whose items are not all held by every rank, or have
+    #: versions (:mod:`deeppart.union`): metadata.json's version 3 keys
+    #: (``dtensors`` with each record's ranks, ``versions``).
+    union: dict[str, Any] | None = None
 
     @property
     def sample(self) -> bytes:
@@ -237,7 +243,7 @@ def agree_prepared_flags(
             "holds the values: save the sharded state (the default options; every rank writes "
             "its part), or pass full_state_dict=True without cpu_offload. If groups of ranks "
             "hold different states on purpose (two data-parallel groups, plain tensor-parallel "
-            "shards), pass group=<this rank's replica group> or group=\"auto\" (deeppart.groups)"
+            'shards), pass group=<this rank\'s replica group> or group="auto" (deeppart.groups)'
         )
     if samples and len({row[32:48] for row in rows}) != 1:
         _replicas_differ(c, prep)
@@ -246,47 +252,36 @@ def agree_prepared_flags(
 
 def _replicas_differ(c: Comm, prep: Prepared) -> None:
     """The sampled bytes of leaves every rank holds differ: every rank
-    raises ReplicaMismatchError naming the leaves (one more collective)."""
+    raises ReplicaMismatchError naming the leaves and which ranks hold
+    which version (one more collective)."""
+    from deeppart.union import replica_error
+
     mine = b"".join(prep.samples[i] for i in sorted(prep.samples))
     per_rank = c.allgather_varbytes(mine)
-    order = sorted(prep.samples)
-    differ: list[str] = []
-    for k, i in enumerate(order):
-        seen = [row[8 * k : 8 * k + 8] for row in per_rank]
-        if len(set(seen)) > 1:
-            common = max(set(seen), key=seen.count)
-            ranks = [r for r, x in enumerate(seen) if x != common]
-            where = "/".join(map(str, prep.leaves[i].path))
-            differ.append(f"{where} on rank(s) {', '.join(map(str, ranks))}")
-    raise ReplicaMismatchError(
-        f"{len(differ)} tensor leaves that every rank passes differ between the ranks "
-        f"(sampled bytes; first: {', '.join(differ[:5])}); nothing was written. If these are "
-        "shards of DTensors (to_local() or ._local_tensor), pass the DTensors themselves "
-        "(get_state_dict(model, optimizer) returns them) and each rank saves its shard, or pass "
-        "them with group=<this rank's data-parallel replica group> (deeppart.groups); if groups "
-        "of ranks hold their own values, pass group= or give each group's leaves their own key "
-        "prefix"
-    )
+    differ: list[tuple[Any, list[list[int]]]] = []
+    for k, i in enumerate(sorted(prep.samples)):
+        by: dict[bytes, list[int]] = {}
+        for r, row in enumerate(per_rank):
+            by.setdefault(row[8 * k : 8 * k + 8], []).append(r)
+        if len(by) > 1:
+            differ.append((prep.leaves[i].path, sorted(by.values(), key=lambda g: g[0])))
+    raise replica_error(differ, "sampled bytes")
 
 
-def _differing_shards(
-    per_rank: list[bytes], n: int, shards: set[int]
-) -> list[tuple[int, list[int]]]:
-    """Like ``differing_leaves``, but a shard leaf's digests are compared
-    among the ranks that hold it (a non-holder's digest is that of no
-    bytes; an empty shard has nothing to compare)."""
+def _differing(
+    per_rank: list[bytes], holders: list[list[int]]
+) -> list[tuple[int, list[list[int]]]]:
+    """Per leaf whose holders' digests differ: the groups of holders that
+    agree (each group sorted, the groups by their lowest rank)."""
     from deeppart._planner import REPLICA_DIGEST_LEN as width
-    from deeppart._planner import replica_digests
 
-    empty = replica_digests([memoryview(b"")])
-    out: list[tuple[int, list[int]]] = []
-    for i in range(n):
-        seen = [row[i * width : (i + 1) * width] for row in per_rank]
-        ranks = [r for r, d in enumerate(seen) if i not in shards or d != empty]
-        kinds = [seen[r] for r in ranks]
-        if len(set(kinds)) > 1:
-            common = max(set(kinds), key=kinds.count)
-            out.append((i, [r for r in ranks if seen[r] != common]))
+    out: list[tuple[int, list[list[int]]]] = []
+    for i, h in enumerate(holders):
+        by: dict[bytes, list[int]] = {}
+        for r in h:
+            by.setdefault(per_rank[r][i * width : (i + 1) * width], []).append(r)
+        if len(by) > 1:
+            out.append((i, sorted(by.values(), key=lambda g: g[0])))
     return out
 
 
@@ -301,16 +296,16 @@ def _leaf_buffer(leaf: FlatLeaf) -> U8 | memoryview:
 
 
 def verify_replicas(c: Comm, prep: Prepared) -> None:
-    """Hashes every leaf on every rank (BLAKE3 in the Rust core, GIL
-    released) and compares one digest of them all across the ranks in one
-    collective. If they differ, the per-leaf digests are exchanged and
-    every rank raises :class:`ReplicaMismatchError` naming the leaves whose
-    copies differ and the ranks that differ from the majority.
-
-    A DTensor shard is compared across its holders (the ranks that hold
-    it; the others hash nothing for it): with sharded state the per-leaf
-    digests are always exchanged (16 bytes a leaf)."""
-    from deeppart._planner import differing_leaves, replica_digests
+    """Hashes every leaf this rank holds (BLAKE3 in the Rust core, GIL
+    released; nothing for a leaf it does not hold) and compares one digest
+    of them all across the ranks in one collective. If ranks that hold the
+    same leaves differ, or the ranks hold different leaves (shards, each
+    rank's own state), the per-leaf digests are exchanged (16 bytes a leaf)
+    and compared among each leaf's holders: every rank raises
+    :class:`ReplicaMismatchError` naming the leaves whose copies differ and
+    which ranks hold which version."""
+    from deeppart._planner import replica_digests
+    from deeppart.union import replica_error
 
     err: BaseException | None = None
     digests = b""
@@ -322,23 +317,274 @@ def verify_replicas(c: Comm, prep: Prepared) -> None:
         err = e
     summary = hashlib.blake2b(digests, digest_size=16).digest()
     rows = agree(c, err, summary, width=16)
-    if not prep.dtensors and len(set(rows)) == 1:
+    leaves = prep.manifest.leaves()
+    groups = prep.manifest.groups
+    partial = any(lf.get("owner") is not None or lf.get("holders") is not None for lf in leaves)
+    if not partial and len(set(rows)) == 1:
         return
     per_rank = c.allgather_varbytes(digests)
-    if prep.dtensors:
-        shards = {s.leaf for r in prep.dtensors for s in r.shards}
-        differ = _differing_shards(per_rank, len(prep.leaves), shards)
-        if not differ:
-            return
-    else:
-        differ = differing_leaves(per_rank, len(prep.leaves))
-    shown = "; ".join(
-        f"{'/'.join(map(str, prep.leaves[i].path))}: rank(s) {', '.join(map(str, ranks))}"
-        for i, ranks in differ[:10]
+    holders = [_holders_of(lf, groups, c.size) for lf in leaves]
+    differ = _differing(per_rank, holders)
+    if not differ:
+        return
+    raise replica_error(
+        [(prep.leaves[i].path, g) for i, g in differ], "verify_replicas: whole-leaf digests"
     )
-    more = f" (and {len(differ) - 10} more leaves)" if len(differ) > 10 else ""
-    raise ReplicaMismatchError(
-        f"verify_replicas: {len(differ)} leaves differ between the ranks' replicas "
-        f"(each with the ranks that differ from the majority): {shown}{more}; "
-        "nothing was written"
+
+
+# ----------------------------------------------------------------------------
+# The one prepare of deeppart.save: every rank passes its own tree.
+
+#: Bytes of each rank's row in the save's prepare agreement: the digest of
+#: its structure and plan (32), of its sampled shared tensors (16), of its
+#: plain values (16).
+ROW_WIDTH = 64
+
+
+@dataclass
+class _Own:
+    """This rank's own prepare: its plan as if every rank held the same
+    (the fast path), its description and digests (the exchange)."""
+
+    prep: Prepared
+    described: Described
+    digests: Digests
+    sample: bytes
+    values: bytes
+    plan_for: Callable[[Manifest], Plan]
+    directory: Path
+
+
+def _holders_of(desc: dict[str, Any], groups: list[list[int]], world: int) -> list[int]:
+    if desc.get("owner") is not None:
+        return [int(desc["owner"])]
+    if desc.get("holders") is not None:
+        return list(groups[desc["holders"]])
+    return list(range(world))
+
+
+def _hex8(data: bytes | memoryview) -> str:
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
+
+
+def _own_prepare(
+    state: Any,
+    compression: str | None,
+    plan_for: Callable[[Manifest], Plan],
+    directory: Path,
+    group: Any,
+    replica_dims: Sequence[str],
+    rank: int,
+    world: int,
+) -> _Own:
+    from deeppart.groups import AUTO, group_ranks, namespace
+
+    codec = check_codec(compression)
+    kind = "none" if group is None else "auto" if group == AUTO else "explicit"
+    if kind == "explicit":
+        state = {namespace(group_ranks(group, rank, world)): state}
+    flat, skeleton = flatten(state)
+    check_has_data(flat)
+    ex = expand(flat, skeleton, replica_dims)
+    manifest = Manifest.from_leaves(ex.descs, ex.groups or None)
+    plan = plan_for(manifest)
+    digest = save_digest(plan, manifest, ex.skeleton, codec, directory, ex.records)
+    # Ranks that pass different kinds of group= never agree (nor hang).
+    digest = hashlib.sha256(digest + kind.encode()).digest()
+    prep = Prepared(ex.leaves, ex.skeleton, manifest, plan, codec, digest, ex.records)
+    where = os.path.abspath(directory)
+    common = hashlib.sha256(f"{codec}\0{where}\0{kind}".encode()).hexdigest()
+    described = Described([], ex.skeleton, [], common)
+    digests = Digests()
+    h_sample = hashlib.blake2b(digest_size=16)
+    h_values = hashlib.blake2b(digest_size=16)
+    for i, (leaf, desc) in enumerate(zip(ex.leaves, ex.descs, strict=True)):
+        d = {k: v for k, v in desc.items() if k not in ("owner", "holders")}
+        holders = _holders_of(desc, ex.groups, world)
+        if leaf.encoded is not None:
+            digests.values[i] = _hex8(leaf.encoded)
+            h_values.update(i.to_bytes(8, "little") + leaf.encoded)
+        elif leaf.tensor is not None and len(holders) > 1:
+            digests.samples[i] = _hex8(sample_bytes(leaf.tensor))
+            h_sample.update(i.to_bytes(8, "little") + bytes.fromhex(digests.samples[i]))
+        if "owner" in desc or "holders" in desc:
+            d["holders"] = holders
+        described.descs.append(d)
+    for rec, ranks in zip(ex.records, ex.ranks, strict=True):
+        described.records.append(
+            {"path": rec.path, "dtype": rec.dtype, "shape": rec.shape, "ranks": ranks,
+             "shards": [[s.leaf, s.region.to_json()] for s in rec.shards]}
+        )  # fmt: skip
+    prep.samples = {i: bytes.fromhex(v) for i, v in digests.samples.items()}
+    return _Own(
+        prep, described, digests, h_sample.digest(), h_values.digest(), plan_for, directory
     )
+
+
+def _replica_classes(manifest: Manifest, world: int) -> list[tuple[int, ...]]:
+    """Per rank: the holder groups (of tensor leaves) it is in. Ranks with
+    the same groups hold the same shared tensors, whose samples must agree."""
+    groups = manifest.groups
+    if not groups:
+        return [()] * world
+    used = sorted({lf["holders"] for lf in manifest.leaves() if lf.get("holders") is not None})
+    out: list[list[int]] = [[] for _ in range(world)]
+    for g in used:
+        for r in groups[g]:
+            out[r].append(g)
+    return [tuple(x) for x in out]
+
+
+def prepare_save(
+    c: Comm,
+    failed: BaseException | None,
+    state: Any,
+    compression: str | None,
+    plan_for: Callable[[Manifest], Plan],
+    directory: Path,
+    *,
+    group: Any = None,
+    replica_dims: str | Sequence[str] | None = None,
+    local: Callable[[Prepared], int] | None = None,
+) -> tuple[Prepared, list[int]]:
+    """The prepare stage of :func:`deeppart.save` and its agreement
+    (collective over ``c``): each rank passes its own tree (see
+    :mod:`deeppart.union`). Fast path: one agreement of a 64-byte row per
+    rank (structure and plan digest, sampled tensors, plain values); when
+    all ranks hold the same structure, their shared tensors' samples agree
+    within each replica class and their plain values agree, the plan every
+    rank made of its own tree is the job's. Otherwise the ranks exchange
+    their descriptions (one per distinct structure) and digests, every
+    rank builds the union manifest alike, and a second agreement checks
+    the plan. ``failed``: this rank's error in an earlier step;
+    ``local``: run on this rank's final :class:`Prepared` (an asynchronous
+    save's snapshot), its byte shared with the others (the returned list)."""
+    from deeppart.groups import AUTO
+
+    dims = [replica_dims] if isinstance(replica_dims, str) else list(replica_dims or ())
+    err: BaseException | None = failed
+    own: _Own | None = None
+    flag = 0
+    try:
+        if failed is not None:
+            raise failed
+        own = _own_prepare(state, compression, plan_for, directory, group, dims, c.rank, c.size)
+        if local is not None and group != AUTO:
+            flag = local(own.prep)
+    except Exception as e:
+        err = e
+    row = own.prep.digest + own.sample + own.values if own is not None else b"\0" * ROW_WIDTH
+    rows = agree(c, err, row + bytes([flag]), width=ROW_WIDTH + 1)
+    assert own is not None
+    flags = [r[ROW_WIDTH] for r in rows]
+    same = len({r[:32] for r in rows}) == 1 and len({r[48:64] for r in rows}) == 1
+    if same and group != AUTO:
+        classes = _replica_classes(own.prep.manifest, c.size)
+        first: dict[tuple[int, ...], bytes] = {}
+        pairs = zip(classes, rows, strict=True)
+        if all(first.setdefault(k, r[32:48]) == r[32:48] for k, r in pairs):
+            return own.prep, flags  # the fast path: every rank planned the job's save
+    if own.prep.staged is not None:
+        own.prep.staged = None  # the optimistic snapshot: taken again of the union's plan
+    return _union_prepare(c, own, rows, group == AUTO, local)
+
+
+def _payload(own: _Own, rows: list[bytes], rank: int, rep: int) -> bytes:
+    """What this rank sends in the exchange: its description if it is the
+    lowest rank of its structure, its digests where they differ from that
+    rank's."""
+    body: dict[str, Any] = {}
+    if rep == rank:
+        body["state"] = own.described.__dict__
+    if rep == rank or rows[rank][48:64] != rows[rep][48:64]:
+        body["values"] = own.digests.values
+    if rep == rank or rows[rank][32:48] != rows[rep][32:48]:
+        body["samples"] = own.digests.samples
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def _union_prepare(
+    c: Comm,
+    own: _Own,
+    rows: list[bytes],
+    auto: bool,
+    local: Callable[[Prepared], int] | None,
+) -> tuple[Prepared, list[int]]:
+    """The exchange, the union manifest and its agreement (every rank
+    raises alike on replicas that differ, or on trees that do not merge)."""
+    reps: dict[bytes, int] = {}
+    classes = [reps.setdefault(r[:32], i) for i, r in enumerate(rows)]
+    got = c.allgather_varbytes(_payload(own, rows, c.rank, classes[c.rank]))
+    bodies = [json.loads(g.decode()) for g in got]
+    states = {r: Described(**bodies[r]["state"]) for r in set(classes)}
+    digests: list[Digests] = []
+    for r, body in enumerate(bodies):
+        rep = bodies[classes[r]]
+        vals = body.get("values", rep["values"])
+        samp = body.get("samples", rep["samples"])
+        digests.append(
+            Digests({int(k): v for k, v in vals.items()}, {int(k): v for k, v in samp.items()})
+        )
+    need = whole_digests_needed(states, classes, auto)
+    whole: dict[tuple[int, int], str] = {}
+    if need:
+        from deeppart._planner import REPLICA_DIGEST_LEN as width
+        from deeppart._planner import replica_digests
+
+        mine = [leaf for r, leaf in need if r == c.rank]
+        views = [_leaf_buffer(own.prep.leaves[i]) for i in mine]
+        buffers = [v.data if isinstance(v, np.ndarray) else v for v in views]
+        data = replica_digests(buffers, max(1, (os.cpu_count() or 1) // c.size)) if mine else b""
+        per_rank = c.allgather_varbytes(data)
+        at = [0] * c.size
+        for r, leaf in need:
+            whole[(r, leaf)] = per_rank[r][at[r] * width : (at[r] + 1) * width].hex()
+            at[r] += 1
+    err: BaseException | None = None
+    prep: Prepared | None = None
+    flag = 0
+    try:
+        u = build_union(states, classes, digests, whole, auto)
+        prep = _union_prepared(u, own, c.rank)
+        if local is not None:
+            flag = local(prep)
+    except Exception as e:
+        err = e
+    out = agree(c, err, (prep.digest if prep else b"\0" * 32) + bytes([flag]), width=33)
+    assert prep is not None
+    if len({r[:32] for r in out}) != 1:
+        raise StateMismatchError(
+            "ranks built different union manifests (a bug, or ranks running different "
+            "DeepPart versions); nothing was written"
+        )
+    return prep, [r[32] for r in out]
+
+
+def _union_prepared(u: Union, own: _Own, rank: int) -> Prepared:
+    """This rank's :class:`Prepared` of the union: the job's manifest and
+    plan, this rank's leaves where it holds them (nothing elsewhere)."""
+    hg = HolderGroups(u.world)
+    descs = [{"path": it.path, **it.desc, **hg.field(it.holders)} for it in u.items]
+    manifest = Manifest.from_leaves(descs, hg.groups or None)
+    plan = own.plan_for(manifest)
+    leaves = [
+        FlatLeaf(tuple(it.path), None, None) if (i := it.source.get(rank)) is None
+        else FlatLeaf(tuple(it.path), own.prep.leaves[i].tensor, own.prep.leaves[i].encoded)
+        for it in u.items
+    ]  # fmt: skip
+    records = [
+        DTensorRecord(
+            r["path"], r["dtype"], r["shape"],
+            [ShardRecord(s["leaf"], _region(s["index"])) for s in r["shards"]],
+        )
+        for r in u.records
+    ]  # fmt: skip
+    digest = save_digest(plan, manifest, u.skeleton, own.prep.codec, own.directory, records)
+    union = {"dtensors": u.records, "versions": u.versions} if u.per_rank else None
+    return Prepared(
+        leaves, u.skeleton, manifest, plan, own.prep.codec, digest, records, union=union
+    )
+
+
+def _region(raw: Any) -> Region:
+    return Region(tuple(tuple((int(a), int(b)) for a, b in runs) for runs in raw))

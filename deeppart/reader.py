@@ -303,7 +303,7 @@ def plan_reads(
     not read a file gets its bytes copied from the memory in which its
     reader verified them (:mod:`deeppart.integrity`)."""
     selected = select([lf.path for lf in meta.leaves], keys)
-    selected = [s and i not in elsewhere for i, s in enumerate(selected)]
+    selected = [s and i not in elsewhere and i not in meta.skip for i, s in enumerate(selected)]
     tgts, matched = leaf_targets(meta, into, selected, strict, into_elsewhere)
     raw_per_file = [0] * meta.world_size
     for p in meta.pieces:
@@ -330,6 +330,7 @@ def plan_reads(
     partial = (
         keys is not None
         or bool(elsewhere)
+        or bool(meta.skip)
         or (matched is not None and len(matched.pairs) < len(meta.leaves))
     )
     mine = [

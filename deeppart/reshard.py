@@ -126,12 +126,16 @@ def shard_targets(meta: Metadata, into: Any, keys: Any, strict: bool) -> ShardTa
     by_path = {tuple(lf.path): i for i, lf in enumerate(meta.leaves)}
     records = _records(meta)
     chosen: list[DTensorRecord] = [
-        r for r in meta.dtensors if any(selected[s.leaf] for s in r.shards)
+        r
+        for r in meta.dtensors
+        if any(selected[s.leaf] and s.leaf not in meta.skip for s in r.shards)
     ]
     # Plain tensors of the checkpoint that into= holds as DTensors.
     for j in dtensor_into:
         i = by_path.get(tuple(into_leaves[j].path))
-        if i is not None and tuple(into_leaves[j].path) not in records and selected[i]:
+        wanted = i is not None and selected[i] and i not in meta.skip
+        if wanted and tuple(into_leaves[j].path) not in records:
+            assert i is not None
             if meta.leaves[i].kind != "tensor":
                 raise StateMismatchError(
                     f"{describe(into_leaves[j].path)}: into= has a DTensor, the checkpoint a value"
@@ -147,7 +151,7 @@ def shard_targets(meta: Metadata, into: Any, keys: Any, strict: bool) -> ShardTa
             t = torch.empty(rec.shape, dtype=dtypes[rec.dtype])
             out.needs.append(Need(path, Region.full(rec.shape), t, t))
             continue
-        found = where.get(path)
+        found = where.get(meta.aliases.get(path, path))
         if found is None:
             if strict:
                 raise StateMismatchError(

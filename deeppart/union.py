@@ -1,0 +1,483 @@
+"""The job's checkpoint as the union of what every rank holds (issue 32).
+
+Each rank passes its own tree. A rank describes what it holds (a
+:class:`Described`: its leaves' paths, dtypes and shapes or plain sizes,
+each DTensor shard with the global ranks that hold it, its skeleton) and
+digests what it holds (:class:`Digests`: a hash of each plain value, a
+sampled hash of each tensor it shares with other ranks). Ranks with the
+same structure form one *class*, and only the lowest rank of a class sends
+its description (:mod:`deeppart.prepare` does the exchange); from the
+descriptions and digests :func:`build_union` computes, alike on every rank,
+the job's manifest: each distinct item with the ranks that hold it.
+
+Under one path the ranks may hold several *versions*:
+
+- a plain value: ranks whose encodings differ (a data loader's position,
+  an RNG state) each keep their own; ranks with equal values share one;
+- a plain tensor: ranks of one class are declared replicas (their sampled
+  bytes must agree, else :class:`ReplicaMismatchError`); classes that hold a
+  tensor of the same dtype and shape are compared by a digest of the whole
+  tensor (:func:`whole_digests_needed`): equal, they share the item,
+  different, each keeps its version (with ``group="auto"`` every holder is
+  compared so);
+- a DTensor: its holders come from its own mesh (plus the declared
+  ``replica_dims``). Classes holding it with the same holders hold the same
+  item; holders from disjoint meshes with the same regions are compared by
+  whole-shard digests (equal: one item with merged holders; different:
+  distinct versions, e.g. pipeline stages that reuse module names).
+
+A path with several versions is stored as one leaf (or one DTensor record)
+per version, under ``path + ("<version>", k)``, and ``metadata.json``'s
+``versions`` records name each version's saved ranks (docs/FORMAT.md).
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from deeppart.errors import ReplicaMismatchError, StateMismatchError
+
+__all__ = [
+    "VERSION_KEY",
+    "Described",
+    "Digests",
+    "Union",
+    "UnionItem",
+    "build_union",
+    "describe_versions",
+    "merge_skeletons",
+    "whole_digests_needed",
+]
+
+#: The path key under which the versions of one path are stored:
+#: ``("loader", "pos", "<version>", 1)``.
+VERSION_KEY = "<version>"
+_SHARD_KEY = "<shard>"
+
+
+@dataclass
+class Described:
+    """One rank's description of what it holds (the same on every rank of
+    its class; JSON-able)."""
+
+    #: Per local leaf: ``path`` and ``dtype``/``shape`` (a tensor) or
+    #: ``kind="object"``/``nbytes``; a DTensor shard also ``holders``: the
+    #: sorted global ranks that hold it.
+    descs: list[dict[str, Any]]
+    #: The rank's skeleton (local leaf indices).
+    skeleton: Any
+    #: Its DTensors: ``path``, ``dtype``, ``shape``, ``ranks`` (the ranks of
+    #: the mesh that holds it) and ``shards``: ``[local leaf, region]``.
+    records: list[dict[str, Any]] = field(default_factory=list)
+    #: Digest of the codec, the directory and the kind of ``group=`` (all
+    #: ranks must agree).
+    common: str = ""
+
+
+@dataclass
+class Digests:
+    """One rank's digests of what it holds, by local leaf (hex strings)."""
+
+    #: Plain values: a hash of the encoding.
+    values: dict[int, str] = field(default_factory=dict)
+    #: Tensors (and shards) that other ranks hold too: a sampled hash.
+    samples: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass
+class UnionItem:
+    """One leaf of the job's manifest."""
+
+    #: The stored path (with ``"<version>", k`` when its path has several).
+    path: list[Any]
+    #: The manifest description without holders (``dtype``/``shape`` or
+    #: ``kind``/``nbytes``).
+    desc: dict[str, Any]
+    holders: list[int]
+    #: Per holder: its local leaf index.
+    source: dict[int, int]
+
+
+@dataclass
+class Union:
+    """The job's manifest items, skeleton, DTensor records and versions."""
+
+    items: list[UnionItem]
+    skeleton: Any
+    #: DTensor records (``path``, ``dtype``, ``shape``, ``ranks``,
+    #: ``shards``: ``{"leaf": union leaf, "index": region}``).
+    records: list[dict[str, Any]]
+    #: Per path with several versions: ``{"path", "ranks": [[...], ...],
+    #: "leaves": [...]}`` or ``"records": [...]`` (one per version).
+    versions: list[dict[str, Any]]
+    world: int
+
+    def local_index(self, rank: int) -> list[int | None]:
+        """Per union item: ``rank``'s local leaf holding it (None: not held)."""
+        return [it.source.get(rank) for it in self.items]
+
+    @property
+    def per_rank(self) -> bool:
+        """Whether some item is not held by every rank, or some path has
+        versions (the checkpoint needs metadata version 3)."""
+        return (
+            bool(self.versions)
+            or any(r.get("ranks") != list(range(self.world)) for r in self.records)
+            or any(len(it.holders) != self.world and _SHARD_KEY not in it.path for it in self.items)
+        )
+
+
+def _key(path: Sequence[Any]) -> str:
+    return json.dumps(list(path), separators=(",", ":"))
+
+
+def _where(path: Sequence[Any]) -> str:
+    return "/".join(map(str, path)) or "<root>"
+
+
+def _versions_text(groups: Sequence[Sequence[int]]) -> str:
+    """``ranks [0, 2] hold one version, ranks [1, 3] another`` (more:
+    ``..., ranks [4] a third version``)."""
+    words = ["one version", "another", "a third version", "a fourth version"]
+    parts = []
+    for i, g in enumerate(groups):
+        w = words[i] if i < len(words) else f"version {i + 1}"
+        parts.append(f"ranks {list(g)} hold {w}" if i == 0 else f"ranks {list(g)} {w}")
+    return ", ".join(parts)
+
+
+def replica_error(
+    differ: list[tuple[Sequence[Any], list[list[int]]]], how: str
+) -> ReplicaMismatchError:
+    """The error for replicas that differ: each leaf with which ranks hold
+    which version."""
+    shown = "; ".join(f"{_where(p)}: {_versions_text(g)}" for p, g in differ[:5])
+    more = f" (and {len(differ) - 5} more)" if len(differ) > 5 else ""
+    return ReplicaMismatchError(
+        f"{len(differ)} tensor leaves differ between ranks that hold them as replicas ({how}): "
+        f"{shown}{more}; nothing was written. If these ranks hold different tensors on "
+        "purpose (to_local() shards, two models under one key), pass DTensors, or "
+        'group="auto" (each distinct tensor stored as its own version), or give each '
+        "group's leaves their own key prefix"
+    )
+
+
+# ----------------------------------------------------------------------------
+# Units: what one class holds under one user path.
+
+
+@dataclass
+class _Unit:
+    cls: int  # the class (its lowest rank)
+    kind: str  # "object" | "tensor" | "dtensor"
+    leaf: int  # local leaf (a DTensor: its first shard)
+    desc: dict[str, Any]
+    #: A DTensor: (region json, holders, local leaf) per shard.
+    shards: list[tuple[Any, list[int], int]] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)  # a DTensor's mesh ranks
+
+    def signature(self) -> str:
+        if self.kind == "object":
+            return "object"
+        d = {"dtype": self.desc["dtype"], "shape": self.desc["shape"]}
+        if self.kind == "dtensor":
+            d["regions"] = [s[0] for s in self.shards]
+        return json.dumps(d, sort_keys=True)
+
+
+def _units(states: dict[int, Described]) -> dict[str, list[_Unit]]:
+    """Per user path (JSON key), in the order first met: each class's unit."""
+    out: dict[str, list[_Unit]] = {}
+    for c in sorted(states):
+        st = states[c]
+        shard_of: dict[int, int] = {}
+        for k, rec in enumerate(st.records):
+            for leaf, _ in rec["shards"]:
+                shard_of[leaf] = k
+        seen_rec: set[int] = set()
+        for i, d in enumerate(st.descs):
+            rk = shard_of.get(i)
+            if rk is None:
+                kind = "object" if d.get("kind") == "object" else "tensor"
+                out.setdefault(_key(d["path"]), []).append(_Unit(c, kind, i, d))
+                continue
+            if rk in seen_rec:
+                continue
+            seen_rec.add(rk)
+            rec = st.records[rk]
+            shards = [
+                (region, list(st.descs[leaf]["holders"]), leaf) for leaf, region in rec["shards"]
+            ]
+            unit = _Unit(
+                c, "dtensor", rec["shards"][0][0],
+                {"path": rec["path"], "dtype": rec["dtype"], "shape": rec["shape"]},
+                shards, list(rec["ranks"]),
+            )  # fmt: skip
+            out.setdefault(_key(rec["path"]), []).append(unit)
+    return out
+
+
+def _class_ranks(classes: Sequence[int]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for r, c in enumerate(classes):
+        out.setdefault(c, []).append(r)
+    return out
+
+
+def whole_digests_needed(
+    states: dict[int, Described], classes: Sequence[int], auto: bool = False
+) -> list[tuple[int, int]]:
+    """The (rank, local leaf) pairs whose whole bytes must be digested
+    before the union can be built (same list on every rank): tensors of one
+    dtype and shape that ranks of different classes hold under one path
+    (one rank per class; every holder with ``auto``), and DTensor shards of
+    equal regions held by ranks of disjoint meshes (the lowest holder)."""
+    members = _class_ranks(classes)
+    need: set[tuple[int, int]] = set()
+    for units in _units(states).values():
+        by_sig: dict[str, list[_Unit]] = {}
+        for u in units:
+            if u.kind != "object":
+                by_sig.setdefault(u.signature(), []).append(u)
+        for group in by_sig.values():
+            if group[0].kind == "tensor":
+                if len(group) > 1 or auto:
+                    for u in group:
+                        for r in members[u.cls] if auto else [u.cls]:
+                            need.add((r, u.leaf))
+                continue
+            holder_sets = {json.dumps([s[1] for s in u.shards]) for u in group}
+            if len(holder_sets) > 1:
+                for u in group:
+                    for _, holders, leaf in u.shards:
+                        h = min(holders)
+                        if classes[h] == u.cls:
+                            need.add((h, leaf))
+    return sorted(need)
+
+
+# ----------------------------------------------------------------------------
+# Building the union.
+
+
+@dataclass
+class _Version:
+    kind: str
+    desc: dict[str, Any]
+    ranks: set[int]
+    #: Non-DTensor: rank -> local leaf.
+    source: dict[int, int] = field(default_factory=dict)
+    #: DTensor: per shard, (region, holders, {rank: local leaf}).
+    shards: list[tuple[Any, set[int], dict[int, int]]] = field(default_factory=list)
+    content: Any = None
+
+
+def _samples_differ(
+    path: Sequence[Any], holders: Sequence[int], leaf_of: Callable[[int], int],
+    digests: Sequence[Digests],
+) -> list[list[int]] | None:  # fmt: skip
+    """Groups of ``holders`` by their sampled digest, when they differ."""
+    by: dict[str, list[int]] = {}
+    for r in holders:
+        s = digests[r].samples.get(leaf_of(r))
+        if s is not None:
+            by.setdefault(s, []).append(r)
+    if len(by) <= 1:
+        return None
+    return sorted((sorted(g) for g in by.values()), key=lambda g: g[0])
+
+
+def build_union(
+    states: dict[int, Described],
+    classes: Sequence[int],
+    digests: Sequence[Digests],
+    whole: dict[tuple[int, int], str] | None = None,
+    auto: bool = False,
+) -> Union:
+    """The job's manifest items from every class's description (``states``,
+    by the class's lowest rank), each rank's class (``classes[r]``) and
+    digests, and the whole-leaf digests of :func:`whole_digests_needed`.
+    Raises :class:`ReplicaMismatchError` when replicas differ (naming the
+    leaf and which ranks hold which version), StateMismatchError when the
+    ranks' trees cannot be merged."""
+    world = len(classes)
+    whole = whole or {}
+    members = _class_ranks(classes)
+    if len({st.common for st in states.values()}) > 1:
+        raise StateMismatchError(
+            "ranks disagree on the codec, the directory or the kind of group= (passed on some "
+            "ranks only?); pass the same on every rank; nothing was written"
+        )
+    differ: list[tuple[Sequence[Any], list[list[int]]]] = []
+    items: list[UnionItem] = []
+    records: list[dict[str, Any]] = []
+    versions: list[dict[str, Any]] = []
+    # (class, local leaf) -> the union leaf that the skeleton names there.
+    canon: dict[tuple[int, int], int] = {}
+    for units in _units(states).values():
+        path = list(units[0].desc["path"])
+        found: list[_Version] = []
+        for u in units:
+            ranks = members[u.cls]
+            if u.kind == "object":
+                for r in ranks:
+                    v = digests[r].values.get(u.leaf)
+                    match = next((x for x in found if x.kind == "object" and x.content == v), None)
+                    if match is None:
+                        match = _Version("object", u.desc, set(), content=v)
+                        found.append(match)
+                    match.ranks.add(r)
+                    match.source[r] = u.leaf
+                continue
+            if u.kind == "tensor":
+                same = {r: u.leaf for r in ranks}
+                groups = None if auto else _samples_differ(path, ranks, same.__getitem__, digests)
+                if groups is not None:
+                    differ.append((path, groups))
+                per = [[r] for r in ranks] if auto else [ranks]
+                for rs in per:
+                    content = (u.signature(), whole.get((rs[0], u.leaf), f"class:{u.cls}"))
+                    match = next(
+                        (x for x in found if x.kind == "tensor" and x.content == content), None
+                    )
+                    if match is None:
+                        match = _Version("tensor", u.desc, set(), content=content)
+                        found.append(match)
+                    match.ranks.update(rs)
+                    match.source.update({r: u.leaf for r in rs})
+                continue
+            # A DTensor.
+            holders_key = json.dumps([s[1] for s in u.shards])
+            shard_digests = [whole.get((min(h), leaf)) for _, h, leaf in u.shards]
+            merged = None
+            for x in found:
+                if x.kind != "dtensor" or x.content[0] != u.signature():
+                    continue
+                same_holders = x.content[1] == holders_key
+                same_bytes = None not in shard_digests and x.content[2] == shard_digests
+                if same_holders or same_bytes:
+                    merged = x
+                    break
+            if merged is None:
+                merged = _Version(
+                    "dtensor", u.desc, set(),
+                    shards=[(s[0], set(), {}) for s in u.shards],
+                    content=(u.signature(), holders_key, shard_digests),
+                )  # fmt: skip
+                found.append(merged)
+            merged.ranks.update(u.ranks)
+            for k, (_, h, leaf) in enumerate(u.shards):
+                merged.shards[k][1].update(h)
+                for r in h:
+                    if classes[r] == u.cls:
+                        merged.shards[k][2][r] = leaf
+        # Replicas of DTensor shards (same mesh, or merged): their samples agree.
+        for x in found:
+            for _region, _h, src in x.shards:
+                groups = _samples_differ(path, sorted(src), src.__getitem__, digests)
+                if groups is not None:
+                    differ.append((path, groups))
+        found.sort(key=lambda x: min(x.ranks))
+        first_leaf: list[int] = []
+        for k, x in enumerate(found):
+            base = [*path, VERSION_KEY, k] if len(found) > 1 else path
+            if x.kind != "dtensor":
+                first_leaf.append(len(items))
+                items.append(UnionItem(base, _plain_desc(x.desc), sorted(x.ranks), dict(x.source)))
+                continue
+            first_leaf.append(len(items))
+            shards = []
+            for j, (region, hs, src) in enumerate(x.shards):
+                shards.append({"leaf": len(items), "index": region})
+                items.append(
+                    UnionItem(
+                        [*base, _SHARD_KEY, j],
+                        {"dtype": x.desc["dtype"], "shape": _region_shape(region)},
+                        sorted(hs), dict(src),
+                    )
+                )  # fmt: skip
+            records.append(
+                {"path": path, "dtype": x.desc["dtype"], "shape": x.desc["shape"],
+                 "ranks": sorted(x.ranks), "shards": shards}
+            )  # fmt: skip
+        if len(found) > 1:
+            kinds = {x.kind for x in found}
+            rec = {"path": path, "ranks": [sorted(x.ranks) for x in found]}
+            if "dtensor" in kinds:
+                n = len(records)
+                dts = [k for k, x in enumerate(found) if x.kind == "dtensor"]
+                rec["records"] = list(range(n - len(dts), n)) if len(dts) == len(found) else []
+            rec["leaves"] = first_leaf
+            versions.append(rec)
+        for u in units:
+            canon[(u.cls, u.leaf)] = first_leaf[0]
+    if differ:
+        raise replica_error(differ, "sampled bytes")
+    skeleton: Any = None
+    for c in sorted(states):
+        st = states[c]
+        local = [canon.get((c, i), -1) for i in range(len(st.descs))]
+        tree = _renumber(st.skeleton, local)
+        skeleton = tree if skeleton is None else merge_skeletons(skeleton, tree, "")
+    return Union(items, skeleton, records, versions, world)
+
+
+def _region_shape(region: Any) -> list[int]:
+    return [sum(b - a for a, b in runs) for runs in region]
+
+
+def _plain_desc(desc: dict[str, Any]) -> dict[str, Any]:
+    if desc.get("kind") == "object":
+        return {"kind": "object", "nbytes": desc["nbytes"]}
+    return {"dtype": desc["dtype"], "shape": list(desc["shape"])}
+
+
+def _renumber(node: Any, new: list[int]) -> Any:
+    if isinstance(node, dict):
+        ((kind, body),) = node.items()
+        if kind in ("leaf", "ndarray"):
+            return {kind: new[body]}
+        if kind in ("dict", "odict"):
+            return {kind: [[k, _renumber(v, new)] for k, v in body]}
+        return {kind: [_renumber(v, new) for v in body]}
+    return node
+
+
+def merge_skeletons(a: Any, b: Any, where: str) -> Any:
+    """The union of two skeletons (union leaf indices)."""
+    if a == b:
+        return a
+    ((ka, va),), ((kb, vb),) = a.items(), b.items()
+    if ka == kb and ka in ("dict", "odict"):
+        out = [list(e) for e in va]
+        at = {json.dumps(e[0]): i for i, e in enumerate(out)}
+        for k, v in vb:
+            i = at.get(json.dumps(k))
+            if i is None:
+                out.append([k, v])
+            else:
+                out[i][1] = merge_skeletons(out[i][1], v, f"{where}/{k}")
+        return {ka: out}
+    if ka == kb and ka in ("list", "tuple") and len(va) == len(vb):
+        pairs = enumerate(zip(va, vb, strict=True))
+        return {ka: [merge_skeletons(x, y, f"{where}/{i}") for i, (x, y) in pairs]}
+    raise StateMismatchError(
+        f"{where or '<root>'}: the ranks' state trees differ in structure there (a leaf on "
+        "some ranks, a container or another container on others); nothing was written. Give "
+        "each group's state its own key, or pass group=<this rank's replica group>"
+    )
+
+
+def describe_versions(versions: Sequence[dict[str, Any]], limit: int = 5) -> str:
+    """``loader/pos (saved by ranks [0], [1], ...)`` for the first paths."""
+    shown = [
+        f"{_where(v['path'])} (versions saved by ranks "
+        f"{', '.join(str(list(r)) for r in v['ranks'])})"
+        for v in versions[:limit]
+    ]
+    more = f" and {len(versions) - limit} more" if len(versions) > limit else ""
+    return "; ".join(shown) + more

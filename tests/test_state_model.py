@@ -1,0 +1,252 @@
+"""The union model's building (deeppart.union), single process: synthetic
+descriptions of several ranks, as the save's exchange delivers them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from deeppart.errors import ReplicaMismatchError, StateMismatchError
+from deeppart.union import (
+    VERSION_KEY,
+    Described,
+    Digests,
+    build_union,
+    whole_digests_needed,
+)
+
+
+def _skeleton(paths: list[list[Any]]) -> Any:
+    """A dict skeleton of leaves at one-level or two-level paths."""
+    tree: dict[str, Any] = {}
+    for i, p in enumerate(paths):
+        node = tree
+        for k in p[:-1]:
+            node = node.setdefault(k, {})
+        node[p[-1]] = {"leaf": i}
+
+    def to_skel(node: Any) -> Any:
+        if "leaf" in node and isinstance(node["leaf"], int):
+            return node
+        return {"dict": [[k, to_skel(v)] for k, v in node.items()]}
+
+    return to_skel(tree)
+
+
+def plain(paths: list[tuple[list[Any], Any]]) -> Described:
+    """A rank holding plain leaves: (path, "object" | (dtype, shape))."""
+    descs = []
+    for p, what in paths:
+        if what == "object":
+            descs.append({"path": p, "kind": "object", "nbytes": 3})
+        else:
+            descs.append({"path": p, "dtype": what[0], "shape": list(what[1])})
+    return Described(descs, _skeleton([p for p, _ in paths]), [], "c")
+
+
+def sharded(
+    path: list[Any], rows: int, holders: list[list[int]], extra: Sequence[list[Any]] = ()
+) -> Described:
+    """A rank holding one DTensor of ``rows`` float32 rows, sharded by rows
+    over ``len(holders)`` shards (shard k held by ``holders[k]``), plus
+    plain values at ``extra`` paths."""
+    n = len(holders)
+    step = rows // n
+    descs: list[dict[str, Any]] = []
+    shards = []
+    for k, h in enumerate(holders):
+        region = [[[k * step, (k + 1) * step]], [[0, 4]]]
+        descs.append(
+            {"path": [*path, "<shard>", k], "dtype": "float32", "shape": [step, 4], "holders": h}
+        )
+        shards.append([k, region])
+    ranks = sorted({r for h in holders for r in h})
+    rec = {"path": path, "dtype": "float32", "shape": [rows, 4], "ranks": ranks, "shards": shards}
+    paths = [path]
+    for e in extra:
+        descs.append({"path": e, "kind": "object", "nbytes": 3})
+        paths.append(e)
+    skel = _skeleton(paths)
+    # The DTensor's node names its first shard leaf; extras follow the shards.
+    skel = _renumber(skel, {0: 0, **{i: n - 1 + i for i in range(1, len(paths))}})
+    return Described(descs, skel, [rec], "c")
+
+
+def _renumber(node: Any, new: dict[int, int]) -> Any:
+    ((kind, body),) = node.items()
+    if kind == "leaf":
+        return {"leaf": new[body]}
+    return {kind: [[k, _renumber(v, new)] for k, v in body]}
+
+
+def test_per_rank_values_are_versions_and_equal_values_share_one() -> None:
+    st = plain([(["loader", "pos"], "object"), (["w"], ("float32", [2]))])
+    classes = [0, 0, 0, 0]
+    digests = [Digests({0: v}, {1: "s"}) for v in ("a", "b", "a", "c")]
+    u = build_union({0: st}, classes, digests)
+    paths = [it.path for it in u.items]
+    assert paths == [
+        ["loader", "pos", VERSION_KEY, 0],
+        ["loader", "pos", VERSION_KEY, 1],
+        ["loader", "pos", VERSION_KEY, 2],
+        ["w"],
+    ]
+    assert [it.holders for it in u.items] == [[0, 2], [1], [3], [0, 1, 2, 3]]
+    assert u.versions == [
+        {"path": ["loader", "pos"], "ranks": [[0, 2], [1], [3]], "leaves": [0, 1, 2]}
+    ]
+    assert u.per_rank
+    # Each holder's bytes come from its own local leaf.
+    assert u.items[1].source == {1: 0}
+
+
+def test_equal_values_make_no_versions() -> None:
+    st = plain([(["x"], "object"), (["w"], ("float32", [2]))])
+    u = build_union({0: st}, [0, 0, 0], [Digests({0: "a"}, {1: "s"})] * 3)
+    assert [it.path for it in u.items] == [["x"], ["w"]]
+    assert not u.versions and not u.per_rank
+
+
+def test_pipeline_stages_with_their_own_names_are_the_union() -> None:
+    a = sharded(["s0", "w"], 8, [[0], [1]])
+    b = sharded(["s1", "w"], 8, [[2], [3]])
+    classes = [0, 0, 2, 2]
+    assert whole_digests_needed({0: a, 2: b}, classes) == []
+    u = build_union({0: a, 2: b}, classes, [Digests() for _ in range(4)])
+    assert [it.holders for it in u.items] == [[0], [1], [2], [3]]
+    assert [r["ranks"] for r in u.records] == [[0, 1], [2, 3]]
+    assert not u.versions and u.per_rank
+    keys = [k for k, _ in u.skeleton["dict"]]
+    assert keys == ["s0", "s1"]
+
+
+def test_stages_that_reuse_names_and_differ_are_two_versions() -> None:
+    a = sharded(["layers", "w"], 8, [[0], [1]])
+    b = sharded(["layers", "w"], 8, [[2], [3]])
+    states, classes = {0: a, 2: b}, [0, 0, 2, 2]
+    need = whole_digests_needed(states, classes)
+    assert need == [(0, 0), (1, 1), (2, 0), (3, 1)]
+    whole = {(0, 0): "x0", (1, 1): "x1", (2, 0): "y0", (3, 1): "x1"}
+    u = build_union(states, classes, [Digests() for _ in range(4)], whole)
+    assert [it.path for it in u.items] == [
+        ["layers", "w", VERSION_KEY, 0, "<shard>", 0],
+        ["layers", "w", VERSION_KEY, 0, "<shard>", 1],
+        ["layers", "w", VERSION_KEY, 1, "<shard>", 0],
+        ["layers", "w", VERSION_KEY, 1, "<shard>", 1],
+    ]
+    assert u.versions == [
+        {"path": ["layers", "w"], "ranks": [[0, 1], [2, 3]], "records": [0, 1], "leaves": [0, 2]}
+    ]
+    assert u.items[2].source == {2: 0}
+
+
+def test_replicas_on_disjoint_meshes_with_equal_bytes_merge() -> None:
+    a = sharded(["w"], 8, [[0], [1]])
+    b = sharded(["w"], 8, [[2], [3]])
+    whole = {(0, 0): "x0", (1, 1): "x1", (2, 0): "x0", (3, 1): "x1"}
+    u = build_union({0: a, 2: b}, [0, 0, 2, 2], [Digests() for _ in range(4)], whole)
+    assert [it.holders for it in u.items] == [[0, 2], [1, 3]]
+    assert u.records[0]["ranks"] == [0, 1, 2, 3]
+    assert not u.versions and not u.per_rank
+
+
+def test_differing_declared_replicas_name_each_version() -> None:
+    # HSDP: shard k held by ranks [k, k + 2] on one mesh; rank 3 differs.
+    st = sharded(["w"], 8, [[0, 2], [1, 3]])
+    digests = [Digests({}, {0: "p"}), Digests({}, {1: "q"}), Digests({}, {0: "p"}),
+               Digests({}, {1: "other"})]  # fmt: skip
+    with pytest.raises(ReplicaMismatchError) as e:
+        build_union({0: st}, [0, 0, 0, 0], digests)
+    assert "w: ranks [1] hold one version, ranks [3] another" in str(e.value)
+    assert "majority" not in str(e.value) and "minority" not in str(e.value)
+
+
+def test_plain_tensors_of_one_structure_are_replicas() -> None:
+    st = plain([(["emb"], ("float32", [4, 2]))])
+    digests = [Digests({}, {0: s}) for s in ("a", "b", "a", "b")]
+    with pytest.raises(
+        ReplicaMismatchError, match=r"ranks \[0, 2\] hold one version, ranks \[1, 3\] another"
+    ):
+        build_union({0: st}, [0, 0, 0, 0], digests)
+
+
+def test_auto_compares_whole_tensors_and_keeps_each_groups_version() -> None:
+    st = plain([(["emb"], ("float32", [4, 2]))])
+    classes = [0, 0, 0, 0]
+    need = whole_digests_needed({0: st}, classes, auto=True)
+    assert need == [(0, 0), (1, 0), (2, 0), (3, 0)]
+    digests = [Digests({}, {0: "same-sample"}) for _ in range(4)]
+    whole = {(0, 0): "g0", (1, 0): "g0", (2, 0): "g1", (3, 0): "g1"}
+    u = build_union({0: st}, classes, digests, whole, auto=True)
+    assert [it.holders for it in u.items] == [[0, 1], [2, 3]]
+    assert u.versions[0]["ranks"] == [[0, 1], [2, 3]]
+
+
+def test_plain_tensors_of_two_structures_compared_whole() -> None:
+    a = plain([(["emb"], ("float32", [4, 2])), (["a"], "object")])
+    b = plain([(["emb"], ("float32", [4, 2])), (["b"], "object")])
+    states, classes = {0: a, 1: b}, [0, 1]
+    assert whole_digests_needed(states, classes) == [(0, 0), (1, 0)]
+    digests = [Digests({1: "v"}, {0: "s"}), Digests({1: "v"}, {0: "s"})]
+    same = build_union(states, classes, digests, {(0, 0): "e", (1, 0): "e"})
+    assert [it.path for it in same.items] == [["emb"], ["a"], ["b"]]
+    assert [it.holders for it in same.items] == [[0, 1], [0], [1]]
+    differ = build_union(states, classes, digests, {(0, 0): "e", (1, 0): "f"})
+    assert [it.path for it in differ.items][:2] == [
+        ["emb", VERSION_KEY, 0],
+        ["emb", VERSION_KEY, 1],
+    ]
+
+
+def test_trees_that_do_not_merge_are_refused_naming_the_path() -> None:
+    a = plain([(["x"], "object")])
+    b = Described(
+        [{"path": ["x", "y"], "dtype": "float32", "shape": [1]}],
+        {"dict": [["x", {"dict": [["y", {"leaf": 0}]]}]]},
+        [],
+        "c",
+    )
+    with pytest.raises(StateMismatchError, match="x: the ranks' state trees differ"):
+        build_union({0: a, 1: b}, [0, 1], [Digests({0: "v"}), Digests()])
+
+
+def test_codec_or_directory_disagreement_is_refused() -> None:
+    a = plain([(["x"], "object")])
+    b = plain([(["x"], "object")])
+    b.common = "other"
+    with pytest.raises(StateMismatchError, match="the codec, the directory or the kind of group="):
+        build_union({0: a, 1: b}, [0, 1], [Digests({0: "v"}), Digests({0: "v"})])
+
+
+def test_version_3_metadata_is_checked(tmp_path: Any) -> None:
+    """parse_metadata accepts version 3 with its records and refuses
+    malformed ones (CorruptCheckpointError), like every record it reads."""
+    import json
+
+    import deeppart
+    from deeppart.errors import CorruptCheckpointError
+    from deeppart.format import parse_metadata
+    from deeppart.reader import leaf_infos
+
+    torch = pytest.importorskip("torch")
+    deeppart.save({"w": torch.ones(2), "x": 1}, tmp_path / "c")
+    raw = json.loads((tmp_path / "c" / "metadata.json").read_text())
+    raw["leaves"] = [
+        {k: (list(v) if isinstance(v, tuple) else v) for k, v in lf.items() if v is not None}
+        for lf in leaf_infos(raw)
+    ]
+    sizes = {"float32": 4}
+    base = {**raw, "version": 3, "dtensors": [], "versions": []}
+    assert parse_metadata(base, sizes).union
+    bad = [
+        {"path": ["x"], "ranks": [[0], [0]], "leaves": [1, 1]},  # 2 versions on 1 rank
+        {"path": ["x"], "ranks": [[0]], "leaves": [9]},
+        "nope",
+    ]
+    for rec in bad:
+        with pytest.raises(CorruptCheckpointError):
+            parse_metadata({**base, "versions": [rec]}, sizes)
+    with pytest.raises(CorruptCheckpointError, match="version 3 goes with versions"):
+        parse_metadata({**raw, "version": 3, "dtensors": []}, sizes)
