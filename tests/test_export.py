@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 import deeppart
 from deeppart.errors import ExportError
-from deeppart.export import (
+from deeppart.tools.export import (
     SAFETENSORS_INDEX,
     SAFETENSORS_SINGLE,
     export_safetensors,
