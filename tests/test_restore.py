@@ -232,3 +232,15 @@ def test_exchange_messages_cover_each_byte_once_in_order(
     for a, b in itertools.pairwise(messages):
         if a[0][0].length < 2048 and b[0][0].length < 2048:
             assert sum(n for *_, n in a) + b[0][2] > 8192
+
+
+def test_last_stats_is_exported_as_the_readme_writes_it(tmp_path: Path) -> None:
+    """README: ``deeppart.last_stats("load").rank_received``."""
+    assert "last_stats" in deeppart.__all__
+    deeppart.save({"w": torch.ones(4)}, tmp_path / "ck")
+    assert deeppart.last_stats("save") is not None
+    deeppart.load(tmp_path / "ck")
+    stats = deeppart.last_stats("load")
+    assert stats is not None and stats.op == "load"
+    assert stats.rank_received == []  # no sharded state: nothing exchanged point to point
+
