@@ -244,3 +244,28 @@ def test_last_stats_is_exported_as_the_readme_writes_it(tmp_path: Path) -> None:
     assert stats is not None and stats.op == "load"
     assert stats.rank_received == []  # no sharded state: nothing exchanged point to point
 
+
+def test_resume_in_place_needs_the_optimizers_load_state_dict(tmp_path: Path) -> None:
+    """The README's first example: ``load(into=state)`` restores the model's
+    and the optimizer's tensors in place but the optimizer's lr only in
+    ``state``; ``opt.load_state_dict(state["optim"])`` hands it over, and
+    the README says so in that example."""
+    model, opt = _trained(2)
+    state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": 2}
+    deeppart.save(state, tmp_path / "ck")
+    saved_w = model[0].weight.detach().clone()
+    for g in opt.param_groups:
+        g["lr"] = 0.5  # a scheduler moved it on
+    _step(model, opt, 99)
+    state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": 0}
+    deeppart.load(tmp_path / "ck", into=state)
+    assert torch.equal(model[0].weight, saved_w)  # in place
+    assert state["optim"]["param_groups"][0]["lr"] == 1e-2
+    assert opt.param_groups[0]["lr"] == 0.5  # stale until handed over
+    opt.load_state_dict(state["optim"])
+    assert opt.param_groups[0]["lr"] == 1e-2
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    first = readme.split("```python", 1)[1].split("```", 1)[0]
+    assert 'deeppart.load("ckpt/step-100", into=state)' in first
+    assert 'opt.load_state_dict(state["optim"])' in first
+
