@@ -269,3 +269,24 @@ def test_resume_in_place_needs_the_optimizers_load_state_dict(tmp_path: Path) ->
     assert 'deeppart.load("ckpt/step-100", into=state)' in first
     assert 'opt.load_state_dict(state["optim"])' in first
 
+
+def test_a_fresh_optimizer_as_into_says_what_to_do(tmp_path: Path) -> None:
+    """A fresh optimizer's state_dict() (no moments yet) as into=: the
+    error says why and gives the call that works; with strict=False the lr
+    stays as it was and last_incompatible_keys() names it."""
+    model, opt = _trained(2)
+    deeppart.save({"model": model.state_dict(), "optim": opt.state_dict()}, tmp_path / "ck")
+    fresh = torch.optim.AdamW(model.parameters(), lr=0.5)
+    into = {"model": model.state_dict(), "optim": fresh.state_dict()}
+    with pytest.raises(deeppart.StateMismatchError) as e:
+        deeppart.load(tmp_path / "ck", into=into)
+    msg = str(e.value)
+    assert "fresh optimizer" in msg and "first step" in msg, msg
+    assert "opt.load_state_dict(deeppart.load(PATH, keys=['optim'])['optim'])" in msg, msg
+    deeppart.load(tmp_path / "ck", into=into, strict=False)
+    keys = deeppart.last_incompatible_keys()
+    assert keys is not None and keys.missing_keys == ["optim"]
+    assert into["optim"]["param_groups"][0]["lr"] == 0.5
+    # The call the message gives works.
+    fresh.load_state_dict(deeppart.load(tmp_path / "ck", keys=["optim"])["optim"])
+    assert fresh.param_groups[0]["lr"] == 1e-2
