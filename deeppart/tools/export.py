@@ -207,17 +207,26 @@ def _temporary(path: Path) -> Path:
 
 
 def export_torch(
-    checkpoint: str | os.PathLike[str], out_file: str | os.PathLike[str], *, overwrite: bool = False
+    checkpoint: str | os.PathLike[str],
+    out_file: str | os.PathLike[str],
+    *,
+    key: str | None = None,
+    overwrite: bool = False,
 ) -> Path:
-    """Writes the whole state to one ``torch.save`` file (loadable with
-    ``torch.load(..., weights_only=True)`` when the state holds tensors and
-    plain Python values). The state is in memory once. An existing
-    ``out_file`` is refused (:class:`ExportError`) unless ``overwrite``."""
+    """Writes the whole state, or with ``key`` only what is under that
+    top-level key (only its bytes are read), to one ``torch.save`` file
+    (loadable with ``torch.load(..., weights_only=True)`` when the state
+    holds tensors and plain Python values). The state is in memory once. An
+    existing ``out_file`` is refused (:class:`ExportError`) unless
+    ``overwrite``."""
     import torch
 
     _refuse_existing([Path(out_file)], overwrite)
 
-    state = load(checkpoint, comm=SingleComm())
+    if key is None:
+        state = load(checkpoint, comm=SingleComm())
+    else:
+        state = load(checkpoint, keys=[key], comm=SingleComm())[key]
     out = Path(out_file)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = _temporary(out)
@@ -315,7 +324,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
                     overwrite=args.overwrite,
                 )
             else:
-                files = [export_torch(args.checkpoint, args.out, overwrite=args.overwrite)]
+                files = [
+                    export_torch(args.checkpoint, args.out, key=args.key, overwrite=args.overwrite)
+                ]
         except Exception as e:  # agreed first, so that no rank is left waiting
             err = e
     try:
@@ -350,10 +361,15 @@ def add_parsers(sub: Any) -> None:
     p.add_argument(
         "--key",
         default=None,
-        help="the model's top-level key (default: 'model' if present, else all)",
+        help="the top-level key to export (safetensors: default 'model' if present, "
+        "else all; torch: default the whole state)",
     )
     p.add_argument(
-        "--max-shard-bytes", type=int, default=DEFAULT_SHARD_BYTES, help="largest safetensors shard"
+        "--max-shard-bytes",
+        type=int,
+        default=DEFAULT_SHARD_BYTES,
+        help="largest safetensors shard (default 5e9): a smaller model is one "
+        "model.safetensors, a larger one shards with model.safetensors.index.json",
     )
     p.add_argument("--overwrite", action="store_true", help="replace files of the same names")
     p.set_defaults(func=_cmd_export)
