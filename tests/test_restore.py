@@ -251,15 +251,16 @@ def test_resume_in_place_needs_the_optimizers_load_state_dict(tmp_path: Path) ->
     ``state``; ``opt.load_state_dict(state["optim"])`` hands it over, and
     the README says so in that example."""
     model, opt = _trained(2)
-    state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": 2}
+    state: dict[str, Any] = {"model": model.state_dict(), "optim": opt.state_dict(), "step": 2}
     deeppart.save(state, tmp_path / "ck")
-    saved_w = model[0].weight.detach().clone()
+    weight = next(model.parameters())
+    saved_w = weight.detach().clone()
     for g in opt.param_groups:
         g["lr"] = 0.5  # a scheduler moved it on
     _step(model, opt, 99)
     state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": 0}
     deeppart.load(tmp_path / "ck", into=state)
-    assert torch.equal(model[0].weight, saved_w)  # in place
+    assert torch.equal(weight, saved_w)  # in place
     assert state["optim"]["param_groups"][0]["lr"] == 1e-2
     assert opt.param_groups[0]["lr"] == 0.5  # stale until handed over
     opt.load_state_dict(state["optim"])
