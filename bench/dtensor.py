@@ -4,6 +4,12 @@
     .venv/bin/python bench/dtensor.py              # reshard: HSDP (2,2) -> FSDP (1,4), 350 MB
     .venv/bin/python bench/dtensor.py --reps 5 --profile
     .venv/bin/python bench/dtensor.py --reps 1 --layouts hsdp ddp2d fsdp tp groups
+    .venv/bin/python bench/dtensor.py --model transformer --layouts hsdp ddp2d fsdp
+
+``--model transformer``: a small real transformer instead of the MLP (an
+embedding, 3 ``nn.TransformerEncoderLayer`` and an output layer, 20 MB
+with AdamW: many small leaves, biases and norms, beside a few larger ones),
+FSDP2 layouts only.
 
 It launches 4 torchrun ranks (gloo, CPU) of itself. The default layout,
 ``reshard``: a 29 M-parameter MLP + AdamW (350 MB) with FSDP2 on HSDP
@@ -87,17 +93,48 @@ def make_model(seed: int, dims: tuple[int, int, int] = (5, 30, 7)) -> Any:
     return torch.nn.Sequential(torch.nn.Linear(a, b), torch.nn.ReLU(), torch.nn.Linear(b, c))
 
 
-def build(layout: str, seed: int, dims: tuple[int, int, int] = (5, 30, 7)) -> tuple[Any, Any]:
-    """A two-layer MLP on ``layout`` after one AdamW step (the same input on
-    every rank, so replicas stay equal): FSDP2 ``fully_shard`` on a
-    (replicate, shard) mesh, or ``parallelize_module`` (colwise, rowwise) on
-    the tp dimension of a (dp, tp) mesh."""
+class TinyTransformer:
+    """``--model transformer``: vocabulary 2000, width 160, 3 encoder layers
+    (4 heads, feed-forward 640), an output layer: 1.6 M parameters in 39
+    tensors; 20 MB and 157 leaves with AdamW's two moments."""
+
+    @staticmethod
+    def make(seed: int) -> Any:
+        import torch
+
+        torch.manual_seed(seed)
+        layers: list[Any] = [torch.nn.Embedding(2000, 160)]
+        layers += [
+            torch.nn.TransformerEncoderLayer(160, 4, 640, dropout=0.0, batch_first=True)
+            for _ in range(3)
+        ]
+        layers.append(torch.nn.Linear(160, 2000))
+        return torch.nn.Sequential(*layers)
+
+    @staticmethod
+    def batch(seed: int) -> Any:
+        import torch
+
+        return torch.randint(0, 2000, (4, 16), generator=torch.Generator().manual_seed(seed))
+
+
+def build(
+    layout: str, seed: int, dims: tuple[int, int, int] = (5, 30, 7), model: str = "mlp"
+) -> tuple[Any, Any]:
+    """A two-layer MLP (or ``model="transformer"``: :class:`TinyTransformer`)
+    on ``layout`` after one AdamW step (the same input on every rank, so
+    replicas stay equal): FSDP2 ``fully_shard`` on a (replicate, shard) mesh,
+    or ``parallelize_module`` (colwise, rowwise) on the tp dimension of a
+    (dp, tp) mesh (the MLP only)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    m = make_model(seed, dims)
+    transformer = model == "transformer"
+    if transformer and layout not in MESHES:
+        raise SystemExit(f"--model transformer: FSDP2 layouts only ({', '.join(MESHES)})")
+    m = TinyTransformer.make(seed) if transformer else make_model(seed, dims)
     n = dist.get_world_size()
     if layout in ("tp", "tpfsdp"):
         from torch.distributed.tensor.parallel import (
@@ -117,12 +154,12 @@ def build(layout: str, seed: int, dims: tuple[int, int, int] = (5, 30, 7)) -> tu
     else:
         shape = MESHES[layout](n)
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
-        for layer in list(m.children())[::2]:
+        for layer in list(m.children()) if transformer else list(m.children())[::2]:
             fully_shard(layer, mesh=mesh)
         fully_shard(m, mesh=mesh)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     torch.manual_seed(100 + seed)
-    x = torch.randn(4, dims[0])
+    x = TinyTransformer.batch(100 + seed) if transformer else torch.randn(4, dims[0])
     m(x).square().sum().backward()
     opt.step()
     opt.zero_grad()
@@ -334,7 +371,7 @@ def worker(args: argparse.Namespace) -> None:
             g = rank * 2 // world
             state, group = {f"net{g}": group_state(g, tuple(args.dims))}, "auto"
         else:
-            m, opt = build(layout, seed=1, dims=tuple(args.dims))
+            m, opt = build(layout, seed=1, dims=tuple(args.dims), model=args.model)
             state = sharded_state(m, opt)
         results: dict[str, dict[str, float]] = {}
         for method in ("dcp-default", "dcp-balanced", "deeppart"):
@@ -396,6 +433,56 @@ def sample_cost(scale: float, reps: int) -> None:
     )
 
 
+def finer_cost() -> Any:
+    """``--plan-balance``'s finer cost model: pieces from 64 KiB, 1 µs each."""
+    import deeppart
+
+    return deeppart.CostModel(min_piece_bytes=64 << 10, piece_s=1e-6)
+
+
+def transformer_plan_balance(ranks: int, cost: Any = None) -> tuple[float, list[int], float]:
+    """The byte balance of ``deeppart.plan`` for the replicated
+    :class:`TinyTransformer` state + AdamW (the DDP layout's state) at
+    ``ranks``: slowest rank / ideal, each rank's bytes, the modelled gap."""
+    import torch
+
+    import deeppart
+
+    m = TinyTransformer.make(1)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    m(TinyTransformer.batch(1)).square().sum().backward()
+    opt.step()
+    state = {"model": m.state_dict(), "optim": opt.state_dict()}
+    manifest = deeppart.Manifest.from_state_dict(state)
+    leaves = manifest.leaves()
+
+    def element_bytes(leaf: dict[str, Any]) -> int:
+        numel = 1
+        for d in leaf.get("shape") or ():
+            numel *= d
+        return int(leaf["nbytes"]) // numel if leaf.get("shape") and numel else 1
+
+    kwargs: dict[str, Any] = {} if cost is None else {"cost": cost}
+    plan = deeppart.plan(manifest, world_size=ranks, cache=False, **kwargs)
+    per = [
+        sum((b - a) * element_bytes(leaves[leaf]) for leaf, a, b in plan.rank_pieces(r))
+        for r in range(ranks)
+    ]
+    return max(per) / (sum(per) / ranks), per, plan.stats.gap
+
+
+def plan_balance(ranks: int) -> None:
+    """``--plan-balance``: :func:`transformer_plan_balance` with the default
+    cost model and with :func:`finer_cost`, printed."""
+    cases = (("default cost model", None), ("min_piece_bytes=64 KiB, piece_s=1 us", finer_cost()))
+    for name, cost in cases:
+        balance, per, gap = transformer_plan_balance(ranks, cost)
+        print(
+            f"{name}: slowest rank / ideal {balance:.3f} (bytes per rank {per}), "
+            f"modelled gap {gap:.4f}"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -404,6 +491,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="default: reshard (HSDP (2,2) -> FSDP (1,4), 350 MB); the "
                     "23 MB per-layout table: --layouts hsdp ddp2d fsdp tp groups")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument(
+        "--model", choices=["mlp", "transformer"], default="mlp",
+        help="the DTensor layouts' model: the MLP of --dims (default) or a small real "
+        "transformer (20 MB with AdamW; FSDP2 layouts: hsdp, ddp2d, fsdp)",
+    )
     ap.add_argument(
         "--dims", type=int, nargs=3, default=list(DEFAULT_DIMS),
         help="the MLP's in, hidden, out sizes (default: 7.7 MB of float32 "
@@ -416,9 +508,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--profile", action="store_true",
                     help="reshard: print rank 0's cProfile of deeppart.save + load")
+    ap.add_argument(
+        "--plan-balance", type=int, metavar="RANKS", default=None,
+        help="instead: the byte balance of deeppart.plan for the replicated small transformer "
+        "at RANKS ranks, default and finer cost model (one process, no save)",
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--dir", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.plan_balance is not None:
+        plan_balance(args.plan_balance)
+        return 0
     if args.sample_cost is not None:
         sample_cost(args.sample_cost, args.reps)
         return 0
@@ -429,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
             "--standalone", str(Path(__file__).resolve()), "--worker", "--dir", tmp,
-            "--reps", str(args.reps), "--dims", *map(str, args.dims),
+            "--reps", str(args.reps), "--dims", *map(str, args.dims), "--model", args.model,
             "--layouts", *args.layouts, *(["--profile"] if args.profile else []),
         ]
         env = dict(os.environ, OMP_NUM_THREADS="1", **jobs.BUFFERED)

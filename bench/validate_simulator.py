@@ -3,7 +3,7 @@
 
     .venv/bin/python bench/validate_simulator.py [--dir DIR] [--repeats 3] [--runs 1]
 
-Calibrates this machine into a throw-away profile (``deeppart.calibrate``:
+Calibrates this machine into a throw-away profile (``deeppart.tools.calibrate``:
 whole single-process saves of files up to 128 MiB, ``--sizes``), then for K
 in 1, 2, 4 runs ``mpiexec -n K`` saves of a Llama-shaped model with AdamW
 (about 350 MB) with ``deeppart.save``, each into a new checkpoint directory,
@@ -83,7 +83,7 @@ def worker(directory: str, repeats: int, overwrite: bool) -> None:
 
 def predict(world: int, profile: dict[str, Any]) -> float:
     import deeppart
-    from deeppart.simulate import StorageModel, predict_plan
+    from deeppart.tools.simulate import StorageModel, predict_plan
 
     m = manifest()
     # The plan deeppart.save makes (its default cost model, one rank per node).
@@ -104,7 +104,7 @@ def one_run(
     raw_writes: bool = False,
 ) -> dict[str, Any] | None:
     """Calibrates, then measures and predicts a save at each rank count."""
-    from deeppart.calibrate import calibrate
+    from deeppart.tools.calibrate import calibrate
 
     with tempfile.TemporaryDirectory(prefix=".validate-", dir=base) as tmp:
         sizes = [x << 20 for x in sizes_mib]

@@ -26,7 +26,7 @@ from deeppart._planner import (
     plan_fingerprint,
 )
 from deeppart.async_save import AsyncSave, async_save
-from deeppart.checkpoint import last_incompatible_keys, load, save
+from deeppart.checkpoint import last_incompatible_keys, last_stats, load, save
 from deeppart.checkpointer import Checkpointer
 from deeppart.errors import (
     AsyncSaveWarning,
@@ -102,6 +102,7 @@ __all__ = [
     "async_save",
     "default_cache_dir",
     "last_incompatible_keys",
+    "last_stats",
     "load",
     "open_backend",
     "plan",

@@ -1,3 +1,3 @@
-from deeppart.cli import main
+from deeppart.tools.cli import main
 
 raise SystemExit(main())

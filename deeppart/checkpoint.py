@@ -254,16 +254,23 @@ class PlannedSave:
             except Exception as e:
                 err = e
                 remove_temp_dir(tmp, save_id)
-        rows = agree(c, err, struct.pack("<dQ", before_sync, stored_total), width=16)
-
-        after_sync = time.perf_counter() - t_sync
-        rank_seconds = [struct.unpack("<dQ", row[:16])[0] + after_sync for row in rows]
+        # The time after the first agreement ends in this last one, which
+        # every rank leaves together once the last of them (rank 0, after
+        # gathering everyone's records and committing) has entered it: the
+        # latest entry is that common time. Taken from the agreed rows, it is
+        # the same number on every rank, so are the Stats (on the writer
+        # thread of an asynchronous save too).
+        entered = time.perf_counter() - t_sync
+        rows = agree(c, err, struct.pack("<dQd", before_sync, stored_total, entered), width=24)
+        fields = [struct.unpack("<dQd", row[:24]) for row in rows]
+        after_sync = max(f[2] for f in fields)
+        rank_seconds = [f[0] + after_sync for f in fields]
         stats = Stats(
             op="save",
             directory=str(final),
             world_size=c.size,
             raw_bytes=prep.manifest.total_bytes,
-            stored_bytes=struct.unpack("<dQ", rows[0][:16])[1],
+            stored_bytes=fields[0][1],
             seconds=max(rank_seconds),
             rank_seconds=rank_seconds,
             codec=prep.codec,

@@ -114,10 +114,46 @@ def match(
                 )
                 if names
             )
-            + ". Pass strict=False to fill the leaves both have (the others are reported "
+            + ". "
+            + _value_over_subtree(saved, selected, pairs, wanted, used)
+            + "Pass strict=False to fill the leaves both have (the others are reported "
             "by deeppart.last_incompatible_keys()), or keys=[...] to read a part"
         )
     return pairs, keys
+
+
+def _value_over_subtree(
+    saved: Sequence[Sequence[Any]],
+    selected: Sequence[bool],
+    pairs: Mapping[int, int],
+    wanted: Sequence[Sequence[Any]],
+    used: Collection[int],
+) -> str:
+    """The fix when an ``into=`` leaf stands where the checkpoint has a
+    subtree: ``into=`` holds one plain value (a tree without tensors, stored
+    whole) where the checkpoint has tensors, typically a fresh optimizer's
+    ``state_dict()`` (no moments before its first step). Empty if none."""
+    for j in range(len(wanted)):
+        if j in used:
+            continue
+        w = tuple(wanted[j])
+        under = [
+            i
+            for i, p in enumerate(saved)
+            if selected[i] and i not in pairs and len(p) > len(w) and tuple(p[: len(w)]) == w
+        ]
+        if not under:
+            continue
+        key = repr(w[0]) if len(w) == 1 else repr(w)
+        index = "".join(f"[{k!r}]" for k in w)
+        return (
+            f"into= holds {describe(w)!r} as one value without tensors, where the checkpoint "
+            f"has {len(under)} leaves under it: a fresh optimizer's state_dict() has no moments "
+            "before its first step. Read that part without into= and hand it over, e.g. "
+            f"opt.load_state_dict(deeppart.load(PATH, keys=[{key}]){index}) (strict=False "
+            "would leave it as it is, its lr too). "
+        )
+    return ""
 
 
 def prune(tree: Any) -> Any:

@@ -12,7 +12,11 @@ It parses every module of the package (no import is executed) and reports:
 * a module that imports the package itself (``import deeppart`` or
   ``from deeppart import name``) instead of the module that owns the name;
 * a module that uses another module's underscore name
-  (``from deeppart.x import _name`` or ``x._name`` on an imported module).
+  (``from deeppart.x import _name`` or ``x._name`` on an imported module);
+* a library module (anything outside ``deeppart/tools/``, the command-line
+  programs) that imports from ``deeppart.tools``: the tools use the
+  library, never the reverse. ``deeppart/__main__.py`` (``python -m
+  deeppart``, the command itself) is the one exception.
 
 ``deeppart/__init__.py`` (the package's face), ``deeppart/__main__.py`` and
 generated code (``deeppart/proto/``) are exempt from the last two rules.
@@ -31,6 +35,14 @@ PACKAGE = "deeppart"
 #: Modules whose underscore name is the module itself, not a private part.
 PUBLIC_UNDERSCORE_MODULES = {"deeppart._planner"}
 EXEMPT = {"deeppart", "deeppart.__main__"}
+#: The command-line programs' room: the library never imports from it.
+TOOLS = "deeppart.tools"
+#: The one library-side module that may: ``python -m deeppart`` runs the CLI.
+TOOLS_ENTRY = {"deeppart.__main__"}
+
+
+def in_tools(module: str) -> bool:
+    return module == TOOLS or module.startswith(TOOLS + ".")
 
 
 def module_name(root: Path, path: Path) -> str:
@@ -101,6 +113,11 @@ class ModuleImports:
     def _dep(self, target: str, line: int) -> None:
         if target != self.name:
             self.deps.add(target)
+        if in_tools(target) and not in_tools(self.name) and self.name not in TOOLS_ENTRY:
+            self.findings.append(
+                f"{self.name}:{line}: the library imports the command-line tools ({target}); "
+                f"move what both need out of {TOOLS}"
+            )
 
     def _self_import(self, line: int) -> None:
         if self.name not in EXEMPT:
@@ -179,7 +196,10 @@ def main() -> int:
     if findings:
         print(f"{len(findings)} finding(s)", file=sys.stderr)
         return 1
-    print("deeppart: no import cycle, no self-import, no private name used across modules")
+    print(
+        "deeppart: no import cycle, no self-import, no private name used across modules, "
+        f"nothing outside {TOOLS} imports from it"
+    )
     return 0
 
 

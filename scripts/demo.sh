@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job: data-parallel training on 4 MPI ranks with DeepPart
 # checkpoints, a simulated crash mid-save, a restart from the latest committed
-# checkpoint, and a bitwise check against an uninterrupted run (deeppart/demo.py).
+# checkpoint, and a bitwise check against an uninterrupted run (deeppart/tools/demo.py).
 # Sets up .venv and the extension first; skips what is already done.
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 setup

@@ -25,10 +25,10 @@ import grpc
 import torch  # noqa: F401  (imported before the baseline: load needs it)
 
 import deeppart
-from deeppart.cli import main as cli_main
 from deeppart.proto import planner_pb2 as pb
 from deeppart.service import wire
 from deeppart.service.server import JsonLog, PlannerServer, ServerConfig
+from deeppart.tools.cli import main as cli_main
 
 PLAN = "/deeppart.planner.v1.Planner/Plan"
 

@@ -504,6 +504,13 @@ def scenario_async_share(d: Path, codec: str | None) -> None:
     pieces = sum(1 for row in meta["pieces"] if int(row[3]) == c.rank)
     assert handle.staging_capacity <= handle.staged_bytes + 64 * pieces + 64
     assert_bitwise_equal(expected, deeppart.load(d))
+    # wait()'s Stats are the same on every rank, as a synchronous save's are
+    # (the writers were held at the gate for different times).
+    for s in (stats, deeppart.save(state, d.with_name(d.name + "-sync"))):
+        mine = np.array([s.seconds, *s.rank_seconds, s.stored_bytes], dtype=np.float64)
+        every = c.allgather_f64(mine)
+        assert all(np.array_equal(every[r], mine) for r in range(c.size)), every
+        assert len(s.rank_seconds) == c.size and s.seconds == max(s.rank_seconds)
     ok("async_share")
 
 

@@ -67,3 +67,46 @@ def test_a_clean_package_passes(tmp_path: Path) -> None:
         },
     )
     assert check_architecture.check(root) == []
+
+
+def test_the_library_may_not_import_the_command_line_tools(tmp_path: Path) -> None:
+    """The command-line programs live in deeppart/tools/: they import the
+    library, the library never imports them (a lazy import counts too);
+    only ``python -m deeppart`` (deeppart/__main__.py) runs the CLI."""
+    root = _package(
+        tmp_path,
+        {
+            "__init__.py": "from deeppart.a import f\n",
+            "__main__.py": "from deeppart.tools.cli import main\n",
+            "a.py": "def f() -> int:\n    from deeppart.tools.export import g\n    return g()\n",
+            "b.py": "import deeppart.tools.cli\n",
+            "c.py": "from deeppart import tools\n",
+            "tools/__init__.py": "",
+            "tools/cli.py": "from deeppart.a import f\nfrom deeppart.tools.export import g\n",
+            "tools/export.py": "from deeppart.a import f\n\ndef g() -> int:\n    return f()\n",
+        },
+    )
+    findings = check_architecture.check(root)
+    assert any(f.startswith("deeppart.a:2: the library imports the command-line tools "
+                            "(deeppart.tools.export)") for f in findings), findings
+    assert any(f.startswith("deeppart.b:1: the library imports the command-line tools "
+                            "(deeppart.tools.cli)") for f in findings), findings
+    assert any(f.startswith("deeppart.c:1: the library imports the command-line tools "
+                            "(deeppart.tools)") for f in findings), findings
+    # a -> tools.export -> a is also a cycle; nothing else is wrong.
+    assert len([f for f in findings if "command-line tools" in f]) == 3, findings
+    assert not any(f.startswith(("deeppart.__main__", "deeppart.tools")) for f in findings
+                   if "command-line tools" in f), findings
+
+
+def test_the_real_package_keeps_the_tools_apart() -> None:
+    """What the move to deeppart/tools/ promised: the command-line programs
+    are there, none is left at the package's top level, and the checker
+    sees the room (the rule above has something to check)."""
+    pkg = ROOT / "deeppart"
+    tools = ["cli", "demo", "checkpoint_inspect", "export", "simulate", "calibrate",
+             "plotting", "cache_cli"]
+    for name in tools:
+        assert (pkg / "tools" / f"{name}.py").is_file(), name
+        assert not (pkg / f"{name}.py").exists(), name
+    assert "deeppart.tools.cli:main" in (ROOT / "pyproject.toml").read_text()

@@ -19,7 +19,7 @@ import pytest
 
 import deeppart
 from deeppart import CacheError, CacheWarning, PlanCache
-from deeppart.cli import main as cli_main
+from deeppart.tools.cli import main as cli_main
 
 TESTS = Path(__file__).resolve().parent
 WORLD = 16

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from deeppart import _planner
-from deeppart.calibrate import (
+from deeppart.tools.calibrate import (
     cost_model_from_profile,
     fit_io,
     fit_linear,
@@ -21,8 +21,8 @@ from deeppart.calibrate import (
     median_samples,
     profiles_dir,
 )
-from deeppart.cli import main
-from deeppart.simulate import StorageModel
+from deeppart.tools.cli import main
+from deeppart.tools.simulate import StorageModel
 
 
 def _synthetic(

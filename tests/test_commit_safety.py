@@ -468,7 +468,7 @@ def test_every_entry_point_refuses_a_url(tmp_path: Path, monkeypatch: pytest.Mon
     torch = pytest.importorskip("torch")
     deeppart.save({"model": {"w": torch.ones(4)}}, tmp_path / "ck")
     torch.save({"w": torch.ones(4)}, tmp_path / "x.pt")
-    from deeppart import export
+    from deeppart.tools import export
 
     calls += [
         ("export_torch src", lambda: export.export_torch(URL, tmp_path / "out.pt")),

@@ -285,7 +285,7 @@ def test_inspect_shows_the_sharded_tensors(
 ) -> None:
     """``deeppart inspect`` of a DTensor checkpoint lists each sharded
     tensor with its global shape and each stored shard's region."""
-    from deeppart.cli import main as cli_main
+    from deeppart.tools.cli import main as cli_main
 
     assert cli_main(["inspect", "--json", str(saved / "hsdp")]) == 0
     info = json.loads(capsys.readouterr().out)
@@ -369,7 +369,7 @@ def test_export_writes_full_tensors(saved: Path, tmp_path: Path) -> None:
     reference; never a shard."""
     from safetensors.torch import load_file
 
-    from deeppart.export import export_safetensors, export_torch
+    from deeppart.tools.export import export_safetensors, export_torch
 
     for layout in ("hsdp", "tp"):
         ref = deeppart.load(saved / f"{layout}-ref")

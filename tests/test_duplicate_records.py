@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 
 import deeppart
-from deeppart.cli import main as cli_main
 from deeppart.errors import CorruptCheckpointError
 from deeppart.format import MARKER, METADATA, marker_text
 from deeppart.regions import parse_records
+from deeppart.tools.cli import main as cli_main
 
 
 def _record(path: list[object], leaf: int) -> dict[str, object]:

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 import deeppart
 from deeppart.errors import ExportError
-from deeppart.export import (
+from deeppart.tools.export import (
     SAFETENSORS_INDEX,
     SAFETENSORS_SINGLE,
     export_safetensors,
@@ -170,6 +170,46 @@ def test_cli(tmp_path: Path) -> None:
         capture_output=True, text=True, cwd=ROOT, timeout=120,
     )  # fmt: skip
     assert r.returncode == 2 and "deeppart export: error" in r.stderr
+
+
+def test_cli_torch_export_honours_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--to torch --key model`` writes the model's part only (its own keys
+    at the top, as ``model.load_state_dict`` takes them); without ``--key``
+    the whole state; an absent key is an error naming the checkpoint's keys."""
+    from deeppart.tools.cli import main
+
+    w = torch.randn(5)
+    deeppart.save({"model": {"w": w}, "optim": {"m": torch.ones(2)}, "step": 4}, tmp_path / "ck")
+    ck = str(tmp_path / "ck")
+    assert main(["export", ck, "--to", "torch", str(tmp_path / "m.pt"), "--key", "model"]) == 0
+    got = torch.load(tmp_path / "m.pt", weights_only=True)
+    assert set(got) == {"w"} and torch.equal(got["w"], w)
+    assert main(["export", ck, "--to", "torch", str(tmp_path / "all.pt")]) == 0
+    assert set(torch.load(tmp_path / "all.pt", weights_only=True)) == {"model", "optim", "step"}
+    capsys.readouterr()
+    assert main(["export", ck, "--to", "torch", str(tmp_path / "x.pt"), "--key", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "nope" in err and "model" in err, err
+    assert not (tmp_path / "x.pt").exists()
+
+
+def test_cli_safetensors_shards_only_over_max_shard_bytes(tmp_path: Path) -> None:
+    """What the README says of ``--to safetensors``: one model.safetensors
+    while the model fits ``--max-shard-bytes`` (5 GB by default), shards and
+    model.safetensors.index.json above it."""
+    from deeppart.tools.cli import main
+
+    deeppart.save({"model": {"a": torch.randn(1000), "b": torch.randn(1000)}}, tmp_path / "ck")
+    ck = str(tmp_path / "ck")
+    assert main(["export", ck, "--to", "safetensors", str(tmp_path / "one")]) == 0
+    assert sorted(p.name for p in (tmp_path / "one").iterdir()) == [SAFETENSORS_SINGLE]
+    out = str(tmp_path / "many")
+    assert main(["export", ck, "--to", "safetensors", out, "--max-shard-bytes", "4000"]) == 0
+    names = sorted(p.name for p in (tmp_path / "many").iterdir())
+    assert SAFETENSORS_INDEX in names and len(names) == 3, names
+    readme = (ROOT / "README.md").read_text()
+    line = next(ln for ln in readme.splitlines() if "--to safetensors hf-model/" in ln)
+    assert "--max-shard-bytes" in line, line
 
 
 MPIEXEC = Path(sys.executable).parent / "mpiexec"

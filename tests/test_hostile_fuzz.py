@@ -40,11 +40,11 @@ from hypothesis import strategies as st
 
 import deeppart
 from deeppart._planner import DeepPartError
-from deeppart.cli import main as cli_main
 from deeppart.errors import CheckpointError, StateError, WireError
 from deeppart.format import MARKER, METADATA, marker_text
 from deeppart.proto import planner_pb2 as pb
 from deeppart.service import wire
+from deeppart.tools.cli import main as cli_main
 
 BUDGET_S = float(os.environ.get("DEEPPART_FUZZ_SECONDS", "0"))
 EXAMPLES = int(os.environ.get("DEEPPART_FUZZ_EXAMPLES", "1000000000" if BUDGET_S else "20"))

@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import deeppart  # noqa: E402
-from deeppart.cli import main  # noqa: E402
+from deeppart.tools.cli import main  # noqa: E402
 
 
 def _state() -> dict[str, Any]:

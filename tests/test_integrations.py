@@ -433,8 +433,8 @@ def test_hf_trainer_resume_restores_plain_values_and_exports(tmp_path: Path) -> 
     from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
 
     import deeppart
-    from deeppart.export import export_safetensors
     from deeppart.integrations.transformers import SUBDIR, DeepPartTrainer
+    from deeppart.tools.export import export_safetensors
 
     config = GPT2Config(
         vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2,

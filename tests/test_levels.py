@@ -294,7 +294,7 @@ def inspect_multi_level(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (4 ranks, 2 fake nodes): it names the level, --verify finds the files
     under ckpt_dir/node<k>/ (data, partner copies, parity: all rebuilt by
     the recoveries), and exits 1 once a node's files are gone."""
-    from deeppart.cli import main
+    from deeppart.tools.cli import main
 
     for name, level, extra in (("l2twice", 2, "partner-"), ("l3twice", 3, "parity-")):
         step = root / "meta" / name / "step-00000013"

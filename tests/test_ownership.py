@@ -168,7 +168,7 @@ def test_export_keeps_the_users_files(tmp_path: Path) -> None:
     (out / "config.json").write_text("{}")
     (out / "model.safetensors").write_bytes(b"older weights")
     before = snapshot(out)
-    from deeppart.export import export_safetensors, export_torch
+    from deeppart.tools.export import export_safetensors, export_torch
 
     with pytest.raises(ExportError, match="overwrite"):
         export_safetensors(tmp_path / "ck", out)

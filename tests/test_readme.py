@@ -173,6 +173,33 @@ def test_every_block_is_runnable_or_marked() -> None:
     assert launch_of(first).startswith("mpiexec -n 2 python")
 
 
+def paragraph_before(block: Block, text: str) -> str:
+    """The prose between the previous block (or heading) and ``block``."""
+    lines = text.splitlines()[: block.line - 1]
+    out: list[str] = []
+    for ln in reversed(lines):
+        if ln.startswith(("```", "#")):
+            break
+        out.append(ln)
+    return " ".join(reversed(out))
+
+
+def test_blocks_that_need_the_repository_say_so() -> None:
+    """The README's blocks run in the reader's directory: one that names a
+    file of the repository (``examples/...``) says, right before it, that it
+    runs from the repository root; ``deeppart plan`` examples use a manifest
+    an earlier line of the same block writes."""
+    text = README.read_text()
+    for b in ALL:
+        if b.runnable and "examples/" in b.text:
+            assert "repository root" in paragraph_before(b, text), b.name()
+    cli = next(b for b in ALL if b.runnable and "deeppart plan " in b.text)
+    assert "examples/" not in cli.text, cli.name()
+    first_plan = cli.text.index("deeppart plan ")
+    for target in re.findall(r"deeppart plan (\S+\.json)", cli.text):
+        assert f"-o {target}" in cli.text[:first_plan], (cli.name(), target)
+
+
 @pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.skipif(not MPIEXEC.exists(), reason="mpiexec (the mpich wheel) is not installed")

@@ -232,3 +232,62 @@ def test_exchange_messages_cover_each_byte_once_in_order(
     for a, b in itertools.pairwise(messages):
         if a[0][0].length < 2048 and b[0][0].length < 2048:
             assert sum(n for *_, n in a) + b[0][2] > 8192
+
+
+def test_last_stats_is_exported_as_the_readme_writes_it(tmp_path: Path) -> None:
+    """README: ``deeppart.last_stats("load").rank_received``."""
+    assert "last_stats" in deeppart.__all__
+    deeppart.save({"w": torch.ones(4)}, tmp_path / "ck")
+    assert deeppart.last_stats("save") is not None
+    deeppart.load(tmp_path / "ck")
+    stats = deeppart.last_stats("load")
+    assert stats is not None and stats.op == "load"
+    assert stats.rank_received == []  # no sharded state: nothing exchanged point to point
+
+
+def test_resume_in_place_needs_the_optimizers_load_state_dict(tmp_path: Path) -> None:
+    """The README's first example: ``load(into=state)`` restores the model's
+    and the optimizer's tensors in place but the optimizer's lr only in
+    ``state``; ``opt.load_state_dict(state["optim"])`` hands it over, and
+    the README says so in that example."""
+    model, opt = _trained(2)
+    state: dict[str, Any] = {"model": model.state_dict(), "optim": opt.state_dict(), "step": 2}
+    deeppart.save(state, tmp_path / "ck")
+    weight = next(model.parameters())
+    saved_w = weight.detach().clone()
+    for g in opt.param_groups:
+        g["lr"] = 0.5  # a scheduler moved it on
+    _step(model, opt, 99)
+    state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": 0}
+    deeppart.load(tmp_path / "ck", into=state)
+    assert torch.equal(weight, saved_w)  # in place
+    assert state["optim"]["param_groups"][0]["lr"] == 1e-2
+    assert opt.param_groups[0]["lr"] == 0.5  # stale until handed over
+    opt.load_state_dict(state["optim"])
+    assert opt.param_groups[0]["lr"] == 1e-2
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    first = readme.split("```python", 1)[1].split("```", 1)[0]
+    assert 'deeppart.load("ckpt/step-100", into=state)' in first
+    assert 'opt.load_state_dict(state["optim"])' in first
+
+
+def test_a_fresh_optimizer_as_into_says_what_to_do(tmp_path: Path) -> None:
+    """A fresh optimizer's state_dict() (no moments yet) as into=: the
+    error says why and gives the call that works; with strict=False the lr
+    stays as it was and last_incompatible_keys() names it."""
+    model, opt = _trained(2)
+    deeppart.save({"model": model.state_dict(), "optim": opt.state_dict()}, tmp_path / "ck")
+    fresh = torch.optim.AdamW(model.parameters(), lr=0.5)
+    into = {"model": model.state_dict(), "optim": fresh.state_dict()}
+    with pytest.raises(deeppart.StateMismatchError) as e:
+        deeppart.load(tmp_path / "ck", into=into)
+    msg = str(e.value)
+    assert "fresh optimizer" in msg and "first step" in msg, msg
+    assert "opt.load_state_dict(deeppart.load(PATH, keys=['optim'])['optim'])" in msg, msg
+    deeppart.load(tmp_path / "ck", into=into, strict=False)
+    keys = deeppart.last_incompatible_keys()
+    assert keys is not None and keys.missing_keys == ["optim"]
+    assert into["optim"]["param_groups"][0]["lr"] == 0.5
+    # The call the message gives works.
+    fresh.load_state_dict(deeppart.load(tmp_path / "ck", keys=["optim"])["optim"])
+    assert fresh.param_groups[0]["lr"] == 1e-2

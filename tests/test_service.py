@@ -456,7 +456,7 @@ def test_token(make_server: Callable[..., Server], caplog: pytest.LogCaptureFixt
 
 
 def test_token_from_file_or_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from deeppart.cli import build_parser
+    from deeppart.tools.cli import build_parser
 
     token_file = tmp_path / "token"
     token_file.write_text("from-file\n")

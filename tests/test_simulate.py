@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from deeppart import _planner
-from deeppart.cli import main
 from deeppart.manifest_source import read_manifest as load_manifest
 from deeppart.models import MODELS
-from deeppart.plotting import plot_plan_load, plot_scaling
-from deeppart.simulate import (
+from deeppart.tools.cli import main
+from deeppart.tools.plotting import plot_plan_load, plot_scaling
+from deeppart.tools.simulate import (
     BASELINES,
     LEVELS,
     THESIS_SPEEDUPS,

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 
 class Point(Protocol):
-    """One predicted time (a :class:`deeppart.simulate.Prediction`)."""
+    """One predicted time (a :class:`deeppart.tools.simulate.Prediction`)."""
 
     @property
     def method(self) -> str: ...

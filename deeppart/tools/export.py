@@ -221,21 +221,29 @@ def _temporary(path: Path) -> Path:
 
 
 def export_torch(
-    checkpoint: str | os.PathLike[str], out_file: str | os.PathLike[str], *, overwrite: bool = False
+    checkpoint: str | os.PathLike[str],
+    out_file: str | os.PathLike[str],
+    *,
+    key: str | None = None,
+    overwrite: bool = False,
 ) -> Path:
-    """Writes the whole state to one ``torch.save`` file (loadable with
-    ``torch.load(..., weights_only=True)`` when the state holds tensors and
-    plain Python values). The state is in memory once. A path with one
-    version per group of saved ranks (each rank's own state) holds
-    ``{"ranks:0,1": value, ...}``. An existing
-    ``out_file`` is refused (:class:`ExportError`) unless ``overwrite``."""
+    """Writes the whole state, or with ``key`` only what is under that
+    top-level key (only its bytes are read), to one ``torch.save`` file
+    (loadable with ``torch.load(..., weights_only=True)`` when the state
+    holds tensors and plain Python values). The state is in memory once. A
+    path with one version per group of saved ranks (each rank's own state)
+    holds ``{"ranks:0,1": value, ...}``. An existing ``out_file`` is refused
+    (:class:`ExportError`) unless ``overwrite``."""
     import torch
 
     out = local_path(out_file)
     _refuse_existing([out], overwrite)
 
     # Per-rank items come as {"ranks:0,1": value, ...} at their path.
-    state = load(checkpoint, comm=SingleComm(), per_rank="all")
+    if key is None:
+        state = load(checkpoint, comm=SingleComm(), per_rank="all")
+    else:
+        state = load(checkpoint, keys=[key], comm=SingleComm(), per_rank="all")[key]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = _temporary(out)
     torch.save(state, tmp)
@@ -333,7 +341,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
                     overwrite=args.overwrite,
                 )
             else:
-                files = [export_torch(args.checkpoint, args.out, overwrite=args.overwrite)]
+                files = [
+                    export_torch(args.checkpoint, args.out, key=args.key, overwrite=args.overwrite)
+                ]
         except Exception as e:  # agreed first, so that no rank is left waiting
             err = e
     try:
@@ -368,10 +378,15 @@ def add_parsers(sub: Any) -> None:
     p.add_argument(
         "--key",
         default=None,
-        help="the model's top-level key (default: 'model' if present, else all)",
+        help="the top-level key to export (safetensors: default 'model' if present, "
+        "else all; torch: default the whole state)",
     )
     p.add_argument(
-        "--max-shard-bytes", type=int, default=DEFAULT_SHARD_BYTES, help="largest safetensors shard"
+        "--max-shard-bytes",
+        type=int,
+        default=DEFAULT_SHARD_BYTES,
+        help="largest safetensors shard (default 5e9): a smaller model is one "
+        "model.safetensors, a larger one shards with model.safetensors.index.json",
     )
     p.add_argument("--overwrite", action="store_true", help="replace files of the same names")
     p.set_defaults(func=_cmd_export)

@@ -20,7 +20,7 @@ def _fail(message: str) -> int:
 
 def _cost_from_args(args: argparse.Namespace) -> _planner.CostModel:
     if getattr(args, "profile", None):
-        from deeppart.calibrate import cost_model_from_profile, load_profile
+        from deeppart.tools.calibrate import cost_model_from_profile, load_profile
 
         return cost_model_from_profile(
             load_profile(args.profile),
@@ -116,7 +116,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.output:
         Path(args.output).write_text(plan.to_json())
     if args.plot:
-        from deeppart.plotting import plot_plan_load
+        from deeppart.tools.plotting import plot_plan_load
 
         baseline = _planner.plan(
             manifest,
@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_plan)
 
     # The plan cache's upkeep (issue 3).
-    from deeppart.cache_cli import add_parser as add_cache_parser
+    from deeppart.tools.cache_cli import add_parser as add_cache_parser
 
     add_cache_parser(sub)
 
@@ -171,13 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_manifest_parser(sub)
 
     # Checkpoint inspection (issue 8).
-    from deeppart.checkpoint_inspect import add_parser as add_inspect_parser
+    from deeppart.tools.checkpoint_inspect import add_parser as add_inspect_parser
 
     add_inspect_parser(sub)
 
     # The scaling simulator and calibration (issue 8); matplotlib only with --plot.
-    from deeppart.calibrate import add_parser as add_calibrate_parser
-    from deeppart.simulate import add_parser as add_simulate_parser
+    from deeppart.tools.calibrate import add_parser as add_calibrate_parser
+    from deeppart.tools.simulate import add_parser as add_simulate_parser
 
     add_simulate_parser(sub)
     add_calibrate_parser(sub)
@@ -188,13 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_serve)
 
     # The checkpoint demo (issue 5); torch and mpi4py are imported only when it runs.
-    from deeppart.demo import add_parser as add_demo_parser
+    from deeppart.tools.demo import add_parser as add_demo_parser
 
     add_demo_parser(sub)
 
     # Export to safetensors / torch.save and import (issue 16); torch and
     # safetensors are imported only when they run.
-    from deeppart.export import add_parsers as add_export_parsers
+    from deeppart.tools.export import add_parsers as add_export_parsers
 
     add_export_parsers(sub)
     return parser

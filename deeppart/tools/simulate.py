@@ -378,7 +378,7 @@ def storage_from_args(args: argparse.Namespace) -> StorageModel:
     }  # fmt: skip
     profile: dict[str, Any] = {}
     if getattr(args, "profile", None):
-        from deeppart.calibrate import load_profile
+        from deeppart.tools.calibrate import load_profile
 
         profile = load_profile(args.profile)
     return StorageModel.from_profile(profile, **overrides)
@@ -420,7 +420,7 @@ def run(args: argparse.Namespace) -> int:
         print(table(preds))
         print(f"simulated in {elapsed:.2f} s")
     if args.plot:
-        from deeppart.plotting import plot_scaling
+        from deeppart.tools.plotting import plot_scaling
 
         thesis = THESIS_SPEEDUPS if args.thesis else None
         plot_scaling(preds, args.plot, title=args.title or f"{args.model}: predicted save time",
