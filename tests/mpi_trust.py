@@ -31,7 +31,7 @@ from rank_output import print_line
 
 import deeppart
 import deeppart.checkpoint as checkpoint
-from deeppart import reader
+from deeppart import prepare, reader
 from deeppart.comm import Comm, resolve
 from deeppart.errors import CorruptCheckpointError, DeepPartError, StateError
 from deeppart.format import data_file_name
@@ -166,7 +166,7 @@ LOAD_STAGES: list[tuple[str, Any, str, int, str]] = [
 ]
 SAVE_STAGES: list[tuple[str, Any, str, int]] = [
     ("save-target", checkpoint, "check_target", 1),
-    ("save-prepare", checkpoint, "prepare", 1),
+    ("save-prepare", prepare, "_own_prepare", 1),
     ("save-temp-dir", checkpoint, "make_temp_dir", 0),
     ("save-write", checkpoint, "write_pieces", 1),
     ("save-metadata", checkpoint, "metadata_json", 0),
