@@ -14,6 +14,7 @@ from deeppart import lineage
 from deeppart.async_save import AsyncCheckpointer, AsyncSave
 from deeppart.checkpoint import compression_level_of, load, save
 from deeppart.comm import resolve
+from deeppart.commit import temp_dir_in_use
 from deeppart.compression import check_codec
 from deeppart.errors import CheckpointError
 from deeppart.format import STEP_PREFIX, is_committed, step_dir_name, step_number
@@ -331,7 +332,9 @@ class Checkpointer:
             if step is None or base != step_dir_name(step):
                 continue  # not DeepPart's naming: never touched
             if side is not None and side[0] == "tmp":
-                if owned_dir(child, partial=True):
+                # A save in flight (another job's, or a racing Checkpointer's)
+                # holds its temporary directory's lock: never removed.
+                if owned_dir(child, partial=True) and not temp_dir_in_use(child):
                     doomed.append(child)
             elif side is not None:
                 if (step in gone or self._superseded(child)) and owned_dir(child):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import json
 import os
 import time
@@ -159,7 +160,53 @@ def make_temp_dir(final: Path, overwrite: bool) -> str:
     final.parent.mkdir(parents=True, exist_ok=True)
     name = f".tmp-{final.name}-{os.urandom(6).hex()}"
     (final.parent / name).mkdir()
+    hold_temp_dir(final.parent / name)
     return name
+
+
+#: The temporary directories of this process's saves in flight, each with
+#: the descriptor that holds its lock (:func:`hold_temp_dir`).
+_held: dict[Path, int] = {}
+
+
+def hold_temp_dir(tmp: Path) -> None:
+    """Marks ``tmp`` as a save in flight: an exclusive ``flock`` on the
+    directory, held by this process until :func:`release_temp_dir` (or its
+    death, when the kernel drops the lock). A cleanup of another job or
+    Checkpointer (:func:`temp_dir_in_use`) leaves such a directory alone."""
+    fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise
+    _held[tmp] = fd
+
+
+def release_temp_dir(tmp: Path) -> None:
+    """Drops this process's lock on ``tmp`` (committed or given up)."""
+    fd = _held.pop(tmp, None)
+    if fd is not None:
+        os.close(fd)
+
+
+def temp_dir_in_use(path: Path) -> bool:
+    """Whether a live process holds ``path`` as its save in flight (see
+    :func:`hold_temp_dir`); a directory that cannot be opened is treated
+    as in use (left alone)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False  # no locks on this file system: nothing tells a live save
+    finally:
+        os.close(fd)
+    return False
 
 
 def remove_temp_dir(tmp: Path, save_id: str | None) -> None:
@@ -167,6 +214,7 @@ def remove_temp_dir(tmp: Path, save_id: str | None) -> None:
     made): only the files this save wrote there (by name and content, its
     ``save_id``; partly written data files too); anything else stays, with
     the directory, and a warning names it."""
+    release_temp_dir(tmp)
     try:
         left = remove_owned(tmp, save_id=save_id, partial=True)
     except OSError as e:
@@ -269,6 +317,7 @@ def commit_dir(
     old = _move_aside(final, overwrite)
     try:
         rename_noreplace(tmp, final)
+        release_temp_dir(tmp)
     except FileExistsError as e:
         if old is not None:
             # Put back what was moved aside, unless the target was taken.

@@ -219,3 +219,42 @@ def test_engine_keep_ignores_other_checkpoints(tmp_path: Path) -> None:
     assert got["step"] == 11
     after = tree(meta)
     assert {k: v for k, v in after.items() if not k.startswith("step-0000001")} == before
+
+
+def test_a_cleanup_leaves_a_racing_save_in_flight_alone(tmp_path: Path) -> None:
+    """Two Checkpointers on one root (two jobs): while one's save of step 2
+    is between its write and its commit, the other commits step 1 and
+    cleans up. The in-flight temporary directory holds its lock, so it is
+    not taken for a crash's leftover: the paused save then commits."""
+    import threading
+
+    from deeppart import writer
+
+    root = tmp_path / "ckpt"
+    paused, go = threading.Event(), threading.Event()
+    outcome: list[BaseException | None] = []
+
+    def hook(event: Any) -> None:
+        if threading.current_thread().name == "racer":
+            paused.set()
+            assert go.wait(60)
+
+    def racer() -> None:
+        try:
+            deeppart.Checkpointer(root).save(2, {"w": torch.full((64,), 2.0)})
+            outcome.append(None)
+        except BaseException as e:
+            outcome.append(e)
+
+    with writer.fault_hook("after-write", hook):
+        t = threading.Thread(target=racer, name="racer")
+        t.start()
+        assert paused.wait(60)
+        (tmp_dir,) = [p for p in root.iterdir() if p.name.startswith(".tmp-")]
+        deeppart.Checkpointer(root, keep_last=1).save(1, {"w": torch.full((64,), 1.0)})
+        assert tmp_dir.is_dir(), "the cleanup removed a save in flight"
+        go.set()
+        t.join(60)
+    assert outcome == [None]
+    back = deeppart.load(root / step_dir_name(2))
+    assert torch.equal(back["w"], torch.full((64,), 2.0))
