@@ -25,10 +25,10 @@ def scenario_cleanup(root: Path) -> None:
     state = {"w": torch.arange(64, dtype=torch.float32), "step": 1}
     cp.save(1, state)
 
-    def undeletable(path: Path) -> None:
+    def undeletable(path: Path, *args: object, **kwargs: object) -> list[str]:
         raise PermissionError(13, "Operation not permitted", str(path))
 
-    setattr(ck, "remove_tree", undeletable)  # noqa: B010  (rank 0 is the one that removes)
+    setattr(ck, "remove_owned", undeletable)  # noqa: B010  (rank 0 is the one that removes)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         stats = cp.save(2, state)
