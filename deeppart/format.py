@@ -450,7 +450,12 @@ def parse_metadata(raw: dict[str, Any], dtype_sizes: dict[str, int]) -> Metadata
     for r, n in enumerate(declared):
         if _int(n, f"file_sizes[{r}]") < file_sizes[r]:
             raise CorruptCheckpointError(f"metadata: file_sizes[{r}] is smaller than its pieces")
-    dtensors = parse_records(raw.get("dtensors"), leaves, dtype_sizes.__contains__)
+    dtensors = parse_records(
+        raw.get("dtensors"),
+        leaves,
+        dtype_sizes.__contains__,
+        versions=version == METADATA_VERSION_UNION,
+    )
     record_ranks: list[list[int]] = []
     versions: list[VersionRecord] = []
     if version == METADATA_VERSION_UNION:

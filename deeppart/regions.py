@@ -330,16 +330,30 @@ def tiles_exactly(shape: Sequence[int], regions: Sequence[Region]) -> bool:
     return bool((counts == 1).all())
 
 
-def parse_records(raw: Any, leaves: Sequence[Any], dtype_known: Any) -> list[DTensorRecord]:
+def _record_ranks(rec: dict[str, Any]) -> frozenset[int]:
+    """The saved ranks a version-3 record names (empty when malformed: the
+    metadata's own check of ``ranks`` refuses it)."""
+    ranks = rec.get("ranks")
+    if not isinstance(ranks, list) or not all(type(r) is int for r in ranks):
+        return frozenset()
+    return frozenset(ranks)
+
+
+def parse_records(
+    raw: Any, leaves: Sequence[Any], dtype_known: Any, versions: bool = False
+) -> list[DTensorRecord]:
     """The checked ``dtensors`` records of a checkpoint's metadata (absent:
     none). ``leaves`` are the checked :class:`deeppart.format.LeafInfo` of its
-    manifest. Raises CorruptCheckpointError naming the record."""
+    manifest. Two records of one path are corrupt, except, with
+    ``versions`` (metadata version 3: each rank's own state), versions of
+    one path saved by disjoint sets of ranks (``ranks``). Raises
+    CorruptCheckpointError naming the record."""
     if raw is None:
         return []
     if not isinstance(raw, list):
         raise CorruptCheckpointError("metadata: dtensors is not a list")
     used: set[int] = set()
-    paths: dict[tuple[str | int, ...], int] = {}
+    paths: dict[tuple[str | int, ...], list[tuple[int, frozenset[int]]]] = {}
     budget = [MAX_RUNS]
     out: list[DTensorRecord] = []
     for i, rec in enumerate(raw):
@@ -348,9 +362,11 @@ def parse_records(raw: Any, leaves: Sequence[Any], dtype_known: Any) -> list[DTe
         path = tuple(rec["path"])
         if not all(isinstance(k, str) or _int(k, -(1 << 63), (1 << 63) - 1) for k in path):
             raise _bad(i, "a path key is neither a string nor an integer")
-        if path in paths:
-            raise _bad(i, f"the same path as dtensors[{paths[path]}]")
-        paths[path] = i
+        ranks = _record_ranks(rec) if versions else frozenset()
+        for j, other in paths.get(path, []):
+            if not versions or not ranks or ranks & other:
+                raise _bad(i, f"the same path as dtensors[{j}]")
+        paths.setdefault(path, []).append((i, ranks))
         dtype, shape, shards = rec.get("dtype"), rec.get("shape"), rec.get("shards")
         if not isinstance(dtype, str) or not dtype_known(dtype):
             raise _bad(i, f"unknown dtype {dtype!r}")

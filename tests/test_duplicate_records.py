@@ -43,6 +43,24 @@ def test_parse_records_refuses_a_repeated_path() -> None:
     assert len(parse_records([_record(["w"], 0), _record(["v"], 1)], leaves, lambda d: True)) == 2
 
 
+def test_versions_of_one_path_need_disjoint_saved_ranks() -> None:
+    """Metadata version 3 (each rank's own state): two records of one path
+    are versions (pipeline stages that reuse names) when their saved ranks
+    are disjoint; overlapping or absent ranks are still a repeated path."""
+    leaves = [_Leaf(), _Leaf()]
+
+    def rec(leaf: int, ranks: object) -> dict[str, object]:
+        return {**_record(["w"], leaf), "ranks": ranks}
+
+    known = lambda d: d == "float32"  # noqa: E731
+    assert len(parse_records([rec(0, [0, 1]), rec(1, [2, 3])], leaves, known, True)) == 2
+    for a, b in (([0, 1], [1, 2]), ([0], [0]), ([0, 1], None)):
+        with pytest.raises(CorruptCheckpointError, match="the same path as dtensors"):
+            parse_records([rec(0, a), rec(1, b)], leaves, known, True)
+    with pytest.raises(CorruptCheckpointError, match="the same path as dtensors"):
+        parse_records([rec(0, [0]), rec(1, [1])], leaves, known)  # not version 3
+
+
 @pytest.fixture
 def duplicated(tmp_path: Path) -> Path:
     """A committed one-process checkpoint of two DTensors whose second
