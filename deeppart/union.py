@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from deeppart.dtensor import renumber_skeleton
 from deeppart.errors import ReplicaMismatchError, StateMismatchError
 
 __all__ = [
@@ -421,7 +422,7 @@ def build_union(
     for c in sorted(states):
         st = states[c]
         local = [canon.get((c, i), -1) for i in range(len(st.descs))]
-        tree = _renumber(st.skeleton, local)
+        tree = renumber_skeleton(st.skeleton, local)
         skeleton = tree if skeleton is None else merge_skeletons(skeleton, tree, "")
     return Union(items, skeleton, records, versions, world)
 
@@ -434,17 +435,6 @@ def _plain_desc(desc: dict[str, Any]) -> dict[str, Any]:
     if desc.get("kind") == "object":
         return {"kind": "object", "nbytes": desc["nbytes"]}
     return {"dtype": desc["dtype"], "shape": list(desc["shape"])}
-
-
-def _renumber(node: Any, new: list[int]) -> Any:
-    if isinstance(node, dict):
-        ((kind, body),) = node.items()
-        if kind in ("leaf", "ndarray"):
-            return {kind: new[body]}
-        if kind in ("dict", "odict"):
-            return {kind: [[k, _renumber(v, new)] for k, v in body]}
-        return {kind: [_renumber(v, new) for v in body]}
-    return node
 
 
 def merge_skeletons(a: Any, b: Any, where: str) -> Any:
