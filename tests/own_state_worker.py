@@ -206,6 +206,25 @@ def committed(d: Path) -> bool:
     return (d / "COMMITTED").exists()
 
 
+def saved_or_refused(
+    checks: Checks, label: str, note: str, state: Any, d: Path, leaf: str, group: Any = None
+) -> bool:
+    """Saves ``state`` to ``d`` under the check ``label``; a refusal that
+    names ``leaf`` is accepted (noted; nothing may be committed) and
+    returns True, any other error fails the check."""
+    refused = False
+    with checks.sub(label):
+        try:
+            deeppart.save(state, d, group=group)
+        except deeppart.DeepPartError as e:
+            if not refusal(e, leaf):
+                raise
+            refused = True
+            checks.notes.append(f"{note}: refused: {one_line(e, 200)}")
+            assert not committed(d), "refused, yet committed"
+    return refused
+
+
 def rng_bytes(rank: int) -> bytes:
     """A rank's torch CPU RNG state after seeding it per rank, as bytes."""
     g = torch.Generator()
@@ -454,17 +473,7 @@ def scenario_reused_names(d: Path, checks: Checks) -> None:
     mine = state(20)
     expected = clone(mine)
     full = to_full(expected)
-    refused = False
-    with checks.sub("save"):
-        try:
-            deeppart.save(mine, d)
-        except deeppart.DeepPartError as e:
-            if not refusal(e, "layers.0."):
-                raise
-            refused = True
-            checks.notes.append(f"reused_names: refused: {one_line(e, 200)}")
-            assert not committed(d), "refused, yet committed"
-    if refused:
+    if saved_or_refused(checks, "save", "reused_names", mine, d, "layers.0."):
         return
     dist.barrier()
     with checks.sub("load(into=) at the same layout"):
@@ -530,17 +539,8 @@ def scenario_auto_swap(d: Path, checks: Checks) -> None:
         path = d / variant.replace("=", "-").replace(" ", "")
         state = {"model": group_model(g)}
         expected = clone(state)
-        refused = False
-        with checks.sub(f"{variant}: save"):
-            try:
-                deeppart.save(state, path, group=group)
-            except deeppart.DeepPartError as e:
-                if not refusal(e, "emb.weight"):
-                    raise
-                refused = True
-                checks.notes.append(f"auto_swap {variant}: refused: {one_line(e, 200)}")
-                assert not committed(path), "refused, yet committed"
-        if refused:
+        note = f"auto_swap {variant}"
+        if saved_or_refused(checks, f"{variant}: save", note, state, path, "emb.weight", group):
             continue
         dist.barrier()
         with checks.sub(f"{variant}: load(into=)"):
