@@ -34,6 +34,7 @@ The stages, which :func:`deeppart.load` runs beside the others:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 from dataclasses import dataclass, field
@@ -54,7 +55,7 @@ from deeppart.format import (
     open_regular,
 )
 from deeppart.progress import Progress
-from deeppart.reader import read_file
+from deeppart.reader import FirstError, read_file
 from deeppart.regions import DTensorRecord, Region, ShardRecord
 from deeppart.restore import describe, select
 from deeppart.state import flatten, is_dtensor
@@ -429,19 +430,47 @@ def exchange_shards(c: Comm, sr: ShardReads, meta: Metadata) -> None:
     exchanges only among its members). Rounds of a shifted ring: in round
     ``k`` rank ``r`` sends to ``r + k`` and receives from ``r - k`` (one
     ``sendrecv_u8`` per message, so no ordering deadlocks), packed in
-    messages of at most :data:`MESSAGE_BYTES`."""
+    messages of at most :data:`MESSAGE_BYTES`.
+
+    A rank whose packing or unpacking fails keeps its place in every round
+    (it sends zeros of each message's length and drops what it receives),
+    then raises its first failure: no peer is left waiting in a
+    ``sendrecv``, and the caller's agreement raises on every rank."""
     n, me = c.size, c.rank
+    failed = FirstError()
     for k in range(1, n):
         dest, source = (me + k) % n, (me - k) % n
         out = _messages(sr.sends.get((me, dest), []))
         into = _messages(sr.sends.get((source, me), []))
         for m in range(max(len(out), len(into))):
-            send = _pack(meta, sr, out[m]) if m < len(out) else _EMPTY
+            send = _outgoing(meta, sr, out[m], failed) if m < len(out) else _EMPTY
             got = into[m] if m < len(into) else []
-            recv = _landing(meta, sr, got)
+            recv = _incoming(meta, sr, got, failed)
             c.sendrecv_u8(send, dest, recv, source)
-            _unpack(meta, sr, got, recv)
+            if failed.err is None:
+                failed.run(functools.partial(_unpack, meta, sr, got, recv))
             sr.received += recv.size
+    failed.raise_first()
+
+
+def _outgoing(meta: Metadata, sr: ShardReads, batch: list[Piece], failed: FirstError) -> U8:
+    """A message's bytes; zeros of its length once this rank has failed."""
+    if failed.err is None:
+        try:
+            return _pack(meta, sr, batch)
+        except Exception as e:
+            failed.err = e
+    return np.zeros(sum(p.length for p in batch), np.uint8)
+
+
+def _incoming(meta: Metadata, sr: ShardReads, batch: list[Piece], failed: FirstError) -> U8:
+    """Where a message lands; a scratch buffer once this rank has failed."""
+    if failed.err is None:
+        try:
+            return _landing(meta, sr, batch)
+        except Exception as e:
+            failed.err = e
+    return np.empty(sum(p.length for p in batch), np.uint8) if batch else _EMPTY
 
 
 _EMPTY: U8 = np.empty(0, np.uint8)

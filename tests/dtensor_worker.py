@@ -47,6 +47,7 @@ from rank_output import print_line
 
 import deeppart
 from bench.dtensor import build, dcp_balance, deeppart_balance, make_model, sharded_state
+from deeppart import reshard
 from deeppart.checkpoint import last_stats
 
 #: ``tpfsdp``: FSDP2 over a TP-parallelized module on a (2,2) mesh, whose
@@ -457,6 +458,25 @@ def mpi_main() -> None:
     total = sum(stats.rank_shard_read)
     # Every rank needs every piece here: what it did not read, it received.
     assert stats.rank_received[rank] == total - stats.rank_shard_read[rank] > 0, stats
+    # A failure while one rank packs (rank 1) or unpacks (rank 2) a message
+    # of the shard exchange: every rank raises it, none waits for the rest.
+    assert stats.rank_shard_read[1] > 0, stats
+    for name, bad in (("_pack", 1), ("_unpack", 2)):
+        real = getattr(reshard, name)
+
+        def fail(*args: Any, _name: str = name) -> Any:
+            raise deeppart.CorruptCheckpointError(f"injected failure in {_name}")
+
+        if rank == bad:
+            setattr(reshard, name, fail)
+        try:
+            deeppart.load(d / layout, comm=MPI.COMM_WORLD, exchange="bcast")
+        except deeppart.CorruptCheckpointError as e:
+            assert f"injected failure in {name}" in str(e), e
+        else:
+            raise AssertionError(f"a failure in reshard.{name} on rank {bad} was not raised")
+        finally:
+            setattr(reshard, name, real)
     print_line(f"OK mpi rank {rank}/{size}")
 
 
