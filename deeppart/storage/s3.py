@@ -22,7 +22,9 @@ multipart part size and upload buffer, default 16 MiB; S3's minimum is
 5 MiB), ``DEEPPART_S3_CONCURRENCY`` (parts in flight per writer and ranges
 per read, default 8: a writer holds at most about (concurrency + 1) x part
 bytes), ``DEEPPART_S3_RETRY_TIMEOUT_S`` and ``DEEPPART_S3_MAX_RETRIES``
-(``object_store``'s retries of failed requests; defaults 180 s and 10).
+(``object_store``'s retries of failed requests; defaults 180 s and 10),
+``DEEPPART_S3_TIMEOUT_S`` (one request's limit; ``object_store``'s default
+30 s).
 """
 
 from __future__ import annotations
@@ -126,10 +128,15 @@ class S3Store(ObjectStore):
                     seconds=_env_int("DEEPPART_S3_RETRY_TIMEOUT_S", 180, least=0)
                 ),
             }
+            options: dict[str, Any] = {
+                "allow_http": bool(endpoint and endpoint.startswith("http://")),
+            }
+            if os.environ.get("DEEPPART_S3_TIMEOUT_S"):
+                options["timeout"] = timedelta(seconds=_env_int("DEEPPART_S3_TIMEOUT_S", 30))
             client = Client(
                 url.bucket,
                 prefix=url.prefix or None,
-                client_options={"allow_http": bool(endpoint and endpoint.startswith("http://"))},
+                client_options=options,  # type: ignore[arg-type]
                 retry_config=retry,  # type: ignore[arg-type]
             )
         self.obstore = client
