@@ -23,9 +23,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 import mpi_checkpoint  # noqa: E402
 from launching import run_in_session, worker_cmd  # noqa: E402
 
-pytestmark = [pytest.mark.mpi]
+pytestmark = [pytest.mark.slow]
 
 
+@pytest.mark.mpi
 @pytest.mark.skipif(not MPIEXEC.exists(), reason="mpiexec (the mpich wheel) is not installed")
 def test_s3_on_four_ranks(s3_url: str, s3_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     assert s3_server.proc is not None
