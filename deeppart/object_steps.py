@@ -44,6 +44,7 @@ from deeppart.storage.objects import open_committed, read_marker, remove_save
 __all__ = ["ObjectSteps", "StoredStep"]
 
 _SAVE_ID = re.compile(r"[0-9a-f]{32}")
+_CACHE_MAX = 4096
 
 
 @dataclass
@@ -54,6 +55,8 @@ class StoredStep:
 
     step: int
     has_marker: bool = False
+    #: The marker's version tag (ETag), if the store gives one.
+    marker_tag: str | None = None
     saves: set[str] = field(default_factory=set)
 
 
@@ -62,6 +65,10 @@ class ObjectSteps:
 
     def __init__(self, store: ObjectStore) -> None:
         self.store = store
+        #: (step, marker tag) -> (save id, line node) of a committed step
+        #: read before: a marker's tag changes whenever it is replaced, and
+        #: a save's metadata (under its save id) is written once.
+        self._read: dict[tuple[int, str], tuple[str, Node | Legacy | None]] = {}
 
     def url(self, step: int) -> str:
         """Where step ``step`` is (``s3://bucket/run/step-NNNNNNNN``)."""
@@ -81,6 +88,7 @@ class ObjectSteps:
             group, sep2, _ = rest.partition("/")
             if rest == MARKER:
                 entry.has_marker = True
+                entry.marker_tag = info.tag
             elif sep2 and _SAVE_ID.fullmatch(group):
                 entry.saves.add(group)
         return found
@@ -96,13 +104,18 @@ class ObjectSteps:
         for n, entry in sorted(listing.items()):
             if not entry.has_marker:
                 continue
-            step_store = self.store.child(step_dir_name(n))
-            try:
-                at, meta = open_committed(step_store)
-            except CheckpointError:  # not committed, not DeepPart's marker, or corrupt
-                continue
-            committed[n] = at.save_id
-            node = node_of(meta, n, Path(step_dir_name(n)))
+            known = self._read.get((n, entry.marker_tag)) if entry.marker_tag else None
+            if known is None:
+                try:
+                    at, meta = open_committed(self.store.child(step_dir_name(n)))
+                except CheckpointError:  # not committed, not DeepPart's marker, or corrupt
+                    continue
+                known = (at.save_id, node_of(meta, n, Path(step_dir_name(n))))
+                if entry.marker_tag:
+                    if len(self._read) >= _CACHE_MAX:
+                        self._read.clear()
+                    self._read[(n, entry.marker_tag)] = known
+            committed[n], node = known
             if isinstance(node, Node):
                 lines.nodes[n] = node
             elif isinstance(node, Legacy):

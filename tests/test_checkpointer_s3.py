@@ -250,6 +250,12 @@ def test_export_and_manifest_read_an_s3_checkpoint(s3_url: str, tmp_path: Path) 
     assert whole["step"] == 7 and torch.equal(
         whole["model"]["layer.bias"], saved["model"]["layer.bias"]
     )
+    proc = cli("import", str(tmp_path / "all.pt"), f"{s3_url}/imported")
+    assert proc.returncode == 0, proc.stderr
+    back = deeppart.load(f"{s3_url}/imported")
+    assert back["step"] == 7 and torch.equal(
+        back["model"]["layer.weight"], saved["model"]["layer.weight"]
+    )
     proc = cli("manifest", url)
     assert proc.returncode == 0, proc.stderr
     manifest = deeppart.Manifest.from_json(proc.stdout)
