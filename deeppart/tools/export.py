@@ -242,7 +242,7 @@ def export_torch(
     (:class:`ExportError`) unless ``overwrite``."""
     import torch
 
-    checkpoint = local_path(checkpoint)  # load() serves s3://; export does not yet
+    parse_location(checkpoint)  # a directory or an s3:// URL; other URLs are refused
     out = local_path(out_file)
     _refuse_existing([out], overwrite)
 
