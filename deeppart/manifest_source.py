@@ -146,7 +146,7 @@ def read_manifest(source: str, *, adamw: bool = False) -> Manifest:
     if is_url(source):
         where = parse_location(source)  # other URLs: UnsupportedURLError
         if isinstance(where, S3URL):
-            from deeppart.tools.checkpoint_source import committed_metadata
+            from deeppart.checkpoint_source import committed_metadata
 
             return _recorded_manifest(committed_metadata(where), str(where))
 

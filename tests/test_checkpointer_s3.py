@@ -1,5 +1,5 @@
 """``Checkpointer("s3://bucket/run")`` and the tools on an S3 server
-(issue 34; deeppart/object_steps.py, deeppart/tools/checkpoint_source.py),
+(issue 34; deeppart/object_steps.py, deeppart/checkpoint_source.py),
 against moto's S3 server (the ``s3_url`` fixture, tests/s3_server.py):
 ``keep_last`` and a rollback following the live line (2 ranks, with
 background saves, in one mpiexec job: tests/checkpointer_s3_worker.py),
