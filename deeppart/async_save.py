@@ -35,7 +35,6 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from deeppart.checkpoint import plan_save
@@ -301,13 +300,14 @@ class AsyncCheckpointer:
 
     def save(
         self,
-        directory: Path,
+        directory: Location,
         state: Any,
         kwargs: dict[str, Any],
         after: Callable[[], None] | None = None,
     ) -> AsyncSave:
         """Waits for the save in flight, then starts saving ``state`` to
-        ``directory`` (``kwargs``: :func:`deeppart.save`'s); ``after`` runs
+        ``directory`` (a path or an ``s3://`` location; ``kwargs``:
+        :func:`deeppart.save`'s); ``after`` runs
         once it is committed."""
         self.wait()
         self.pending = start(

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from deeppart import lineage
+from deeppart.agreement import agree
 from deeppart.async_save import AsyncCheckpointer, AsyncSave
 from deeppart.checkpoint import compression_level_of, load, save
 from deeppart.comm import resolve
@@ -20,9 +21,11 @@ from deeppart.errors import CheckpointError
 from deeppart.format import STEP_PREFIX, is_committed, step_dir_name, step_number
 from deeppart.levels import open_backend
 from deeppart.levels.backend import LevelBackend, LevelSaveStats, RecoveryReport
-from deeppart.ownership import foreign_entries, local_path, owned_dir, remove_owned, side_name
+from deeppart.object_steps import ObjectSteps
+from deeppart.ownership import foreign_entries, owned_dir, remove_owned, side_name
 from deeppart.planning import PlanProvider
 from deeppart.progress import Stats
+from deeppart.storage import S3URL, open_store, parse_location
 
 __all__ = ["Checkpointer"]
 
@@ -45,7 +48,10 @@ def _step_index(step: Any, state: Any) -> int:
 
 
 class Checkpointer:
-    """Numbered checkpoints ``ROOT/step-00000100`` in one root directory.
+    """Numbered checkpoints ``ROOT/step-00000100`` in one root directory,
+    or under an object store prefix (``Checkpointer("s3://bucket/run")``,
+    :mod:`deeppart.object_steps`: the same lines and ``keep_last``; nothing
+    is moved aside there, as object storage has no rename).
 
     ``save(step, state)`` reuses the plan while the state's structure stays
     the same. Steps form a line (:mod:`deeppart.lineage`): each records its
@@ -99,7 +105,18 @@ class Checkpointer:
             raise ValueError("keep_last must be at least 1")
         if config is not None and async_:
             raise ValueError("async_=True is not supported with config= (multi-level storage)")
-        self.root = local_path(root)
+        where = parse_location(root)  # a path or s3://; other URLs are refused
+        #: The steps in an object store (None: ``root`` is a directory).
+        self.objects: ObjectSteps | None = None
+        if isinstance(where, S3URL):
+            if config is not None:
+                raise ValueError(
+                    "config= (multi-level storage) takes its directories from the config, "
+                    f"not from the root {where}"
+                )
+            self.objects = ObjectSteps(open_store(where))
+        #: The root directory, or the root's URL (``s3://bucket/run``).
+        self.root: Path | str = str(where) if isinstance(where, S3URL) else where
         self.comm = resolve(comm)
         self.keep_last = keep_last
         self.compression = check_codec(compression)
@@ -153,13 +170,31 @@ class Checkpointer:
                 verbose=verbose,
             )
 
+    @property
+    def directory(self) -> Path:
+        """The root directory (:class:`CheckpointError` for an object store root)."""
+        if isinstance(self.root, str):
+            raise CheckpointError(f"{self.root}: an object store root has no directory")
+        return self.root
+
     def path(self, step: int) -> Path:
-        return self.root / step_dir_name(step)
+        """Step ``step``'s directory (a directory root; else see :meth:`location`)."""
+        return self.directory / step_dir_name(step)
+
+    def location(self, step: int) -> Path | str:
+        """Where step ``step`` is: its directory, or its URL
+        (``s3://bucket/run/step-00000100``); what save and load take."""
+        if self.objects is not None:
+            return self.objects.url(step)
+        return self.path(step)
 
     def lines(self) -> lineage.Lines:
         """The committed steps of ``root`` with their line records
-        (:func:`deeppart.lineage.scan`)."""
-        return lineage.scan(self.root)
+        (:func:`deeppart.lineage.scan`, or for an object store
+        :meth:`deeppart.object_steps.ObjectSteps.lines`)."""
+        if self.objects is not None:
+            return self.objects.lines()[0]
+        return lineage.scan(self.directory)
 
     def steps(self) -> list[int]:
         """The live line's committed steps, oldest first (in commit
@@ -196,9 +231,22 @@ class Checkpointer:
             self._async.wait()  # the line continues from the save in flight
         value: Any = {"step": step, "user": user}
         link, run = lineage.Link(step, 0), self._run or ""
+        err: Exception | None = None
+        #: In an object store: what interrupted saves left below this step
+        #: when it began (removed after its commit).
+        leftovers: dict[int, set[str]] = {}
         if self.comm.rank == 0:  # only rank 0's user value is written
-            value, link, run, replace = self._line_record(step, user)
-            overwrite = overwrite or replace
+            try:
+                if self.objects is not None:
+                    leftovers = self.objects.leftovers(below=step)
+                value, link, run, replace = self._line_record(step, user)
+                overwrite = overwrite or replace
+            except Exception as e:  # an object store's listing: one rank's error
+                if self.objects is None:
+                    raise
+                err = e
+        if self.objects is not None:
+            agree(self.comm, err)  # every rank raises rank 0's error
         kwargs: dict[str, Any] = {
             "compression": self.compression,
             "compression_level": self.compression_level,
@@ -214,14 +262,20 @@ class Checkpointer:
             def committed() -> None:
                 self._parent, self._run = link, run
                 if self.comm.rank == 0:
-                    self._cleanup_or_warn(step, link.seq)
+                    self._cleanup_or_warn(step, link.seq, leftovers)
 
-            return self._async.save(self.path(step), state, kwargs, after=committed)
-        stats = save(state, self.path(step), comm=self.comm, **kwargs)
+            target = self.location(step)
+            where = parse_location(target) if isinstance(target, str) else target
+            return self._async.save(where, state, kwargs, after=committed)
+        stats = save(state, self.location(step), comm=self.comm, **kwargs)
         self._parent, self._run = link, run
         # The save succeeded everywhere: a failed cleanup is a warning on
         # every rank (one small collective), never one rank's exception.
-        problem = self._cleanup_or_warn(step, link.seq, warn=False) if self.comm.rank == 0 else ""
+        problem = (
+            self._cleanup_or_warn(step, link.seq, leftovers, warn=False)
+            if self.comm.rank == 0
+            else ""
+        )
         message = self.comm.allgather_varbytes(problem.encode())[0].decode()
         if message:
             warnings.warn(message, stacklevel=2)
@@ -243,9 +297,13 @@ class Checkpointer:
         replace = False
         if at is not None and lines.left_by(ours, at):
             # Without keep_last it is moved aside now; else (or if it cannot
-            # move) this save replaces it, as overwrite=True would.
-            moved = self.keep_last is None and self._retire_aside(at.path, step)
-            replace = not moved and at.path == self.path(step)
+            # move, or in an object store) this save replaces it, as
+            # overwrite=True would.
+            if self.objects is not None:
+                replace = True
+            else:
+                moved = self.keep_last is None and self._retire_aside(at.path, step)
+                replace = not moved and at.path == self.path(step)
         if at is not None and parent == at.link and at.parent is not None:
             # Saving again the step it came from (overwrite=True): the new
             # step takes its place in the line.
@@ -268,13 +326,24 @@ class Checkpointer:
             return False
         return True
 
-    def _cleanup_or_warn(self, newest: int, seq: int, *, warn: bool = True) -> str:
-        """Runs :meth:`_cleanup`; returns what failed ("" if nothing), and
-        also warns with it if ``warn``."""
+    def _cleanup_or_warn(
+        self, newest: int, seq: int, leftovers: dict[int, set[str]], *, warn: bool = True
+    ) -> str:
+        """Runs :meth:`_cleanup` (in an object store
+        :meth:`_cleanup_objects`, with the ``leftovers`` the save saw when
+        it began); returns what failed ("" if nothing), and also warns with
+        it if ``warn``."""
         try:
-            failures = self._cleanup(newest, seq)
+            if self.objects is not None:
+                failures = self._cleanup_objects(self.objects, newest, seq, leftovers)
+            else:
+                failures = self._cleanup(newest, seq)
         except OSError as e:
-            failures = [f"{self.root}: cannot list ({e})"]
+            failures = [f"{self.root}: cannot list or remove ({e})"]
+        except Exception as e:  # the object store client's errors: one rank's, never raised
+            if self.objects is None:
+                raise
+            failures = [f"{self.root}: cannot list or remove ({type(e).__name__}: {e})"]
         if not failures:
             return ""
         message = (
@@ -322,7 +391,7 @@ class Checkpointer:
         gone = {n.step for n in pruned} | (
             {n.step for n in left} if self.keep_last is not None else set()
         )
-        for child in self.root.iterdir():
+        for child in self.directory.iterdir():
             if child in doomed:
                 continue
             name = child.name
@@ -351,6 +420,29 @@ class Checkpointer:
                 continue
             if foreign:
                 failures.append(f"{d}: kept, it holds files DeepPart did not write ({foreign[0]})")
+        return failures
+
+    def _cleanup_objects(
+        self, objects: ObjectSteps, newest: int, seq: int, leftovers: dict[int, set[str]]
+    ) -> list[str]:
+        """:meth:`_cleanup` in an object store: removes the steps of the
+        line beyond ``keep_last`` and, with ``keep_last``, the steps of the
+        lines it left, each by its save id (marker first, then that save's
+        objects, :meth:`ObjectSteps.remove_step`); and the ``leftovers``
+        of interrupted saves that this save saw when it began
+        (:meth:`ObjectSteps.remove_leftovers`). Without ``keep_last`` a
+        left line's steps stay in place (no rename: they are never
+        ``latest()``). Returns one line per object that failed or stayed."""
+        objects.remove_leftovers(leftovers)
+        lines, _, committed = objects.lines()
+        line = lines.line_of(newest, seq)
+        if not line:
+            return []  # replaced meanwhile: a newer commit's cleanup decides
+        pruned = line[self.keep_last :] if self.keep_last is not None else []
+        left = lines.abandoned(line) if self.keep_last is not None else []
+        failures: list[str] = []
+        for node in pruned + left:
+            failures += objects.remove_step(node.step, committed[node.step])
         return failures
 
     def _superseded(self, child: Path) -> bool:
@@ -391,7 +483,7 @@ class Checkpointer:
             if step is None:
                 raise CheckpointError(f"{self.root}: no committed checkpoint")
         state = load(
-            self.path(step),
+            self.location(step),
             comm=self.comm,
             into=into,
             exchange=self.exchange,

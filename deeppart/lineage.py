@@ -70,6 +70,7 @@ __all__ = [
     "Link",
     "Node",
     "new_run",
+    "node_of",
     "read_node",
     "record",
     "scan",
@@ -161,6 +162,18 @@ def parse(user: Any, step: int, path: Path) -> Node | Legacy | None:
             return None
         link = Link(ps, pq)
     return Node(step, seq, run, link, path, user.get("user"))
+
+
+def node_of(metadata: bytes, step: int, where: Path) -> Node | Legacy | None:
+    """The step that a committed step's ``metadata.json`` bytes describe
+    (:func:`parse` of its user value; None if it is not a Checkpointer's
+    step ``step``). ``where``: its directory, or for a step in an object
+    store its name under the root (:mod:`deeppart.object_steps`)."""
+    try:
+        raw = json.loads(metadata)
+    except (ValueError, RecursionError):
+        return None
+    return parse(raw.get("user"), step, where) if isinstance(raw, dict) else None
 
 
 _cache: dict[tuple[str, tuple[int, ...]], tuple[bool, Node | Legacy | None]] = {}

@@ -56,11 +56,16 @@ def from_checkpoint(path: Path) -> Manifest:
         text = read_regular(meta, MAX_METADATA_BYTES)  # no FIFOs, devices or huge files
     except OSError as e:
         raise CheckpointError(f"{meta}: cannot read ({e.strerror})") from e
+    return _recorded_manifest(text, str(meta))
+
+
+def _recorded_manifest(text: bytes, shown: str) -> Manifest:
+    """The manifest in metadata ``text`` (``shown``: where it was read)."""
     raw = decode_metadata(text)
     try:
         return Manifest.from_json(json.dumps(raw.get("manifest")))
     except ManifestError as e:
-        raise ManifestError(f"{meta}: the recorded manifest is invalid: {e}") from e
+        raise ManifestError(f"{shown}: the recorded manifest is invalid: {e}") from e
 
 
 def safetensors_leaves(path: Path) -> list[tuple[str, str, list[int]]]:
@@ -133,8 +138,17 @@ def from_safetensors(path: Path, *, adamw: bool = False) -> Manifest:
 
 def read_manifest(source: str, *, adamw: bool = False) -> Manifest:
     """The manifest ``source`` names: a built-in model, a checkpoint (directory
-    or metadata.json), a .safetensors file or a manifest JSON file."""
+    or metadata.json, or a committed one at an ``s3://`` URL), a .safetensors
+    file or a manifest JSON file."""
     from deeppart.models import MODELS
+    from deeppart.storage import S3URL, is_url, parse_location
+
+    if is_url(source):
+        where = parse_location(source)  # other URLs: UnsupportedURLError
+        if isinstance(where, S3URL):
+            from deeppart.checkpoint_source import committed_metadata
+
+            return _recorded_manifest(committed_metadata(where), str(where))
 
     key = source.removesuffix("+adamw")
     path = Path(source)

@@ -457,12 +457,21 @@ def test_local_path_refuses_urls() -> None:
     assert local_path("C:/x") == Path("C:/x")
 
 
+#: A scheme no entry point serves (s3:// is served: tests/test_storage.py,
+#: tests/test_checkpointer_s3.py).
+UNSERVED = "gs://bucket/run/step-1"
+
+
 def test_every_entry_point_refuses_a_url(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every entry point that takes a checkpoint refuses a scheme DeepPart
+    does not serve; export writes local files only (an s3:// output is
+    refused too). None makes a local directory of the URL's name."""
     monkeypatch.chdir(tmp_path)
-    # save, load and async_save serve s3:// (tests/test_storage.py; other
-    # schemes are refused there); these entry points do not yet.
     calls: list[tuple[str, Any]] = [
-        ("Checkpointer", lambda: deeppart.Checkpointer(URL).save(1, state())),
+        ("save", lambda: deeppart.save(state(), UNSERVED)),
+        ("load", lambda: deeppart.load(UNSERVED)),
+        ("async_save", lambda: deeppart.async_save(state(), UNSERVED).wait()),
+        ("Checkpointer", lambda: deeppart.Checkpointer(UNSERVED).save(1, state())),
     ]
     torch = pytest.importorskip("torch")
     deeppart.save({"model": {"w": torch.ones(4)}}, tmp_path / "ck")
@@ -470,19 +479,23 @@ def test_every_entry_point_refuses_a_url(tmp_path: Path, monkeypatch: pytest.Mon
     from deeppart.tools import export
 
     calls += [
-        ("export_torch src", lambda: export.export_torch(URL, tmp_path / "out.pt")),
+        ("export_torch src", lambda: export.export_torch(UNSERVED, tmp_path / "out.pt")),
         ("export_torch out", lambda: export.export_torch(tmp_path / "ck", URL)),
-        ("import", lambda: export.import_checkpoint(tmp_path / "x.pt", URL)),
+        ("import", lambda: export.import_checkpoint(tmp_path / "x.pt", UNSERVED)),
     ]
     if _has("safetensors"):
         calls.append(
             ("export_safetensors", lambda: export.export_safetensors(tmp_path / "ck", URL))
         )
     for name, call in calls:
-        with pytest.raises(UnsupportedURLError, match="s3:// URL"):
+        with pytest.raises(UnsupportedURLError, match=r"(gs|s3):// URL"):
             call()
-        assert not (tmp_path / "s3:").exists(), name
-    for args in (["inspect", URL], ["export", URL, str(tmp_path / "o.pt"), "--to", "torch"]):
+        assert not (tmp_path / "s3:").exists() and not (tmp_path / "gs:").exists(), name
+    for args in (
+        ["inspect", UNSERVED],
+        ["export", UNSERVED, str(tmp_path / "o.pt"), "--to", "torch"],
+        ["manifest", UNSERVED],
+    ):
         proc = subprocess.run(
             [sys.executable, "-m", "deeppart", *args],
             capture_output=True,
@@ -491,8 +504,8 @@ def test_every_entry_point_refuses_a_url(tmp_path: Path, monkeypatch: pytest.Mon
             cwd=tmp_path,
             env=dict(os.environ, PYTHONPATH=str(ROOT)),
         )
-        assert proc.returncode == 2 and "s3:// URL" in proc.stderr, (args, proc.stderr)
-    assert not (tmp_path / "s3:").exists()
+        assert proc.returncode == 2 and "gs:// URL" in proc.stderr, (args, proc.stderr)
+    assert not (tmp_path / "gs:").exists()
 
 
 def _has(module: str) -> bool:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from deeppart import _planner
+from deeppart.checkpoint_source import LocalFile, StoredFile, open_source, source_location
 from deeppart.errors import CheckpointError, CorruptCheckpointError
 from deeppart.format import (
     HEADER_SIZE,
@@ -29,15 +30,15 @@ from deeppart.format import (
     data_file_name,
     decode_metadata,
     is_committed,
-    open_regular,
     parse_metadata,
     read_checked_metadata,
     read_regular,
     step_dir_name,
 )
-from deeppart.ownership import local_path
 from deeppart.progress import Progress, human_bytes
 from deeppart.regions import Region
+from deeppart.storage import S3URL
+from deeppart.storage.objects import ObjectDir
 
 
 def _load_metadata(directory: Path, *, allow_uncommitted: bool) -> tuple[Metadata, bool]:
@@ -50,6 +51,11 @@ def _load_metadata(directory: Path, *, allow_uncommitted: bool) -> tuple[Metadat
             text = read_regular(directory / METADATA, MAX_METADATA_BYTES)
         except OSError as e:
             raise CheckpointError(f"{directory / METADATA}: cannot read ({e.strerror})") from e
+    return _parse_metadata(text), committed
+
+
+def _parse_metadata(text: bytes) -> Metadata:
+    """Metadata text parsed (with the element sizes from its manifest)."""
     raw = decode_metadata(text)
     try:
         manifest = _planner.Manifest.from_json(json.dumps(raw.get("manifest")))
@@ -70,7 +76,7 @@ def _load_metadata(directory: Path, *, allow_uncommitted: bool) -> tuple[Metadat
         {k: (list(v) if isinstance(v, tuple) else v) for k, v in lf.items() if v is not None}
         for lf in leaves
     ]
-    return parse_metadata(raw, sizes), committed
+    return parse_metadata(raw, sizes)
 
 
 _FALLBACK_SIZES = {
@@ -215,7 +221,7 @@ class LevelFiles:
 
 
 def verify(
-    directory: Path,
+    directory: Path | ObjectDir,
     meta: Metadata,
     *,
     progress: bool | None = None,
@@ -224,6 +230,8 @@ def verify(
 ) -> VerifyReport:
     """Reads every piece of every data file and checks its xxh3_64; collects
     every failure (file, piece, leaf path, reason) rather than stopping.
+    ``directory``: a checkpoint directory, or the objects of a committed
+    checkpoint in an object store (read by ranged requests).
     ``levels``: a multi-level checkpoint's layout; its node-local data files
     are checked, and its L2 partner copies (every piece) or L3 parity shards
     (size and xxh3) too; ``nodes``: only the files those nodes hold (None:
@@ -232,15 +240,17 @@ def verify(
     by_rank: dict[int, list[tuple[int, Piece]]] = {}
     for i, p in enumerate(meta.pieces):
         by_rank.setdefault(p.rank, []).append((i, p))
-    files: list[tuple[int, Path]] = []
+    files: list[tuple[int, LocalFile | StoredFile]] = []
     for r in range(meta.world_size):
-        if levels is None:
-            files.append((r, directory / data_file_name(r)))
+        if isinstance(directory, ObjectDir):
+            files.append((r, StoredFile(directory, data_file_name(r))))
+        elif levels is None:
+            files.append((r, LocalFile(directory / data_file_name(r))))
         elif nodes is None or levels.nodes[r] in nodes:
-            files.append((r, levels.data_file(r)))
+            files.append((r, LocalFile(levels.data_file(r))))
     if levels is not None and levels.level == 2:
         files += [
-            (r, levels.copy_file(r))
+            (r, LocalFile(levels.copy_file(r)))
             for r in range(meta.world_size)
             if nodes is None or levels.copy_node(r) in nodes
         ]
@@ -251,17 +261,17 @@ def verify(
     try:
         if levels is not None and levels.level == 3:
             _verify_parity(levels, meta.world_size, report, nodes)
-        for rank, path in files:
+        for rank, file in files:
             pieces = sorted(by_rank.get(rank, []), key=lambda ip: ip[1].offset)
 
             def fail(
                 reason: str,
                 piece: Piece | None = None,
                 index: int | None = None,
-                path: Path = path,
+                label: str = file.label,
                 rank: int = rank,
             ) -> None:
-                entry: dict[str, Any] = {"file": str(path), "rank": rank, "reason": reason}
+                entry: dict[str, Any] = {"file": label, "rank": rank, "reason": reason}
                 if piece is not None:
                     entry.update(
                         piece=index,
@@ -275,7 +285,7 @@ def verify(
                 report.failures.append(entry)
 
             try:
-                size = path.stat().st_size
+                size = file.size()
             except OSError as e:
                 fail(f"missing ({e.strerror})")
                 continue
@@ -284,15 +294,16 @@ def verify(
                 fail(f"{size} bytes, metadata says {meta.file_sizes[rank]}")
                 continue
             try:
-                f = open_regular(path)
+                f = file.open()
             except (OSError, CorruptCheckpointError) as e:
                 fail(str(e) if isinstance(e, CorruptCheckpointError) else f"cannot open ({e})")
                 continue
             with f:
                 try:
                     check_header(
-                        path, f.read(HEADER_SIZE), rank, meta.world_size, meta.plan_fingerprint
-                    )
+                        file.label, f.read(HEADER_SIZE), rank, meta.world_size,
+                        meta.plan_fingerprint,
+                    )  # fmt: skip
                 except CorruptCheckpointError as e:
                     fail(f"bad header: {e}")
                 for index, p in pieces:
@@ -333,7 +344,7 @@ def _verify_parity(
 
 
 def describe(
-    directory: Path, meta: Metadata, committed: bool, levels: LevelFiles | None = None
+    directory: Path | str, meta: Metadata, committed: bool, levels: LevelFiles | None = None
 ) -> dict[str, Any]:
     """Everything ``inspect`` shows, as one JSON-able dict."""
     raw = meta.raw
@@ -571,7 +582,7 @@ def _ranks_str(ranks: list[int]) -> str:
 
 
 def verify_nodes(
-    directory: Path,
+    directory: Path | ObjectDir,
     meta: Metadata,
     levels: LevelFiles | None,
     node: str | None,
@@ -583,7 +594,7 @@ def verify_nodes(
     checks what its node holds (one rank per node suffices), one report on
     rank 0 (:func:`verify_collective`). Otherwise, on real nodes: the
     nodes whose storage is visible from here, naming the others."""
-    if levels is None:
+    if levels is None or isinstance(directory, ObjectDir):
         return verify(directory, meta)
     if collective:
         return verify_collective(directory, meta, levels)
@@ -669,16 +680,22 @@ def _print_verify(report: VerifyReport, levels: LevelFiles | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    directory: Path | ObjectDir
     try:
-        directory = local_path(args.checkpoint)
-        if directory.name == METADATA:
-            directory = directory.parent
-        meta, committed = _load_metadata(directory, allow_uncommitted=True)
+        where = source_location(args.checkpoint)
+        if isinstance(where, S3URL):
+            # Only a committed checkpoint can be found in an object store
+            # (the marker names its save's objects).
+            directory, text = open_source(where)
+            meta, committed = _parse_metadata(text), True
+        else:
+            directory = where
+            meta, committed = _load_metadata(directory, allow_uncommitted=True)
         levels = LevelFiles.from_metadata(meta.raw, args.ckpt_dir)
     except CheckpointError as e:
         print(f"deeppart: error: {e}", file=sys.stderr)
         return 2
-    info = describe(directory, meta, committed, levels)
+    info = describe(str(where), meta, committed, levels)
     report: VerifyReport | None = None
     if args.verify:
         try:
@@ -725,7 +742,9 @@ def add_parser(sub: Any) -> None:
         "inspect", help="show a checkpoint's structure, sizes and writers; --verify checksums"
     )
     p.add_argument(
-        "checkpoint", help="checkpoint directory (multi-level: meta_dir/<exec_id>/step-N)"
+        "checkpoint",
+        help="checkpoint directory or s3://bucket/prefix URL (multi-level: "
+        "meta_dir/<exec_id>/step-N)",
     )
     p.add_argument(
         "--ckpt-dir", help="multi-level checkpoints: the config's node-local ckpt_dir (default: "

@@ -11,6 +11,10 @@
   read from the file on demand) or a safetensors file or directory, saved
   as a DeepPart checkpoint (on every rank when run under mpiexec).
 
+A checkpoint may be an ``s3://bucket/prefix`` URL (read, or written by
+``import``, through :mod:`deeppart.storage`); the exported files are
+local.
+
 Command line: ``deeppart export CKPT --to safetensors OUT/``,
 ``deeppart export CKPT --to torch FILE.pt``, ``deeppart import SRC CKPT``.
 """
@@ -25,11 +29,13 @@ from pathlib import Path
 from typing import Any
 
 from deeppart.checkpoint import load, save
+from deeppart.checkpoint_source import committed_metadata
 from deeppart.comm import SingleComm
 from deeppart.errors import CheckpointError, DeepPartError, ExportError
-from deeppart.format import decode_metadata, read_checked_metadata
+from deeppart.format import decode_metadata
 from deeppart.ownership import local_path
 from deeppart.state import skeleton_paths
+from deeppart.storage import S3URL, parse_location
 
 #: Hugging Face's names of the files in a safetensors model directory.
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -46,12 +52,12 @@ _ELEMENT_SIZES = {
 
 
 def _tensor_leaves(
-    directory: Path, key: str | None
+    directory: Path | S3URL, key: str | None
 ) -> tuple[list[tuple[Any, ...]], list[int], dict[int, list[tuple[Any, ...]]]]:
     """The tensor leaves under ``key`` (the whole state when None), from the
     metadata alone: their manifest paths, byte sizes, and every path that
     holds each (tied weights: more than one)."""
-    meta = decode_metadata(read_checked_metadata(directory))
+    meta = decode_metadata(committed_metadata(directory))
     leaves = list(meta.get("manifest", {}).get("leaves", []))
     versioned = [
         list(v["path"]) for v in meta.get("versions") or []
@@ -101,12 +107,12 @@ def _tensor_leaves(
     return paths, sizes, aliases
 
 
-def _model_key(directory: Path, key: str | None) -> str | None:
+def _model_key(directory: Path | S3URL, key: str | None) -> str | None:
     """``key`` if given; else ``"model"`` when the checkpoint has it, else
     None (the whole state is the model)."""
     if key is not None:
         return key
-    meta = decode_metadata(read_checked_metadata(directory))
+    meta = decode_metadata(committed_metadata(directory))
     tops = {lf.get("path", [None])[0] for lf in meta.get("manifest", {}).get("leaves", [])}
     return "model" if "model" in tops else None
 
@@ -137,7 +143,7 @@ def export_safetensors(
     before anything is written, unless ``overwrite``. Returns the files."""
     from safetensors.torch import save_file
 
-    src = local_path(checkpoint)
+    src = parse_location(checkpoint)  # a directory or an s3:// URL
     out = local_path(out_dir)
     key = _model_key(src, key)
     paths, sizes, aliases = _tensor_leaves(src, key)
@@ -172,7 +178,7 @@ def export_safetensors(
     weight_map: dict[str, str] = {}
     total = 0
     for fname, shard in zip(names, shards, strict=False):
-        part = load(src, keys=[paths[i] for i in shard], comm=SingleComm())
+        part = load(str(src), keys=[paths[i] for i in shard], comm=SingleComm())
         tensors: dict[str, Any] = {}
         for i in shard:
             t = _get(part, paths[i]).contiguous()
@@ -236,7 +242,7 @@ def export_torch(
     (:class:`ExportError`) unless ``overwrite``."""
     import torch
 
-    checkpoint = local_path(checkpoint)  # load() serves s3://; export does not yet
+    parse_location(checkpoint)  # a directory or an s3:// URL; other URLs are refused
     out = local_path(out_file)
     _refuse_existing([out], overwrite)
 
@@ -302,7 +308,7 @@ def import_checkpoint(
     import torch
 
     src = local_path(source)
-    local_path(checkpoint)
+    parse_location(checkpoint)  # a directory or an s3:// URL; other URLs are refused
     if src.is_dir() or src.suffix == ".safetensors":
         state: Any = {key: _read_safetensors(src)}
     else:
@@ -373,7 +379,9 @@ def _cmd_import(args: argparse.Namespace) -> int:
 def add_parsers(sub: Any) -> None:
     """Adds ``export`` and ``import`` to the ``deeppart`` command line."""
     p = sub.add_parser("export", help="write a checkpoint as safetensors or one torch.save file")
-    p.add_argument("checkpoint", help="a committed DeepPart checkpoint directory")
+    p.add_argument(
+        "checkpoint", help="a committed DeepPart checkpoint: a directory or s3://bucket/prefix"
+    )
     p.add_argument("--to", required=True, choices=["safetensors", "torch"])
     p.add_argument("out", help="the output directory (safetensors) or file (torch)")
     p.add_argument(
@@ -393,7 +401,7 @@ def add_parsers(sub: Any) -> None:
     p.set_defaults(func=_cmd_export)
     p = sub.add_parser("import", help="save a .pt file or safetensors as a DeepPart checkpoint")
     p.add_argument("source", help="a torch.save file, a .safetensors file or a model directory")
-    p.add_argument("checkpoint", help="the checkpoint directory to write")
+    p.add_argument("checkpoint", help="the checkpoint to write: a directory or s3://bucket/prefix")
     p.add_argument("--key", default="model", help="the top-level key of imported safetensors")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=_cmd_import)

@@ -1,0 +1,265 @@
+"""``Checkpointer("s3://bucket/run")`` and the tools on an S3 server
+(issue 34; deeppart/object_steps.py, deeppart/checkpoint_source.py),
+against moto's S3 server (the ``s3_url`` fixture, tests/s3_server.py):
+``keep_last`` and a rollback following the live line (2 ranks, with
+background saves, in one mpiexec job: tests/checkpointer_s3_worker.py),
+foreign objects under the prefix never deleted, a save killed before its
+commit and the next save removing only that save's objects, a rollback
+without ``keep_last``, and ``inspect``/``export``/``manifest`` on an
+``s3://`` checkpoint."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import deeppart
+from deeppart.format import HEADER_SIZE, MARKER, step_dir_name
+from deeppart.storage import open_store
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+import mpi_checkpoint  # noqa: E402
+
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+WORKER = ROOT / "tests" / "checkpointer_s3_worker.py"
+RANKS = 2
+TIMEOUT_S = 300
+#: Neither a DeepPart save id nor DeepPart content: a user's objects.
+FOREIGN_GROUP = "0123456789abcdef0123456789abcdef"
+
+
+def state(v: int) -> dict[str, Any]:
+    return {"w": torch.arange(256, dtype=torch.float32) + v, "step": v}
+
+
+def check(ck: deeppart.Checkpointer, v: int, step: int | None = None) -> None:
+    got = ck.load(step)
+    assert got["step"] == v and torch.equal(got["w"], state(v)["w"])
+
+
+def keys(url: str, prefix: str) -> set[str]:
+    """The object keys under ``url/prefix`` (relative to ``url``)."""
+    store = open_store(url)
+    return {o.name for o in store.list(prefix)}
+
+
+def put_foreign(url: str, names: list[str]) -> dict[str, bytes]:
+    """Objects a user put under the checkpoints' prefix (not DeepPart's
+    content, some under DeepPart's names), by a plain put."""
+    store = open_store(url)
+    out = {}
+    for i, name in enumerate(names):
+        data = f"the user's object {i}\n".encode()
+        store.put(name, data)
+        out[name] = data
+    return out
+
+
+def assert_untouched(url: str, foreign: dict[str, bytes]) -> None:
+    store = open_store(url)
+    for name, data in foreign.items():
+        assert store.get(name) == data, f"{name} was changed"
+
+
+# ----------------------------------------------------------------------------
+# keep_last and a rollback at 2 ranks (sync and background saves).
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(not MPIEXEC.exists(), reason="mpiexec (the mpich wheel) is not installed")
+def test_keep_last_and_rollback_at_two_ranks(s3_url: str) -> None:
+    foreign = put_foreign(
+        s3_url,
+        [
+            "line/notes.txt",
+            f"line/{step_dir_name(30)}/notes.txt",
+            f"line/{step_dir_name(20)}/{FOREIGN_GROUP}/rank-00000.bin",
+            f"line/{step_dir_name(10)}/{FOREIGN_GROUP}/metadata.json",
+            "async/README",
+        ],
+    )
+    cmd = [str(MPIEXEC), "-n", str(RANKS), sys.executable, str(WORKER), s3_url]
+    proc = mpi_checkpoint.launch(cmd, TIMEOUT_S, ROOT)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"rc={proc.returncode}\n{out[-8000:]}"
+    for scenario in ("line", "async"):
+        oks = set(re.findall(rf"OK {scenario} rank \d+/{RANKS}", proc.stdout))
+        assert len(oks) == RANKS, out[-8000:]
+    assert_untouched(s3_url, foreign)
+    # The pruned (10, 20) and abandoned (30) steps: only the user's objects stay.
+    for step in (10, 20, 30):
+        left = keys(s3_url, f"line/{step_dir_name(step)}")
+        assert left == {n for n in foreign if n.startswith(f"line/{step_dir_name(step)}/")}, left
+    for step in (21, 22):
+        assert f"line/{step_dir_name(step)}/{MARKER}" in keys(s3_url, f"line/{step_dir_name(step)}")
+    assert {n.split("/")[1] for n in keys(s3_url, "async")} == {"README", step_dir_name(3)}
+
+
+# ----------------------------------------------------------------------------
+# A save killed before its commit.
+
+KILLED_SAVE = textwrap.dedent(
+    """
+    import os, sys, torch
+    import deeppart
+    from deeppart.writer import fault_hook
+
+    def die(event):
+        os._exit(17)  # killed once its data file is uploaded, before the metadata
+
+    with fault_hook("after-write", die):
+        deeppart.Checkpointer(sys.argv[1]).save(
+            20, {"w": torch.arange(256, dtype=torch.float32) + 20, "step": 20}
+        )
+    """
+)
+
+
+def test_a_killed_save_is_removed_by_the_next_save_and_nothing_else(s3_url: str) -> None:
+    root = f"{s3_url}/run"
+    ck = deeppart.Checkpointer(root, keep_last=3)
+    ck.save(10, state(10))
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_SAVE, root], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 17, proc.stdout + proc.stderr
+    killed = keys(s3_url, f"run/{step_dir_name(20)}")
+    assert killed and all(k.endswith("/rank-00000.bin") for k in killed), killed
+    assert ck.steps() == [10] and ck.latest() == 10, "an uncommitted step is not a step"
+    foreign = put_foreign(
+        s3_url,
+        [
+            f"run/{step_dir_name(20)}/notes.txt",
+            f"run/{step_dir_name(20)}/{FOREIGN_GROUP}/rank-00000.bin",
+        ],
+    )
+    ck.save(30, state(30))
+    assert ck.steps() == [10, 30]
+    assert keys(s3_url, f"run/{step_dir_name(20)}") == set(foreign), "only the killed save's go"
+    assert_untouched(s3_url, foreign)
+    check(ck, 10, 10)
+    check(ck, 30)
+
+
+# ----------------------------------------------------------------------------
+# A rollback without keep_last: nothing is moved (no rename in S3).
+
+
+def test_rollback_without_keep_last_leaves_the_left_line_where_it_is(s3_url: str) -> None:
+    root = f"{s3_url}/run"
+    ck = deeppart.Checkpointer(root)
+    for step in (10, 20, 30):
+        ck.save(step, state(step))
+    check(ck, 20, 20)
+    ck.save(21, state(21))
+    assert ck.steps() == [10, 20, 21] and ck.latest() == 21
+    restart = deeppart.Checkpointer(root)
+    assert restart.latest() == 21, "a restart never resumes the left line"
+    check(restart, 30, 30)  # still there, loadable by its number
+    check(restart, 21)
+    restart.save(30, state(1030))  # the new line's step 30 replaces the left one
+    assert restart.steps() == [10, 20, 21, 30]
+    again = deeppart.Checkpointer(root)
+    assert again.latest() == 30
+    check(again, 1030, 30)
+
+
+def test_an_existing_step_is_refused_and_overwrite_replaces_it(s3_url: str) -> None:
+    root = f"{s3_url}/run"
+    ck = deeppart.Checkpointer(root, keep_last=2)
+    ck.save(10, state(10))
+    with pytest.raises(deeppart.CheckpointError):
+        deeppart.Checkpointer(root).save(10, state(11))
+    check(ck, 10)
+    ck.save(10, state(12), overwrite=True)
+    check(ck, 12)
+    assert ck.steps() == [10]
+    # Only the replacing save's objects are left.
+    groups = {
+        k.split("/")[2] for k in keys(s3_url, f"run/{step_dir_name(10)}") if k.count("/") == 3
+    }
+    assert len(groups) == 1, groups
+
+
+# ----------------------------------------------------------------------------
+# inspect, export, manifest on an s3:// checkpoint.
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "deeppart", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def tools_state() -> dict[str, Any]:
+    return {
+        "model": {
+            "layer.weight": torch.arange(4096, dtype=torch.float32).reshape(64, 64),
+            "layer.bias": torch.arange(64, dtype=torch.float16),
+        },
+        "step": 7,
+    }
+
+
+def test_inspect_verifies_an_s3_checkpoint_and_names_a_corrupt_object(s3_url: str) -> None:
+    url = f"{s3_url}/ck/step-7"
+    deeppart.save(tools_state(), url)
+    proc = cli("inspect", url, "--verify", "--json")
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    assert info["directory"] == url and info["committed"] is True
+    assert info["verify"]["ok"] and info["verify"]["pieces_checked"] > 0
+    (data_key,) = [k for k in keys(s3_url, "ck/step-7") if k.endswith("rank-00000.bin")]
+    raw = open_store(s3_url).get(data_key)
+    flipped = bytearray(raw)
+    flipped[HEADER_SIZE + 5] ^= 0xFF
+    open_store(s3_url).put(data_key, bytes(flipped))
+    proc = cli("inspect", url, "--verify", "--json")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    failures = json.loads(proc.stdout)["verify"]["failures"]
+    assert failures and failures[0]["file"] == f"{s3_url}/{data_key}"
+    assert "checksum" in failures[0]["reason"]
+    proc = cli("inspect", f"{s3_url}/ck/nothing-here")
+    assert proc.returncode == 2 and "no committed checkpoint" in proc.stderr, proc.stderr
+
+
+def test_export_and_manifest_read_an_s3_checkpoint(s3_url: str, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    url = f"{s3_url}/ck/step-7"
+    saved = tools_state()
+    deeppart.save(saved, url)
+    proc = cli("export", url, "--to", "safetensors", str(tmp_path / "hf"))
+    assert proc.returncode == 0, proc.stderr
+    got = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert got.keys() == saved["model"].keys()
+    for name, tensor in saved["model"].items():
+        assert torch.equal(got[name], tensor)
+    proc = cli("export", url, "--to", "torch", str(tmp_path / "all.pt"))
+    assert proc.returncode == 0, proc.stderr
+    whole = torch.load(tmp_path / "all.pt", weights_only=True)
+    assert whole["step"] == 7 and torch.equal(
+        whole["model"]["layer.bias"], saved["model"]["layer.bias"]
+    )
+    proc = cli("import", str(tmp_path / "all.pt"), f"{s3_url}/imported")
+    assert proc.returncode == 0, proc.stderr
+    back = deeppart.load(f"{s3_url}/imported")
+    assert back["step"] == 7 and torch.equal(
+        back["model"]["layer.weight"], saved["model"]["layer.weight"]
+    )
+    proc = cli("manifest", url)
+    assert proc.returncode == 0, proc.stderr
+    manifest = deeppart.Manifest.from_json(proc.stdout)
+    assert len(manifest.leaves()) == 3
+    proc = cli("export", f"{s3_url}/ck/absent", "--to", "torch", str(tmp_path / "x.pt"))
+    assert proc.returncode != 0 and "no committed checkpoint" in proc.stderr, proc.stderr
+    assert not (tmp_path / "x.pt").exists()
