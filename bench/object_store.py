@@ -372,7 +372,7 @@ class DcpStore:
             return S3StorageWriter(
                 region=REGION, path=url, s3client_config=S3ClientConfig(force_path_style=True)
             )
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+        from torch.distributed.checkpoint.fsspec_filesystem import FsspecWriter
 
         return FsspecWriter(url, sync_files=False)
 
@@ -384,7 +384,7 @@ class DcpStore:
             return S3StorageReader(
                 region=REGION, path=url, s3client_config=S3ClientConfig(force_path_style=True)
             )
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+        from torch.distributed.checkpoint.fsspec_filesystem import FsspecReader
 
         return FsspecReader(url)
 
