@@ -41,10 +41,11 @@ from typing import TYPE_CHECKING, Any
 from deeppart.checkpoint import plan_save
 from deeppart.comm import Comm, resolve, writer_comm
 from deeppart.errors import AsyncSaveWarning
-from deeppart.ownership import local_path
 from deeppart.prepare import Prepared
 from deeppart.progress import Stats
 from deeppart.snapshot import ShareSnapshot, share_bytes
+from deeppart.storage.target import location_name
+from deeppart.storage.url import Location, parse_location
 
 if TYPE_CHECKING:
     import os
@@ -61,7 +62,7 @@ class AsyncSave:
     load or close).
     """
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Location) -> None:
         self.directory = directory
         #: Seconds the main thread spent on the snapshot (the training stall).
         self.snapshot_seconds = 0.0
@@ -157,7 +158,7 @@ atexit.register(_report_at_exit)
 def start(
     c: Comm,
     state: Any,
-    directory: Path,
+    directory: Location,
     save_kwargs: dict[str, Any],
     *,
     max_staging_bytes: int | None = None,
@@ -229,7 +230,7 @@ def start(
         _after(after, directory)
         handle._finish(stats, None)
 
-    thread = threading.Thread(target=run, name=f"deeppart-save {directory.name}")
+    thread = threading.Thread(target=run, name=f"deeppart-save {location_name(directory)}")
     handle._thread = thread
     with _LOCK:
         _IN_FLIGHT[key] = handle
@@ -237,7 +238,7 @@ def start(
     return handle
 
 
-def _after(after: Callable[[], None] | None, directory: Path) -> None:
+def _after(after: Callable[[], None] | None, directory: Location) -> None:
     """Runs the post-commit step (rank 0's clean-up of old checkpoints). It
     runs on some ranks only, so a failure is a warning, never the save's
     error: that error would be raised on those ranks alone, by the next
@@ -273,7 +274,7 @@ def async_save(
     return start(
         resolve(comm),
         state,
-        local_path(directory),
+        parse_location(directory),
         save_kwargs,
         max_staging_bytes=max_staging_bytes,
     )

@@ -26,7 +26,6 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TypedDict, Unpack
 
 import numpy as np
@@ -35,19 +34,12 @@ from deeppart import staging as _staging
 from deeppart._planner import Plan
 from deeppart.agreement import agree
 from deeppart.comm import Comm, resolve
-from deeppart.commit import (
-    TEMP_NAME_MAX,
-    commit_dir,
-    make_temp_dir,
-    metadata_json,
-    remove_temp_dir,
-)
+from deeppart.commit import TEMP_NAME_MAX, metadata_json
 from deeppart.errors import StateMismatchError
-from deeppart.format import SAVE_ID_HEX, Metadata, data_file_name, new_save_id
+from deeppart.format import SAVE_ID_HEX, Metadata, new_save_id
 from deeppart.groups import LoadView, load_view, read_own, selection_digest
 from deeppart.integrity import Hosts, hosts
 from deeppart.own_view import OwnView, by_ranks, own_view, resolve_versions, set_at, value_at
-from deeppart.ownership import check_target, local_path
 from deeppart.planning import PlanProvider
 from deeppart.prepare import Prepared, prepare_save
 from deeppart.prepare import verify_replicas as check_replicas
@@ -72,6 +64,9 @@ from deeppart.reshard import (
 )
 from deeppart.restore import IncompatibleKeys, describe
 from deeppart.state import encode_plain, flatten
+from deeppart.storage.objects import ObjectDir
+from deeppart.storage.target import SaveTarget, save_target
+from deeppart.storage.url import Location, parse_location
 from deeppart.writer import RECORD_FIELDS, write_pieces
 
 __all__ = [
@@ -207,7 +202,7 @@ class PlannedSave:
     snapshot of this rank's pieces (``prep.staged``)."""
 
     prep: Prepared
-    final: Path
+    final: Location
     zstd_level: int
     overwrite: bool
     user: Any
@@ -216,18 +211,24 @@ class PlannedSave:
     staging_bytes: int | None
     #: Each rank's byte from ``plan_save(local=...)`` (empty without it).
     flags: list[int] = field(default_factory=list)
+    #: Where it writes and how it commits (a file system directory or an
+    #: object store: :mod:`deeppart.storage.target`).
+    target: SaveTarget | None = None
 
     def finish(self, c: Comm, t0: float | None = None) -> Stats:
         """Temporary directory, write, commit (collective over ``c``);
         the save's :class:`Stats` count from ``t0`` (default: now)."""
         t0 = time.perf_counter() if t0 is None else t0
         prep, final = self.prep, self.final
-        # Rank 0 makes the temporary directory and the save's id.
+        target = self.target if self.target is not None else save_target(final)
+        # Rank 0 makes the save's id and begins it (on a file system: the
+        # temporary directory).
         err: BaseException | None = None
         payload = b""
         if c.rank == 0:
             try:
-                payload = new_save_id().encode() + make_temp_dir(final, self.overwrite).encode()
+                save_id = new_save_id()
+                payload = save_id.encode() + target.begin(save_id, self.overwrite).encode()
             except Exception as e:
                 err = e
         names = agree(c, err, payload, width=SAVE_ID_HEX + TEMP_NAME_MAX)
@@ -236,11 +237,11 @@ class PlannedSave:
         t_sync = time.perf_counter()
         before_sync = t_sync - t0
         save_id = names[0][:SAVE_ID_HEX].decode()
-        tmp = final.parent / names[0][SAVE_ID_HEX:].rstrip(b"\0").decode()
+        token = names[0][SAVE_ID_HEX:].rstrip(b"\0").decode()
 
         # Every rank writes its pieces; rank 0 gathers the piece records.
         gathered = _write(
-            c, prep, tmp, self.zstd_level, self.progress, self.staging_bytes, save_id
+            c, prep, target, token, self.zstd_level, self.progress, self.staging_bytes, save_id
         )
 
         # Rank 0 commits: metadata, fsyncs, rename, marker.
@@ -250,10 +251,10 @@ class PlannedSave:
             try:
                 meta = metadata_json(prep, gathered, self.user, save_id=save_id)
                 stored_total = int(json.loads(meta)["stored_bytes"])
-                commit_dir(tmp, final, meta, overwrite=self.overwrite, save_id=save_id)
+                target.commit(token, save_id, meta, self.overwrite)
             except Exception as e:
                 err = e
-                remove_temp_dir(tmp, save_id)
+                target.abandon(token, save_id)
         # The time after the first agreement ends in this last one, which
         # every rank leaves together once the last of them (rank 0, after
         # gathering everyone's records and committing) has entered it: the
@@ -307,7 +308,7 @@ class SaveOptions(TypedDict, total=False):
 def plan_save(
     c: Comm,
     state: Any,
-    directory: str | os.PathLike[str],
+    directory: str | os.PathLike[str] | Location,
     *,
     local: Callable[[Prepared], int] | None = None,
     **options: Unpack[SaveOptions],
@@ -321,7 +322,8 @@ def plan_save(
     that the same collective shares (``PlannedSave.flags``), and its
     failure fails the agreement on every rank."""
     o = options
-    final = local_path(directory)
+    final = parse_location(directory)
+    target = save_target(final)
     zstd_level = compression_level_of(o.get("compression_level", 1), o.get("level"), 4)
     plan_provider = o.get("plan_provider")
     if plan_provider is None:
@@ -341,7 +343,7 @@ def plan_save(
     try:
         if user is not None:
             encode_plain(user, ("<user>",))
-        check_target(final)  # on every rank: each may see its own file system
+        target.check()  # on every rank: each may see its own file system
     except Exception as e:
         err = e
     prep, flags = prepare_save(
@@ -367,36 +369,41 @@ def plan_save(
         o.get("verbose", False),
         o.get("staging_bytes"),
         flags,
+        target,
     )
 
 
 def _write(
     c: Comm,
     prep: Prepared,
-    tmp: Path,
+    target: SaveTarget,
+    token: str,
     zstd_level: int,
     progress: bool | None,
     staging_bytes: int | None,
     save_id: str = "",
 ) -> Any:
-    """The write stage with its agreement: this rank's data file in
-    ``tmp`` (its header carrying ``save_id``); rank 0 returns everyone's
-    piece records (flat, each rank's followed by its file size), the others
-    None. On any failure every rank raises, and rank 0 removes ``tmp``."""
+    """The write stage with its agreement: this rank's data file where
+    ``target`` puts it (its header carrying ``save_id``); rank 0 returns
+    everyone's piece records (flat, each rank's followed by its file size),
+    the others None. On any failure every rank raises, and rank 0 removes
+    what the save wrote (``target.abandon``)."""
     err: BaseException | None = None
     prog = Progress(
         "save", prep.plan.rank_bytes()[c.rank], enabled=progress if c.rank == 0 else False
     )
     local = np.zeros(1, dtype=np.uint64)
     try:
+        path, opener = target.data_file(token, save_id, c.rank)
         records, size = write_pieces(
-            tmp / data_file_name(c.rank),
+            path,
             c.rank,
             prep,
             zstd_level,
             prog,
             staging=_staging.Staging(staging_bytes),
             save_id=save_id,
+            opener=opener,
         )
         local = np.concatenate([records.reshape(-1), np.array([size], dtype=np.uint64)])
     except Exception as e:
@@ -407,7 +414,7 @@ def _write(
         agree(c, err)
     except BaseException:
         if c.rank == 0:
-            remove_temp_dir(tmp, save_id)
+            target.abandon(token, save_id)
         raise
     counts = [len(prep.plan.rank_pieces(r)) * RECORD_FIELDS + 1 for r in range(c.size)]
     return c.gatherv_u64(local, counts, root=0)
@@ -505,7 +512,7 @@ def load(
     try:
         view = load_view(group, into, keys, c.rank)
         into, keys = view.into, view.keys
-        path, meta, digest = open_checkpoint(local_path(directory))
+        path, meta, digest = open_checkpoint(parse_location(directory))
         own = own_view(meta, c.rank, c.size, per_rank, into, held_only=group is None)
         meta = own.meta
         st = shard_targets(meta, into, keys, strict)
@@ -531,7 +538,10 @@ def load(
         rp = read_own(rp, c.rank)  # the ranks load different leaves
     sr = None
     if st.active:
-        own_reads = shard_exchange(exchange, rp.meta, where.one_host)
+        # From an object store each byte is fetched once per job: the
+        # cooperative read (no page cache shares a re-read).
+        local = not isinstance(rp.path, ObjectDir)
+        own_reads = shard_exchange(exchange, rp.meta, where.one_host and local)
         sr = plan_shard_reads(c, rp.meta, st, read_own=own_reads)
 
     # Read this rank's share, then exchange it.

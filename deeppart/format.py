@@ -24,7 +24,7 @@ import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from deeppart._planner import MAX_GROUP_ENTRIES, MAX_GROUPS
 from deeppart.compression import CODECS, MAX_EXPANSION, MAX_OBJECT_EXPANSION
@@ -137,7 +137,9 @@ def header_save_id(data: bytes) -> str | None:
     return "" if not any(raw) else raw.hex()
 
 
-def check_header(path: Path, data: bytes, rank: int, world_size: int, fingerprint: str) -> None:
+def check_header(
+    path: Path | str, data: bytes, rank: int, world_size: int, fingerprint: str
+) -> None:
     if len(data) < _HEADER.size:
         raise CorruptCheckpointError(f"{path}: truncated header")
     magic, version, hrank, hworld, fp = _HEADER.unpack_from(data)
@@ -273,6 +275,14 @@ class LeafInfo:
     nbytes: int
 
 
+class Directory(Protocol):
+    """What names a checkpoint's files in messages: a directory
+    (:class:`~pathlib.Path`) or the objects of one save in an object store
+    (:class:`deeppart.storage.objects.ObjectDir`); ``directory / name``."""
+
+    def __truediv__(self, name: str, /) -> Any: ...
+
+
 @dataclass(frozen=True)
 class Piece:
     leaf: int
@@ -285,7 +295,7 @@ class Piece:
     codec: str
     xxh3: int
 
-    def describe(self, directory: Path) -> str:
+    def describe(self, directory: Directory) -> str:
         return (
             f"{directory / data_file_name(self.rank)}: piece of leaf {self.leaf} "
             f"[{self.start}:{self.stop}] at offset {self.offset} ({self.stored} bytes)"
@@ -524,7 +534,6 @@ def _versions(
         records = [_int(x, f"{what} record", 0, nrecords - 1) for x in records_raw]
         out.append(VersionRecord(list(rec["path"]), ranks, leaves, records))
     return out
-
 
 
 def _holder_groups(raw: dict[str, Any], world: int) -> list[list[int]]:

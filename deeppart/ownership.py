@@ -51,6 +51,7 @@ __all__ = [
     "check_target",
     "checkpoint_file",
     "foreign_entries",
+    "head_save_id",
     "level_file",
     "local_path",
     "metadata_save_id",
@@ -128,7 +129,13 @@ def _head(path: Path, n: int) -> bytes:
 def metadata_save_id(directory: Path) -> str | None:
     """The ``save_id`` recorded in ``directory``'s metadata.json, or None
     (no such file, not DeepPart's, or written before save ids)."""
-    head = _head(directory / METADATA, HEADER_SIZE)
+    return head_save_id(_head(directory / METADATA, HEADER_SIZE))
+
+
+def head_save_id(head: bytes) -> str | None:
+    """The ``save_id`` in the first bytes ``head`` of a metadata.json, if
+    they begin as DeepPart's metadata does (as :func:`deeppart.commit.
+    metadata_head` writes it); else None."""
     if _META_HEAD.match(head) is None:
         return None
     m = _SAVE_ID_KEY.search(head)

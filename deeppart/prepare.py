@@ -21,7 +21,6 @@ import json
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,6 +33,7 @@ from deeppart.dtensor import HolderGroups, expand
 from deeppart.errors import CheckpointError, StateMismatchError
 from deeppart.regions import DTensorRecord, Region, ShardRecord
 from deeppart.state import FlatLeaf, check_has_data, flatten
+from deeppart.storage.url import Location, location_key
 from deeppart.tensors import U8, readable, u8_view
 from deeppart.union import Described, Digests, Union, build_union, whole_digests_needed
 
@@ -155,7 +155,7 @@ def prepare(
     state: Any,
     compression: str | None,
     plan_for: Callable[[Manifest], Plan],
-    directory: Path,
+    directory: Location,
 ) -> Prepared:
     """Flattens ``state``, plans it with ``plan_for`` and digests what the
     ranks must agree on (plan, manifest, skeleton, codec, ``directory``)."""
@@ -176,7 +176,7 @@ def save_digest(
     manifest: Manifest,
     skeleton: Any,
     codec: str,
-    directory: Path,
+    directory: Location,
     records: list[DTensorRecord],
 ) -> bytes:
     """The digest of what all ranks of one save must agree on."""
@@ -186,7 +186,7 @@ def save_digest(
     h.update(manifest.fingerprint.encode())
     h.update(json.dumps(skeleton, separators=(",", ":")).encode())
     h.update(codec.encode())
-    h.update(os.path.abspath(directory).encode())
+    h.update(location_key(directory).encode())
     h.update(json.dumps([r.to_json() for r in records], separators=(",", ":")).encode())
     return h.digest()
 
@@ -352,7 +352,7 @@ class _Own:
     sample: bytes
     values: bytes
     plan_for: Callable[[Manifest], Plan]
-    directory: Path
+    directory: Location
 
 
 def _holders_of(desc: dict[str, Any], groups: list[list[int]], world: int) -> list[int]:
@@ -371,7 +371,7 @@ def _own_prepare(
     state: Any,
     compression: str | None,
     plan_for: Callable[[Manifest], Plan],
-    directory: Path,
+    directory: Location,
     group: Any,
     replica_dims: Sequence[str],
     rank: int,
@@ -392,7 +392,7 @@ def _own_prepare(
     # Ranks that pass different kinds of group= never agree (nor hang).
     digest = hashlib.sha256(digest + kind.encode()).digest()
     prep = Prepared(ex.leaves, ex.skeleton, manifest, plan, codec, digest, ex.records)
-    where = os.path.abspath(directory)
+    where = location_key(directory)
     common = hashlib.sha256(f"{codec}\0{where}\0{kind}".encode()).hexdigest()
     described = Described([], ex.skeleton, [], common)
     digests = Digests()
@@ -416,9 +416,7 @@ def _own_prepare(
              "shards": [[s.leaf, s.region.to_json()] for s in rec.shards]}
         )  # fmt: skip
     prep.samples = {i: bytes.fromhex(v) for i, v in digests.samples.items()}
-    return _Own(
-        prep, described, digests, h_sample.digest(), h_values.digest(), plan_for, directory
-    )
+    return _Own(prep, described, digests, h_sample.digest(), h_values.digest(), plan_for, directory)
 
 
 def _replica_classes(manifest: Manifest, world: int) -> list[tuple[int, ...]]:
@@ -441,7 +439,7 @@ def prepare_save(
     state: Any,
     compression: str | None,
     plan_for: Callable[[Manifest], Plan],
-    directory: Path,
+    directory: Location,
     *,
     group: Any = None,
     replica_dims: str | Sequence[str] | None = None,

@@ -41,20 +41,20 @@ from deeppart.format import (
     OVERLAP_CHECKSUM_BYTES,
     Metadata,
     Piece,
-    check_file_sizes,
     check_header,
     checksum,
     data_file_name,
     decode_metadata,
     is_committed,
     max_expansion,
-    open_regular,
     parse_metadata,
     read_checked_metadata,
 )
 from deeppart.progress import Progress
 from deeppart.restore import ABSENT, IncompatibleKeys, match, prune, select, write_back_plain
 from deeppart.state import FlatLeaf, decode_plain, flatten, unflatten
+from deeppart.storage.files import CheckpointDir, check_file_sizes, committed_metadata, open_data
+from deeppart.storage.url import S3URL, Location
 from deeppart.tensors import U8, dtype_sizes, torch_dtypes, torch_module, u8_view
 
 __all__ = [
@@ -97,13 +97,18 @@ def leaf_infos(meta_raw: dict[str, Any]) -> list[dict[str, Any]]:
 
 def read_metadata(directory: Path) -> tuple[Metadata, bytes]:
     text = read_checked_metadata(directory)
+    return parsed_metadata(text), hashlib.sha256(text).digest()
+
+
+def parsed_metadata(text: bytes) -> Metadata:
+    """A checked metadata.json's text, parsed."""
     raw = decode_metadata(text)
     # The leaves come from the manifest, checked by the planner's parser.
     raw["leaves"] = [
         {k: (list(v) if isinstance(v, tuple) else v) for k, v in lf.items() if v is not None}
         for lf in leaf_infos(raw)
     ]
-    return parse_metadata(raw, dtype_sizes(raw["leaves"])), hashlib.sha256(text).digest()
+    return parse_metadata(raw, dtype_sizes(raw["leaves"]))
 
 
 def committed_or_replaced(path: Path) -> Path:
@@ -126,11 +131,15 @@ def committed_or_replaced(path: Path) -> Path:
     return previous
 
 
-def open_checkpoint(path: Path) -> tuple[Path, Metadata, bytes]:
+def open_checkpoint(path: Location) -> tuple[CheckpointDir, Metadata, bytes]:
     """The committed checkpoint at ``path`` (or the copy an interrupted
     overwrite moved aside, see :func:`committed_or_replaced`): its path, its
     checked metadata and the digest of ``metadata.json`` that the ranks
-    compare."""
+    compare. At an object store URL: the objects of the save its commit
+    marker names (:func:`deeppart.storage.objects.open_committed`)."""
+    if isinstance(path, S3URL):
+        at, text, digest = committed_metadata(path)
+        return at, parsed_metadata(text), digest
     try:
         meta, digest = read_metadata(path)
     except CheckpointError:
@@ -257,7 +266,7 @@ def assign_readers(file_bytes: list[int], readers: int) -> list[int]:
 class ReadPlan:
     """Who reads what, and where it goes."""
 
-    path: Path
+    path: CheckpointDir
     meta: Metadata
     #: Per leaf: where its bytes go (None: not read).
     targets: list[Target | None]
@@ -282,7 +291,7 @@ class ReadPlan:
 
 def plan_reads(
     comm: Comm,
-    path: Path,
+    path: CheckpointDir,
     meta: Metadata,
     *,
     into: Any,
@@ -346,7 +355,7 @@ def plan_reads(
 
 
 def read_file(
-    directory: Path,
+    directory: CheckpointDir,
     meta: Metadata,
     rank: int,
     pieces: list[Piece],
@@ -359,11 +368,7 @@ def read_file(
     the memory it was read into (``dest(piece)``, or the staging buffer of
     a device target), after the read."""
     path = directory / data_file_name(rank)
-    try:
-        f = open_regular(path)
-    except OSError as e:
-        raise CorruptCheckpointError(f"{path}: cannot open ({e.strerror})") from e
-    with f:
+    with open_data(directory, rank) as f:
         return read_pieces(f, path, directory, meta, rank, pieces, dest, progress, staging)
 
 
@@ -373,7 +378,7 @@ class _Checksums:
     releases the GIL) while the next piece is read, all compared by
     :meth:`check` before the read returns."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: CheckpointDir) -> None:
         self.directory = directory
         self.pool: ThreadPoolExecutor | None = None
         self.pending: list[tuple[Piece, Future[int]]] = []
@@ -405,8 +410,8 @@ class _Checksums:
 
 def read_pieces(
     f: Any,
-    path: Path,
-    directory: Path,
+    path: Path | str,
+    directory: CheckpointDir,
     meta: Metadata,
     rank: int,
     pieces: list[Piece],
@@ -429,7 +434,7 @@ def read_pieces(
 
 def _read_each(
     f: Any,
-    directory: Path,
+    directory: CheckpointDir,
     meta: Metadata,
     pieces: list[Piece],
     dest: Callable[[Piece], U8 | _staging.DeviceSink],
@@ -481,7 +486,7 @@ def _read_staged(
     p: Piece,
     sink: _staging.DeviceSink,
     staging: _staging.Staging,
-    directory: Path,
+    directory: CheckpointDir,
     itemsize: int,
 ) -> None:
     """Reads piece ``p`` (at ``f``'s position) into a device tensor: a raw
@@ -824,7 +829,7 @@ def _copy_to(out: U8 | _staging.DeviceSink, at: int, data: U8, stage: _staging.S
 def assemble(
     meta: Metadata,
     targets: Sequence[Target | None],
-    path: Path,
+    path: CheckpointDir,
     into: IntoMatch | None = None,
     pruned: bool = False,
     filled: dict[int, Any] | None = None,

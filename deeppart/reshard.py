@@ -37,7 +37,6 @@ from __future__ import annotations
 import itertools
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -48,16 +47,15 @@ from deeppart.format import (
     HEADER_SIZE,
     Metadata,
     Piece,
-    check_file_sizes,
     check_header,
     data_file_name,
-    open_regular,
 )
 from deeppart.progress import Progress
 from deeppart.reader import read_file
 from deeppart.regions import DTensorRecord, Region, ShardRecord
 from deeppart.restore import describe, select
 from deeppart.state import flatten, is_dtensor
+from deeppart.storage.files import CheckpointDir, check_file_sizes, open_data
 from deeppart.tensors import U8, torch_dtypes, torch_module, u8_view
 
 __all__ = [
@@ -205,8 +203,11 @@ def _direct_ranges(meta: Metadata, shard: ShardRecord, needs: list[Need]) -> lis
         if common is None:
             continue
         dest = need.dest
-        if dest.device.type != "cpu" or not dest.is_contiguous() or dest.is_conj() or (
-            dest.is_neg()
+        if (
+            dest.device.type != "cpu"
+            or not dest.is_contiguous()
+            or dest.is_conj()
+            or (dest.is_neg())
         ):
             return None
         if not shard.region.runs:  # a 0-d tensor
@@ -214,8 +215,12 @@ def _direct_ranges(meta: Metadata, shard: ShardRecord, needs: list[Need]) -> lis
             continue
         ss, ds = shard.region.spans(common), need.region.spans(common)
         sshape, dshape = shard.region.shape, need.region.shape
-        if ss[0] is None or ds[0] is None or any(
-            ss[d] != (0, sshape[d]) or ds[d] != (0, dshape[d]) for d in range(1, len(sshape))
+        if (
+            ss[0] is None
+            or ds[0] is None
+            or any(
+                ss[d] != (0, sshape[d]) or ds[d] != (0, dshape[d]) for d in range(1, len(sshape))
+            )
         ):
             return None
         row = isz
@@ -309,9 +314,7 @@ def plan_shard_reads(
                     out.direct[shard.leaf] = direct
             for p in pieces_of.get(shard.leaf, []):
                 span = _piece_region(meta, shard, p)
-                needers = sorted(
-                    {r for r, reg in wants[key] if reg.intersect(span) is not None}
-                )
+                needers = sorted({r for r, reg in wants[key] if reg.intersect(span) is not None})
                 if not needers:
                     continue
                 out.total_raw += p.length
@@ -341,7 +344,7 @@ def _slot(meta: Metadata, sr: ShardReads, p: Piece) -> U8:
 
 
 def read_shards(
-    path: Path,
+    path: CheckpointDir,
     meta: Metadata,
     sr: ShardReads,
     progress: Progress,
@@ -366,7 +369,7 @@ def read_shards(
 SCRATCH_BYTES = 8 << 20
 
 
-def _read_into(f: Any, view: U8, p: Piece, directory: Path, hasher: Any) -> None:
+def _read_into(f: Any, view: U8, p: Piece, directory: CheckpointDir, hasher: Any) -> None:
     got = f.readinto(view.data)
     if got != view.size:
         raise CorruptCheckpointError(f"{p.describe(directory)}: short read")
@@ -374,7 +377,7 @@ def _read_into(f: Any, view: U8, p: Piece, directory: Path, hasher: Any) -> None
 
 
 def _read_direct(
-    directory: Path,
+    directory: CheckpointDir,
     meta: Metadata,
     rank: int,
     pieces: list[Piece],
@@ -387,10 +390,7 @@ def _read_direct(
     import xxhash
 
     path = directory / data_file_name(rank)
-    try:
-        f = open_regular(path)
-    except OSError as e:
-        raise CorruptCheckpointError(f"{path}: cannot open ({e.strerror})") from e
+    f = open_data(directory, rank)
     n = 0
     scratch: U8 | None = None
     with f:
@@ -502,8 +502,8 @@ def fill_shards(meta: Metadata, sr: ShardReads) -> dict[int, Any]:
                 common = shard.region.intersect(need.region)
                 if common is None or shard.leaf not in sr.buffers:
                     continue
-                src = torch.from_numpy(sr.buffers[shard.leaf]).view(dtype).reshape(
-                    shard.region.shape
+                src = (
+                    torch.from_numpy(sr.buffers[shard.leaf]).view(dtype).reshape(shard.region.shape)
                 )
                 # Where the common box is a slice of the stored shard (every
                 # Shard placement), a view; an index array only for the

@@ -129,10 +129,14 @@ def write_pieces(
     progress: Progress,
     staging: _staging.Staging | None = None,
     save_id: str = "",
+    opener: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> tuple[npt.NDArray[np.uint64], int]:
     """Writes this rank's data file (its header carrying the save's id
     ``save_id``, if any); returns its piece records and size.
-    Pieces of device tensors pass through ``staging`` in bounded chunks."""
+    Pieces of device tensors pass through ``staging`` in bounded chunks.
+    ``opener``: opens the file to write instead of ``path`` on the file
+    system (an upload to an object store, :mod:`deeppart.storage.target`;
+    the object is complete when the context exits)."""
     stage = staging if staging is not None else _staging.Staging()
     on_device: dict[int, Any] = {}
     pieces = prep.plan.rank_pieces(rank)
@@ -147,7 +151,7 @@ def write_pieces(
     # Background checksums: (record row, future) of the long pieces.
     sums: list[tuple[int, Future[int]]] = []
     pool: ThreadPoolExecutor | None = None
-    with contextlib.ExitStack() as stack, open(path, "wb") as f:
+    with contextlib.ExitStack() as stack, opener() if opener else open(path, "wb") as f:
         f.write(header_bytes(rank, prep.plan.world_size, prep.plan.fingerprint, save_id))
         pos = end = HEADER_SIZE
         for k, (li, start, stop) in enumerate(pieces):
@@ -238,6 +242,7 @@ def write_pieces(
         f.truncate(end)
         size = end
         f.flush()
-        os.fsync(f.fileno())
+        if opener is None:
+            os.fsync(f.fileno())
     _fire("after-write", rank, path)
     return records, size

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,3 +38,31 @@ def _isolated_plan_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[N
 def example_manifest() -> deeppart.Manifest:
     """examples/manifest.json: tensors, an object leaf and an owned leaf."""
     return deeppart.Manifest.from_json(EXAMPLE_MANIFEST.read_text())
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A moto S3 server on 127.0.0.1 (tests/s3_server.py), for the whole
+    session; killed at the end. Skips when moto is not installed."""
+    from s3_server import S3Server, moto_command
+
+    if moto_command() is None:
+        pytest.skip("moto[server] is not installed (requirements/dev.txt pins it)")
+    server = S3Server(tmp_path_factory.mktemp("moto") / "moto.log")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+_buckets = itertools.count()
+
+
+@pytest.fixture
+def s3_url(s3_server: Any, monkeypatch: pytest.MonkeyPatch) -> str:
+    """``s3://BUCKET`` of a fresh bucket on the session's server, with the
+    ``AWS_*`` variables that reach it set for this test."""
+    for key, value in s3_server.env().items():
+        monkeypatch.setenv(key, value)
+    return str(s3_server.make_bucket(f"deeppart-{os.getpid()}-{next(_buckets)}"))

@@ -459,10 +459,9 @@ def test_local_path_refuses_urls() -> None:
 
 def test_every_entry_point_refuses_a_url(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
+    # save, load and async_save serve s3:// (tests/test_storage.py; other
+    # schemes are refused there); these entry points do not yet.
     calls: list[tuple[str, Any]] = [
-        ("save", lambda: deeppart.save(state(), URL)),
-        ("load", lambda: deeppart.load(URL)),
-        ("async_save", lambda: deeppart.async_save(state(), URL).wait()),
         ("Checkpointer", lambda: deeppart.Checkpointer(URL).save(1, state())),
     ]
     torch = pytest.importorskip("torch")

@@ -236,6 +236,7 @@ def export_torch(
     (:class:`ExportError`) unless ``overwrite``."""
     import torch
 
+    checkpoint = local_path(checkpoint)  # load() serves s3://; export does not yet
     out = local_path(out_file)
     _refuse_existing([out], overwrite)
 

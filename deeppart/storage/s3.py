@@ -1,0 +1,231 @@
+"""S3 (and S3-compatible servers) through ``obstore``, the Python binding
+of the Rust ``object_store`` crate (Apache Arrow).
+
+:func:`s3_store` makes an :class:`S3Store` for an ``s3://bucket/prefix``
+URL. Endpoint, region and credentials are the S3 ecosystem's environment
+variables, read by ``obstore`` itself when the store is made:
+``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` / ``AWS_ENDPOINT``,
+``AWS_REGION`` / ``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN`` (or ``AWS_TOKEN``),
+``AWS_SKIP_SIGNATURE``, and on AWS the instance, container and
+web-identity credentials (``AWS_CONTAINER_CREDENTIALS_*``,
+``AWS_WEB_IDENTITY_TOKEN_FILE``, ``AWS_ROLE_ARN``). ``obstore`` does not
+read ``~/.aws/config`` or ``AWS_PROFILE``: export the variables instead.
+
+Addressing: path-style (``http://endpoint/bucket/key``) by default;
+virtual-hosted style (``http://bucket.endpoint/key``, which some providers
+require) with ``AWS_VIRTUAL_HOSTED_STYLE_REQUEST=true``. An ``http://``
+endpoint (a test server) is allowed without further settings.
+
+DeepPart's own knobs (environment): ``DEEPPART_S3_PART_BYTES`` (the
+multipart part size and upload buffer, default 16 MiB; S3's minimum is
+5 MiB), ``DEEPPART_S3_CONCURRENCY`` (parts in flight per writer and ranges
+per read, default 8: a writer holds at most about (concurrency + 1) x part
+bytes), ``DEEPPART_S3_RETRY_TIMEOUT_S`` and ``DEEPPART_S3_MAX_RETRIES``
+(``object_store``'s retries of failed requests; defaults 180 s and 10).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+from deeppart.storage.base import ObjectExistsError, ObjectInfo, ObjectStore, ObjectWriter
+from deeppart.storage.url import S3URL, parse_s3_url
+
+__all__ = ["DEFAULT_CONCURRENCY", "DEFAULT_PART_BYTES", "S3Store", "endpoint_from_env", "s3_store"]
+
+DEFAULT_PART_BYTES = 16 << 20
+DEFAULT_CONCURRENCY = 8
+#: S3's smallest multipart part (all but the last).
+MIN_PART_BYTES = 5 << 20
+
+#: The endpoint variables in the order obstore prefers them.
+_ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")
+
+
+def endpoint_from_env() -> str | None:
+    """The endpoint that obstore takes from the environment, if any."""
+    for var in _ENDPOINT_VARS:
+        value = os.environ.get(var)
+        if value:
+            return value
+    return None
+
+
+def _env_int(name: str, default: int, least: int = 1) -> int:
+    text = os.environ.get(name)
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError as e:
+        raise ValueError(f"{name}={text!r}: not an integer") from e
+    if value < least:
+        raise ValueError(f"{name}={value}: must be at least {least}")
+    return value
+
+
+class _Writer:
+    """An :class:`ObjectWriter` over obstore's buffered writer: a single
+    PUT for an object smaller than one part, a multipart upload of
+    ``part_bytes`` parts, ``concurrency`` in flight, above."""
+
+    def __init__(self, store: S3Store, name: str) -> None:
+        import obstore
+
+        self.store = store
+        self.name = name
+        self.file = obstore.open_writer(
+            store.obstore, name, buffer_size=store.part_bytes, max_concurrency=store.concurrency
+        )
+
+    def write(self, data: Any, /) -> int:
+        return int(self.file.write(data))
+
+    def close(self) -> None:
+        self.file.close()
+
+    def abort(self) -> None:
+        # obstore has no abort of a multipart upload: the upload is
+        # completed and the object removed, so no parts stay behind.
+        try:
+            if not self.file.closed():
+                self.file.close()
+        finally:
+            self.store.delete(self.name)
+
+
+class S3Store(ObjectStore):
+    """The objects under ``s3://bucket/prefix`` (see the module's docstring)."""
+
+    def __init__(
+        self,
+        url: S3URL,
+        *,
+        part_bytes: int | None = None,
+        concurrency: int | None = None,
+        client: Any = None,
+    ) -> None:
+        from obstore.store import S3Store as Client
+
+        self.location = url
+        self.url = str(url)
+        self.part_bytes = part_bytes or _env_int("DEEPPART_S3_PART_BYTES", DEFAULT_PART_BYTES)
+        if self.part_bytes < MIN_PART_BYTES:
+            raise ValueError(f"S3 part size {self.part_bytes}: S3's minimum is {MIN_PART_BYTES}")
+        self.concurrency = concurrency or _env_int("DEEPPART_S3_CONCURRENCY", DEFAULT_CONCURRENCY)
+        if client is None:
+            endpoint = endpoint_from_env()
+            retry: dict[str, Any] = {
+                "max_retries": _env_int("DEEPPART_S3_MAX_RETRIES", 10, least=0),
+                "retry_timeout": timedelta(
+                    seconds=_env_int("DEEPPART_S3_RETRY_TIMEOUT_S", 180, least=0)
+                ),
+            }
+            client = Client(
+                url.bucket,
+                prefix=url.prefix or None,
+                client_options={"allow_http": bool(endpoint and endpoint.startswith("http://"))},
+                retry_config=retry,  # type: ignore[arg-type]
+            )
+        self.obstore = client
+
+    def child(self, prefix: str) -> S3Store:
+        prefix = prefix.strip("/")
+        inner = f"{self.location.prefix}/{prefix}".strip("/")
+        from obstore.store import S3Store as Client
+
+        client = Client(
+            self.location.bucket,
+            prefix=inner or None,
+            config={k: v for k, v in self.obstore.config.items() if k != "bucket"},  # type: ignore[arg-type]
+            client_options=self.obstore.client_options,
+            retry_config=self.obstore.retry_config,
+        )
+        return S3Store(
+            S3URL(self.location.bucket, inner),
+            part_bytes=self.part_bytes,
+            concurrency=self.concurrency,
+            client=client,
+        )
+
+    def get(self, name: str) -> bytes:
+        import obstore
+
+        return bytes(obstore.get(self.obstore, name).bytes())
+
+    def read_into(self, name: str, offset: int, buf: memoryview) -> int:
+        import obstore
+
+        want = len(buf)
+        if want == 0:
+            return 0
+        size = self.head(name).size
+        want = max(0, min(want, size - offset))
+        if want == 0:
+            return 0
+        step = self.part_bytes
+        starts = list(range(offset, offset + want, step))
+        ends = [min(s + step, offset + want) for s in starts]
+        got = 0
+        for i in range(0, len(starts), self.concurrency):
+            parts = obstore.get_ranges(
+                self.obstore, name, starts=starts[i : i + self.concurrency],
+                ends=ends[i : i + self.concurrency], coalesce=0,
+            )  # fmt: skip
+            for s, part in zip(starts[i : i + self.concurrency], parts, strict=True):
+                data = memoryview(part)
+                buf[s - offset : s - offset + len(data)] = data
+                got += len(data)
+        return got
+
+    def head(self, name: str) -> ObjectInfo:
+        import obstore
+
+        m = obstore.head(self.obstore, name)
+        return ObjectInfo(name, int(m["size"]), m["last_modified"].timestamp(), m["e_tag"])
+
+    def put(
+        self, name: str, data: bytes, *, create: bool = False, if_match: str | None = None
+    ) -> str | None:
+        import obstore
+        from obstore.exceptions import AlreadyExistsError, PreconditionError
+
+        mode: Any = "overwrite"
+        if create:
+            mode = "create"
+        elif if_match is not None:
+            mode = {"e_tag": if_match}
+        try:
+            result = obstore.put(self.obstore, name, data, mode=mode, use_multipart=False)
+        except (AlreadyExistsError, PreconditionError) as e:
+            raise ObjectExistsError(f"{self.describe(name)}: {type(e).__name__}") from e
+        return result["e_tag"]
+
+    def writer(self, name: str) -> ObjectWriter:
+        return _Writer(self, name)
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        import obstore
+
+        for batch in obstore.list(self.obstore, prefix.strip("/") or None):
+            for m in batch:
+                yield ObjectInfo(
+                    str(m["path"]), int(m["size"]), m["last_modified"].timestamp(), m["e_tag"]
+                )
+
+    def delete(self, name: str) -> None:
+        import obstore
+
+        with contextlib.suppress(FileNotFoundError):
+            obstore.delete(self.obstore, name)
+
+
+def s3_store(url: str | S3URL) -> S3Store:
+    """The :class:`S3Store` of ``s3://bucket/prefix`` (configured from the
+    environment, see the module's docstring)."""
+    return S3Store(parse_s3_url(url) if isinstance(url, str) else url)

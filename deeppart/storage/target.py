@@ -1,0 +1,184 @@
+"""Where a save writes and how it commits: the save's side of the storage
+layer.
+
+:func:`save_target` gives the :class:`SaveTarget` of a location: a
+:class:`LocalTarget` for a file system path (the temporary directory, its
+lock, the rename that cannot replace, ownership by content:
+:mod:`deeppart.commit`, unchanged) or an :class:`ObjectTarget` for an
+object store (the conditional marker: :mod:`deeppart.storage.objects`).
+The save's stages call the same five methods on either
+(:meth:`SaveTarget.check` on every rank, :meth:`~SaveTarget.begin` on rank
+0, :meth:`~SaveTarget.data_file` on every rank, :meth:`~SaveTarget.commit`
+or :meth:`~SaveTarget.abandon` on rank 0).
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from deeppart.commit import commit_dir, make_temp_dir, remove_temp_dir
+from deeppart.format import data_file_name
+from deeppart.ownership import check_target
+from deeppart.storage.base import ObjectStore
+from deeppart.storage.objects import Begun, begin_save, commit_save, data_key, remove_save
+from deeppart.storage.s3 import s3_store
+from deeppart.storage.url import S3URL
+
+__all__ = ["LocalTarget", "ObjectTarget", "SaveTarget", "location_name", "save_target"]
+
+#: Opens a data file for writing: a context manager over a binary file
+#: (``write``, ``seek`` forward, ``tell``, ``truncate`` at the end).
+Opener = Callable[[], contextlib.AbstractContextManager[Any]]
+
+
+class SaveTarget(abc.ABC):
+    """A save's location (see the module's docstring)."""
+
+    #: How the location is shown in messages and Stats.
+    shown: str
+
+    @abc.abstractmethod
+    def check(self) -> None:
+        """Every rank, before the save's first agreement: refuses a
+        location that holds something DeepPart may not replace."""
+
+    @abc.abstractmethod
+    def begin(self, save_id: str, overwrite: bool) -> str:
+        """Rank 0, before anything is written: prepares the save (refusing
+        a committed checkpoint unless ``overwrite``); returns what the
+        other ranks need to find where to write (sent to them), at most
+        :data:`deeppart.commit.TEMP_NAME_MAX` bytes."""
+
+    @abc.abstractmethod
+    def data_file(self, token: str, save_id: str, rank: int) -> tuple[Path, Opener | None]:
+        """Where rank ``rank`` writes its data file: a path (named in
+        messages and fault hooks) and how to open it (None: the path on
+        the file system, written and fsynced)."""
+
+    @abc.abstractmethod
+    def commit(self, token: str, save_id: str, meta: bytes, overwrite: bool) -> None:
+        """Rank 0, once every data file is written: commits the save."""
+
+    @abc.abstractmethod
+    def abandon(self, token: str, save_id: str) -> None:
+        """Rank 0, after a failure: removes what this save wrote."""
+
+
+class LocalTarget(SaveTarget):
+    """A checkpoint directory on a file system (:mod:`deeppart.commit`)."""
+
+    def __init__(self, final: Path) -> None:
+        self.final = final
+        self.shown = str(final)
+
+    def check(self) -> None:
+        check_target(self.final)
+
+    def begin(self, save_id: str, overwrite: bool) -> str:
+        return make_temp_dir(self.final, overwrite)
+
+    def _tmp(self, token: str) -> Path:
+        return self.final.parent / token
+
+    def data_file(self, token: str, save_id: str, rank: int) -> tuple[Path, Opener | None]:
+        return self._tmp(token) / data_file_name(rank), None
+
+    def commit(self, token: str, save_id: str, meta: bytes, overwrite: bool) -> None:
+        commit_dir(self._tmp(token), self.final, meta, overwrite=overwrite, save_id=save_id)
+
+    def abandon(self, token: str, save_id: str) -> None:
+        remove_temp_dir(self._tmp(token), save_id)
+
+
+class _Upload:
+    """A data file uploaded as it is written: the file interface the
+    writer uses (forward seeks fill with zeros when the next bytes are
+    written, so the object is exactly the file the file system would
+    hold)."""
+
+    def __init__(self, store: ObjectStore, key: str) -> None:
+        self.writer = store.writer(key)
+        self.written = 0
+        self.pos = 0
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int) -> int:
+        if pos < self.written:
+            raise ValueError(f"an upload cannot seek back (to {pos}, {self.written} written)")
+        self.pos = pos
+        return pos
+
+    def write(self, data: Any) -> int:
+        if self.pos > self.written:
+            self.writer.write(bytes(self.pos - self.written))
+            self.written = self.pos
+        n = self.writer.write(data)
+        self.written += n
+        self.pos = self.written
+        return n
+
+    def truncate(self, size: int) -> int:
+        if size != self.written:
+            raise ValueError(f"an upload ends where it was written ({self.written}), not {size}")
+        return size
+
+    def flush(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _upload(store: ObjectStore, key: str) -> Iterator[_Upload]:
+    up = _Upload(store, key)
+    try:
+        yield up
+    except BaseException:
+        up.writer.abort()
+        raise
+    up.writer.close()
+
+
+class ObjectTarget(SaveTarget):
+    """A checkpoint in an object store (:mod:`deeppart.storage.objects`)."""
+
+    def __init__(self, store: ObjectStore) -> None:
+        self.store = store
+        self.shown = store.url
+        #: What rank 0 saw in :meth:`begin`.
+        self.begun = Begun(None, [])
+
+    def check(self) -> None:
+        pass  # rank 0's begin reads the marker; objects beside ours are never touched
+
+    def begin(self, save_id: str, overwrite: bool) -> str:
+        self.begun = begin_save(self.store, overwrite)
+        return save_id
+
+    def data_file(self, token: str, save_id: str, rank: int) -> tuple[Path, Opener | None]:
+        key = data_key(save_id, rank)
+        return Path(self.store.describe(key)), lambda: _upload(self.store, key)
+
+    def commit(self, token: str, save_id: str, meta: bytes, overwrite: bool) -> None:
+        commit_save(self.store, save_id, meta, self.begun, overwrite)
+
+    def abandon(self, token: str, save_id: str) -> None:
+        remove_save(self.store, save_id)
+
+
+def save_target(location: Path | S3URL) -> SaveTarget:
+    """The :class:`SaveTarget` of a parsed location
+    (:func:`deeppart.storage.url.parse_location`)."""
+    if isinstance(location, S3URL):
+        return ObjectTarget(s3_store(location))
+    return LocalTarget(location)
+
+
+def location_name(location: Path | S3URL | str | os.PathLike[str]) -> str:
+    """The last component of a location, for thread names and messages."""
+    return str(location).rstrip("/").rsplit("/", 1)[-1]

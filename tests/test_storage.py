@@ -1,0 +1,365 @@
+"""The storage layer (deeppart/storage/, issue 34) against a real S3 server
+(moto's server mode, tests/s3_server.py) and the file system: the
+interface's operations on both stores, URL parsing, and single-process
+saves and loads through s3:// (commit marker, overwrite, foreign objects,
+interrupted saves, missing and truncated objects). Multi-rank scenarios:
+tests/test_s3_mpi.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import deeppart
+from deeppart.errors import (
+    CheckpointError,
+    CommitConflictError,
+    CorruptCheckpointError,
+    ForeignPathError,
+    UnsupportedURLError,
+)
+from deeppart.format import HEADER_SIZE, MARKER, METADATA, data_file_name
+from deeppart.storage import S3URL, ObjectExistsError, ObjectStore, open_store, parse_location
+from deeppart.storage.objects import read_marker, save_groups
+from deeppart.storage.s3 import S3Store
+from deeppart.writer import WriteEvent, fault_hook
+
+ROOT = Path(__file__).resolve().parent.parent
+WAIT_S = 120.0
+
+
+def state(v: float = 1.0, n: int = 5000) -> dict[str, Any]:
+    """Tensors (written as pieces of the data files) and a plain value."""
+    return {"w": torch.arange(n, dtype=torch.float32) * v, "b": torch.full((7,), v), "step": int(v)}
+
+
+def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return (
+        bool(torch.equal(a["w"], b["w"]))
+        and bool(torch.equal(a["b"], b["b"]))
+        and a["step"] == b["step"]
+    )
+
+
+def names(store: ObjectStore) -> list[str]:
+    return sorted(o.name for o in store.list())
+
+
+# ----------------------------------------------------------------------------
+# URLs.
+
+
+def test_parse_location() -> None:
+    assert parse_location("s3://my-bucket/run/step-1") == S3URL("my-bucket", "run/step-1")
+    assert parse_location("s3://my-bucket/run/") == S3URL("my-bucket", "run")
+    assert parse_location("s3://my-bucket") == S3URL("my-bucket", "")
+    assert str(S3URL("b12", "x/y")) == "s3://b12/x/y"
+    assert parse_location("runs/s3-step:1") == Path("runs/s3-step:1")
+    assert parse_location(Path("/tmp/x")) == Path("/tmp/x")
+    for url in ("gs://b/x", "file:///tmp/x", "hdfs://nn:8020/x", "s3:/b/x"):
+        with pytest.raises(UnsupportedURLError, match=r"s3:// URLs only"):
+            parse_location(url)
+    for bad in ("s3://Bad_Bucket/x", "s3://ab/x", "s3://bucket/a//b", "s3://bucket/a/../b"):
+        with pytest.raises(UnsupportedURLError):
+            parse_location(bad)
+
+
+def test_other_schemes_refused_by_save_load_async_save(tmp_path: Path, monkeypatch: Any) -> None:
+    monkeypatch.chdir(tmp_path)
+    for call in (
+        lambda: deeppart.save(state(), "gs://bucket/run"),
+        lambda: deeppart.load("gs://bucket/run"),
+        lambda: deeppart.async_save(state(), "gs://bucket/run").wait(),
+    ):
+        with pytest.raises(UnsupportedURLError, match="gs:// URL"):
+            call()
+    assert list(tmp_path.iterdir()) == []
+
+
+# ----------------------------------------------------------------------------
+# The interface, on both stores.
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
+    if request.param == "local":
+        return open_store(tmp_path / "root")
+    url = request.getfixturevalue("s3_url")
+    return open_store(f"{url}/root")
+
+
+def test_store_operations(store: ObjectStore) -> None:
+    with pytest.raises(FileNotFoundError):
+        store.get("a/x")
+    with pytest.raises(FileNotFoundError):
+        store.head("a/x")
+    tag = store.put("a/x", b"hello")
+    assert store.get("a/x") == b"hello"
+    info = store.head("a/x")
+    assert info.size == 5 and info.tag == tag
+    with pytest.raises(ObjectExistsError):
+        store.put("a/x", b"other", create=True)
+    assert store.get("a/x") == b"hello"
+    assert store.put("a/y", b"new", create=True)
+    tag2 = store.put("a/x", b"second", if_match=tag)
+    with pytest.raises(ObjectExistsError):
+        store.put("a/x", b"third", if_match=tag)  # stale version
+    assert store.get("a/x") == b"second"
+    assert store.head("a/x").tag == tag2
+    buf = bytearray(4)
+    assert store.read_into("a/x", 2, memoryview(buf)) == 4 and bytes(buf) == b"cond"
+    assert store.read_into("a/x", 4, memoryview(buf)) == 2 and bytes(buf[:2]) == b"nd"
+    assert store.read_into("a/x", 6, memoryview(buf)) == 0
+    store.put("ab", b"beside")
+    assert names(store) == ["a/x", "a/y", "ab"]
+    assert [o.name for o in store.list("a")] == ["a/x", "a/y"]  # a directory-like prefix
+    child = store.child("a")
+    assert child.get("y") == b"new" and child.describe("y") == store.describe("a/y")
+    store.delete("a/x")
+    store.delete("a/x")  # already gone: no error
+    assert names(store) == ["a/y", "ab"]
+
+
+def test_writer_multipart_and_ranged_reader(store: ObjectStore) -> None:
+    rng = np.random.default_rng(1)
+    data = rng.integers(0, 256, (14 << 20) + 12345, dtype=np.uint8).tobytes()
+    w = store.writer("big.bin")
+    for i in range(0, len(data), 3 << 20):
+        w.write(data[i : i + (3 << 20)])
+    with pytest.raises(FileNotFoundError):
+        store.head("big.bin")  # not there before close: objects appear whole
+    w.close()
+    assert store.head("big.bin").size == len(data)
+    with store.open("big.bin") as f:
+        f.seek((6 << 20) - 3)
+        out = bytearray(7 << 20)
+        assert f.readinto(out) == len(out)
+        assert bytes(out) == data[(6 << 20) - 3 : (13 << 20) - 3]
+        assert f.tell() == (13 << 20) - 3
+        assert f.read(2 << 20) == data[(13 << 20) - 3 :]
+    w = store.writer("gone.bin")
+    w.write(b"x" * 100)
+    w.abort()
+    with pytest.raises(FileNotFoundError):
+        store.head("gone.bin")
+
+
+def test_s3_store_multipart_above_a_part(s3_url: str) -> None:
+    """Above one part the writer uploads in parts (an S3 multipart ETag
+    ends in -<parts>); below, one PUT."""
+    store = S3Store(parse_location(f"{s3_url}/mp"), part_bytes=5 << 20, concurrency=2)  # type: ignore[arg-type]
+    w = store.writer("big")
+    w.write(bytes(11 << 20))
+    w.close()
+    w = store.writer("small")
+    w.write(bytes(100))
+    w.close()
+    assert (store.head("big").tag or "").strip('"').endswith("-3")
+    assert "-" not in (store.head("small").tag or "")
+
+
+def test_s3_settings_from_env(s3_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The endpoint comes from the standard variables (AWS_ENDPOINT_URL_S3
+    first); a wrong endpoint fails, naming nothing DeepPart invented."""
+    store = open_store(f"{s3_url}/env")
+    store.put("x", b"1")
+    good = os.environ["AWS_ENDPOINT_URL"]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", good)
+    assert open_store(f"{s3_url}/env").get("x") == b"1"
+    monkeypatch.setenv("DEEPPART_S3_PART_BYTES", str(1 << 20))
+    with pytest.raises(ValueError, match="minimum"):
+        open_store(f"{s3_url}/env")
+
+
+# ----------------------------------------------------------------------------
+# Checkpoints in S3, one process.
+
+
+def test_save_load_bitwise_and_marker_last(s3_url: str) -> None:
+    url = f"{s3_url}/run/step-1"
+    big = {"big": torch.from_numpy(np.random.default_rng(0).standard_normal(3_000_000)).float()}
+    for codec in (None, "zstd"):
+        deeppart.save({**state(2.0), **big}, url, compression=codec, overwrite=True)
+        got = deeppart.load(url)
+        assert same(got, state(2.0)) and torch.equal(got["big"], big["big"])
+    store = open_store(url)
+    marker = read_marker(store)
+    assert marker is not None
+    assert names(store) == sorted(
+        [MARKER, f"{marker.save_id}/{METADATA}", f"{marker.save_id}/{data_file_name(0)}"]
+    )
+    part = deeppart.load(url, keys=["big"])
+    assert list(part) == ["big"] and torch.equal(part["big"], big["big"])
+
+
+def test_overwrite_semantics(s3_url: str) -> None:
+    url = f"{s3_url}/run/step-1"
+    deeppart.save(state(1.0), url)
+    first = read_marker(open_store(url))
+    with pytest.raises(CheckpointError, match="overwrite=False"):
+        deeppart.save(state(2.0), url)
+    assert same(deeppart.load(url), state(1.0))
+    deeppart.save(state(3.0), url, overwrite=True)
+    assert same(deeppart.load(url), state(3.0))
+    store = open_store(url)
+    second = read_marker(store)
+    assert first is not None and second is not None and first.save_id != second.save_id
+    assert save_groups(store) == [second.save_id]  # the replaced one removed
+
+
+def test_async_save_to_s3(s3_url: str) -> None:
+    url = f"{s3_url}/run/async"
+    h = deeppart.async_save(state(4.0), url)
+    h.wait()
+    assert same(deeppart.load(url), state(4.0))
+
+
+def test_foreign_objects_survive(s3_url: str, s3_server: Any) -> None:
+    """Objects DeepPart did not write under the prefix (beside the
+    checkpoint, inside a save-id-named group, a data-file name with other
+    bytes) survive saves, overwrites and cleanups."""
+    url = f"{s3_url}/run/step-1"
+    bucket = s3_url[len("s3://") :]
+    fake_id = "ab" * 16
+    foreign = {
+        "run/step-1/config.json": b"{}",
+        "run/step-1/notes/readme.txt": b"mine",
+        f"run/step-1/{fake_id}/rank-00000.bin": b"not a data file",
+        f"run/step-1/{fake_id}/metadata.json": b'{"format": "other"}',
+        "run/step-10/x": b"neighbour",
+    }
+    for key, data in foreign.items():
+        s3_server.put_raw(bucket, key, data)
+    for v in (1.0, 2.0):
+        with pytest.warns(UserWarning, match=f"kept objects DeepPart did not write: {fake_id}"):
+            deeppart.save(state(v), url, overwrite=True)
+    assert same(deeppart.load(url), state(2.0))
+    for key, data in foreign.items():
+        assert s3_server.get_raw(bucket, key) == data, key
+
+
+def test_foreign_marker_refused(s3_url: str, s3_server: Any) -> None:
+    bucket = s3_url[len("s3://") :]
+    s3_server.put_raw(bucket, f"run/{MARKER}", b"user's file")
+    with pytest.raises(ForeignPathError, match="did not write"):
+        deeppart.save(state(), f"{s3_url}/run", overwrite=True)
+    assert s3_server.get_raw(bucket, f"run/{MARKER}") == b"user's file"
+    with pytest.raises(ForeignPathError):
+        deeppart.load(f"{s3_url}/run")
+
+
+def test_failed_save_removes_its_objects(s3_url: str) -> None:
+    """A save that fails after writing (a fault hook raising after the
+    data file is uploaded) commits nothing and leaves no object."""
+    url = f"{s3_url}/run/step-1"
+    deeppart.save(state(1.0), url)
+
+    def fail(ev: WriteEvent) -> None:
+        raise OSError("injected")
+
+    with fault_hook("after-write", fail), pytest.raises(OSError, match="injected"):
+        deeppart.save(state(2.0), url, overwrite=True)
+    store = open_store(url)
+    marker = read_marker(store)
+    assert marker is not None and save_groups(store) == [marker.save_id]
+    assert same(deeppart.load(url), state(1.0))
+
+
+_KILLED_SAVE = """
+import os, sys, torch, deeppart
+from deeppart.writer import fault_hook
+with fault_hook("after-write", lambda ev: os._exit(17)):
+    deeppart.save({"w": torch.ones(100)}, sys.argv[1], overwrite=True)
+"""
+
+
+def test_interrupted_save_cleaned_by_next_save(s3_url: str) -> None:
+    """A process killed after uploading its data file leaves objects under
+    its save id and no marker: a load still sees the previous checkpoint,
+    and the next save of the prefix removes them (by save id and
+    content)."""
+    url = f"{s3_url}/run/step-1"
+    deeppart.save(state(1.0), url)
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLED_SAVE, url],
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        timeout=WAIT_S,
+    )
+    assert proc.returncode == 17, proc.stderr.decode()[-2000:]
+    store = open_store(url)
+    marker = read_marker(store)
+    assert marker is not None
+    left = [g for g in save_groups(store) if g != marker.save_id]
+    assert len(left) == 1  # the killed save's data file is there
+    assert same(deeppart.load(url), state(1.0))
+    deeppart.save(state(3.0), url, overwrite=True)
+    final = read_marker(store)
+    assert final is not None and save_groups(store) == [final.save_id]
+    assert same(deeppart.load(url), state(3.0))
+
+
+def test_commit_conflict_loser_removes_its_objects(s3_url: str) -> None:
+    """A save whose marker put finds another commit (made while it was
+    writing) fails with CommitConflictError, keeps the winner, and removes
+    its own objects."""
+    url = f"{s3_url}/run/step-1"
+
+    def commit_meanwhile(ev: WriteEvent) -> None:
+        with fault_hook("after-write", lambda e: None):
+            pass
+        deeppart.save(state(5.0), url)  # the other job, committing first
+
+    done: list[bool] = []
+
+    def once(ev: WriteEvent) -> None:
+        if not done:
+            done.append(True)
+            commit_meanwhile(ev)
+
+    with fault_hook("after-write", once), pytest.raises(CommitConflictError):
+        deeppart.save(state(6.0), url)
+    assert same(deeppart.load(url), state(5.0))
+    store = open_store(url)
+    marker = read_marker(store)
+    assert marker is not None and save_groups(store) == [marker.save_id]
+
+
+def test_load_errors(s3_url: str, s3_server: Any) -> None:
+    bucket = s3_url[len("s3://") :]
+    with pytest.raises(CheckpointError, match=f"no {MARKER} marker"):
+        deeppart.load(f"{s3_url}/nothing")
+    url = f"{s3_url}/run/step-1"
+    deeppart.save(state(1.0, n=100_000), url)
+    store = open_store(url)
+    marker = read_marker(store)
+    assert marker is not None
+    key = f"run/step-1/{marker.save_id}/{data_file_name(0)}"
+    data = s3_server.get_raw(bucket, key)
+    # Truncated: the error names the object.
+    s3_server.put_raw(bucket, key, data[: len(data) // 2])
+    with pytest.raises(
+        CorruptCheckpointError, match=rf"{marker.save_id}/rank-00000.bin.*truncated"
+    ):
+        deeppart.load(url)
+    # A flipped byte of the first piece (just past the header): the checksum.
+    flipped = bytearray(data)
+    flipped[HEADER_SIZE + 10] ^= 0xFF
+    s3_server.put_raw(bucket, key, bytes(flipped))
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+        deeppart.load(url)
+    # Missing data file, then missing metadata.
+    store.delete(f"{marker.save_id}/{data_file_name(0)}")
+    with pytest.raises(CorruptCheckpointError, match=rf"{marker.save_id}/rank-00000.bin: missing"):
+        deeppart.load(url)
+    store.delete(f"{marker.save_id}/{METADATA}")
+    with pytest.raises(CorruptCheckpointError, match=rf"{marker.save_id}/metadata.json: missing"):
+        deeppart.load(url)
