@@ -31,17 +31,20 @@ BUFFERED = {"PYTHONUNBUFFERED": ""}
 DTYPES = ("float32", "bfloat16")
 
 
-def build_state(scale: float, seed: int = 0, dtype: str = "float32") -> dict[str, Any]:
+def build_state(
+    scale: float, seed: int = 0, dtype: str = "float32", hidden: int = 1024
+) -> dict[str, Any]:
     """BERT-large's parameters (layer shapes from bench/models.py, the
     vocabulary and the number of layers scaled by ``scale``) and AdamW's two
     moments and step per parameter, random, in ``dtype``: about ``scale *
-    4.0 GB`` in float32 (bfloat16: half)."""
+    4.0 GB`` in float32 (bfloat16: half). A smaller ``hidden`` (the
+    feed-forward width is 4x it) shrinks every layer for a smaller state."""
     import torch
 
     dt = getattr(torch, dtype)
     layers = max(1, round(24 * scale))
     vocab = max(64, round(30522 * scale))
-    named = bert_params(vocab=vocab, hidden=1024, layers=layers, intermediate=4096)
+    named = bert_params(vocab=vocab, hidden=hidden, layers=layers, intermediate=4 * hidden)
     gen = torch.Generator().manual_seed(seed)
     model = {name: (torch.randn(shape, generator=gen) * 0.02).to(dt) for name, shape in named}
     state: dict[int, dict[str, Any]] = {}

@@ -1,0 +1,88 @@
+"""bench/object_store.py's pure parts: the rate syntax, the within-round
+ratios, the simulator's prediction and the report, which must show a
+contender that could not run as such (never a number). The benchmark
+itself needs root, network namespaces, tc and an S3 server: it is run by
+hand (README, "Object storage")."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from bench import object_store
+
+
+def test_rate_bytes_reads_tc_syntax() -> None:
+    assert object_store.rate_bytes("100mbit") == pytest.approx(12.5e6)
+    assert object_store.rate_bytes("1gbit") == pytest.approx(125e6)
+    assert object_store.rate_bytes("50mbps") == pytest.approx(50e6)
+    with pytest.raises(ValueError, match="bad rate"):
+        object_store.rate_bytes("fast")
+
+
+def test_median_ratio_pairs_rounds_and_refuses_a_failed_round() -> None:
+    rounds: dict[str, list[float | None]] = {
+        "save torch": [4.0, 9.0, 6.0],
+        "save deeppart": [1.0, 1.0, 3.0],
+    }
+    # Within-round ratios 4, 9, 2: their median, not a ratio of medians (6/1).
+    assert object_store._median_ratio(rounds, "save torch", "save deeppart") == 4.0
+    rounds["save dcp"] = [2.0, None, 2.0]
+    assert object_store._median_ratio(rounds, "save dcp", "save deeppart") is None
+    assert object_store._median(rounds["save dcp"]) is None
+
+
+def _result(nodes: int, deeppart: bool) -> dict[str, object]:
+    rounds: dict[str, list[float | None]] = {
+        "save torch": [8.0, 8.0],
+        "save dcp": [2.5, 3.0],
+        "load torch": [4.0, 4.2],
+        "load dcp": [4.5, 4.4],
+    }
+    available: dict[str, str | None] = {"torch": None, "dcp": None, "deeppart": None}
+    if deeppart:
+        rounds["save deeppart"] = [2.0, 2.0]
+        rounds["load deeppart"] = [4.0, 4.0]
+    else:
+        available["deeppart"] = "UnsupportedURLError: no S3 here"
+    predicted = {"torch.save": 8.0, "balanced": 2.0, "dcp-dedup": 2.0}
+    return {
+        "nodes": nodes, "bytes": 52_000_000, "rounds": rounds, "available": available,
+        "verified": {"torch": True, "dcp": True}, "notes": {}, "dcp": "s3torchconnector",
+        "predicted": predicted,
+    }  # fmt: skip
+
+
+META = {
+    "scale": 0.04, "hidden": 512, "rate": "100mbit", "server": "s3s-fs", "repeat": 2,
+    "link": {"put": 12e6, "get": 12e6}, "raw": {"put": 100e6, "get": 250e6},
+    "loadavg_start": "1.0 1.0 1.0", "loadavg_end": "1.0 1.0 1.0",
+}  # fmt: skip
+
+
+def test_report_shows_ratios_and_predictions() -> None:
+    text = object_store.report([_result(4, deeppart=True)], META)
+    save = text.split("\nload:")[0].splitlines()[-1].split()
+    # nodes, torch, dcp, deeppart (medians), torch/dp, dcp/dp, torch/dcp (medians of
+    # within-round ratios: 8/2.5 and 8/3 give 2.93), predicted s, predicted ratios
+    assert save[:7] == ["4", "8.00", "2.75", "2.00", "4.00x", "1.38x", "2.93x"]
+    assert save[7:] == ["2.00s", "4.00x", "1.00x"]
+
+
+def test_report_says_why_deeppart_did_not_run() -> None:
+    text = object_store.report([_result(2, deeppart=False)], META)
+    save = text.split("\nload:")[0].splitlines()[-1].split()
+    assert save[3] == "n/a" and save[4] == "-" and save[5] == "-"
+    assert "deeppart: could not run: UnsupportedURLError: no S3 here" in text
+    assert "deeppart not run" in text
+
+
+def test_prediction_scales_with_the_nodes_links() -> None:
+    """One rank per node, links at 12.5 MB/s and a server far faster: the
+    simulator's balanced save at 4 nodes is about 4x torch.save's."""
+    args = argparse.Namespace(scale=0.04, hidden=512)
+    p = object_store.predict(args, 4, link=12.5e6, server=1e9, stream=1e9)
+    assert 3.5 < p["torch.save"] / p["balanced"] <= 4.0
+    one = object_store.predict(args, 1, link=12.5e6, server=1e9, stream=1e9)
+    assert one["torch.save"] / one["balanced"] == pytest.approx(1.0, rel=0.05)
