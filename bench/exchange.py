@@ -95,21 +95,22 @@ class Counter:
     """A log of collectives: ``(label, op, contributed, gathered, t0, t1)``
     (bytes this rank contributes, bytes it gets from the other ranks)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.log: list[tuple[str, str, int, int, float, float]] = []
         self._depth = 0
+        self.clock = clock
 
     def counted(self, op: str, fn: Callable[[], Any], sent: int, got: Callable[[Any], int]) -> Any:
         if self._depth:
             return fn()
         label = _caller()
         self._depth += 1
-        t0 = time.perf_counter()
+        t0 = self.clock()
         try:
             out = fn()
         finally:
             self._depth -= 1
-        self.log.append((label, op, sent, got(out), t0, time.perf_counter()))
+        self.log.append((label, op, sent, got(out), t0, self.clock()))
         return out
 
     def totals(self, labels: tuple[str, ...]) -> dict[str, Any]:
@@ -447,7 +448,7 @@ class SimComm:
     ) -> None:
         self.rank, self.size = rank, size
         self.rows, self.payloads = rows, payloads
-        self.counter = Counter()
+        self.counter = Counter(time.process_time)
         #: Agreements already made (1: start at the exchange).
         self._agreements = agreed
 
@@ -529,7 +530,13 @@ def synthetic_state(cfg: Llama, mesh: Any, pp: int, stage: int, rank: int) -> di
 
 
 def computed(
-    cfg: Llama, pp: int, dp: int, tp: int, check_reps: bool = False, directory: str = "/ckpt"
+    cfg: Llama,
+    pp: int,
+    dp: int,
+    tp: int,
+    check_reps: bool = False,
+    directory: str = "/ckpt",
+    bytes_only: bool = False,
 ) -> dict[str, Any]:
     """Rank 0's exchange in a ``pp x dp x tp`` job (see the module docstring),
     on a ``fake`` process group that is destroyed again when it returns."""
@@ -538,14 +545,14 @@ def computed(
     if dist.is_initialized():
         raise RuntimeError("computed() needs a process without torch.distributed initialised")
     try:
-        return _computed(cfg, pp, dp, tp, check_reps, directory)
+        return _computed(cfg, pp, dp, tp, check_reps, directory, bytes_only)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
 def _computed(
-    cfg: Llama, pp: int, dp: int, tp: int, check_reps: bool, directory: str
+    cfg: Llama, pp: int, dp: int, tp: int, check_reps: bool, directory: str, bytes_only: bool
 ) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -580,14 +587,16 @@ def _computed(
     # Each stage's lowest rank: its whole own prepare (stage 0 last, whose
     # process group stays for the real prepare_save below).
     for s in reversed(range(pp)):
+        _progress(f"stage {s}: rank {reps[s]}'s own prepare")
         mesh = init(reps[s])
         states[s] = synthetic_state(cfg, mesh, pp, s, reps[s])
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         owns[s] = _own_prepare(states[s], None, plan_for, path, None, [], reps[s], world)
-        t_own[s] = time.perf_counter() - t0
+        t_own[s] = time.process_time() - t0
 
+    _progress("the other ranks' rows and payloads")
     # Every rank's first-agreement row and exchange payload.
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     rows: list[bytes] = [b""] * world
     own_of: list[_Own] = [owns[0]] * world
     for s in range(pp):
@@ -626,13 +635,40 @@ def _computed(
     for r in range(world):
         rep = reps[r // (dp * tp)]
         payloads.append(_payload(own_of[r], rows_plain, r, rep))
-    t_others = time.perf_counter() - t0
+    t_others = time.process_time() - t0
+    sizes = sorted(len(p) for r, p in enumerate(payloads) if r not in reps)
+    out: dict[str, Any] = {
+        "layout": {"pp": pp, "dp": dp, "tp": tp, "world": world},
+        "model": dataclasses.asdict(cfg),
+        "leaves_per_stage_rep": [len(owns[s].prep.leaves) for s in range(pp)],
+        "payload_bytes": {
+            "description (each stage's lowest rank)": [len(payloads[r]) for r in reps],
+            "other ranks: min, median, max": [sizes[0], sizes[len(sizes) // 2], sizes[-1]],
+            "total (what every rank gathers)": sum(len(p) for p in payloads),
+        },
+        "cpu_seconds": {
+            "each stage rep's own prepare": [t_own[s] for s in range(pp)],
+            "making the other ranks' rows and payloads (simulation only)": t_others,
+        },
+    }
+    if bytes_only:
+        # What rank 0's three gathers carry with these rows and payloads.
+        ops: list[list[Any]] = [
+            ["prepare_save", "allgather_bytes", 66, 66 * (world - 1)],
+            ["_union_prepare", "allgather_varbytes", len(payloads[0]) + 8,
+             _others(payloads, 0) + 8 * (world - 1)],
+            ["_union_prepare", "allgather_bytes", 34, 34 * (world - 1)],
+        ]  # fmt: skip
+        sent, gathered = sum(o[2] for o in ops), sum(o[3] for o in ops)
+        out["rank0"] = {"ops": ops, "sent": sent, "gathered": gathered}
+        return out
 
+    _progress("rank 0's prepare_save")
     # Rank 0's prepare_save, the code as it runs in a save.
     c = SimComm(0, world, rows, payloads)
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     prep, _ = prepare_save(cast("Comm", c), None, states[0], None, plan_for, path)
-    t_total = time.perf_counter() - t0
+    t_total = time.process_time() - t0
     marks = [(x[1], x[4] - t0, x[5] - t0) for x in c.counter.log]
     agree1, gather, agree2 = marks
     phases = {
@@ -648,28 +684,16 @@ def _computed(
                 cast("Comm", sc), owns[s], [r[:64] for r in rows], False, None
             )
             checked[str(reps[s])] = other.digest == prep.digest
-    totals = c.counter.totals(SAVE_EXCHANGE)
-    sizes = sorted(len(p) for r, p in enumerate(payloads) if r not in reps)
-    return {
-        "layout": {"pp": pp, "dp": dp, "tp": tp, "world": world},
-        "model": dataclasses.asdict(cfg),
-        "leaves_per_stage_rep": [len(owns[s].prep.leaves) for s in range(pp)],
-        "union_leaves": len(prep.manifest.leaves()),
-        "union_dtensors": len(prep.dtensors),
-        "payload_bytes": {
-            "description (each stage's lowest rank)": [len(payloads[r]) for r in reps],
-            "other ranks: min, median, max": [sizes[0], sizes[len(sizes) // 2], sizes[-1]],
-            "total (what every rank gathers)": sum(len(p) for p in payloads),
-        },
-        "rank0": totals,
-        "seconds": {
-            **phases,
-            "rank 0 prepare_save in all": t_total,
-            "each stage rep's own prepare": [t_own[s] for s in range(pp)],
-            "making the other ranks' rows and payloads (simulation only)": t_others,
-        },
-        "same_union_on_reps": checked,
-    }
+    out["union_leaves"] = len(prep.manifest.leaves())
+    out["union_dtensors"] = len(prep.dtensors)
+    out["rank0"] = c.counter.totals(SAVE_EXCHANGE)
+    out["cpu_seconds"] = {**phases, "rank 0 prepare_save in all": t_total, **out["cpu_seconds"]}
+    out["same_union_on_reps"] = checked
+    return out
+
+
+def _progress(what: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {what}", file=sys.stderr, flush=True)
 
 
 def ring_seconds(gathered: int, world: int, latency_us: float, bandwidth_gbs: float) -> float:
@@ -681,26 +705,28 @@ def ring_seconds(gathered: int, world: int, latency_us: float, bandwidth_gbs: fl
 def report_computed(res: dict[str, Any], latency_us: float, bandwidth_gbs: float) -> None:
     lay = res["layout"]
     world = lay["world"]
-    t = res["seconds"]
+    t = res["cpu_seconds"]
     pb = res["payload_bytes"]
     model = sum(ring_seconds(op[3], world, latency_us, bandwidth_gbs) for op in res["rank0"]["ops"])
     local = sum(v for k, v in t.items() if k.startswith(("own", "encode", "decode")))
     res["model_seconds"] = {"collectives": model, "local phases": local, "exchange": model + local}
     print(f"computed: PP {lay['pp']} x FSDP {lay['dp']} x TP {lay['tp']} = {world} ranks")
-    print(f"  union: {res['union_leaves']} leaves, {res['union_dtensors']} DTensor records")
+    if "union_leaves" in res:
+        print(f"  union: {res['union_leaves']} leaves, {res['union_dtensors']} DTensor records")
     desc = pb["description (each stage's lowest rank)"]
     print(f"  description per stage (its lowest rank): {_mb(min(desc))} .. {_mb(max(desc))}")
     lo, med, hi = pb["other ranks: min, median, max"]
     print(f"  other ranks' payloads: {lo} / {med} / {hi} B (min / median / max)")
     print(f"  gathered by every rank: {_mb(pb['total (what every rank gathers)'])}")
+    print("  CPU seconds on one process:")
     for k, v in t.items():
         vs = ", ".join(f"{x:.2f}" for x in v) if isinstance(v, list) else f"{v:.2f}"
-        print(f"  {k}: {vs} s")
+        print(f"    {k}: {vs}")
     print(
-        f"  collectives at {bandwidth_gbs:g} GB/s, {latency_us:g} us/step (ring): "
-        f"{model:.2f} s; the exchange (local phases + collectives): {model + local:.2f} s"
+        f"  rank 0's gathers at {bandwidth_gbs:g} GB/s, {latency_us:g} us/step (ring): "
+        f"{model:.3f} s" + (f"; with its local phases: {model + local:.2f} s" if local else "")
     )
-    if res["same_union_on_reps"]:
+    if res.get("same_union_on_reps"):
         print(f"  same union manifest on each stage's lowest rank: {res['same_union_on_reps']}")
 
 
@@ -743,6 +769,9 @@ def main() -> None:
     p.add_argument("--latency-us", type=float, default=5.0)
     p.add_argument("--bandwidth-gbs", type=float, default=25.0)
     p.add_argument("--check-reps", action="store_true", help="every stage builds rank 0's union")
+    p.add_argument(
+        "--bytes-only", action="store_true", help="computed: the payloads only, not rank 0's merge"
+    )
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--rank-of", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -755,7 +784,9 @@ def main() -> None:
         report_measured(out["measured"])
     if args.part in ("both", "computed"):
         cfg = Llama(args.layers, args.dim, args.ffn, args.vocab, args.heads, args.kv_heads)
-        res = computed(cfg, args.pp, args.dp, args.tp, check_reps=args.check_reps)
+        res = computed(
+            cfg, args.pp, args.dp, args.tp, check_reps=args.check_reps, bytes_only=args.bytes_only
+        )
         report_computed(res, args.latency_us, args.bandwidth_gbs)
         out["computed"] = res
     if args.json is not None:
