@@ -138,8 +138,17 @@ def mesh_regions(dt: Any, path: Sequence[Any] = ()) -> list[tuple[Region, list[i
     _check_placements(dt, path)
     root, dims = _root_view(dt, path)
     key_ranks, ranks = _mesh_ranks(root)
-    specs = _placement_specs(dt.placements)
-    shape = tuple(int(n) for n in dt.shape)
+    return _layout_regions(key_ranks, ranks, dims, _placement_specs(dt.placements), dt.shape)
+
+
+def _layout_regions(
+    key_ranks: tuple[Any, ...], ranks: Any, dims: Sequence[int], specs: Any, shape: Any
+) -> list[tuple[Region, list[int]]]:
+    """The regions of a tensor of ``shape`` with placements ``specs`` on the
+    mesh whose ranks are ``ranks`` (numpy; ``key_ranks`` its cache key), of
+    which the DTensor's mesh spans ``dims``, with their holders (see
+    :func:`mesh_regions`); cached per layout."""
+    shape = tuple(int(n) for n in shape)
     key = (key_ranks, tuple(dims), specs, shape)
     hit = _LAYOUTS.get(key)
     if hit is not None:
@@ -175,7 +184,7 @@ def holder_regions(
     also returns the sorted ranks of that mesh."""
     _check_placements(dt, path)
     mesh = dt.device_mesh
-    ranks = mesh.mesh
+    key_ranks, ranks = _mesh_ranks(mesh)
     dims = list(range(mesh.ndim))
     root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
     names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
@@ -190,18 +199,12 @@ def holder_regions(
         if coord is None:
             raise StateError(f"{_where(path)}: this rank is not in the DTensor's root mesh")
         keep = [d for d, n in enumerate(root_names) if n in names or n in wide]
-        ranks = root.mesh[tuple(slice(None) if d in keep else coord[d] for d in range(root.ndim))]
+        _, root_ranks = _mesh_ranks(root)
+        ranks = root_ranks[tuple(slice(None) if d in keep else coord[d] for d in range(root.ndim))]
+        key_ranks = (ranks.shape, tuple(ranks.reshape(-1).tolist()))
         dims = [keep.index(root_names.index(n)) for n in names]
-    sub_shape = [int(ranks.shape[d]) for d in dims]
-    shape = list(dt.shape)
-    found: dict[Region, list[int]] = {}
-    for coord in itertools.product(*(range(n) for n in ranks.shape)):
-        region = _region_at(shape, sub_shape, [coord[d] for d in dims], dt.placements)
-        found.setdefault(region, []).append(int(ranks[coord]))
-    out = [(r, sorted(h)) for r, h in found.items()]
-    out = [x for x in out if x[0].numel] or out[:1]
-    members = sorted(int(r) for r in ranks.flatten().tolist())
-    return sorted(out, key=lambda x: x[1][0]), members
+    out = _layout_regions(key_ranks, ranks, dims, _placement_specs(dt.placements), dt.shape)
+    return out, sorted(int(r) for r in ranks.reshape(-1).tolist())
 
 
 def local_region(dt: Any, path: Sequence[Any] = ()) -> Region:

@@ -395,28 +395,42 @@ def _own_prepare(
     where = location_key(directory)
     common = hashlib.sha256(f"{codec}\0{where}\0{kind}".encode()).hexdigest()
     described = Described([], ex.skeleton, [], common)
-    digests = Digests()
-    h_sample = hashlib.blake2b(digest_size=16)
-    h_values = hashlib.blake2b(digest_size=16)
+    held: list[tuple[int, FlatLeaf, int]] = []
     for i, (leaf, desc) in enumerate(zip(ex.leaves, ex.descs, strict=True)):
         d = {k: v for k, v in desc.items() if k not in ("owner", "holders")}
         holders = _holders_of(desc, ex.groups, world)
-        if leaf.encoded is not None:
-            digests.values[i] = _hex8(leaf.encoded)
-            h_values.update(i.to_bytes(8, "little") + leaf.encoded)
-        elif leaf.tensor is not None and len(holders) > 1:
-            digests.samples[i] = _hex8(sample_bytes(leaf.tensor))
-            h_sample.update(i.to_bytes(8, "little") + bytes.fromhex(digests.samples[i]))
+        if leaf.encoded is not None or leaf.tensor is not None:
+            held.append((i, leaf, len(holders)))
         if "owner" in desc or "holders" in desc:
             d["holders"] = holders
         described.descs.append(d)
+    digests, sample, values = digest_held(held)
     for rec, ranks in zip(ex.records, ex.ranks, strict=True):
         described.records.append(
             {"path": rec.path, "dtype": rec.dtype, "shape": rec.shape, "ranks": ranks,
              "shards": [[s.leaf, s.region.to_json()] for s in rec.shards]}
         )  # fmt: skip
     prep.samples = {i: bytes.fromhex(v) for i, v in digests.samples.items()}
-    return _Own(prep, described, digests, h_sample.digest(), h_values.digest(), plan_for, directory)
+    return _Own(prep, described, digests, sample, values, plan_for, directory)
+
+
+def digest_held(held: Sequence[tuple[int, FlatLeaf, int]]) -> tuple[Digests, bytes, bytes]:
+    """The digests a rank sends in the exchange, of the leaves it holds
+    (``(local leaf, leaf, number of holders)``, in leaf order): a hash of
+    each plain value, a sampled hash of each tensor that other ranks hold
+    too; and the 16-byte digests of each kind that the first agreement
+    compares (sampled tensors, plain values)."""
+    digests = Digests()
+    h_sample = hashlib.blake2b(digest_size=16)
+    h_values = hashlib.blake2b(digest_size=16)
+    for i, leaf, holders in held:
+        if leaf.encoded is not None:
+            digests.values[i] = _hex8(leaf.encoded)
+            h_values.update(i.to_bytes(8, "little") + leaf.encoded)
+        elif leaf.tensor is not None and holders > 1:
+            digests.samples[i] = _hex8(sample_bytes(leaf.tensor))
+            h_sample.update(i.to_bytes(8, "little") + bytes.fromhex(digests.samples[i]))
+    return digests, h_sample.digest(), h_values.digest()
 
 
 def _replica_classes(manifest: Manifest, world: int) -> list[tuple[int, ...]]:

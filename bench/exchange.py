@@ -1,0 +1,797 @@
+"""The exchange of ``deeppart.save``'s prepare stage: what the ranks send each
+other to learn what every rank holds (issue 32), measured on 8 ranks and
+computed for a 70B model on 4,096 ranks.
+
+    .venv/bin/python bench/exchange.py                   # both parts (a few minutes)
+    .venv/bin/python bench/exchange.py --part measured   # 8 MPI ranks only
+    .venv/bin/python bench/exchange.py --part computed --pp 8 --dp 64 --tp 8
+
+The exchange (:func:`deeppart.prepare.prepare_save`): one agreement of a
+65-byte row per rank (structure digest, sampled-tensor and plain-value
+digests, a flag); when the ranks' structures differ (pipeline stages) one
+``allgather_varbytes`` in which the lowest rank of each distinct structure
+sends its description (:class:`deeppart.union.Described`, JSON) and every
+other rank only the digests that differ from that rank's (per-rank plain
+values, sampled shared tensors); every rank then builds the same union
+manifest and plans it, and a last agreement of a 33-byte row checks that.
+A load with DTensor targets exchanges too
+(:func:`deeppart.reshard.plan_shard_reads`: every rank's needed regions).
+
+**measured** (``--part measured``): ``mpiexec -n 8`` ranks of this file,
+gloo initialised beside MPI, a torchtitan-like Llama stage per pipeline
+stage on a ``(pp, dp, tp) = (2, 2, 2)`` mesh: ``parallelize_module``
+(colwise / rowwise / sequence-parallel norms) on ``mesh["tp"]``, then
+FSDP2 ``fully_shard`` on ``mesh["dp"]``, AdamW after one step, a LambdaLR
+scheduler, a per-rank data-loader position and RNG state (as
+tests/own_state_worker.py). Tiny tensors: the point is the descriptions.
+``deeppart.save`` and ``deeppart.load(into=)`` run on a communicator that
+counts each collective (bytes this rank contributes, bytes it gathers from
+the others, seconds), labelled by the DeepPart function that called it.
+
+**computed** (``--part computed``): the same code
+(:func:`~deeppart.prepare.prepare_save` and everything it calls) on one
+process for rank 0 of a 4,096-rank job, a Llama-3-70B-like model (80
+layers, hidden 8192, FFN 28672, vocabulary 128256, 64 heads, 8 KV heads;
+fp32 parameters and AdamW's two moments, as torchtitan keeps them) laid
+out PP 8 x FSDP 64 x TP 8 with torchtitan's placements, as real DTensors
+on a ``fake`` process group (no data: each local shard is a zero-stride
+view). Only the transport is simulated: the other ranks' contributions
+are made by the same code (each stage's lowest rank runs the whole prepare
+of its own tree; every other rank's digests come from
+:func:`deeppart.prepare.digest_held` over the leaves it holds, and its
+payload from the same ``_payload``). Reported: the bytes each rank sends
+and gathers, the one-process time of each local phase (every rank does the
+same work in parallel), and the collectives' time under a ring-allgather
+model, ``(p - 1) * latency + gathered bytes / bandwidth`` (defaults: 5 us,
+25 GB/s per rank, one 200 Gb/s NIC; ``--latency-us``, ``--bandwidth-gbs``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from deeppart.comm import MPIComm
+
+if TYPE_CHECKING:
+    from deeppart.comm import Comm
+
+#: The function names of the save's exchange (prepare stage) and the load's.
+SAVE_EXCHANGE = ("prepare_save", "_union_prepare")
+LOAD_EXCHANGE = ("plan_shard_reads",)
+
+
+# ----------------------------------------------------------------------------
+# Counting collectives.
+
+
+def _caller() -> str:
+    """The DeepPart function (outside the communicator and the agreement)
+    that called the current collective."""
+    f = sys._getframe(2)
+    while f is not None:
+        mod = f.f_globals.get("__name__", "")
+        if mod.startswith("deeppart") and mod not in ("deeppart.comm", "deeppart.agreement"):
+            return f.f_code.co_name
+        f = f.f_back  # type: ignore[assignment]
+    return "?"
+
+
+class Counter:
+    """A log of collectives: ``(label, op, contributed, gathered, t0, t1)``
+    (bytes this rank contributes, bytes it gets from the other ranks)."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.log: list[tuple[str, str, int, int, float, float]] = []
+        self._depth = 0
+        self.clock = clock
+
+    def counted(self, op: str, fn: Callable[[], Any], sent: int, got: Callable[[Any], int]) -> Any:
+        if self._depth:
+            return fn()
+        label = _caller()
+        self._depth += 1
+        t0 = self.clock()
+        try:
+            out = fn()
+        finally:
+            self._depth -= 1
+        self.log.append((label, op, sent, got(out), t0, self.clock()))
+        return out
+
+    def totals(self, labels: tuple[str, ...]) -> dict[str, Any]:
+        rows = [x for x in self.log if x[0] in labels]
+        return {
+            "collectives": len(rows),
+            "sent": sum(x[2] for x in rows),
+            "gathered": sum(x[3] for x in rows),
+            "seconds": sum(x[5] - x[4] for x in rows),
+            "ops": [[x[0], x[1], x[2], x[3]] for x in rows],
+        }
+
+
+def _others(rows: list[bytes], rank: int) -> int:
+    return sum(len(r) for i, r in enumerate(rows) if i != rank)
+
+
+class CountingComm(MPIComm):
+    """An :class:`~deeppart.comm.MPIComm` that counts its gathers (the
+    collectives of the exchange); other collectives run uncounted."""
+
+    def __init__(self, comm: Any) -> None:
+        super().__init__(comm)
+        self.counter = Counter()
+
+    def allgather_bytes(self, data: bytes, width: int) -> list[bytes]:
+        return self.counter.counted(  # type: ignore[no-any-return]
+            "allgather_bytes",
+            lambda: super(CountingComm, self).allgather_bytes(data, width),
+            width,
+            lambda rows: width * (self.size - 1),
+        )
+
+    def allgather_varbytes(self, data: bytes) -> list[bytes]:
+        return self.counter.counted(  # type: ignore[no-any-return]
+            "allgather_varbytes",
+            lambda: super(CountingComm, self).allgather_varbytes(data),
+            len(data) + 8,  # and its length (one float64)
+            lambda rows: _others(rows, self.rank) + 8 * (self.size - 1),
+        )
+
+
+# ----------------------------------------------------------------------------
+# The torchtitan-like Llama (names, shapes and placements).
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama:
+    layers: int = 80
+    dim: int = 8192
+    ffn: int = 28672
+    vocab: int = 128256
+    heads: int = 64
+    kv_heads: int = 8
+
+    @property
+    def kv_dim(self) -> int:
+        return self.dim // self.heads * self.kv_heads
+
+
+#: Per tensor-parallel style: the placements on the (dp, tp) mesh that FSDP2
+#: over parallelize_module gives (checked against the measured run's).
+def placements_of(style: str, tp: int) -> tuple[Any, ...]:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if style == "colwise":  # Shard(0) on tp, then FSDP's Shard(0) on dp
+        return (_StridedShard(0, split_factor=tp), Shard(0))
+    if style == "rowwise":
+        return (Shard(0), Shard(1))
+    return (Shard(0), Replicate())  # sequence-parallel norms
+
+
+def stage_layers(cfg: Llama, pp: int, stage: int) -> range:
+    per = -(-cfg.layers // pp)
+    return range(stage * per, min(cfg.layers, (stage + 1) * per))
+
+
+def stage_params(cfg: Llama, pp: int, stage: int) -> list[tuple[str, tuple[int, ...], str]]:
+    """Stage ``stage``'s parameters as torchtitan names them (global layer
+    ids): ``(fqn, shape, style)``."""
+    out: list[tuple[str, tuple[int, ...], str]] = []
+    if stage == 0:
+        out.append(("tok_embeddings.weight", (cfg.vocab, cfg.dim), "colwise"))
+    for i in stage_layers(cfg, pp, stage):
+        p = f"layers.{i}"
+        out += [
+            (f"{p}.attention.wq.weight", (cfg.dim, cfg.dim), "colwise"),
+            (f"{p}.attention.wk.weight", (cfg.kv_dim, cfg.dim), "colwise"),
+            (f"{p}.attention.wv.weight", (cfg.kv_dim, cfg.dim), "colwise"),
+            (f"{p}.attention.wo.weight", (cfg.dim, cfg.dim), "rowwise"),
+            (f"{p}.attention_norm.weight", (cfg.dim,), "norm"),
+            (f"{p}.feed_forward.w1.weight", (cfg.ffn, cfg.dim), "colwise"),
+            (f"{p}.feed_forward.w2.weight", (cfg.dim, cfg.ffn), "rowwise"),
+            (f"{p}.feed_forward.w3.weight", (cfg.ffn, cfg.dim), "colwise"),
+            (f"{p}.ffn_norm.weight", (cfg.dim,), "norm"),
+        ]
+    if stage == pp - 1:
+        out.append(("norm.weight", (cfg.dim,), "norm"))
+        out.append(("output.weight", (cfg.vocab, cfg.dim), "colwise"))
+    return out
+
+
+def rng_bytes(rank: int) -> bytes:
+    """A rank's torch CPU RNG state after seeding it per rank, as bytes."""
+    import torch
+
+    g = torch.Generator()
+    g.manual_seed(1234 + rank)
+    return bytes(g.get_state().numpy())
+
+
+def loader_of(rank: int) -> dict[str, int]:
+    return {"epoch": 3, "batches_seen": 100 + rank}
+
+
+# ----------------------------------------------------------------------------
+# measured: one MPI rank.
+
+
+def measured_rank(out: Path, reps: int) -> None:
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    import deeppart
+
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    port = np.zeros(1, dtype=np.int64)
+    if rank == 0:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port[0] = s.getsockname()[1]
+    world.Bcast(port, root=0)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{int(port[0])}", rank=rank, world_size=size
+    )
+    cfg = Llama(layers=4, dim=32, ffn=64, vocab=64, heads=4, kv_heads=2)
+    state, model, placements = tiny_stage(cfg)
+    c = CountingComm(world)
+    d = out / "ckpt"
+    prepare_seconds = _time_prepare_save()
+    saves, loads = [], []
+    for k in range(reps + 1):  # one warm-up
+        c.counter.log.clear()
+        world.Barrier()
+        t0 = time.perf_counter()
+        deeppart.save(state, d, comm=c, overwrite=True)
+        t_save = time.perf_counter() - t0
+        save = c.counter.totals(SAVE_EXCHANGE)
+        c.counter.log.clear()
+        target = tiny_target(state)
+        world.Barrier()
+        t0 = time.perf_counter()
+        deeppart.load(d, into=target, comm=c)
+        t_load = time.perf_counter() - t0
+        load = c.counter.totals(LOAD_EXCHANGE)
+        if k:
+            save["prepare_seconds"] = prepare_seconds.pop()
+            saves.append({**save, "save_seconds": t_save})
+            loads.append({**load, "load_seconds": t_load})
+    check_restored(state, target)
+    result = {
+        "rank": rank,
+        "stage": model,
+        "placements": placements,
+        "save": _median_of(saves),
+        "load": _median_of(loads),
+    }
+    (out / f"rank-{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def _time_prepare_save() -> list[float]:
+    """Times each call of the save's prepare stage (with its exchange):
+    the returned list gets each call's seconds."""
+    import deeppart.checkpoint as checkpoint
+
+    times: list[float] = []
+    inner: Any = checkpoint.__dict__["prepare_save"]
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            times.append(time.perf_counter() - t0)
+
+    checkpoint.__dict__["prepare_save"] = timed
+    return times
+
+
+def _median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    out = dict(runs[0])
+    for k, v in runs[0].items():
+        if isinstance(v, float):
+            out[k] = statistics.median(r[k] for r in runs)
+    return out
+
+
+def tiny_stage(cfg: Llama) -> tuple[dict[str, Any], int, dict[str, str]]:
+    """This rank's stage of ``cfg`` on the (pp, dp, tp) = (2, 2, 2) mesh:
+    tensor parallel, FSDP2, AdamW after one step, a scheduler, per-rank
+    loader and RNG. Returns the state, the stage and each style's placements."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    pp = 2
+    stage = mesh.get_local_rank("pp")
+    torch.manual_seed(stage)
+    root = nn.Module()
+    styles = {
+        "colwise": ColwiseParallel(),
+        "rowwise": RowwiseParallel(),
+        "norm": SequenceParallel(),
+    }
+    plan: dict[str, Any] = {}
+    built: dict[str, nn.Module] = {}
+    for fqn, shape, style in stage_params(cfg, pp, stage):
+        name = fqn.removesuffix(".weight")
+        if name == "tok_embeddings":
+            mod: nn.Module = nn.Embedding(cfg.vocab, cfg.dim)
+            plan[name] = RowwiseParallel(input_layouts=Replicate())
+        elif style == "norm":
+            mod = nn.RMSNorm(cfg.dim)
+            plan[name] = styles[style]
+        else:
+            mod = nn.Linear(shape[1], shape[0], bias=False)
+            plan[name] = styles[style]
+        built[name] = mod
+        parent = root
+        parts = name.split(".")
+        for part in parts[:-1]:
+            if not hasattr(parent, part):
+                parent.add_module(part, nn.Module())
+            parent = getattr(parent, part)
+        parent.add_module(parts[-1], mod)
+    parallelize_module(root, mesh["tp"], plan)
+    layers: Any = getattr(root, "layers", None)
+    if layers is not None:
+        for layer in layers.children():
+            fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(root, mesh=mesh["dp"])
+    opt = torch.optim.AdamW(root.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+    for p in root.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    sched.step()
+    msd, osd = get_state_dict(
+        root, opt, options=StateDictOptions(flatten_optimizer_state_dict=True)
+    )
+    state = {
+        "model": msd,
+        "optim": osd,
+        "lr_scheduler": sched.state_dict(),
+        "loader": loader_of(rank),
+        "rng": rng_bytes(rank),
+    }
+    placements: dict[str, str] = {}
+    for fqn, _shape, style in stage_params(cfg, pp, stage):
+        dt: Any = msd[fqn]
+        placements.setdefault(style, repr(tuple(dt.placements)))
+    return state, stage, placements
+
+
+def tiny_target(state: dict[str, Any]) -> dict[str, Any]:
+    """A state of the same layout with other values to load into."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    def other(t: Any) -> Any:
+        return t.detach().clone().add_(1) if isinstance(t, torch.Tensor) else t
+
+    out = tree_map(other, {k: state[k] for k in ("model", "optim")})
+    return {**out, "lr_scheduler": {}, "loader": {}, "rng": b""}
+
+
+def check_restored(state: dict[str, Any], target: dict[str, Any]) -> None:
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    for part in ("model", "optim"):
+        for k, v in state[part].items():
+            got = target[part][k]
+            if isinstance(v, DTensor):
+                v, got = v.to_local(), got.to_local()
+            if isinstance(v, torch.Tensor) and not torch.equal(v, got):
+                raise AssertionError(f"{part}/{k}: not restored")
+
+
+def run_measured(n: int, reps: int, timeout_s: float) -> dict[str, Any]:
+    """Launches ``n`` MPI ranks of this file and collects their results."""
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    root = Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryDirectory(prefix="deeppart-exchange-") as tmp:
+        cmd = [str(mpiexec), "-n", str(n), sys.executable, str(Path(__file__).resolve()),
+               "--rank-of", tmp, "--reps", str(reps)]  # fmt: skip
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root))
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        if proc.returncode != 0:
+            raise RuntimeError(f"mpiexec failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        ranks = [json.loads((Path(tmp) / f"rank-{r}.json").read_text()) for r in range(n)]
+    return {"ranks": ranks, "loadavg": Path("/proc/loadavg").read_text().split()[:3]}
+
+
+# ----------------------------------------------------------------------------
+# computed: rank 0 of a large job on one process.
+
+
+class SimComm:
+    """Rank ``rank`` of ``size`` whose gathers return the other ranks'
+    contributions made beforehand (``rows``: the first agreement's,
+    ``payloads``: the exchange's); later agreements return this rank's row
+    for every rank (all ranks build the same union: checked with
+    ``--check-reps``). Counts like :class:`CountingComm`."""
+
+    def __init__(
+        self, rank: int, size: int, rows: list[bytes], payloads: list[bytes], agreed: int = 0
+    ) -> None:
+        self.rank, self.size = rank, size
+        self.rows, self.payloads = rows, payloads
+        self.counter = Counter(time.process_time)
+        #: Agreements already made (1: start at the exchange).
+        self._agreements = agreed
+
+    def allgather_bytes(self, data: bytes, width: int) -> list[bytes]:
+        def gather() -> list[bytes]:
+            self._agreements += 1
+            if self._agreements == 1:
+                rows = [bytes([0]) + r for r in self.rows]
+                if rows[self.rank] != data.ljust(width, b"\0"):
+                    raise AssertionError("this rank's row differs from the one computed before")
+                return rows
+            return [data.ljust(width, b"\0")] * self.size
+
+        return self.counter.counted(  # type: ignore[no-any-return]
+            "allgather_bytes", gather, width, lambda rows: width * (self.size - 1)
+        )
+
+    def allgather_varbytes(self, data: bytes) -> list[bytes]:
+        def gather() -> list[bytes]:
+            if data != self.payloads[self.rank]:
+                raise AssertionError("this rank's payload differs from the one computed before")
+            return self.payloads
+
+        return self.counter.counted(  # type: ignore[no-any-return]
+            "allgather_varbytes",
+            gather,
+            len(data) + 8,
+            lambda rows: _others(rows, self.rank) + 8 * (self.size - 1),
+        )
+
+
+def synthetic_state(cfg: Llama, mesh: Any, pp: int, stage: int, rank: int) -> dict[str, Any]:
+    """Rank ``rank``'s state in stage ``stage``: model and flattened AdamW
+    state as ``get_state_dict`` gives them (DTensors on ``mesh["dp", "tp"]``
+    whose local shards are zero-stride views: no data), an LR scheduler's
+    state, the rank's loader position and RNG state."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from deeppart.dtensor import _placement_specs
+    from deeppart.regions import placement_region
+
+    sub = mesh["dp", "tp"]
+    coord = sub.get_coordinate()
+    mesh_shape = list(sub.mesh.shape)
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+    opt.step()
+    sched.step()
+    group = {k: v for k, v in opt.state_dict()["param_groups"][0].items() if k != "params"}
+
+    def dtensor(shape: tuple[int, ...], placements: tuple[Any, ...]) -> Any:
+        local = placement_region(shape, mesh_shape, coord, _placement_specs(placements)).shape
+        base = torch.zeros(1)  # its own storage: no two leaves alias
+        view = base.expand(local) if local else base.reshape(())
+        stride = tuple(int(np.prod(shape[i + 1 :])) for i in range(len(shape)))
+        return DTensor.from_local(
+            view, sub, placements, run_check=False, shape=torch.Size(shape), stride=stride
+        )
+
+    model: dict[str, Any] = {}
+    optim: dict[str, Any] = {}
+    tp = mesh_shape[1]
+    for fqn, shape, style in stage_params(cfg, pp, stage):
+        pl = placements_of(style, tp)
+        model[fqn] = dtensor(shape, pl)
+        optim[f"state.{fqn}.exp_avg"] = dtensor(shape, pl)
+        optim[f"state.{fqn}.exp_avg_sq"] = dtensor(shape, pl)
+        optim[f"state.{fqn}.step"] = torch.tensor(1.0)
+        for k, v in group.items():
+            optim[f"param_groups.{fqn}.{k}"] = v
+    return {
+        "model": model,
+        "optim": optim,
+        "lr_scheduler": sched.state_dict(),
+        "loader": loader_of(rank),
+        "rng": rng_bytes(rank),
+    }
+
+
+def computed(
+    cfg: Llama,
+    pp: int,
+    dp: int,
+    tp: int,
+    check_reps: bool = False,
+    directory: str = "/ckpt",
+    bytes_only: bool = False,
+) -> dict[str, Any]:
+    """Rank 0's exchange in a ``pp x dp x tp`` job (see the module docstring),
+    on a ``fake`` process group that is destroyed again when it returns."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise RuntimeError("computed() needs a process without torch.distributed initialised")
+    try:
+        return _computed(cfg, pp, dp, tp, check_reps, directory, bytes_only)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _computed(
+    cfg: Llama, pp: int, dp: int, tp: int, check_reps: bool, directory: str, bytes_only: bool
+) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from deeppart.planning import PlanProvider
+    from deeppart.prepare import (
+        _Own,
+        _own_prepare,
+        _payload,
+        _union_prepare,
+        digest_held,
+        prepare_save,
+    )
+    from deeppart.state import FlatLeaf, encode_plain
+
+    world = pp * dp * tp
+    path = Path(directory)
+    plan_for = PlanProvider(world)
+    reps = [s * dp * tp for s in range(pp)]
+    owns: dict[int, _Own] = {}
+    states: dict[int, Any] = {}
+    t_own: dict[int, float] = {}
+
+    def init(rank: int) -> Any:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        return init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+
+    # Each stage's lowest rank: its whole own prepare (stage 0 last, whose
+    # process group stays for the real prepare_save below).
+    for s in reversed(range(pp)):
+        _progress(f"stage {s}: rank {reps[s]}'s own prepare")
+        mesh = init(reps[s])
+        states[s] = synthetic_state(cfg, mesh, pp, s, reps[s])
+        t0 = time.process_time()
+        owns[s] = _own_prepare(states[s], None, plan_for, path, None, [], reps[s], world)
+        t_own[s] = time.process_time() - t0
+
+    _progress("the other ranks' rows and payloads")
+    # Every rank's first-agreement row and exchange payload.
+    t0 = time.process_time()
+    rows: list[bytes] = [b""] * world
+    own_of: list[_Own] = [owns[0]] * world
+    for s in range(pp):
+        own = owns[s]
+        per_rank: dict[int, list[tuple[int, FlatLeaf, int]]] = {}
+        shared: list[tuple[int, FlatLeaf, int]] = []
+        per_rank_paths: dict[tuple[Any, ...], int] = {("loader",): 0, ("rng",): 0}
+        for i, (leaf, desc) in enumerate(zip(own.prep.leaves, own.described.descs, strict=True)):
+            holders = desc.get("holders")
+            if holders is None:
+                if tuple(leaf.path) not in per_rank_paths:
+                    shared.append((i, leaf, world))
+                else:
+                    per_rank_paths[tuple(leaf.path)] = i
+                continue
+            if len(holders) == 1:
+                continue  # held by one rank: nothing to digest
+            # A replica of a shard: sampled (zeros, as the rank's view holds).
+            replica = FlatLeaf(leaf.path, torch.zeros(desc["shape"]), None)
+            for r in holders:
+                per_rank.setdefault(r, []).append((i, replica, len(holders)))
+        for r in range(reps[s], reps[s] + dp * tp):
+            mine = [
+                (per_rank_paths[(k,)], FlatLeaf((k,), None, encode_plain(v, (k,))), world)
+                for k, v in (("loader", loader_of(r)), ("rng", rng_bytes(r)))
+            ]
+            held = sorted([*shared, *per_rank.get(r, []), *mine], key=lambda x: x[0])
+            digests, sample, values = digest_held(held)
+            rows[r] = own.prep.digest + sample + values + b"\0"
+            if r != reps[s]:
+                own_of[r] = dataclasses.replace(own, digests=digests, sample=sample, values=values)
+            else:
+                own_of[r] = own
+    rows_plain = [r[:64] for r in rows]
+    payloads: list[bytes] = []
+    for r in range(world):
+        rep = reps[r // (dp * tp)]
+        payloads.append(_payload(own_of[r], rows_plain, r, rep))
+    t_others = time.process_time() - t0
+    sizes = sorted(len(p) for r, p in enumerate(payloads) if r not in reps)
+    out: dict[str, Any] = {
+        "layout": {"pp": pp, "dp": dp, "tp": tp, "world": world},
+        "model": dataclasses.asdict(cfg),
+        "leaves_per_stage_rep": [len(owns[s].prep.leaves) for s in range(pp)],
+        "payload_bytes": {
+            "description (each stage's lowest rank)": [len(payloads[r]) for r in reps],
+            "other ranks: min, median, max": [sizes[0], sizes[len(sizes) // 2], sizes[-1]],
+            "total (what every rank gathers)": sum(len(p) for p in payloads),
+        },
+        "cpu_seconds": {
+            "each stage rep's own prepare": [t_own[s] for s in range(pp)],
+            "making the other ranks' rows and payloads (simulation only)": t_others,
+        },
+    }
+    if bytes_only:
+        # What rank 0's three gathers carry with these rows and payloads.
+        ops: list[list[Any]] = [
+            ["prepare_save", "allgather_bytes", 66, 66 * (world - 1)],
+            ["_union_prepare", "allgather_varbytes", len(payloads[0]) + 8,
+             _others(payloads, 0) + 8 * (world - 1)],
+            ["_union_prepare", "allgather_bytes", 34, 34 * (world - 1)],
+        ]  # fmt: skip
+        sent, gathered = sum(o[2] for o in ops), sum(o[3] for o in ops)
+        out["rank0"] = {"ops": ops, "sent": sent, "gathered": gathered}
+        return out
+
+    _progress("rank 0's prepare_save")
+    # Rank 0's prepare_save, the code as it runs in a save.
+    c = SimComm(0, world, rows, payloads)
+    t0 = time.process_time()
+    prep, _ = prepare_save(cast("Comm", c), None, states[0], None, plan_for, path)
+    t_total = time.process_time() - t0
+    marks = [(x[1], x[4] - t0, x[5] - t0) for x in c.counter.log]
+    agree1, gather, agree2 = marks
+    phases = {
+        "own prepare (describe, digest, plan own tree)": agree1[1],
+        "encode the payload": gather[1] - agree1[2],
+        "decode, merge, plan the union": agree2[1] - gather[2],
+    }
+    checked: dict[str, Any] = {}
+    if check_reps:
+        for s in range(1, pp):
+            sc = SimComm(reps[s], world, rows, payloads, agreed=1)
+            other, _ = _union_prepare(
+                cast("Comm", sc), owns[s], [r[:64] for r in rows], False, None
+            )
+            checked[str(reps[s])] = other.digest == prep.digest
+    out["union_leaves"] = len(prep.manifest.leaves())
+    out["union_dtensors"] = len(prep.dtensors)
+    out["rank0"] = c.counter.totals(SAVE_EXCHANGE)
+    out["cpu_seconds"] = {**phases, "rank 0 prepare_save in all": t_total, **out["cpu_seconds"]}
+    out["same_union_on_reps"] = checked
+    return out
+
+
+def _progress(what: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {what}", file=sys.stderr, flush=True)
+
+
+def ring_seconds(gathered: int, world: int, latency_us: float, bandwidth_gbs: float) -> float:
+    """A ring allgather's time: ``world - 1`` steps of ``latency_us``, and
+    the bytes gathered from the others at ``bandwidth_gbs`` GB/s."""
+    return (world - 1) * latency_us * 1e-6 + gathered / (bandwidth_gbs * 1e9)
+
+
+def report_computed(res: dict[str, Any], latency_us: float, bandwidth_gbs: float) -> None:
+    lay = res["layout"]
+    world = lay["world"]
+    t = res["cpu_seconds"]
+    pb = res["payload_bytes"]
+    model = sum(ring_seconds(op[3], world, latency_us, bandwidth_gbs) for op in res["rank0"]["ops"])
+    local = sum(v for k, v in t.items() if k.startswith(("own", "encode", "decode")))
+    res["model_seconds"] = {"collectives": model, "local phases": local, "exchange": model + local}
+    print(f"computed: PP {lay['pp']} x FSDP {lay['dp']} x TP {lay['tp']} = {world} ranks")
+    if "union_leaves" in res:
+        print(f"  union: {res['union_leaves']} leaves, {res['union_dtensors']} DTensor records")
+    desc = pb["description (each stage's lowest rank)"]
+    print(f"  description per stage (its lowest rank): {_mb(min(desc))} .. {_mb(max(desc))}")
+    lo, med, hi = pb["other ranks: min, median, max"]
+    print(f"  other ranks' payloads: {lo} / {med} / {hi} B (min / median / max)")
+    print(f"  gathered by every rank: {_mb(pb['total (what every rank gathers)'])}")
+    print("  CPU seconds on one process:")
+    for k, v in t.items():
+        vs = ", ".join(f"{x:.2f}" for x in v) if isinstance(v, list) else f"{v:.2f}"
+        print(f"    {k}: {vs}")
+    print(
+        f"  rank 0's gathers at {bandwidth_gbs:g} GB/s, {latency_us:g} us/step (ring): "
+        f"{model:.3f} s" + (f"; with its local phases: {model + local:.2f} s" if local else "")
+    )
+    if res.get("same_union_on_reps"):
+        print(f"  same union manifest on each stage's lowest rank: {res['same_union_on_reps']}")
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.2f} MB" if n >= 1e5 else f"{n} B"
+
+
+def report_measured(res: dict[str, Any]) -> None:
+    ranks = res["ranks"]
+    print(f"measured: 8 MPI ranks, PP 2 x FSDP 2 x TP 2 (load average {' '.join(res['loadavg'])})")
+    print(f"  placements: {ranks[0]['placements']}")
+    print(
+        "  rank stage | save exchange: sent B, gathered B, collectives s | prepare s | save s"
+        " | load exchange: sent B, gathered B, s | load s"
+    )
+    for r in ranks:
+        s, ld = r["save"], r["load"]
+        print(
+            f"  {r['rank']:4} {r['stage']:5} | {s['sent']:8} {s['gathered']:9} {s['seconds']:.3f} |"
+            f" {s['prepare_seconds']:.3f} | {s['save_seconds']:.2f} | {ld['sent']:8}"
+            f" {ld['gathered']:9} {ld['seconds']:.3f} | {ld['load_seconds']:.2f}"
+        )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--part", choices=("both", "measured", "computed"), default="both")
+    p.add_argument("--reps", type=int, default=3, help="measured saves/loads (after a warm-up)")
+    p.add_argument("--pp", type=int, default=8)
+    p.add_argument("--dp", type=int, default=64)
+    p.add_argument("--tp", type=int, default=8)
+    p.add_argument("--layers", type=int, default=80)
+    p.add_argument("--dim", type=int, default=8192)
+    p.add_argument("--ffn", type=int, default=28672)
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--heads", type=int, default=64)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--latency-us", type=float, default=5.0)
+    p.add_argument("--bandwidth-gbs", type=float, default=25.0)
+    p.add_argument("--check-reps", action="store_true", help="every stage builds rank 0's union")
+    p.add_argument(
+        "--bytes-only", action="store_true", help="computed: the payloads only, not rank 0's merge"
+    )
+    p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--rank-of", type=Path, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.rank_of is not None:
+        measured_rank(args.rank_of, args.reps)
+        return
+    out: dict[str, Any] = {}
+    if args.part in ("both", "measured"):
+        out["measured"] = run_measured(8, args.reps, timeout_s=900)
+        report_measured(out["measured"])
+    if args.part in ("both", "computed"):
+        cfg = Llama(args.layers, args.dim, args.ffn, args.vocab, args.heads, args.kv_heads)
+        res = computed(
+            cfg, args.pp, args.dp, args.tp, check_reps=args.check_reps, bytes_only=args.bytes_only
+        )
+        report_computed(res, args.latency_us, args.bandwidth_gbs)
+        out["computed"] = res
+    if args.json is not None:
+        args.json.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
