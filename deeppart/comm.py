@@ -20,6 +20,7 @@ import contextlib
 import os
 import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
@@ -149,6 +150,32 @@ class _Ranked:
         return self._size
 
 
+#: How long a rank polls a pending agreement before it sleeps between polls.
+WAIT_SPIN_S = 50e-6
+#: Its first sleep between two polls after that; each next one is twice as
+#: long, up to :data:`WAIT_SLEEP_MAX_S`.
+WAIT_SLEEP_S = 25e-6
+WAIT_SLEEP_MAX_S = 200e-6
+
+
+def _wait_yielding(req: Any) -> None:
+    """Waits for the MPI request ``req``: polls it for :data:`WAIT_SPIN_S`,
+    then sleeps between polls (:data:`WAIT_SLEEP_S`, doubling up to
+    :data:`WAIT_SLEEP_MAX_S`). MPI's own wait spins, and a rank that waits
+    for slower ones (an agreement after a stage that takes longer on some
+    ranks) holds a core; with more ranks than cores on a host, that core is
+    one the slower ranks need. The sleeps hand it to them, at the cost of
+    at most one sleep's delay once the others arrive."""
+    if req.Test():
+        return
+    spin_until = time.perf_counter() + WAIT_SPIN_S
+    nap = WAIT_SLEEP_S
+    while not req.Test():
+        if time.perf_counter() > spin_until:
+            time.sleep(nap)
+            nap = min(2 * nap, WAIT_SLEEP_MAX_S)
+
+
 class MPIComm(_Ranked):
     """An mpi4py communicator, used only through buffer collectives."""
 
@@ -166,7 +193,8 @@ class MPIComm(_Ranked):
         send = np.zeros(width, dtype=np.uint8)
         send[: len(data)] = np.frombuffer(data, dtype=np.uint8)
         recv = np.empty(width * self._size, dtype=np.uint8)
-        self.comm.Allgather([send, self._MPI.BYTE], [recv, self._MPI.BYTE])
+        req = self.comm.Iallgather([send, self._MPI.BYTE], [recv, self._MPI.BYTE])
+        _wait_yielding(req)
         return [recv[r * width : (r + 1) * width].tobytes() for r in range(self._size)]
 
     def allgather_f64(self, values: F64) -> F64:

@@ -218,6 +218,14 @@ def test_one_host_load_runs_only_its_four_agreements(tmp_path: Path) -> None:
     assert proc.stdout.count("OK collectives") == 4
 
 
+def test_ranks_waiting_in_an_agreement_give_up_their_cores(tmp_path: Path) -> None:
+    """Ranks that wait in an agreement for a late one sleep between polls
+    instead of spinning (their processor time: tests/mpi_checkpoint.py
+    agree_wait), so on fewer cores than ranks the late ones get the cores."""
+    proc = run(4, "agree_wait", str(tmp_path))
+    assert proc.stdout.count("OK agree_wait") == 4
+
+
 def test_truncated_file_detected_on_every_rank(tmp_path: Path) -> None:
     d = tmp_path / "ck"
     run(3, "save", str(d))
