@@ -399,9 +399,10 @@ def scenario_collectives(d: Path) -> None:
 def scenario_agree_wait() -> None:
     """An agreement that waits for a late rank (rank 0 arrives 1 s after the
     others) does not hold the waiting ranks' cores: their processor time in
-    it stays a fraction of the wait (MPI's own wait spins through it: all of
-    it on an idle machine; measured 0.11 s at load average 25, against
-    0.04 s with the sleeps), and every rank gets every rank's payload."""
+    it stays a fraction of the wait (MPI's own wait spins through it:
+    measured 0.11 s at load average 25, where the spinning ranks share the
+    cores with other work, against 0.04 s with the sleeps), and every rank
+    gets every rank's payload."""
     import time
 
     from deeppart.agreement import agree
