@@ -33,12 +33,12 @@ import numpy as np
 from deeppart import staging as _staging
 from deeppart._planner import Plan
 from deeppart.agreement import agree
-from deeppart.comm import Comm, resolve
+from deeppart.comm import Comm, kept_fits, resolve
 from deeppart.commit import TEMP_NAME_MAX, metadata_json
 from deeppart.errors import StateMismatchError
 from deeppart.format import SAVE_ID_HEX, Metadata, new_save_id
 from deeppart.groups import LoadView, load_view, read_own, selection_digest
-from deeppart.integrity import Hosts, hosts
+from deeppart.integrity import HOST_ID_BYTES, host_id, one_host
 from deeppart.own_view import OwnView, by_ranks, own_view, resolve_versions, set_at, value_at
 from deeppart.planning import PlanProvider
 from deeppart.prepare import Prepared, prepare_save
@@ -52,6 +52,7 @@ from deeppart.reader import (
     plan_reads,
     read_share,
     shared_buffers,
+    window_bytes,
 )
 from deeppart.reshard import (
     ShardReads,
@@ -499,7 +500,6 @@ def load(
     """
     c = resolve(comm)
     t0 = time.perf_counter()
-    where = hosts(c) if c.size > 1 and exchange != "bcast" else Hosts(True)
 
     # Open the checkpoint and plan the reads; every rank checks that all
     # read the same metadata.
@@ -524,24 +524,36 @@ def load(
             keys=keys,
             strict=strict,
             exchange=exchange,
-            same_host=where.one_host,
+            # Narrowed after the agreement below, which compares the hosts.
+            same_host=True,
             elsewhere=st.leaves,
             into_elsewhere=st.into_leaves | dropped_into(into, own.dropped + own.deferred),
         )
     except Exception as e:
         err = e
-    rows = agree(c, err, digest + (selection_digest(rp) if rp is not None else b""), width=48)
+    # The agreement also carries what the exchange needs from every rank
+    # (no collective of its own): its host (one host: a shared window) and
+    # whether the window kept by the last load holds its share.
+    fits = rp is not None and kept_fits(c, window_bytes(rp))
+    vote = host_id() + bytes([fits])
+    if rp is not None:
+        vote += digest + selection_digest(rp)
+    rows = agree(c, err, vote, width=HOST_ID_BYTES + 1 + 48)
     assert view is not None and rp is not None and st is not None
-    if len({row[:32] for row in rows}) != 1:
+    at = HOST_ID_BYTES + 1
+    if len({row[at : at + 32] for row in rows}) != 1:
         raise StateMismatchError(f"{rp.path}: ranks read different metadata.json files")
-    if len({row[32:] for row in rows}) != 1:
+    if len({row[at + 32 :] for row in rows}) != 1:
         rp = read_own(rp, c.rank)  # the ranks load different leaves
+    same_host = exchange == "bcast" or one_host([row[:HOST_ID_BYTES] for row in rows])
+    rp.via_shared = rp.via_shared and same_host
+    reuse = all(row[HOST_ID_BYTES] == 1 for row in rows)
     sr = None
     if st.active:
         # From an object store each byte is fetched once per job: the
         # cooperative read (no page cache shares a re-read).
         local = not isinstance(rp.path, ObjectDir)
-        own_reads = shard_exchange(exchange, rp.meta, where.one_host and local)
+        own_reads = shard_exchange(exchange, rp.meta, same_host and local)
         sr = plan_shard_reads(c, rp.meta, st, read_own=own_reads)
 
     # Read this rank's share, then exchange it.
@@ -550,7 +562,7 @@ def load(
     )
     stage = _staging.Staging(staging_bytes)
     nread = 0
-    with shared_buffers(c, rp) as buffers:
+    with shared_buffers(c, rp, reuse) as buffers:
         try:
             nread = read_share(rp, buffers, prog, stage)
             if sr is not None:
@@ -586,7 +598,9 @@ def load(
             state = resolve_versions(state, own.calls, per_rank)
     except Exception as e:
         err = e
-    agree(c, err)
+    # With what the load's statistics need from every rank (no collective
+    # of their own).
+    shared_stats = agree(c, err, _stats_row(time.perf_counter() - t0, nread, sr), width=32)
     elsewhere = c.size != rp.meta.world_size
     if callable(per_rank) and into is not None and rp.meta.versions and elsewhere:
         # Every rank alike: the versions of its deferred paths (a collective
@@ -606,7 +620,7 @@ def load(
     if rp.matched is not None:
         rp.matched.keys.missing_keys.extend(describe(p) for p in own.dropped)
         _last_keys[:] = [rp.matched.keys]
-    _last_stats["load"] = stats = _load_stats(c, rp, time.perf_counter() - t0, nread, sr)
+    _last_stats["load"] = stats = _load_stats(c, rp, shared_stats, sr)
     if verbose and c.rank == 0:
         print(stats.summary(), flush=True)
     return state
@@ -646,23 +660,27 @@ def dropped_into(into: Any, dropped: list[tuple[Any, ...]]) -> set[int]:
     }  # fmt: skip
 
 
-def _load_stats(
-    c: Comm, rp: ReadPlan, seconds: float, nread: int, sr: ShardReads | None = None
-) -> Stats:
-    """The load's Stats, the same on every rank (one small collective);
-    ``stored_bytes`` is what all ranks read from storage together."""
+def _stats_row(seconds: float, nread: int, sr: ShardReads | None) -> bytes:
+    """What each rank contributes to the load's :class:`Stats` (32 bytes)."""
     shard = [float(sr.read_raw), float(sr.received)] if sr is not None else [0.0, 0.0]
-    rows = c.allgather_f64(np.array([seconds, float(nread), *shard], dtype=np.float64))
+    return np.array([seconds, float(nread), *shard], dtype=np.float64).tobytes()
+
+
+def _load_stats(c: Comm, rp: ReadPlan, rows: list[bytes], sr: ShardReads | None = None) -> Stats:
+    """The load's Stats from every rank's :func:`_stats_row` (the same on
+    every rank); ``stored_bytes`` is what all ranks read from storage
+    together, ``seconds`` each rank's time up to the load's last agreement."""
+    table = np.frombuffer(b"".join(rows), dtype=np.float64).reshape(len(rows), 4)
     meta: Metadata = rp.meta
     return Stats(
         op="load",
         directory=str(rp.path),
         world_size=c.size,
         raw_bytes=sum(rp.file_raw) + (sr.raw_bytes(rp.meta) if sr is not None else 0),
-        stored_bytes=int(rows[:, 1].sum()),
-        seconds=float(rows[:, 0].max()),
-        rank_seconds=[float(x) for x in rows[:, 0]],
+        stored_bytes=int(table[:, 1].sum()),
+        seconds=float(table[:, 0].max()),
+        rank_seconds=[float(x) for x in table[:, 0]],
         codec=str(meta.raw.get("compression", "none")),
-        rank_shard_read=[int(x) for x in rows[:, 2]] if sr is not None else [],
-        rank_received=[int(x) for x in rows[:, 3]] if sr is not None else [],
+        rank_shard_read=[int(x) for x in table[:, 2]] if sr is not None else [],
+        rank_received=[int(x) for x in table[:, 3]] if sr is not None else [],
     )

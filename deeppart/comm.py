@@ -20,6 +20,7 @@ import contextlib
 import os
 import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
@@ -47,31 +48,38 @@ class Comm(Protocol):
     def allgather_bytes(self, data: bytes, width: int) -> list[bytes]:
         """Every rank's ``data`` (each at most ``width`` bytes, padded with zeros)."""
         ...
+
     def allgather_f64(self, values: F64) -> F64:
         """Rows: one per rank, of every rank's equal-length ``values``."""
         ...
+
     def allgather_varbytes(self, data: bytes) -> list[bytes]:
         """Every rank's ``data``, of any length (two collectives)."""
         ...
+
     def gatherv_u64(self, values: U64, counts: list[int], root: int = 0) -> U64 | None:
         """Rank ``root`` gets the concatenation of every rank's ``values``
         (``counts[r]`` elements from rank r); other ranks get None."""
         ...
+
     def bcast_u8(self, buf: U8, root: int) -> None:
         """Broadcasts ``buf`` (a contiguous uint8 array, the same length on
         every rank) in place from ``root``, in chunks."""
         ...
+
     def bcast_many_u8(self, items: Sequence[tuple[U8, int]]) -> None:
         """Each ``(buf, root)`` of ``items`` broadcast as :meth:`bcast_u8`
         does, in this order on every rank, possibly all in flight at once;
         returns when all are complete."""
         ...
+
     def sendrecv_u8(self, send: U8, dest: int, recv: U8, source: int) -> None:
         """Sends ``send`` to rank ``dest`` while receiving ``recv`` (whose
         length the caller knows) from rank ``source``, in chunks; both
         contiguous uint8. Every rank of a ring calls it at once, so no
         ordering deadlocks. ``dest``/``source`` may be this rank (a copy)."""
         ...
+
     def barrier(self) -> None: ...
 
 
@@ -142,6 +150,32 @@ class _Ranked:
         return self._size
 
 
+#: How long a rank polls a pending agreement before it sleeps between polls.
+WAIT_SPIN_S = 50e-6
+#: Its first sleep between two polls after that; each next one is twice as
+#: long, up to :data:`WAIT_SLEEP_MAX_S`.
+WAIT_SLEEP_S = 25e-6
+WAIT_SLEEP_MAX_S = 200e-6
+
+
+def _wait_yielding(req: Any) -> None:
+    """Waits for the MPI request ``req``: polls it for :data:`WAIT_SPIN_S`,
+    then sleeps between polls (:data:`WAIT_SLEEP_S`, doubling up to
+    :data:`WAIT_SLEEP_MAX_S`). MPI's own wait spins, and a rank that waits
+    for slower ones (an agreement after a stage that takes longer on some
+    ranks) holds a core; with more ranks than cores on a host, that core is
+    one the slower ranks need. The sleeps hand it to them, at the cost of
+    at most one sleep's delay once the others arrive."""
+    if req.Test():
+        return
+    spin_until = time.perf_counter() + WAIT_SPIN_S
+    nap = WAIT_SLEEP_S
+    while not req.Test():
+        if time.perf_counter() > spin_until:
+            time.sleep(nap)
+            nap = min(2 * nap, WAIT_SLEEP_MAX_S)
+
+
 class MPIComm(_Ranked):
     """An mpi4py communicator, used only through buffer collectives."""
 
@@ -159,7 +193,8 @@ class MPIComm(_Ranked):
         send = np.zeros(width, dtype=np.uint8)
         send[: len(data)] = np.frombuffer(data, dtype=np.uint8)
         recv = np.empty(width * self._size, dtype=np.uint8)
-        self.comm.Allgather([send, self._MPI.BYTE], [recv, self._MPI.BYTE])
+        req = self.comm.Iallgather([send, self._MPI.BYTE], [recv, self._MPI.BYTE])
+        _wait_yielding(req)
         return [recv[r * width : (r + 1) * width].tobytes() for r in range(self._size)]
 
     def allgather_f64(self, values: F64) -> F64:
@@ -322,9 +357,7 @@ class TorchDistComm(_Ranked):
         if self._rank == root:
             recv = np.empty((self._size, width), dtype=np.int64)
             out = [self._dev(recv[r]) for r in range(self._size)]
-            self._dist.gather(
-                self._dev(as_i64), out, dst=self._global(root), group=self.group
-            )
+            self._dist.gather(self._dev(as_i64), out, dst=self._global(root), group=self.group)
             for r in range(self._size):
                 self._back(out[r], recv[r])
             rows = recv.view(np.uint64)
@@ -423,17 +456,31 @@ KEEP_SHARED_BYTES = 256 << 20
 _KEPT: dict[Any, NodeShared] = {}
 
 
-def reused_node_shared(c: Comm, nbytes: int) -> NodeShared | None:
+def _kept_key(c: MPIComm) -> tuple[int, int]:
+    return (id(c.comm), c.comm.py2f())
+
+
+def kept_fits(c: Comm, nbytes: int) -> bool:
+    """Whether this rank's segment of the window kept for ``c`` (by
+    :func:`release_node_shared`) holds ``nbytes``: this rank's vote for
+    :func:`reused_node_shared`, which the ranks exchange in an agreement
+    they run anyway (no collective of its own). Local."""
+    if not isinstance(c, MPIComm):
+        return False
+    kept = _KEPT.get(_kept_key(c))
+    return kept is not None and kept.segments[c.rank].size >= nbytes
+
+
+def reused_node_shared(c: Comm, nbytes: int, reuse: bool) -> NodeShared | None:
     """:func:`node_shared`, but the window kept by :func:`release_node_shared`
-    after an earlier call is reused when every rank's segment holds its
-    ``nbytes`` (one small allgather decides, so every rank takes the same
-    branch). Collective over ``c``."""
+    after an earlier call when ``reuse``: every rank's :func:`kept_fits`
+    was true (the caller gathered them, so every rank takes the same
+    branch). Collective over ``c`` when it makes a new window."""
     if not isinstance(c, MPIComm):
         return None
-    key = (id(c.comm), c.comm.py2f())
+    key = _kept_key(c)
     kept = _KEPT.get(key)
-    fits = kept is not None and kept.segments[c.rank].size >= nbytes
-    if all(row == b"\1" for row in c.allgather_bytes(bytes([fits]), 1)):
+    if reuse:
         assert kept is not None
         return kept
     if kept is not None:
@@ -449,7 +496,7 @@ def release_node_shared(c: Comm, shared: NodeShared) -> None:
     of all segments)."""
     assert isinstance(c, MPIComm)
     if max(seg.size for seg in shared.segments) <= KEEP_SHARED_BYTES:
-        _KEPT[(id(c.comm), c.comm.py2f())] = shared
+        _KEPT[_kept_key(c)] = shared
     else:
         shared.close()
 

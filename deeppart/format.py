@@ -112,6 +112,14 @@ def checksum(data: bytes | memoryview) -> int:
     return int(xxhash.xxh3_64(data).intdigest())
 
 
+def checksum_stream() -> Any:
+    """A hasher for bytes that arrive in parts: ``update(part)`` for each,
+    in order, then ``intdigest()`` is :func:`checksum` of them all."""
+    import xxhash
+
+    return xxhash.xxh3_64()
+
+
 def new_save_id() -> str:
     """A fresh random id for one save (32 hex digits): stored in its
     ``metadata.json`` (``save_id``) and in its data files' headers, so that

@@ -43,6 +43,7 @@ from deeppart.format import (
     Piece,
     check_header,
     checksum,
+    checksum_stream,
     data_file_name,
     decode_metadata,
     is_committed,
@@ -77,6 +78,7 @@ __all__ = [
     "read_pieces",
     "read_share",
     "shared_buffers",
+    "window_bytes",
 ]
 
 #: The ways the bytes read reach the other ranks (see :func:`deeppart.load`).
@@ -362,14 +364,17 @@ def read_file(
     dest: Callable[[Piece], U8 | _staging.DeviceSink],
     progress: Progress,
     staging: _staging.Staging | None = None,
+    through: Callable[[Piece], U8 | _staging.DeviceSink] | None = None,
 ) -> int:
     """Reads, verifies and decodes the pieces of one data file into
     ``dest(piece)``; returns the bytes read. A raw piece is checksummed in
     the memory it was read into (``dest(piece)``, or the staging buffer of
-    a device target), after the read."""
+    a device target), after the read. ``through``: a second place for each
+    piece (where it is a host array), filled from ``dest(piece)`` as the
+    read goes (:func:`_read_through`)."""
     path = directory / data_file_name(rank)
     with open_data(directory, rank) as f:
-        return read_pieces(f, path, directory, meta, rank, pieces, dest, progress, staging)
+        return read_pieces(f, path, directory, meta, rank, pieces, dest, progress, staging, through)
 
 
 class _Checksums:
@@ -418,6 +423,7 @@ def read_pieces(
     dest: Callable[[Piece], U8 | _staging.DeviceSink],
     progress: Progress,
     staging: _staging.Staging | None = None,
+    through: Callable[[Piece], U8 | _staging.DeviceSink] | None = None,
 ) -> int:
     """:func:`read_file` from ``f`` (an open file, or anything with
     ``seek``/``read``/``readinto``, e.g. :class:`io.BytesIO`)."""
@@ -425,7 +431,7 @@ def read_pieces(
     check_header(path, f.read(HEADER_SIZE), rank, meta.world_size, meta.plan_fingerprint)
     sums = _Checksums(directory)
     try:
-        n = _read_each(f, directory, meta, pieces, dest, progress, staging, sizes, sums)
+        n = _read_each(f, directory, meta, pieces, dest, progress, staging, sizes, sums, through)
         sums.check()
     finally:
         sums.close()
@@ -442,13 +448,15 @@ def _read_each(
     staging: _staging.Staging | None,
     sizes: dict[int, int],
     sums: _Checksums,
+    through: Callable[[Piece], U8 | _staging.DeviceSink] | None = None,
 ) -> int:
     """The loop of :func:`read_pieces`: the raw pieces' checksums are left
-    to ``sums``."""
+    to ``sums``, except those read through to a second place."""
     n = 0
     at = -1  # the file's position after a raw piece (no seek to get there)
     for p in pieces:
         out = dest(p)
+        also = through(p) if through is not None else None
         if p.offset != at:
             f.seek(p.offset)
         at = -1
@@ -458,10 +466,13 @@ def _read_each(
             progress.advance(p.length)
             continue
         if p.codec == "none":
-            got = f.readinto(out.data)
-            if got != p.length:
-                raise CorruptCheckpointError(f"{p.describe(directory)}: short read")
-            sums.add(p, out.data)
+            if isinstance(also, np.ndarray):
+                _read_through(f, p, out, also, directory)
+            else:
+                got = f.readinto(out.data)
+                if got != p.length:
+                    raise CorruptCheckpointError(f"{p.describe(directory)}: short read")
+                sums.add(p, out.data)
             at = p.offset + p.length
             n += p.stored
             progress.advance(p.length)
@@ -476,9 +487,37 @@ def _read_each(
             decompress_into(p.codec, stored, out, sizes[p.leaf], limit)
         except CodecError as e:
             raise CorruptCheckpointError(f"{p.describe(directory)}: {e}") from e
+        if isinstance(also, np.ndarray):
+            # Decoded from stored bytes verified in this process's memory.
+            copy_into(also.data, out.data)
         n += p.stored
         progress.advance(p.length)
     return n
+
+
+#: A raw piece read through to a second place (:func:`_read_through`) goes
+#: in chunks of this many bytes: each is checksummed and copied on while it
+#: is still in this core's cache.
+THROUGH_CHUNK_BYTES = 512 << 10
+
+
+def _read_through(f: Any, p: Piece, out: U8, also: U8, directory: CheckpointDir) -> None:
+    """Reads raw piece ``p`` (at ``f``'s position) into ``out``, one chunk of
+    :data:`THROUGH_CHUNK_BYTES` at a time: each chunk is added to the
+    piece's xxh3 in ``out`` right after its read, then copied from ``out``
+    to ``also``, so the bytes pass through memory once for all three.
+    ``also`` holds only bytes of ``out`` that were checksummed; nothing else
+    writes ``out`` meanwhile. CorruptCheckpointError for a short read or a
+    checksum that differs (the load then fails on every rank)."""
+    h = checksum_stream()
+    for at in range(0, p.length, THROUGH_CHUNK_BYTES):
+        part = out[at : at + THROUGH_CHUNK_BYTES]
+        if f.readinto(part.data) != part.size:
+            raise CorruptCheckpointError(f"{p.describe(directory)}: short read")
+        h.update(part.data)
+        copy_into(also[at : at + part.size].data, part.data)
+    if h.intdigest() != p.xxh3:
+        raise CorruptCheckpointError(f"{p.describe(directory)}: checksum mismatch (xxh3_64)")
 
 
 def _read_staged(
@@ -549,19 +588,32 @@ class ReadBuffers:
     shared: bool = False
 
 
+def window_bytes(rp: ReadPlan) -> int:
+    """The bytes of this rank's segment of the node-shared window: the raw
+    bytes of the files it reads."""
+    return sum(rp.file_raw[f] for f in rp.mine)
+
+
 @contextmanager
-def shared_buffers(comm: Comm, rp: ReadPlan) -> Iterator[ReadBuffers]:
+def shared_buffers(comm: Comm, rp: ReadPlan, reuse: bool) -> Iterator[ReadBuffers]:
     """The buffers that the data files' raw bytes are read into: with
     ``via_shared`` (and an MPI communicator on one host), slices of a
     node-shared window (file f in its reader's segment, after that reader's
     earlier files), which every rank of the host maps; else filled in as the
-    files are read. Collective on exit (nobody still copies out of another
-    rank's segment); a small window is kept for the next load
-    (:func:`deeppart.comm.reused_node_shared`)."""
+    files are read. ``reuse``: every rank's segment of the window kept after
+    the last load holds its share (:func:`deeppart.comm.kept_fits`, agreed
+    by the caller); else a new window is made (collective). A small window
+    is kept for the next load (:func:`deeppart.comm.release_node_shared`).
+
+    No collective on exit: the caller's agreement after the exchange is
+    what tells a rank that nobody still copies out of its segment, and a
+    reader writes its segment again only after the next load's first
+    agreement (a window that is freed stays mapped in every rank that has
+    not freed it yet)."""
     out = ReadBuffers()
     shared = None
     if rp.via_shared and not rp.read_all:
-        shared = reused_node_shared(comm, sum(rp.file_raw[f] for f in rp.mine))
+        shared = reused_node_shared(comm, window_bytes(rp), reuse)
     if shared is not None:
         out.shared = True
         ends = [0] * comm.size
@@ -574,7 +626,6 @@ def shared_buffers(comm: Comm, rp: ReadPlan) -> Iterator[ReadBuffers]:
     finally:
         if shared is not None:
             out.files.clear()
-            comm.barrier()
             release_node_shared(comm, shared)
 
 
@@ -598,7 +649,12 @@ def read_share(
             nread += read_file(rp.path, rp.meta, f, pieces, direct, progress, stage)
         else:
             buf = buffers.files.setdefault(f, np.empty(rp.file_raw[f], dtype=np.uint8))
-            nread += read_file(rp.path, rp.meta, f, pieces, _place(buf, pieces), progress)
+            # From a shared window, the reader's own host targets are filled
+            # as it reads (each chunk checksummed in the window first).
+            through = direct if buffers.shared else None
+            nread += read_file(
+                rp.path, rp.meta, f, pieces, _place(buf, pieces), progress, through=through
+            )
     return nread
 
 
@@ -716,10 +772,11 @@ def exchange_share(comm: Comm, rp: ReadPlan, buffers: ReadBuffers, stage: _stagi
     holds a copy of a data file, except a reader whose file has device
     targets. The broadcasts go in batches, in flight together.
 
-    From a shared window, every rank (the reader too) copies each piece
-    out of the memory in which its reader verified it (non-temporal
-    stores). A rank whose copy fails still takes part in every broadcast,
-    then raises (:class:`FirstError`): the caller's agreement spreads it."""
+    From a shared window, every rank copies each piece out of the memory
+    in which its reader verified it (non-temporal stores); the reader has
+    copied its own pieces with host targets as it read them. A rank whose
+    copy fails still takes part in every broadcast, then raises
+    (:class:`FirstError`): the caller's agreement spreads it."""
     if rp.read_all:
         return
     dest = _direct(rp)
@@ -767,7 +824,10 @@ def exchange_share(comm: Comm, rp: ReadPlan, buffers: ReadBuffers, stage: _stagi
                 n = sum(part[2] for part in message)
                 batch.add(buf[at : at + n], root)
                 at += n
-        failed.run(_copy_out(pieces, _place(buf, pieces), dest, stage))
+        if buffers.shared and root == comm.rank:
+            # The reader filled its host targets as it read (read_share).
+            pieces = [p for p in pieces if not isinstance(dest(p), np.ndarray)]
+        failed.run(_copy_out(pieces, _place(buf, rp.by_file[f]), dest, stage))
         del buf
     batch.flush()
     failed.raise_first()

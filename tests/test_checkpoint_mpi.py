@@ -210,6 +210,22 @@ def test_one_host_load_checks_each_byte_once_and_still_fails_every_rank(tmp_path
     run(4, "shared_check", str(tmp_path / "ck"))
 
 
+def test_one_host_load_runs_only_its_four_agreements(tmp_path: Path) -> None:
+    """A one-host load's collectives are its four agreements (plan, read,
+    exchange, assembly): the host check, the kept window's fit and the
+    statistics go in them (tests/mpi_checkpoint.py collectives)."""
+    proc = run(4, "collectives", str(tmp_path / "ck"))
+    assert proc.stdout.count("OK collectives") == 4
+
+
+def test_ranks_waiting_in_an_agreement_give_up_their_cores(tmp_path: Path) -> None:
+    """Ranks that wait in an agreement for a late one sleep between polls
+    instead of spinning (their processor time: tests/mpi_checkpoint.py
+    agree_wait), so on fewer cores than ranks the late ones get the cores."""
+    proc = run(4, "agree_wait", str(tmp_path))
+    assert proc.stdout.count("OK agree_wait") == 4
+
+
 def test_truncated_file_detected_on_every_rank(tmp_path: Path) -> None:
     d = tmp_path / "ck"
     run(3, "save", str(d))

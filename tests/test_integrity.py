@@ -7,24 +7,14 @@ from __future__ import annotations
 import socket
 
 from deeppart import integrity
-from deeppart.comm import SingleComm
-
-
-class _Rows:
-    """A communicator stand-in for :func:`integrity.hosts`: every rank's
-    host name, as its one allgather would return them."""
-
-    def __init__(self, rows: list[bytes]) -> None:
-        self.rows = rows
-
-    def allgather_varbytes(self, data: bytes) -> list[bytes]:
-        return self.rows
 
 
 def test_one_host_is_one_host_name() -> None:
-    assert integrity.hosts(_Rows([b"a", b"a"])) == integrity.Hosts(one_host=True)  # type: ignore[arg-type]
+    here = integrity.host_id()
+    assert len(here) == integrity.HOST_ID_BYTES
+    assert here == integrity.host_id()
+    assert integrity.one_host([here, here, here])
+    assert integrity.one_host([here])
     # Simulated nodes (tests/cluster.py): different host names.
-    two = integrity.hosts(_Rows([b"dpnode0", b"dpnode1"]))  # type: ignore[arg-type]
-    assert two == integrity.Hosts(one_host=False)
-    assert integrity.hosts(SingleComm()) == integrity.Hosts(one_host=True)
+    assert not integrity.one_host([here, here, b"dpnode1\0"])
     assert socket.gethostname()
