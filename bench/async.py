@@ -11,10 +11,11 @@ ranks, in one run.
 For each contender and rank count it measures, per save:
 
 - **overhead**: what one checkpoint costs the training loop: the stall
-  plus the extra time of the ``--steps`` training steps that follow the
-  call (the background write overlaps them), against the same number of
-  steps run right before the call with no save in flight; per rank, the
-  mean over the ranks;
+  plus the extra time of the training steps that follow the call (at least
+  ``--steps``, and more until the save is done, so that the whole
+  background write overlaps them), against the time per step of
+  ``--steps`` steps run right before the call with no save in flight; per
+  rank, the mean over the ranks;
 - **stall**: the time the call blocks the training loop (from the call to
   its return: DeepPart plans and copies the rank's share to host memory;
   DCP stages the whole state dict; torch_checkpointing returns at once
@@ -101,9 +102,12 @@ CONTENDERS = ("deeppart", "dcp-thread", "dcp-process", "torch-checkpointing")
 
 #: Training steps measured with no save in flight (the step time without).
 BASELINE_STEPS = 15
-#: Training steps run after each save call (and, for reference, before it
-#: without a save): their extra time is part of the save's overhead.
+#: Training steps run before each save call without a save (the reference)
+#: and at least as many after it, more while the save is in flight (up to
+#: MAX_STEPS_FACTOR times as many): their extra time is part of the save's
+#: overhead, so all of the background write's interference is counted.
 DEFAULT_STEPS = 150
+MAX_STEPS_FACTOR = 40
 
 
 def _status_kb(field: str, pid: str = "self") -> int:
@@ -259,21 +263,29 @@ def worker(args: argparse.Namespace) -> None:
         else:
             handle.result()
 
-    def run_steps(n: int, handle: Any = None, t0: float = 0.0) -> tuple[float, list[float], float]:
-        """``n`` training steps: their total seconds, the times of those
-        that ran while ``handle``'s save was in flight, and the seconds
-        from ``t0`` until it was seen done (nan if not within the steps)."""
+    def run_steps(
+        n: int, handle: Any = None, t0: float = 0.0
+    ) -> tuple[float, int, list[float], float]:
+        """At least ``n`` training steps, and with ``handle`` as many more
+        as its save stays in flight (at most ``MAX_STEPS_FACTOR * n``):
+        their total seconds, their count, the times of those that ran while
+        the save was in flight, and the seconds from ``t0`` until it was
+        seen done (nan if not within the steps)."""
         during: list[float] = []
         durable = float("nan")
+        count = 0
         begin = time.perf_counter()
-        for _ in range(n):
+        while count < n or (handle is not None and durable != durable):
+            if count >= MAX_STEPS_FACTOR * n:
+                break
             dt = step()
+            count += 1
             if handle is not None and durable != durable:
                 if done(handle):
                     durable = time.perf_counter() - t0
                 else:
                     during.append(dt)
-        return time.perf_counter() - begin, during, durable
+        return time.perf_counter() - begin, count, during, durable
 
     # Python's cyclic collector: the hundreds of thousands of objects that
     # importing torch (and DCP) makes would be traversed by every full
@@ -295,14 +307,14 @@ def worker(args: argparse.Namespace) -> None:
         # The same steps without a save, right before: the reference.
         comm.Barrier()
         cpu_ref = _cpu_seconds()
-        reference, _, _ = run_steps(args.steps)
+        reference, _, _, _ = run_steps(args.steps)
         cpu_ref = _cpu_seconds() - cpu_ref
         comm.Barrier()
         cpu0 = _cpu_seconds()
         t0 = time.perf_counter()
         handle = start(i)
         stall = time.perf_counter() - t0
-        with_save, in_flight, durable = run_steps(args.steps, handle, t0)
+        with_save, count, in_flight, durable = run_steps(args.steps, handle, t0)
         wait(handle)
         if durable != durable:  # still in flight after the steps
             durable = time.perf_counter() - t0
@@ -312,7 +324,8 @@ def worker(args: argparse.Namespace) -> None:
         comm.Barrier()
         if i:
             stalls.append(stall)
-            overheads.append(stall + with_save - reference)
+            # The reference per step, for as many steps as ran with the save.
+            overheads.append(stall + with_save - reference * count / args.steps)
             durables.append(durable)
             during.extend(in_flight)
             cpu_writer.append(cpu)
