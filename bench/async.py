@@ -1,49 +1,76 @@
-"""Asynchronous saves: DeepPart's ``Checkpointer(async_=True)`` against
-DCP's ``async_save`` (a writer thread, and a writer process), on 1, 2 and 4
+"""Asynchronous saves as a training loop feels them: DeepPart's
+``Checkpointer(async_=True)`` against DCP's ``async_save`` (a writer thread,
+and a writer process) and Meta's torch_checkpointing (``CheckpointManager``
+with its asynchronous saver: a writer subprocess per rank), on 1, 2 and 4
 ranks, in one run.
 
     .venv/bin/python bench/async.py                    # default --scale 0.09 (~0.36 GB)
     .venv/bin/python bench/async.py --ranks 4 --repeat 5
+    pip install -r requirements/bench.txt              # torch_checkpointing
 
-For each contender and rank count it measures, per rank:
+For each contender and rank count it measures, per save:
 
+- **overhead**: what one checkpoint costs the training loop: the stall
+  plus the extra time of the training steps that follow the call (at least
+  ``--steps``, and more until the save is done, so that the whole
+  background write overlaps them), against the time per step of
+  ``--steps`` steps run right before the call with no save in flight; per
+  rank, the mean over the ranks;
 - **stall**: the time the call blocks the training loop (from the call to
   its return: DeepPart plans and copies the rank's share to host memory;
-  DCP stages the whole state dict), the slowest rank's;
+  DCP stages the whole state dict; torch_checkpointing returns at once
+  and stages in the background, so its stall runs until ``manager.lock()``
+  lets the loop change the state again, as its tutorial's loop does
+  before ``optimizer.step()``), the slowest rank's;
+- **durable**: from the call until the save is done (committed, fsynced),
+  the last rank's: seen between steps, or waited for after them;
+- **cpu**: the CPU seconds of the rank's process and its child processes
+  (a writer process) from the call until the save was waited for, less
+  those of the reference steps: the save's CPU cost, which on a busy
+  machine is taken from training (less noisy than the times when other
+  jobs share the machine);
 - **extra host memory**: the process's peak resident memory during the
   saves (``VmHWM``, reset after the state is built) minus its resident
   memory before them, the largest over the ranks, as a fraction of the state
-  (for DCP's process-based writer, the writer process's own peak is
-  reported apart: it is not in the rank's ``VmHWM``);
-- **step time during the save**: the median time of a small CPU training
-  step (an MLP's forward and backward) run while the save is in flight,
-  over the median of the same step with no save in flight, measured in the
-  same job.
+  (a writer process's own peak is reported apart: it is not in the rank's
+  ``VmHWM``);
+- **step during/without**: the median time of a training step run while
+  the save is in flight, over the median of the same step with no save in
+  flight, measured in the same job.
 
-The state is bench/checkpoint.py's (BERT-large-shaped model + AdamW moments,
-random float32, replicated on every rank). Every contender runs in its own
-job (``mpiexec -n K``; gloo initialised for DCP), so that one's allocations
-do not count against another's memory; a job makes one untimed save first
-(it counts for memory: buffers are allocated then) and then ``--saves``
-timed ones, waiting for each before the next (the stall is their median).
-Each contender keeps its staging buffers from one save to the next
-(DeepPart: a Checkpointer; DCP: one ``DefaultStager`` for all saves, whose
-``StateDictStager`` caches its storages; pinned memory only with CUDA, shared
-memory for the writer process). DCP's asynchronous staging
+The training step is a small CPU MLP's forward and backward (one thread
+per rank). The state is bench/checkpoint.py's (BERT-large-shaped model +
+AdamW moments, random float32, replicated on every rank). Every contender
+runs in its own job (``mpiexec -n K``; gloo initialised for DCP and
+torch_checkpointing), so that one's allocations do not count against
+another's memory; a job makes one untimed save first (it counts for
+memory: buffers are allocated then) and then ``--saves`` timed ones,
+waiting for each before the next (each measure is their median). Each
+contender keeps its staging buffers from one save to the next (DeepPart: a
+Checkpointer; DCP: one ``DefaultStager`` for all saves, whose
+``StateDictStager`` caches its storages; torch_checkpointing: one
+manager). Pinned memory only with CUDA: on a CPU-only host
+torch_checkpointing is configured with ``use_pinned_memory`` and
+``use_non_blocking_copy`` off, as its docs/troubleshooting.md says ("Save
+fails on a CPU-only host"); nothing else of it needs CUDA here (its
+metadata all-gather, which makes CUDA tensors, runs only for items with a
+resharder, and the bench declares none). DCP's asynchronous staging
 (``use_async_staging``) is left off: it returns before the copy is made, so
 the training loop must wait for it before the next optimizer step anyway.
 With ``--repeat R`` the jobs run in R rounds, each round every contender
 once, in a new order; the report gives, per rank count, the median of each
 measure over the rounds and the median over the rounds of the ratios
-measured within one round (DeepPart's stall over DCP's). Saves fsync.
-Before the saves every job runs ``gc.collect(); gc.freeze()`` (untimed): a
-full collection of the objects that importing torch makes took over a
-second here under load, and it falls due in whichever call allocates at
-that moment (a long-running training job freezes them too).
+measured within one round (DeepPart's over each other contender's). Saves
+fsync. Before the saves every job runs ``gc.collect(); gc.freeze()``
+(untimed): a full collection of the objects that importing torch makes
+took over a second here under load, and it falls due in whichever call
+allocates at that moment (a long-running training job freezes them too).
+A contender that cannot run (not installed, or its job fails) is named
+with the reason in the report, with no numbers.
 
 The timings are noisy on a shared machine (CPUs and disk shared with other
-jobs): read the within-round ratios, and rerun on a quiet machine for
-absolute numbers.
+jobs): read the within-round ratios and the CPU seconds, and rerun on a
+quiet machine for absolute numbers; the report states the load average.
 """
 
 from __future__ import annotations
@@ -51,6 +78,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib.util
 import json
 import os
 import shutil
@@ -70,11 +98,16 @@ if str(ROOT) not in sys.path:
 
 from bench.jobs import job_result, mpi_env, start_worker  # noqa: E402
 
-CONTENDERS = ("deeppart", "dcp-thread", "dcp-process")
+CONTENDERS = ("deeppart", "dcp-thread", "dcp-process", "torch-checkpointing")
 
-#: Training steps measured with no save in flight, and at most per save.
+#: Training steps measured with no save in flight (the step time without).
 BASELINE_STEPS = 15
-MAX_STEPS = 400
+#: Training steps run before each save call without a save (the reference)
+#: and at least as many after it, more while the save is in flight (up to
+#: MAX_STEPS_FACTOR times as many): their extra time is part of the save's
+#: overhead, so all of the background write's interference is counted.
+DEFAULT_STEPS = 150
+MAX_STEPS_FACTOR = 40
 
 
 def _status_kb(field: str, pid: str = "self") -> int:
@@ -102,6 +135,49 @@ def _children_peak_bytes() -> int:
             if fields[1] == me:
                 total += _status_kb("VmHWM", proc.name) * 1024
     return total
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds (user + system) of this process and of its live child
+    processes (DCP's or torch_checkpointing's writer process)."""
+    me, total = str(os.getpid()), time.process_time()
+    tick = os.sysconf("SC_CLK_TCK")
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            if fields[1] == me:
+                total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def _tc_manager(cuda: bool) -> Any:
+    """torch_checkpointing's asynchronous CheckpointManager. On a host
+    without CUDA its staging must not pin memory nor copy non-blocking (its
+    docs/troubleshooting.md, "Save fails on a CPU-only host"); its writer
+    is a subprocess started with spawn; every rank writes its whole state
+    dict (no deduplication without a resharder)."""
+    from torch_checkpointing import CheckpointManager
+    from torch_checkpointing.checkpoint_process import CheckpointProcessConfig
+    from torch_checkpointing.config import AsyncCheckpointSaverConfig
+    from torch_checkpointing.staging import CheckpointStagerConfig
+    from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
+
+    staging = CheckpointStagerConfig(use_pinned_memory=cuda, use_non_blocking_copy=cuda)
+    # Its writer subprocess (spawn, importing torch) may take over its 30 s
+    # default to start when the machine is busy.
+    process = CheckpointProcessConfig(subprocess_init_timeout_secs=300)
+    config = CheckpointManager.Config(
+        save=AsyncCheckpointSaverConfig(staging_config=staging, process_config=process),
+        # Its default opens data files with O_DIRECT and torch.save()s into
+        # them through a buffered file: the last, unaligned flush fails with
+        # EINVAL on this ext4 (v0.1.1, filesystem.py's WriteStream.close).
+        # Without O_DIRECT it writes through the page cache and never
+        # fsyncs: its "durable" is then "in the page cache".
+        storage_config=LocalFileSystemStorageConfig(use_direct_io=False),
+    )
+    return CheckpointManager(config)
 
 
 def _training_step() -> Callable[[], float]:
@@ -159,10 +235,20 @@ def worker(args: argparse.Namespace) -> None:
     # Checkpointer keeps its buffers); shared memory for the writer process.
     cuda = torch.cuda.is_available()
     stager = DefaultStager(StagingOptions(cuda, process, False, False))
+    manager = _tc_manager(cuda) if kind == "torch-checkpointing" else None
 
     def start(i: int) -> Any:
         if kind == "deeppart":
             return cp.save(i, state)
+        if manager is not None:
+            future = manager.save(str(base / f"tc-{i}"), state)
+            # Its staging runs on after save() returns: the training loop
+            # may not change the state (optimizer.step) until it is done,
+            # which manager.lock() waits for (its tutorial's loop). That
+            # wait is part of the stall.
+            with manager.lock():
+                pass
+            return future
         writer = FileSystemWriter(str(base / f"dcp-{i}"), sync_files=True)
         return async_save(
             state, storage_writer=writer, async_checkpointer_type=writer_type, async_stager=stager
@@ -177,6 +263,30 @@ def worker(args: argparse.Namespace) -> None:
         else:
             handle.result()
 
+    def run_steps(
+        n: int, handle: Any = None, t0: float = 0.0
+    ) -> tuple[float, int, list[float], float]:
+        """At least ``n`` training steps, and with ``handle`` as many more
+        as its save stays in flight (at most ``MAX_STEPS_FACTOR * n``):
+        their total seconds, their count, the times of those that ran while
+        the save was in flight, and the seconds from ``t0`` until it was
+        seen done (nan if not within the steps)."""
+        during: list[float] = []
+        durable = float("nan")
+        count = 0
+        begin = time.perf_counter()
+        while count < n or (handle is not None and durable != durable):
+            if count >= MAX_STEPS_FACTOR * n:
+                break
+            dt = step()
+            count += 1
+            if handle is not None and durable != durable:
+                if done(handle):
+                    durable = time.perf_counter() - t0
+                else:
+                    during.append(dt)
+        return time.perf_counter() - begin, count, during, durable
+
     # Python's cyclic collector: the hundreds of thousands of objects that
     # importing torch (and DCP) makes would be traversed by every full
     # collection (over a second here under load), which falls due inside
@@ -188,27 +298,40 @@ def worker(args: argparse.Namespace) -> None:
     rss0 = _status_kb("VmRSS") * 1024
     _reset_peak()
     stalls: list[float] = []
+    overheads: list[float] = []
+    durables: list[float] = []
     during: list[float] = []
+    cpu_writer: list[float] = []
     staged = 0
     for i in range(args.saves + 1):
+        # The same steps without a save, right before: the reference.
         comm.Barrier()
+        cpu_ref = _cpu_seconds()
+        reference, _, _, _ = run_steps(args.steps)
+        cpu_ref = _cpu_seconds() - cpu_ref
+        comm.Barrier()
+        cpu0 = _cpu_seconds()
         t0 = time.perf_counter()
         handle = start(i)
         stall = time.perf_counter() - t0
-        steps = 0
-        while not done(handle) and steps < MAX_STEPS:
-            dt = step()
-            if i:
-                during.append(dt)
-            steps += 1
+        with_save, count, in_flight, durable = run_steps(args.steps, handle, t0)
         wait(handle)
+        if durable != durable:  # still in flight after the steps
+            durable = time.perf_counter() - t0
+        cpu = _cpu_seconds() - cpu0 - cpu_ref
         if kind == "deeppart":
             staged = handle.staged_bytes
         comm.Barrier()
         if i:
             stalls.append(stall)
+            # The reference per step, for as many steps as ran with the save.
+            overheads.append(stall + with_save - reference * count / args.steps)
+            durables.append(durable)
+            during.extend(in_flight)
+            cpu_writer.append(cpu)
         if rank == 0 and kind != "deeppart" and i >= 1:
-            shutil.rmtree(base / f"dcp-{i - 1}", ignore_errors=True)
+            prefix = "tc" if manager is not None else "dcp"
+            shutil.rmtree(base / f"{prefix}-{i - 1}", ignore_errors=True)
     peak = _status_kb("VmHWM") * 1024
     child_peak = _children_peak_bytes()
     verified = True
@@ -219,9 +342,15 @@ def worker(args: argparse.Namespace) -> None:
         verified = all(torch.equal(out["model"][k], v) for k, v in state["model"].items())
     cp.close()
     stager.close()
+    if manager is not None:
+        manager.close()
+    k = len(stalls)
     row = np.array(
         [
             *stalls,
+            *overheads,
+            *durables,
+            *cpu_writer,
             float(peak - rss0),
             float(child_peak),
             float(np.median(during)) if during else float("nan"),
@@ -234,20 +363,30 @@ def worker(args: argparse.Namespace) -> None:
     )
     rows = np.array(comm.allgather(row))
     if rank == 0:
-        k = len(stalls)
+        tail = 4 * k
         result = {
             "contender": kind,
             "ranks": size,
             "bytes": total,
+            "steps": args.steps,
             # The slowest rank's stall, per timed save.
             "stalls": [float(x) for x in rows[:, :k].max(axis=0)],
-            "extra_bytes": float(rows[:, k].max()),
-            "child_peak_bytes": float(rows[:, k + 1].max()),
-            "step_during": float(np.nanmedian(rows[:, k + 2])),
-            "step_baseline": float(np.median(rows[:, k + 3])),
-            "steps_during": int(rows[:, k + 4].min()),
-            "staged_bytes": float(rows[:, k + 5].max()),
-            "verified": bool(rows[:, k + 6].min() > 0),
+            # Per timed save, the mean over the ranks of a rank's overhead.
+            "overheads": [float(x) for x in rows[:, k : 2 * k].mean(axis=0)],
+            # Per timed save, the last rank's time until the save was done.
+            "durables": [float(x) for x in rows[:, 2 * k : 3 * k].max(axis=0)],
+            # Per timed save, the CPU seconds of a rank's process and its
+            # children (a writer process) from the call until the save was
+            # waited for, less those of the reference steps (mean over the
+            # ranks): the save's CPU cost.
+            "cpu": [float(x) for x in rows[:, 3 * k : 4 * k].mean(axis=0)],
+            "extra_bytes": float(rows[:, tail].max()),
+            "child_peak_bytes": float(rows[:, tail + 1].max()),
+            "step_during": float(np.nanmedian(rows[:, tail + 2])),
+            "step_baseline": float(np.median(rows[:, tail + 3])),
+            "steps_during": int(rows[:, tail + 4].min()),
+            "staged_bytes": float(rows[:, tail + 5].max()),
+            "verified": bool(rows[:, tail + 6].min() > 0),
         }
         print("RESULT " + json.dumps(result), flush=True)
     dist.destroy_process_group()
@@ -258,7 +397,7 @@ def _run(contender: str, n: int, args: argparse.Namespace, work: Path) -> dict[s
     cmd = [
         str(mpiexec), "-n", str(n), sys.executable, str(Path(__file__).resolve()), "--worker",
         "--contender", contender, "--scale", str(args.scale), "--dir", str(work),
-        "--saves", str(args.saves),
+        "--saves", str(args.saves), "--steps", str(args.steps),
     ]  # fmt: skip
     result = job_result(cmd, mpi_env())
     subprocess.run(["rm", "-rf", str(work / f"{contender}-n{n}")], check=False)
@@ -266,61 +405,79 @@ def _run(contender: str, n: int, args: argparse.Namespace, work: Path) -> dict[s
 
 
 def _summary(r: dict[str, Any]) -> dict[str, float]:
-    """One job's measures: median stall, extra memory as a fraction of the
-    state, step time during the save over without."""
+    """One job's measures: median stall, overhead, time until durable and
+    CPU seconds per save; extra memory as a fraction of the state; step
+    time during the save over without."""
     return {
         "stall": float(np.median(r["stalls"])),
+        "overhead": float(np.median(r["overheads"])),
+        "durable": float(np.median(r["durables"])),
+        "cpu": float(np.median(r["cpu"])),
         "memory": r["extra_bytes"] / r["bytes"],
         "child": r["child_peak_bytes"] / r["bytes"],
         "steps": r["step_during"] / r["step_baseline"],
     }
 
 
-def report(rounds: list[dict[tuple[str, int], dict[str, Any]]], contenders: list[str]) -> None:
+def _median(rounds: list[dict[tuple[str, int], dict[str, Any]]], c: str, n: int, key: str) -> float:
+    return float(np.median([_summary(rd[(c, n)])[key] for rd in rounds]))
+
+
+def report(
+    rounds: list[dict[tuple[str, int], dict[str, Any]]],
+    contenders: list[str],
+    skipped: dict[str, str],
+) -> None:
     any_job = next(iter(rounds[0].values()))
     gb = any_job["bytes"] / 1e9
     ranks = sorted({n for _, n in rounds[0]})
+    load = Path("/proc/loadavg").read_text().split()[:3]
     print(
         f"\nstate: BERT-large-shaped model + AdamW, {gb:.2f} GB float32, replicated; "
-        f"{os.cpu_count()} CPUs; {len(rounds)} round(s); medians over the rounds; "
-        "timings on a shared machine are noisy"
+        f"{os.cpu_count()} CPUs; load average now {' '.join(load)}; {len(rounds)} round(s), "
+        f"{any_job['steps']} training steps per save; medians over the rounds"
     )
     print(
-        f"\n{'ranks':>5}  {'contender':<12} {'stall s':>8} {'extra mem':>10} "
-        f"{'writer proc':>11} {'step during/without':>20}"
+        f"\n{'ranks':>5}  {'contender':<19} {'overhead s':>10} {'stall s':>8} {'durable s':>9} "
+        f"{'cpu s':>6} {'extra mem':>9} {'writer proc':>11} {'step during/without':>19}"
     )
     for n in ranks:
         for c in contenders:
-            s = [_summary(rd[(c, n)]) for rd in rounds]
-            child = float(np.median([x["child"] for x in s]))
+            child = _median(rounds, c, n, "child")
             print(
-                f"{n:>5}  {c:<12} {np.median([x['stall'] for x in s]):8.3f} "
-                f"{np.median([x['memory'] for x in s]):9.2f}x "
-                f"{(f'{child:10.2f}x' if child else '          -'):>11} "
-                f"{np.median([x['steps'] for x in s]):19.2f}x"
+                f"{n:>5}  {c:<19} {_median(rounds, c, n, 'overhead'):10.3f} "
+                f"{_median(rounds, c, n, 'stall'):8.3f} {_median(rounds, c, n, 'durable'):9.3f} "
+                f"{_median(rounds, c, n, 'cpu'):6.2f} {_median(rounds, c, n, 'memory'):8.2f}x "
+                f"{(f'{child:10.2f}x' if child else '-'):>11} "
+                f"{_median(rounds, c, n, 'steps'):18.2f}x"
             )
+    for c, why in skipped.items():
+        print(f"  {c}: not measured: {why}")
     if "deeppart" not in contenders:
         return
     print(
-        "\nDeepPart's stall over DCP's (within-round ratio, median over the rounds; "
-        "<1: DeepPart stalls less)"
+        "\nDeepPart over each other contender, within-round ratios (median over the rounds; "
+        "<1: DeepPart costs the training loop less)"
     )
     for n in ranks:
-        cells = []
         for c in contenders:
             if c == "deeppart":
                 continue
-            ratios = [
-                _summary(rd[("deeppart", n)])["stall"] / _summary(rd[(c, n)])["stall"]
-                for rd in rounds
-            ]
-            cells.append(f"deeppart/{c} {np.median(ratios):5.2f}")
-        mem = np.median([_summary(rd[("deeppart", n)])["memory"] for rd in rounds])
+            cells = []
+            for key in ("overhead", "stall"):
+                ratios = [
+                    _summary(rd[("deeppart", n)])[key] / _summary(rd[(c, n)])[key] for rd in rounds
+                ]
+                worst = max(ratios)
+                cells.append(f"{key} {np.median(ratios):5.2f} (worst round {worst:.2f})")
+            print(f"  {n} rank(s) vs {c:<19} " + "  ".join(cells))
+        mem = _median(rounds, "deeppart", n, "memory")
         staged = rounds[0][("deeppart", n)]["staged_bytes"] / any_job["bytes"]
         ok = all(rd[("deeppart", n)]["verified"] for rd in rounds)
         print(
-            f"  {n} rank(s): " + "  ".join(cells) + f"  deeppart extra memory {mem:.2f}x state "
-            f"(staged share {staged:.2f}x)  loads back equal: {ok}"
+            f"  {n} rank(s): deeppart extra memory {mem:.2f}x state (staged share "
+            f"{staged:.2f}x), step during/without "
+            f"{_median(rounds, 'deeppart', n, 'steps'):.2f}x, loads back equal: {ok}"
         )
 
 
@@ -335,6 +492,12 @@ def main() -> None:
     )
     p.add_argument("--repeat", type=int, default=3, help="rounds (default 3)")
     p.add_argument("--saves", type=int, default=3, help="timed saves per job (default 3)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=DEFAULT_STEPS,
+        help=f"training steps after each save call, in its overhead (default {DEFAULT_STEPS})",
+    )
     p.add_argument("--dir", default=None, help="work directory (default: a temp dir, removed)")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     p.add_argument("--contender", default="deeppart", help=argparse.SUPPRESS)
@@ -347,6 +510,16 @@ def main() -> None:
     unknown = set(contenders) - set(CONTENDERS)
     if unknown:
         raise SystemExit(f"unknown contenders {sorted(unknown)}; choose from {CONTENDERS}")
+    # A contender that cannot run here is named with the reason, never given
+    # numbers: not installed, or its job failed (its error is on stderr).
+    skipped: dict[str, str] = {}
+    if (
+        "torch-checkpointing" in contenders
+        and importlib.util.find_spec("torch_checkpointing") is None
+    ):
+        skipped["torch-checkpointing"] = (
+            "torch_checkpointing is not installed (pip install -r requirements/bench.txt)"
+        )
     work = Path(args.dir or tempfile.mkdtemp(prefix="deeppart-async-"))
     rounds: list[dict[tuple[str, int], dict[str, Any]]] = []
     try:
@@ -355,10 +528,19 @@ def main() -> None:
             for n in (int(x) for x in args.ranks.split(",")):
                 order = np.random.default_rng(round_ * 7 + n).permutation(len(contenders))
                 for c in (contenders[i] for i in order):
-                    jobs[(c, n)] = r = _run(c, n, args, work)
+                    if c in skipped:
+                        continue
+                    try:
+                        jobs[(c, n)] = r = _run(c, n, args, work)
+                    except SystemExit as e:
+                        if c == "deeppart":
+                            raise
+                        skipped[c] = f"its job failed ({e})"
+                        continue
                     print(
-                        f"[bench] round {round_} n={n} {c:<12} stall "
-                        f"{np.median(r['stalls']):.3f} s, extra memory "
+                        f"[bench] round {round_} n={n} {c:<19} overhead "
+                        f"{np.median(r['overheads']):.3f} s, stall {np.median(r['stalls']):.3f} s, "
+                        f"durable {np.median(r['durables']):.3f} s, extra memory "
                         f"{r['extra_bytes'] / r['bytes']:.2f}x",
                         file=sys.stderr,
                         flush=True,
@@ -367,7 +549,11 @@ def main() -> None:
     finally:
         if args.dir is None:
             shutil.rmtree(work, ignore_errors=True)
-    report(rounds, contenders)
+    measured = [c for c in contenders if c not in skipped]
+    for rd in rounds:  # a contender that failed in a later round: dropped
+        for key in [k for k in rd if k[0] not in measured]:
+            del rd[key]
+    report(rounds, measured, skipped)
     if args.json:
         out = [{f"{c} n{n}": r for (c, n), r in rd.items()} for rd in rounds]
         Path(args.json).write_text(json.dumps(out, indent=1))

@@ -40,6 +40,8 @@ __all__ = [
     "replica_digests",
     "rs_encode",
     "rs_reconstruct",
+    "write_hashed",
+    "xxh3_64",
 ]
 
 PLANNER_VERSION: Final[str]
@@ -496,3 +498,16 @@ def copy_into(dst: Buffer, src: Buffer) -> None:
     ``STREAMING_MIN_BYTES`` on (x86_64), the GIL released. Raises TypeError
     for a read-only or non-buffer ``dst``, ValueError for lengths that
     differ, a non-contiguous buffer or overlapping buffers."""
+
+# Writing a piece and checksumming it in one pass (deeppart_planner::filewrite):
+# an asynchronous save's writer.
+def write_hashed(fd: int, offset: int, data: Buffer, chunk: int, pace: bool) -> int:
+    """Writes ``data`` (a C-contiguous buffer) into the open file descriptor
+    ``fd`` at ``offset``, ``chunk`` bytes per write call, and returns its
+    xxh3_64; with ``pace``, each chunk's write-back to the device is started
+    at once and waited for one chunk behind (``sync_file_range``, Linux).
+    The GIL is released throughout; an I/O error raises OSError; ``fd``
+    stays open."""
+
+def xxh3_64(data: Buffer) -> int:
+    """xxh3_64 of ``data`` (a C-contiguous buffer), the GIL released."""

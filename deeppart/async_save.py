@@ -29,13 +29,17 @@ docs/ASYNC.md.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import ctypes
 import dataclasses
+import os
+import platform
 import sys
 import threading
 import time
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from deeppart.checkpoint import plan_save
 from deeppart.comm import Comm, resolve, writer_comm
@@ -45,9 +49,6 @@ from deeppart.progress import Stats
 from deeppart.snapshot import ShareSnapshot, share_bytes
 from deeppart.storage.target import location_name
 from deeppart.storage.url import Location, parse_location
-
-if TYPE_CHECKING:
-    import os
 
 
 class AsyncSave:
@@ -221,6 +222,7 @@ def start(
     del planned, state
 
     def run() -> None:
+        background_priority()
         try:
             stats = background.finish(writer)
         except BaseException as e:  # surfaced by wait() or the next save
@@ -235,6 +237,35 @@ def start(
         _IN_FLIGHT[key] = handle
     thread.start()
     return handle
+
+
+#: The nice value of a writer thread (Linux: per thread; 0-19, higher is
+#: lower priority), unless ``DEEPPART_WRITER_NICE`` says otherwise: the
+#: scheduler gives the training loop's threads the CPU first, and the writer
+#: the time they leave. Measured in issue 35 (docs/ASYNC.md).
+WRITER_NICE = 10
+
+#: ioprio_set's system call number, per machine (Linux).
+_IOPRIO_SET = {"x86_64": 251, "aarch64": 30}
+#: ioprio_set(IOPRIO_WHO_PROCESS, tid, best-effort class, lowest level 7).
+_IOPRIO_WHO_PROCESS, _IOPRIO_BEST_EFFORT_LOWEST = 1, (2 << 13) | 7
+
+
+def background_priority() -> None:
+    """Lowers the calling thread's CPU priority (nice :data:`WRITER_NICE`,
+    never raising it) and its I/O priority (best effort, lowest level;
+    honoured by the mq-deadline and BFQ I/O schedulers). Linux only;
+    elsewhere, or where refused, the thread keeps its priority."""
+    nice = int(os.environ.get("DEEPPART_WRITER_NICE", WRITER_NICE))
+    if not hasattr(os, "setpriority") or sys.platform != "linux":
+        return
+    tid = threading.get_native_id()
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
+    number = _IOPRIO_SET.get(platform.machine())
+    if number is not None and nice > 0:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall(number, _IOPRIO_WHO_PROCESS, tid, _IOPRIO_BEST_EFFORT_LOWEST)
 
 
 def _after(after: Callable[[], None] | None, directory: Location) -> None:

@@ -158,22 +158,22 @@ WAIT_SLEEP_S = 25e-6
 WAIT_SLEEP_MAX_S = 200e-6
 
 
-def _wait_yielding(req: Any) -> None:
-    """Waits for the MPI request ``req``: polls it for :data:`WAIT_SPIN_S`,
-    then sleeps between polls (:data:`WAIT_SLEEP_S`, doubling up to
-    :data:`WAIT_SLEEP_MAX_S`). MPI's own wait spins, and a rank that waits
-    for slower ones (an agreement after a stage that takes longer on some
-    ranks) holds a core; with more ranks than cores on a host, that core is
-    one the slower ranks need. The sleeps hand it to them, at the cost of
-    at most one sleep's delay once the others arrive."""
+def _wait_yielding(req: Any, spin_s: float = WAIT_SPIN_S, most_s: float = WAIT_SLEEP_MAX_S) -> None:
+    """Waits for the MPI request ``req``: polls it for ``spin_s``, then
+    sleeps between polls (:data:`WAIT_SLEEP_S`, doubling up to ``most_s``).
+    MPI's own wait spins, and a rank that waits for slower ones (an
+    agreement after a stage that takes longer on some ranks) holds a core;
+    with more ranks than cores on a host, that core is one the slower ranks
+    need. The sleeps hand it to them, at the cost of at most one sleep's
+    delay once the others arrive."""
     if req.Test():
         return
-    spin_until = time.perf_counter() + WAIT_SPIN_S
+    spin_until = time.perf_counter() + spin_s
     nap = WAIT_SLEEP_S
     while not req.Test():
         if time.perf_counter() > spin_until:
             time.sleep(nap)
-            nap = min(2 * nap, WAIT_SLEEP_MAX_S)
+            nap = min(2 * nap, most_s)
 
 
 class MPIComm(_Ranked):
@@ -187,20 +187,29 @@ class MPIComm(_Ranked):
         self._rank: int = comm.Get_rank()
         self._size: int = comm.Get_size()
 
+    def _collective(self, name: str, *args: Any, **kwargs: Any) -> None:
+        """Runs the blocking collective ``name`` (an mpi4py method)."""
+        getattr(self.comm, name)(*args, **kwargs)
+
+    def _yielding(self, name: str, *args: Any, **kwargs: Any) -> None:
+        """Runs the collective ``name`` non-blocking and waits for it with
+        :func:`_wait_yielding` (the agreements: a rank that waits there
+        for slower ones leaves them the core)."""
+        _wait_yielding(getattr(self.comm, "I" + name.lower())(*args, **kwargs))
+
     def allgather_bytes(self, data: bytes, width: int) -> list[bytes]:
         if len(data) > width:
             raise ValueError(f"{len(data)} bytes do not fit in {width}")
         send = np.zeros(width, dtype=np.uint8)
         send[: len(data)] = np.frombuffer(data, dtype=np.uint8)
         recv = np.empty(width * self._size, dtype=np.uint8)
-        req = self.comm.Iallgather([send, self._MPI.BYTE], [recv, self._MPI.BYTE])
-        _wait_yielding(req)
+        self._yielding("Allgather", [send, self._MPI.BYTE], [recv, self._MPI.BYTE])
         return [recv[r * width : (r + 1) * width].tobytes() for r in range(self._size)]
 
     def allgather_f64(self, values: F64) -> F64:
         send = np.ascontiguousarray(values, dtype=np.float64).reshape(-1)
         recv = np.empty((self._size, send.size), dtype=np.float64)
-        self.comm.Allgather([send, self._MPI.DOUBLE], [recv, self._MPI.DOUBLE])
+        self._collective("Allgather", [send, self._MPI.DOUBLE], [recv, self._MPI.DOUBLE])
         return recv
 
     def allgather_varbytes(self, data: bytes) -> list[bytes]:
@@ -209,7 +218,9 @@ class MPIComm(_Ranked):
         displs = [sum(counts[:r]) for r in range(self._size)]
         recv = np.empty(max(1, sum(counts)), dtype=np.uint8)
         send = np.frombuffer(data, dtype=np.uint8) if data else np.empty(0, dtype=np.uint8)
-        self.comm.Allgatherv([send, self._MPI.BYTE], [recv, counts, displs, self._MPI.BYTE])
+        self._collective(
+            "Allgatherv", [send, self._MPI.BYTE], [recv, counts, displs, self._MPI.BYTE]
+        )
         return [recv[displs[r] : displs[r] + counts[r]].tobytes() for r in range(self._size)]
 
     def gatherv_u64(self, values: U64, counts: list[int], root: int = 0) -> U64 | None:
@@ -221,16 +232,17 @@ class MPIComm(_Ranked):
         if self._rank == root:
             displs = [sum(counts[:r]) for r in range(self._size)]
             recv = np.empty(max(1, sum(counts)), dtype=np.uint64)
-            self.comm.Gatherv(
+            self._collective(
+                "Gatherv",
                 [send, self._MPI.UINT64_T], [recv, counts, displs, self._MPI.UINT64_T], root=root
             )
             return recv[: sum(counts)]
-        self.comm.Gatherv([send, self._MPI.UINT64_T], None, root=root)
+        self._collective("Gatherv", [send, self._MPI.UINT64_T], None, root=root)
         return None
 
     def bcast_u8(self, buf: U8, root: int) -> None:
         for chunk in _chunks(buf, "bcast_u8"):
-            self.comm.Bcast([chunk, self._MPI.BYTE], root=root)
+            self._collective("Bcast", [chunk, self._MPI.BYTE], root=root)
 
     def bcast_many_u8(self, items: Sequence[tuple[U8, int]]) -> None:
         # Non-blocking broadcasts, matched in the order they are started:
@@ -260,7 +272,34 @@ class MPIComm(_Ranked):
         self._MPI.Request.Waitall(reqs)
 
     def barrier(self) -> None:
-        self.comm.Barrier()
+        self._collective("Barrier")
+
+
+#: The longest sleep between two tests of a background writer's collective
+#: (:class:`SleepingMPIComm`), in seconds.
+MAX_POLL_SLEEP = 1e-3
+
+
+class SleepingMPIComm(MPIComm):
+    """The communicator of an asynchronous save's writer thread: every
+    collective is started non-blocking and tested between sleeps (from
+    :data:`WAIT_SLEEP_S`, doubling up to :data:`MAX_POLL_SLEEP`), instead
+    of waiting in MPI.
+
+    MPICH's blocking wait polls its progress engine on a CPU: a writer
+    whose rank finished its data file before the others (or every rank
+    but 0 while rank 0 commits) used to spin a core for as long as the
+    slowest rank's write and fsync took, on the cores the training loop
+    runs on (issue 35; ``bench/async.py``'s ``cpu s``). A sleeping test
+    costs at most :data:`MAX_POLL_SLEEP` of latency per collective, and
+    the writer's few collectives are not in the training loop's stall.
+    """
+
+    def _collective(self, name: str, *args: Any, **kwargs: Any) -> None:
+        request = getattr(self.comm, "I" + name.lower())(*args, **kwargs)
+        _wait_yielding(request, spin_s=0.0, most_s=MAX_POLL_SLEEP)
+
+    _yielding = _collective
 
 
 class TorchDistComm(_Ranked):
@@ -632,7 +671,7 @@ def writer_comm(c: Comm) -> tuple[Comm | None, str]:
             )
         key: Any = ("mpi", c.comm.py2f())
         if key not in _WRITERS:
-            _WRITERS[key] = (c.comm, MPIComm(c.comm.Dup()))
+            _WRITERS[key] = (c.comm, SleepingMPIComm(c.comm.Dup()))
         return _WRITERS[key][1], ""
     if isinstance(c, TorchDistComm):
         import torch.distributed as dist

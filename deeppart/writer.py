@@ -25,6 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from deeppart import staging as _staging
+from deeppart._planner import write_hashed
 from deeppart.compression import AUTO, CODECS, AutoPolicy, compress, rank_bandwidth
 from deeppart.errors import StateError
 from deeppart.format import (
@@ -154,6 +155,7 @@ def write_pieces(
     with contextlib.ExitStack() as stack, opener() if opener else open(path, "wb") as f:
         f.write(header_bytes(rank, prep.plan.world_size, prep.plan.fingerprint, save_id))
         pos = end = HEADER_SIZE
+        flushed = False
         for k, (li, start, stop) in enumerate(pieces):
             leaf = prep.leaves[li]
             is_tensor = leaf.tensor is not None
@@ -222,6 +224,19 @@ def write_pieces(
                 if len(packed) < len(raw):
                     data, used = packed, CODECS.index(codec)
             xxh = 0
+            if prep.staged is not None and not used and len(data):
+                # An asynchronous save's raw piece: written and checksummed
+                # in one pass in Rust, the GIL released for the whole piece
+                # (deeppart._planner.write_hashed), write-back paced.
+                if not flushed:
+                    f.flush()  # the header (buffered) before the raw writes
+                    flushed = True
+                xxh = write_hashed(f.fileno(), pos, data, WRITE_CHUNK, True)
+                end = pos + len(data)
+                records[k] = (pos, len(raw), len(data), xxh, used)
+                pos = align_up(pos + len(data))
+                progress.advance(len(raw))
+                continue
             if len(data) >= OVERLAP_CHECKSUM_BYTES:
                 if pool is None:
                     pool = ThreadPoolExecutor(1, thread_name_prefix="deeppart-xxh3")

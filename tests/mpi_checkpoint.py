@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -603,6 +604,36 @@ def scenario_async_share(d: Path, codec: str | None) -> None:
     ok("async_share")
 
 
+def scenario_writer_sleeps(d: Path) -> None:
+    """2 ranks: rank 0 enters each barrier 1.5 s late; rank 1 measures the
+    CPU time its thread spends waiting there, once on the caller's
+    communicator (a blocking MPI wait) and once on the asynchronous
+    writer's (deeppart.comm.writer_comm: tested between sleeps). The
+    writer's wait must cost a small fraction of the blocking one's (MPICH
+    polls a core while it waits); both collectives still complete."""
+    from mpi4py import MPI
+
+    from deeppart.comm import MPIComm, SleepingMPIComm, writer_comm
+
+    caller = MPIComm(MPI.COMM_WORLD)
+    writer, why = writer_comm(caller)
+    assert isinstance(writer, SleepingMPIComm), why
+    spent = {}
+    for name, c in (("blocking", caller), ("writer", writer)):
+        c.barrier()
+        if c.rank == 0:
+            time.sleep(1.5)
+        t0 = time.thread_time()
+        c.barrier()
+        spent[name] = time.thread_time() - t0
+        rows = c.allgather_f64(np.array([c.rank + 0.5]))
+        assert [float(x) for x in rows[:, 0]] == [r + 0.5 for r in range(c.size)]
+    if caller.rank == 1:
+        assert spent["writer"] < 0.2 * spent["blocking"], spent
+    print(f"rank {caller.rank}: waiting CPU seconds {spent}")
+    ok("writer_sleeps")
+
+
 def mpi_allreduce(t: torch.Tensor) -> None:
     """Sums ``t`` (a CPU float tensor) over MPI.COMM_WORLD, in place."""
     from mpi4py import MPI
@@ -662,6 +693,7 @@ def main() -> None:
         "crash": lambda: scenario_crash(args.dir),
         "async": lambda: scenario_async(args.dir, mpi_allreduce),
         "async_share": lambda: scenario_async_share(args.dir, args.codec),
+        "writer_sleeps": lambda: scenario_writer_sleeps(args.dir),
         "experts-save": lambda: scenario_experts_save(args.dir),
         "experts-load": lambda: scenario_experts_load(args.dir),
     }

@@ -273,3 +273,46 @@ def test_the_snapshot_copies_every_kind_of_cpu_tensor(tmp_path: Path) -> None:
     assert not handle.synchronous
     assert handle.staged_bytes == sum(t.numel() * t.element_size() for t in expected.values())
     assert_bitwise_equal(expected, deeppart.load(tmp_path / "ck"))
+
+
+def test_write_hashed_writes_the_bytes_and_returns_their_checksum(tmp_path: Path) -> None:
+    """deeppart._planner.write_hashed (the asynchronous writer's raw pieces):
+    the bytes land at the offset, the return value is the format's xxh3_64,
+    with and without write-back pacing; an I/O error is an OSError."""
+    from deeppart._planner import write_hashed, xxh3_64
+    from deeppart.format import checksum
+
+    data = np.random.default_rng(5).integers(0, 256, size=3_000_017, dtype=np.uint8)
+    for pace in (False, True):
+        path = tmp_path / f"f-{pace}"
+        with open(path, "wb") as f:
+            f.write(b"head")
+            f.flush()
+            got = write_hashed(f.fileno(), 100, data.data, 1 << 20, pace)
+        back = path.read_bytes()
+        assert got == checksum(data.data) == xxh3_64(data.data)
+        assert back[:4] == b"head" and back[4:100] == bytes(96) and back[100:] == data.tobytes()
+    with open(tmp_path / "f-False", "rb") as f, pytest.raises(OSError):
+        write_hashed(f.fileno(), 0, b"x", 1, False)  # opened read-only
+
+
+def test_the_writer_thread_runs_at_a_lower_priority(tmp_path: Path) -> None:
+    """The background writer lowers its own thread's CPU priority
+    (deeppart.async_save.WRITER_NICE) and leaves the caller's alone."""
+    import os
+
+    from deeppart.async_save import WRITER_NICE
+
+    if not hasattr(os, "getpriority") or sys.platform != "linux":
+        pytest.skip("per-thread nice values are Linux's")
+    seen: list[int] = []
+
+    def record(_event: WriteEvent) -> None:
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    with fault_hook("before-write", record):
+        deeppart.async_save(make_state(), tmp_path / "ck").wait()
+    assert seen == [max(mine, WRITER_NICE)]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
+    assert_bitwise_equal(make_state(), deeppart.load(tmp_path / "ck"))

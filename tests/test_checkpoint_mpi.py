@@ -161,6 +161,14 @@ def test_crash_during_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
     assert not [p.name for p in root.iterdir() if p.name.startswith(".tmp-")]
 
 
+def test_the_writers_collectives_sleep_while_they_wait(tmp_path: Path) -> None:
+    """An asynchronous save's writer communicator waits for a late rank
+    between sleeps: its thread costs a fraction of the CPU time that a
+    blocking MPI wait (MPICH polls) costs for the same wait (issue 35)."""
+    proc = run(2, "writer_sleeps", str(tmp_path))
+    assert proc.stdout.count("OK writer_sleeps") == 2
+
+
 def test_async_checkpointer_overlaps_training(tmp_path: Path) -> None:
     """Checkpointer(async_=True) on 2 MPI ranks (MPI_THREAD_MULTIPLE, the
     writer on a Dup of COMM_WORLD): each save returns while its write is

@@ -11,6 +11,7 @@ mod copy;
 mod cost;
 mod erasure;
 mod errors;
+mod filewrite;
 mod manifest;
 mod pipeline;
 mod plan;
@@ -28,5 +29,6 @@ fn _planner(m: &Bound<'_, PyModule>) -> PyResult<()> {
     erasure::register(m)?;
     replica::register(m)?;
     copy::register(m)?;
+    filewrite::register(m)?;
     Ok(())
 }

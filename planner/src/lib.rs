@@ -14,6 +14,7 @@ pub mod cost;
 pub mod dtype;
 pub mod erasure;
 pub mod error;
+pub mod filewrite;
 pub mod fingerprint;
 pub mod holders;
 pub mod manifest;
