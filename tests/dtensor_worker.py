@@ -24,7 +24,8 @@ step, then ``get_state_dict(model, opt)``: DTensors. Scenarios:
   every rank with ReplicaMismatchError, nothing committed; then
   ``verify_replicas=True`` with one holder's copy of a shard changed;
 - ``eight``: 8 ranks, HSDP (2,4) <-> (4,2), the bytes read and exchanged;
-- ``mpi`` (under ``mpiexec``, mpi4py): a DTensor checkpoint loaded whole.
+- ``mpi`` (under ``mpiexec``, mpi4py): a DTensor checkpoint loaded whole;
+- ``s3``: FSDP2 state saved to and loaded from S3 (tests/test_s3_mpi.py).
 
 Each rank prints ``OK <scenario> rank <r>/<size>`` when its checks pass.
 """
@@ -125,6 +126,24 @@ def scenario_save(d: Path, layouts: list[str]) -> None:
         if dist.get_rank() == 0:
             print_line(f"BALANCE {layout} {deeppart_balance(d / layout):.4f}")
     ok("save")
+
+
+def scenario_s3(d: Path, layouts: list[str]) -> None:
+    """FSDP2 (``fully_shard``) DTensors saved to ``$DEEPPART_TEST_S3_URL``
+    (moto's S3 server, tests/test_s3_mpi.py) and loaded into FSDP and a
+    (2,2) mesh, bitwise; no stored byte read twice by the load."""
+    url = f"{os.environ['DEEPPART_TEST_S3_URL']}/fsdp"
+    m, opt = build("fsdp", seed=1)
+    state = sharded_state(m, opt)
+    saved = deeppart.save(state, url)
+    ref = to_full(state)
+    for layout in ("fsdp", "ddp2d"):
+        m2, opt2 = build(layout, seed=7)
+        out = deeppart.load(url, into=sharded_state(m2, opt2))
+        equal(to_full(out), ref, f"s3 fsdp->{layout}")
+        loaded = last_stats("load")
+        assert loaded is not None and loaded.stored_bytes <= saved.stored_bytes, (loaded, saved)
+    ok("s3")
 
 
 def scenario_async(d: Path, layouts: list[str]) -> None:

@@ -28,6 +28,7 @@ import deeppart.state
 from deeppart import reader, writer
 from deeppart.comm import resolve
 from deeppart.format import data_file_name
+from deeppart.storage import files as storage_files
 
 
 def make_state(seed: int = 0, steps: int = 2) -> dict[str, Any]:
@@ -310,14 +311,19 @@ def scenario_shared_check(d: Path) -> None:
         data = bytearray((d / data_file_name(f)).read_bytes())
         data[p.offset + p.length // 2] ^= 0x10
         copy.write_bytes(bytes(data))
-        real_open = reader.open_regular  # type: ignore[attr-defined]
+        # Data files are opened through storage.files.open_data (a file
+        # system checkpoint: its open_regular).
+        real_open = storage_files.open_regular  # type: ignore[attr-defined]
+        opened: list[str] = []
 
         def replaced(path: Path) -> Any:
+            opened.append(path.name)
             return real_open(copy if path.name == data_file_name(f) else path)
 
-        reader.open_regular = replaced  # type: ignore[attr-defined]
+        storage_files.open_regular = replaced  # type: ignore[attr-defined]
         out = deeppart.load(d, into=make_state(seed=1))
-        reader.open_regular = real_open  # type: ignore[attr-defined]
+        storage_files.open_regular = real_open  # type: ignore[attr-defined]
+        assert data_file_name(f) not in opened, opened
     else:
         out = deeppart.load(d, into=make_state(seed=1))
     assert_bitwise_equal(state, out, "replaced")

@@ -35,6 +35,7 @@ from deeppart import prepare, reader
 from deeppart.comm import Comm, resolve
 from deeppart.errors import CorruptCheckpointError, DeepPartError, StateError
 from deeppart.format import data_file_name
+from deeppart.storage import target as storage_target
 
 
 def _outcome(c: Comm, scenario: str, case: str, run: Callable[[], str]) -> list[str]:
@@ -165,12 +166,12 @@ LOAD_STAGES: list[tuple[str, Any, str, int, str]] = [
     ("load-assemble", checkpoint, "assemble", 1, "auto"),
 ]
 SAVE_STAGES: list[tuple[str, Any, str, int]] = [
-    ("save-target", checkpoint, "check_target", 1),
+    ("save-target", storage_target, "check_target", 1),
     ("save-prepare", prepare, "_own_prepare", 1),
-    ("save-temp-dir", checkpoint, "make_temp_dir", 0),
+    ("save-temp-dir", storage_target, "make_temp_dir", 0),
     ("save-write", checkpoint, "write_pieces", 1),
     ("save-metadata", checkpoint, "metadata_json", 0),
-    ("save-commit", checkpoint, "commit_dir", 0),
+    ("save-commit", storage_target, "commit_dir", 0),
 ]
 
 

@@ -15,6 +15,7 @@ import torch
 import deeppart
 from deeppart import reader
 from deeppart.format import HEADER_SIZE
+from deeppart.storage import files as storage_files
 
 
 def _trained(steps: int = 3) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -64,13 +65,14 @@ def read_bytes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts the bytes load() reads from data files."""
     counter = [0]
 
-    real = reader.open_regular  # type: ignore[attr-defined]
+    real = storage_files.open_regular  # type: ignore[attr-defined]
 
     def counting_open(path: Any) -> Any:
         return _CountingFile(real(path), counter)
 
-    # Data files are opened only through the regular-file check.
-    monkeypatch.setattr(reader, "open_regular", counting_open)
+    # Data files are opened only through the regular-file check
+    # (storage.files.open_data, for a checkpoint on a file system).
+    monkeypatch.setattr(storage_files, "open_regular", counting_open)
     return counter
 
 

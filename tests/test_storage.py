@@ -363,3 +363,22 @@ def test_load_errors(s3_url: str, s3_server: Any) -> None:
     store.delete(f"{marker.save_id}/{METADATA}")
     with pytest.raises(CorruptCheckpointError, match=rf"{marker.save_id}/metadata.json: missing"):
         deeppart.load(url)
+
+
+def test_addressing_styles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Path-style by default (``http://endpoint/bucket/key``); virtual-hosted
+    (``http://bucket.endpoint/key``, the endpoint naming the bucket) with
+    AWS_VIRTUAL_HOSTED_STYLE_REQUEST=true. Seen in the request that fails
+    against a port where nothing listens (moto cannot serve bucket host
+    names here: they do not resolve)."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    monkeypatch.setenv("DEEPPART_S3_MAX_RETRIES", "0")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    with pytest.raises(Exception, match=r"http://127\.0\.0\.1:9/bkt1/run/x"):
+        open_store("s3://bkt1/run").get("x")
+    monkeypatch.setenv("AWS_VIRTUAL_HOSTED_STYLE_REQUEST", "true")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://bkt1.localhost:9")
+    with pytest.raises(Exception, match=r"http://bkt1\.localhost:9/run/x"):
+        open_store("s3://bkt1/run").get("x")

@@ -52,7 +52,7 @@ import hashlib
 import re
 import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from deeppart.errors import (
     CheckpointError,
@@ -78,6 +78,7 @@ __all__ = [
     "Begun",
     "Marker",
     "ObjectDir",
+    "abandon_save",
     "begin_save",
     "commit_save",
     "data_key",
@@ -203,6 +204,9 @@ class Begun:
 
     marker: Marker | None
     saves: list[str]
+    #: Not empty once the commit's marker put was sent: if it then failed
+    #: without an answer, the marker may still have been written.
+    sent: list[bool] = field(default_factory=list)
 
 
 def begin_save(store: ObjectStore, overwrite: bool) -> Begun:
@@ -240,18 +244,34 @@ def commit_save(
     store.put(f"{save_id}/{METADATA}", meta)
     marker = marker_bytes(meta, save_id)
     seen = begun.marker
+    begun.sent.append(True)
     try:
         if seen is None:
             store.put(MARKER, marker, create=True)
         else:
             store.put(MARKER, marker, if_match=seen.tag)
     except ObjectExistsError as e:
+        # A retried put (the first applied, its answer lost) is refused by
+        # its own marker: then this save did commit.
+        if _names(store, save_id):
+            return _tidy(store, save_id, begun)
         raise CommitConflictError(
             f"{store.url}: another save committed there while this one was writing"
             + (" (overwrite=False)" if not overwrite else " (it replaced the checkpoint this save"
                " was to replace)")
             + "; that checkpoint is kept and this save failed"
         ) from e  # fmt: skip
+    except Exception as e:
+        # No answer (a timeout, the server gone): the put may have been
+        # applied; it is this save's commit if the marker now names it.
+        if not _names(store, save_id):
+            raise e
+    _tidy(store, save_id, begun)
+
+
+def _tidy(store: ObjectStore, save_id: str, begun: Begun) -> None:
+    """After the commit of ``save_id``: removes the saves found when it
+    began (see the module's docstring)."""
     left: list[str] = []
     for earlier in begun.saves:
         if earlier != save_id:
@@ -259,8 +279,17 @@ def commit_save(
     if left:
         warnings.warn(
             f"{store.url}: kept objects DeepPart did not write: {', '.join(left[:5])}",
-            stacklevel=3,
+            stacklevel=4,
         )
+
+
+def _names(store: ObjectStore, save_id: str) -> bool:
+    """Whether the marker at ``store`` can be read and names ``save_id``."""
+    try:
+        marker = read_marker(store)
+    except Exception:
+        return False
+    return marker is not None and marker.save_id == save_id
 
 
 def owned_object(store: ObjectStore, name: str, save_id: str) -> bool:
@@ -279,6 +308,23 @@ def owned_object(store: ObjectStore, name: str, save_id: str) -> bool:
     if name == METADATA:
         return head_save_id(data) == save_id
     return header_save_id(data) == save_id
+
+
+def abandon_save(store: ObjectStore, save_id: str, begun: Begun) -> list[str]:
+    """Removes a failed save's objects (:func:`remove_save`), unless its
+    marker put was sent and the marker may name it (it does, or it cannot
+    be read): a put that failed without an answer may still have been
+    applied, and a committed checkpoint's objects are never removed. Then
+    nothing is removed and ``["(commit outcome unknown)"]`` is returned;
+    the next save of the prefix tidies (it reads the marker first)."""
+    if begun.sent:
+        try:
+            marker = read_marker(store)
+        except Exception:
+            return ["(commit outcome unknown)"]
+        if marker is not None and marker.save_id == save_id:
+            return ["(committed after all)"]
+    return remove_save(store, save_id)
 
 
 def remove_save(store: ObjectStore, save_id: str, names: Iterable[str] | None = None) -> list[str]:

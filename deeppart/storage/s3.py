@@ -22,7 +22,9 @@ multipart part size and upload buffer, default 16 MiB; S3's minimum is
 5 MiB), ``DEEPPART_S3_CONCURRENCY`` (parts in flight per writer and ranges
 per read, default 8: a writer holds at most about (concurrency + 1) x part
 bytes), ``DEEPPART_S3_RETRY_TIMEOUT_S`` and ``DEEPPART_S3_MAX_RETRIES``
-(``object_store``'s retries of failed requests; defaults 180 s and 10).
+(``object_store``'s retries of failed requests; defaults 180 s and 10),
+``DEEPPART_S3_TIMEOUT_S`` (one request's limit; ``object_store``'s default
+30 s).
 """
 
 from __future__ import annotations
@@ -126,10 +128,15 @@ class S3Store(ObjectStore):
                     seconds=_env_int("DEEPPART_S3_RETRY_TIMEOUT_S", 180, least=0)
                 ),
             }
+            options: dict[str, Any] = {
+                "allow_http": bool(endpoint and endpoint.startswith("http://")),
+            }
+            if os.environ.get("DEEPPART_S3_TIMEOUT_S"):
+                options["timeout"] = timedelta(seconds=_env_int("DEEPPART_S3_TIMEOUT_S", 30))
             client = Client(
                 url.bucket,
                 prefix=url.prefix or None,
-                client_options={"allow_http": bool(endpoint and endpoint.startswith("http://"))},
+                client_options=options,  # type: ignore[arg-type]
                 retry_config=retry,  # type: ignore[arg-type]
             )
         self.obstore = client
@@ -159,25 +166,38 @@ class S3Store(ObjectStore):
         return bytes(obstore.get(self.obstore, name).bytes())
 
     def read_into(self, name: str, offset: int, buf: memoryview) -> int:
+        if len(buf) == 0:
+            return 0
+        try:
+            return self._read_ranges(name, offset, buf)
+        except FileNotFoundError:
+            raise
+        except Exception:
+            # A range past the object's end: only then is its size asked
+            # (a load's reads lie within sizes it has checked).
+            size = self.head(name).size
+            if offset + len(buf) <= size:
+                raise
+            if offset >= size:
+                return 0
+            return self._read_ranges(name, offset, buf[: size - offset])
+
+    def _read_ranges(self, name: str, offset: int, buf: memoryview) -> int:
+        """``buf`` filled from ``offset`` by ranged GETs of at most a part
+        each, ``concurrency`` at a time; returns the bytes received."""
         import obstore
 
         want = len(buf)
-        if want == 0:
-            return 0
-        size = self.head(name).size
-        want = max(0, min(want, size - offset))
-        if want == 0:
-            return 0
         step = self.part_bytes
         starts = list(range(offset, offset + want, step))
         ends = [min(s + step, offset + want) for s in starts]
         got = 0
         for i in range(0, len(starts), self.concurrency):
+            batch = slice(i, i + self.concurrency)
             parts = obstore.get_ranges(
-                self.obstore, name, starts=starts[i : i + self.concurrency],
-                ends=ends[i : i + self.concurrency], coalesce=0,
-            )  # fmt: skip
-            for s, part in zip(starts[i : i + self.concurrency], parts, strict=True):
+                self.obstore, name, starts=starts[batch], ends=ends[batch], coalesce=0
+            )
+            for s, part in zip(starts[batch], parts, strict=True):
                 data = memoryview(part)
                 buf[s - offset : s - offset + len(data)] = data
                 got += len(data)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from deeppart.commit import commit_dir, make_temp_dir, remove_temp_dir
 from deeppart.format import data_file_name
 from deeppart.ownership import check_target
 from deeppart.storage.base import ObjectStore
-from deeppart.storage.objects import Begun, begin_save, commit_save, data_key, remove_save
+from deeppart.storage.objects import Begun, abandon_save, begin_save, commit_save, data_key
 from deeppart.storage.s3 import s3_store
 from deeppart.storage.url import S3URL
 
@@ -168,7 +169,20 @@ class ObjectTarget(SaveTarget):
         commit_save(self.store, save_id, meta, self.begun, overwrite)
 
     def abandon(self, token: str, save_id: str) -> None:
-        remove_save(self.store, save_id)
+        # Never raises: rank 0 runs it before the agreement that reports
+        # the save's own failure to every rank (a store that stopped
+        # answering fails here too; the next save of the prefix removes
+        # what is left).
+        try:
+            left = abandon_save(self.store, save_id, self.begun)
+        except Exception as e:
+            left = [f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"]
+        if left:
+            warnings.warn(
+                f"{self.store.url}: the failed save {save_id} left objects "
+                f"({', '.join(left[:5])}); the next save of this prefix removes DeepPart's",
+                stacklevel=2,
+            )
 
 
 def save_target(location: Path | S3URL) -> SaveTarget:
