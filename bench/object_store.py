@@ -684,12 +684,14 @@ def report(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"  {r['nodes']} node(s): "
             + ", ".join(f"{c} {r['verified'].get(c, 'not run')}" for c in CONTENDERS)
         )
-    notes = [(r["nodes"], k, v) for r in results for k, v in r["notes"].items()]
+    notes = [
+        (r["nodes"], k, v) for r in results for k, v in r["notes"].items() if k != "dcp writer"
+    ]
     notes += [(r["nodes"], c, f"could not run: {why}")
               for r in results for c, why in r["available"].items() if why]  # fmt: skip
     if notes:
         lines.append("\nnotes:")
-        lines += [f"  {n} node(s): {k}: {v}" for n, k, v in notes if k != "dcp writer"]
+        lines += [f"  {n} node(s): {k}: {v}" for n, k, v in notes]
     return "\n".join(lines)
 
 
