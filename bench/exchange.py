@@ -2,9 +2,15 @@
 other to learn what every rank holds (issue 32), measured on 8 ranks and
 computed for a 70B model on 4,096 ranks.
 
-    .venv/bin/python bench/exchange.py                   # both parts (a few minutes)
-    .venv/bin/python bench/exchange.py --part measured   # 8 MPI ranks only
-    .venv/bin/python bench/exchange.py --part computed --pp 8 --dp 64 --tp 8
+    .venv/bin/python bench/exchange.py                   # both parts
+    .venv/bin/python bench/exchange.py --part measured   # 8 MPI ranks only (a minute)
+    .venv/bin/python bench/exchange.py --part computed --bytes-only   # 4,096 ranks' payloads
+    .venv/bin/python bench/exchange.py --part computed --dp 8         # 512 ranks, with the merge
+
+At the default 4,096 ranks the computed part takes minutes of CPU and
+several GB of memory (over 7 GB once rank 0 merges); ``--bytes-only``
+makes every rank's payload (about 2 CPU minutes, 3 GB) without rank 0's
+merge.
 
 The exchange (:func:`deeppart.prepare.prepare_save`): one agreement of a
 65-byte row per rank (structure digest, sampled-tensor and plain-value
@@ -40,9 +46,9 @@ are made by the same code (each stage's lowest rank runs the whole prepare
 of its own tree; every other rank's digests come from
 :func:`deeppart.prepare.digest_held` over the leaves it holds, and its
 payload from the same ``_payload``). Reported: the bytes each rank sends
-and gathers, the one-process time of each local phase (every rank does the
-same work in parallel), and the collectives' time under a ring-allgather
-model, ``(p - 1) * latency + gathered bytes / bandwidth`` (defaults: 5 us,
+and gathers, the CPU seconds of each local phase on one process (every
+rank does the same work in parallel), and the collectives' time under a
+ring-allgather model, ``(p - 1) * latency + gathered bytes / bandwidth`` (defaults: 5 us,
 25 GB/s per rank, one 200 Gb/s NIC; ``--latency-us``, ``--bandwidth-gbs``).
 """
 
