@@ -59,6 +59,7 @@ __all__ = [
     "FTIError",
     "LevelConfigError",
     "ManifestError",
+    "ObjectExistsError",
     "PerRankStateError",
     "PlanError",
     "PlannerServiceError",
@@ -118,6 +119,12 @@ class CommitConflictError(CheckpointError):
 class UnsupportedURLError(CheckpointError, ValueError):
     """A path is a URL (``scheme://...``) that DeepPart does not serve: it
     reads and writes local (or mounted) file systems only."""
+
+
+class ObjectExistsError(CheckpointError, FileExistsError):
+    """A store refused a conditional put (:mod:`deeppart.storage`): the
+    object exists (``create=True``) or is no longer the version named by
+    ``if_match``. A save's commit turns it into :class:`CommitConflictError`."""
 
 
 class CorruptCheckpointError(CheckpointError):
@@ -234,6 +241,7 @@ ERROR_TYPES: tuple[type[DeepPartError], ...] = (
     ForeignPathError,
     CommitConflictError,
     UnsupportedURLError,
+    ObjectExistsError,
     CheckpointError,
     ValueEncodeError,
     StateError,

@@ -15,8 +15,10 @@ ever stands in for a checksum.
 - ``exchange="auto"`` on one host (every rank reports the same host name,
   :func:`hosts`) with an MPI communicator: each file's reader reads it into
   its segment of a node-shared window (:func:`deeppart.comm.node_shared`)
-  and checksums it there; after the read's agreement every rank, the reader
-  too, copies the verified bytes out of the window into its tensors. A
+  and checksums it there (a raw piece chunk by chunk, each chunk copied on
+  to the reader's own tensors right after it was checksummed in the
+  window); after the read's agreement every other rank copies the
+  verified bytes out of the window into its tensors. A
   process outside the job that writes to a data file (a shared mapping, a
   storage device returning other bytes on a re-read) cannot change the
   window. With torch.distributed (no shared window), or ranks on several

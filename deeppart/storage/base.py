@@ -23,6 +23,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from deeppart.errors import ObjectExistsError
+
 __all__ = [
     "ObjectExistsError",
     "ObjectInfo",
@@ -30,11 +32,6 @@ __all__ = [
     "ObjectWriter",
     "RangeReader",
 ]
-
-
-class ObjectExistsError(FileExistsError):
-    """A conditional put was refused: the object exists (``create=True``)
-    or is no longer the version named by ``if_match``."""
 
 
 @dataclass(frozen=True)
