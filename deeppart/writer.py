@@ -122,6 +122,17 @@ def _write_chunked(f: Any, data: bytes | memoryview) -> None:
         f.write(view[start : start + WRITE_CHUNK])
 
 
+def _descriptor(f: Any) -> int | None:
+    """``f``'s file descriptor, or None for a writer that has none."""
+    fileno = getattr(f, "fileno", None)
+    if fileno is None:
+        return None
+    try:
+        return int(fileno())
+    except (OSError, ValueError):
+        return None
+
+
 def write_pieces(
     path: Path,
     rank: int,
@@ -156,6 +167,9 @@ def write_pieces(
         f.write(header_bytes(rank, prep.plan.world_size, prep.plan.fingerprint, save_id))
         pos = end = HEADER_SIZE
         flushed = False
+        # The Rust one-pass write needs a file descriptor; an object store's
+        # upload (deeppart.storage) has none and takes the Python path.
+        fd = _descriptor(f)
         for k, (li, start, stop) in enumerate(pieces):
             leaf = prep.leaves[li]
             is_tensor = leaf.tensor is not None
@@ -224,14 +238,14 @@ def write_pieces(
                 if len(packed) < len(raw):
                     data, used = packed, CODECS.index(codec)
             xxh = 0
-            if prep.staged is not None and not used and len(data):
+            if prep.staged is not None and fd is not None and not used and len(data):
                 # An asynchronous save's raw piece: written and checksummed
                 # in one pass in Rust, the GIL released for the whole piece
                 # (deeppart._planner.write_hashed), write-back paced.
                 if not flushed:
                     f.flush()  # the header (buffered) before the raw writes
                     flushed = True
-                xxh = write_hashed(f.fileno(), pos, data, WRITE_CHUNK, True)
+                xxh = write_hashed(fd, pos, data, WRITE_CHUNK, True)
                 end = pos + len(data)
                 records[k] = (pos, len(raw), len(data), xxh, used)
                 pos = align_up(pos + len(data))
