@@ -42,7 +42,7 @@ from collections.abc import Callable
 from typing import Any
 
 from deeppart.checkpoint import plan_save
-from deeppart.comm import Comm, resolve, writer_comm
+from deeppart.comm import Comm, resolve, writer_comm, writer_key
 from deeppart.errors import AsyncSaveWarning
 from deeppart.prepare import Prepared
 from deeppart.progress import Stats
@@ -151,6 +151,16 @@ def _report_at_exit() -> None:
 atexit.register(_report_at_exit)
 
 
+def settle_pending(c: Comm) -> None:
+    """Waits for the asynchronous save in flight on ``c`` (if any) and
+    raises its error if nobody has seen it yet: what every save on ``c``
+    does first, a synchronous one too (:func:`deeppart.save`)."""
+    with _LOCK:
+        prev = _IN_FLIGHT.pop(writer_key(c), None)
+    if prev is not None:
+        prev._settle()
+
+
 # ----------------------------------------------------------------------------
 # Starting a save.
 
@@ -169,11 +179,8 @@ def start(
     writing it (collective over ``c``); ``after`` runs once the save is
     committed (on the writer thread)."""
     writer, why = writer_comm(c)
-    key = id(writer)  # writers are cached: one key per communicator
-    with _LOCK:
-        prev = _IN_FLIGHT.pop(key, None)
-    if prev is not None:
-        prev._settle()
+    key = writer_key(c)
+    settle_pending(c)
 
     t0 = time.perf_counter()
     staged: Prepared | None = None

@@ -169,6 +169,11 @@ def save(
     refused) instead of compared whole.
     """
     c = resolve(comm)
+    # An asynchronous save in flight on this communicator finishes first;
+    # its error, if nobody has seen it, is this call's.
+    from deeppart.async_save import settle_pending  # imports this module
+
+    settle_pending(c)
     t0 = time.perf_counter()
     planned = plan_save(
         c,

@@ -655,6 +655,22 @@ def release_writers() -> None:
 atexit.register(release_writers)
 
 
+def writer_key(c: Comm) -> Any:
+    """What identifies ``c``'s background writer (:func:`writer_comm`),
+    found without making one: saves in flight are known by it."""
+    if isinstance(c, SingleComm):
+        return ("single",)  # one process: every SingleComm is the same one
+    if isinstance(c, MPIComm):
+        return ("mpi", c.comm.py2f())
+    if isinstance(c, TorchDistComm):
+        import torch.distributed as dist
+
+        # The default group's identity too: a re-initialised
+        # torch.distributed gets new writer groups.
+        return ("torch", id(c.group), id(dist.group.WORLD))
+    return (type(c).__name__, id(c))
+
+
 def writer_comm(c: Comm) -> tuple[Comm | None, str]:
     """The dedicated communicator of ``c``'s background writer (made once per
     communicator, collectively), or None and the reason why a background
@@ -669,17 +685,15 @@ def writer_comm(c: Comm) -> tuple[Comm | None, str]:
                 f"MPI provides thread level {level}, not MPI_THREAD_MULTIPLE "
                 f"({mpi.THREAD_MULTIPLE}), so a background thread may not call MPI"
             )
-        key: Any = ("mpi", c.comm.py2f())
+        key = writer_key(c)
         if key not in _WRITERS:
             _WRITERS[key] = (c.comm, SleepingMPIComm(c.comm.Dup()))
         return _WRITERS[key][1], ""
     if isinstance(c, TorchDistComm):
         import torch.distributed as dist
 
-        # The default group's identity too: a re-initialised
-        # torch.distributed gets new writer groups.
         world = dist.group.WORLD
-        key = ("torch", id(c.group), id(world))
+        key = writer_key(c)
         if key not in _WRITERS:
             if c.group is None:
                 ranks = list(range(dist.get_world_size()))
