@@ -26,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -700,6 +700,9 @@ EXCHANGE_BATCH_BYTES = 4 * EXCHANGE_MESSAGE_BYTES
 EXCHANGE_BATCH_MESSAGES = 256
 
 
+T = TypeVar("T")
+
+
 class FirstError:
     """The first exception of a stage's local steps on this rank, kept
     while the stage's collectives go on: a rank that failed still takes
@@ -716,6 +719,17 @@ class FirstError:
                 step()
             except Exception as e:
                 self.err = e
+
+    def attempt(self, step: Callable[[], T], fallback: Callable[[], T]) -> T:
+        """``step()``'s result; ``fallback()``'s once a step has failed
+        (this one included, whose exception is kept): what a failed rank
+        still sends or receives to keep its place in a collective."""
+        if self.err is None:
+            try:
+                return step()
+            except Exception as e:
+                self.err = e
+        return fallback()
 
     def raise_first(self) -> None:
         if self.err is not None:

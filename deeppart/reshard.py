@@ -443,9 +443,16 @@ def exchange_shards(c: Comm, sr: ShardReads, meta: Metadata) -> None:
         out = _messages(sr.sends.get((me, dest), []))
         into = _messages(sr.sends.get((source, me), []))
         for m in range(max(len(out), len(into))):
-            send = _outgoing(meta, sr, out[m], failed) if m < len(out) else _EMPTY
+            put = out[m] if m < len(out) else []
             got = into[m] if m < len(into) else []
-            recv = _incoming(meta, sr, got, failed)
+            # A failed rank sends zeros of the message's length and
+            # receives into scratch.
+            send = failed.attempt(
+                functools.partial(_pack, meta, sr, put), functools.partial(_zeros, put)
+            )
+            recv = failed.attempt(
+                functools.partial(_landing, meta, sr, got), functools.partial(_scratch, got)
+            )
             c.sendrecv_u8(send, dest, recv, source)
             if failed.err is None:
                 failed.run(functools.partial(_unpack, meta, sr, got, recv))
@@ -453,27 +460,15 @@ def exchange_shards(c: Comm, sr: ShardReads, meta: Metadata) -> None:
     failed.raise_first()
 
 
-def _outgoing(meta: Metadata, sr: ShardReads, batch: list[Piece], failed: FirstError) -> U8:
-    """A message's bytes; zeros of its length once this rank has failed."""
-    if failed.err is None:
-        try:
-            return _pack(meta, sr, batch)
-        except Exception as e:
-            failed.err = e
+_EMPTY: U8 = np.empty(0, np.uint8)
+
+
+def _zeros(batch: list[Piece]) -> U8:
     return np.zeros(sum(p.length for p in batch), np.uint8)
 
 
-def _incoming(meta: Metadata, sr: ShardReads, batch: list[Piece], failed: FirstError) -> U8:
-    """Where a message lands; a scratch buffer once this rank has failed."""
-    if failed.err is None:
-        try:
-            return _landing(meta, sr, batch)
-        except Exception as e:
-            failed.err = e
-    return np.empty(sum(p.length for p in batch), np.uint8) if batch else _EMPTY
-
-
-_EMPTY: U8 = np.empty(0, np.uint8)
+def _scratch(batch: list[Piece]) -> U8:
+    return np.empty(sum(p.length for p in batch), np.uint8)
 
 
 def _messages(pieces: list[Piece]) -> list[list[Piece]]:
@@ -492,6 +487,9 @@ def _messages(pieces: list[Piece]) -> list[list[Piece]]:
 
 
 def _pack(meta: Metadata, sr: ShardReads, batch: list[Piece]) -> U8:
+    """A message's bytes (none for no pieces)."""
+    if not batch:
+        return _EMPTY
     if len(batch) == 1:
         return _slot(meta, sr, batch[0])
     return np.concatenate([_slot(meta, sr, p) for p in batch])
