@@ -42,8 +42,9 @@ from collections.abc import Callable
 from typing import Any
 
 from deeppart.checkpoint import plan_save
-from deeppart.comm import Comm, resolve, writer_comm, writer_key
+from deeppart.comm import Comm, resolve, writer_comm
 from deeppart.errors import AsyncSaveWarning
+from deeppart.in_flight import add, settle_pending, take_all
 from deeppart.prepare import Prepared
 from deeppart.progress import Stats
 from deeppart.snapshot import ShareSnapshot, share_bytes
@@ -105,7 +106,7 @@ class AsyncSave:
 
     result = wait
 
-    def _settle(self) -> None:
+    def settle(self) -> None:
         """Waits; raises the error only if nobody has seen it yet."""
         seen = self._seen
         error = self.exception()
@@ -114,10 +115,7 @@ class AsyncSave:
 
 
 # ----------------------------------------------------------------------------
-# Saves in flight (the writer's communicator: deeppart.comm.writer_comm).
-
-_IN_FLIGHT: dict[Any, AsyncSave] = {}
-_LOCK = threading.Lock()
+# Saves in flight (deeppart.in_flight, by the writer's communicator).
 
 
 def _report_at_exit() -> None:
@@ -129,10 +127,8 @@ def _report_at_exit() -> None:
     stderr. The exit status stays the script's own: Python lets an exit
     handler change it only by skipping the handlers after it (an MPI
     finalize among them). docs/ASYNC.md."""
-    with _LOCK:
-        handles = list(_IN_FLIGHT.values())
-        _IN_FLIGHT.clear()
-    for handle in handles:
+    for handle in take_all():
+        assert isinstance(handle, AsyncSave)
         seen = handle._seen
         try:
             error = handle.exception()
@@ -149,16 +145,6 @@ def _report_at_exit() -> None:
 
 
 atexit.register(_report_at_exit)
-
-
-def settle_pending(c: Comm) -> None:
-    """Waits for the asynchronous save in flight on ``c`` (if any) and
-    raises its error if nobody has seen it yet: what every save on ``c``
-    does first, a synchronous one too (:func:`deeppart.save`)."""
-    with _LOCK:
-        prev = _IN_FLIGHT.pop(writer_key(c), None)
-    if prev is not None:
-        prev._settle()
 
 
 # ----------------------------------------------------------------------------
@@ -179,7 +165,6 @@ def start(
     writing it (collective over ``c``); ``after`` runs once the save is
     committed (on the writer thread)."""
     writer, why = writer_comm(c)
-    key = writer_key(c)
     settle_pending(c)
 
     t0 = time.perf_counter()
@@ -240,8 +225,7 @@ def start(
 
     thread = threading.Thread(target=run, name=f"deeppart-save {location_name(directory)}")
     handle._thread = thread
-    with _LOCK:
-        _IN_FLIGHT[key] = handle
+    add(c, handle)
     thread.start()
     return handle
 
@@ -333,7 +317,7 @@ class AsyncCheckpointer:
         pending, self.pending = self.pending, None
         if pending is None:
             return None
-        pending._settle()
+        pending.settle()
         return pending._stats
 
     def save(

@@ -38,6 +38,7 @@ from deeppart.commit import TEMP_NAME_MAX, metadata_json
 from deeppart.errors import StateMismatchError
 from deeppart.format import SAVE_ID_HEX, Metadata, new_save_id
 from deeppart.groups import LoadView, load_view, read_own, selection_digest
+from deeppart.in_flight import settle_pending
 from deeppart.integrity import HOST_ID_BYTES, host_id, one_host
 from deeppart.own_view import OwnView, by_ranks, own_view, resolve_versions, set_at, value_at
 from deeppart.planning import PlanProvider
@@ -171,8 +172,6 @@ def save(
     c = resolve(comm)
     # An asynchronous save in flight on this communicator finishes first;
     # its error, if nobody has seen it, is this call's.
-    from deeppart.async_save import settle_pending  # imports this module
-
     settle_pending(c)
     t0 = time.perf_counter()
     planned = plan_save(
