@@ -15,6 +15,11 @@ variables in the environment; ``MOTO_PID``: the server's process id).
 - ``hung``: the server stops (SIGSTOP) mid-save: every rank raises, nothing
   is committed; resumed, the previous checkpoint loads bitwise, and the
   next save removes what the interrupted one left;
+- ``levels``: the built-in multi-level engine with ``glbl_dir`` in S3
+  (2 fake nodes of 2 ranks, every save at L4, keep 1): the retired step's
+  objects go; with one node's local files lost its ranks recover from L4
+  (levels [1, 1, 4, 4]), with every node's from L4 alone, and with
+  ``meta_dir`` gone too from the L4 checkpoint, bitwise;
 - ``killed`` (last): the server is killed (SIGKILL) mid-save: every rank
   raises within the job's time (the test restarts the server).
 
@@ -25,9 +30,12 @@ Each rank prints ``RESULT <scenario> <case> rank <r> <outcome>`` lines and
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -169,6 +177,56 @@ def scenario_hung(c: Comm, base: str) -> None:
     ok(c, "hung")
 
 
+def scenario_levels(c: Comm, base: str) -> None:
+    from deeppart.levels import LevelConfig
+    from deeppart.levels.engine import BuiltinBackend
+
+    tmp = tempfile.mkdtemp(prefix="deeppart-levels-s3-") if c.rank == 0 else ""
+    root = Path(c.allgather_varbytes(tmp.encode())[0].decode())
+    glbl = f"{base}/levels"
+    cfg = LevelConfig.from_dict(
+        {
+            "ckpt_dir": str(root / "local"),
+            "meta_dir": str(root / "meta"),
+            "glbl_dir": glbl,
+            "node_size": 2,
+            "local_test": 1,
+            "ckpt_l4": 1,
+            "keep": 1,
+        }
+    )
+    be = BuiltinBackend(cfg, c)
+    for step in (1, 2):
+        assert be.save(step, make_state(50 + step)).level == 4
+    if c.rank == 0:
+        assert read_marker(open_store(f"{glbl}/deeppart/step-00000001")) is None  # retired
+        assert [o.name for o in open_store(f"{glbl}/deeppart/step-00000001").list()] == []
+        shutil.rmtree(root / "local" / "node1")  # node 1 lost
+    c.barrier()
+    got, report = BuiltinBackend(cfg, c).load()
+    assert report.step == 2 and report.levels == [1, 1, 4, 4], report
+    assert_bitwise_equal(got, make_state(52), "levels: node 1 from L4")
+    c.barrier()
+    if c.rank == 0:
+        shutil.rmtree(root / "local")  # every node lost
+    c.barrier()
+    got, report = BuiltinBackend(cfg, c).load()
+    assert report.levels == [4] * c.size, report
+    assert_bitwise_equal(got, make_state(52), "levels: every node from L4")
+    c.barrier()
+    if c.rank == 0:
+        shutil.rmtree(root / "local")
+        shutil.rmtree(root / "meta")  # only the object store is left
+    c.barrier()
+    got, report = BuiltinBackend(cfg, c).load()
+    assert report.step == 2 and report.levels == [4] * c.size, report
+    assert_bitwise_equal(got, make_state(52), "levels: the L4 checkpoint alone")
+    c.barrier()
+    if c.rank == 0:
+        shutil.rmtree(root)
+    ok(c, "levels")
+
+
 def scenario_killed(c: Comm, base: str) -> None:
     url = f"{base}/killed/step-1"
     with fault_hook("after-write", _server_signal(signal.SIGKILL)):
@@ -180,7 +238,8 @@ def scenario_killed(c: Comm, base: str) -> None:
 def main() -> None:
     base = sys.argv[1]
     c = resolve(MPI.COMM_WORLD)
-    for scenario in sys.argv[2:] or ["replicated", "race", "foreign", "hung", "killed"]:
+    scenarios = ["replicated", "race", "foreign", "hung", "levels", "killed"]
+    for scenario in sys.argv[2:] or scenarios:
         globals()[f"scenario_{scenario}"](c, base)
 
 

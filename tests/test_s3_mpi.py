@@ -1,7 +1,8 @@
 """Checkpoints in S3 across ranks (issue 34), against moto's server
 (tests/s3_server.py): one mpiexec job of 4 ranks for the replicated
 scenarios (tests/s3_worker.py: save and load bitwise, two jobs racing for
-one step, foreign objects, the server stopped and killed mid-save), and
+one step, foreign objects, the server stopped and killed mid-save, the
+multi-level engine's L4 level in S3), and
 FSDP2 DTensors on 4 torchrun ranks (tests/dtensor_worker.py ``s3``)."""
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def test_s3_on_four_ranks(s3_url: str, s3_server: Any, monkeypatch: pytest.Monke
         s3_server.start(port=s3_server.port)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"rc={proc.returncode}\n{out[-8000:]}"
-    for scenario in ("replicated", "race", "foreign", "hung", "killed"):
+    for scenario in ("replicated", "race", "foreign", "hung", "levels", "killed"):
         oks = set(re.findall(rf"OK {scenario} rank \d+/{RANKS}", proc.stdout))
         assert len(oks) == RANKS, (scenario, out[-8000:])
     results = re.findall(r"RESULT (\w+) (\w+) rank (\d+) (\S+)", proc.stdout)

@@ -74,11 +74,16 @@ def open_backend(
     """A :class:`LevelBackend` for ``config`` (a :class:`LevelConfig`, an
     INI path or a dict) over ``comm``. ``backend``: ``"builtin"`` (DeepPart's
     engine), ``"fti"`` (libfti through ctypes; an error if unavailable) or
-    ``"auto"`` (FTI when it imports and libfti is found, else built-in).
+    ``"auto"`` (FTI when it imports and libfti is found, else built-in;
+    always built-in for an ``s3://`` glbl_dir, which FTI cannot write).
     ``options`` go to the built-in engine (e.g. ``compression``)."""
     if backend not in BACKENDS:
         raise LevelConfigError(f"backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
     cfg = LevelConfig.coerce(config)
+    if backend == "auto" and cfg.global_in_object_store:
+        backend = "builtin"
+    if backend == "fti":
+        cfg.check_fti_global()  # before libfti is looked for
     if backend == "fti" or (backend == "auto" and fti_available()):
         mod = _fti_module()
         if mod is None:

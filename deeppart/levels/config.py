@@ -4,7 +4,7 @@ A :class:`LevelConfig` is parsed from an FTI-style INI file::
 
     [basic]
     ckpt_dir   = /local/scratch/ckpt    ; node-local root (L1, L2, L3 files)
-    glbl_dir   = /pfs/run/global        ; shared: L4 checkpoints
+    glbl_dir   = /pfs/run/global        ; shared: L4 checkpoints (or s3://bucket/prefix)
     meta_dir   = /pfs/run/meta          ; shared: metadata and commit markers
     node_size  = 4                      ; ranks per node
     group_size = 4                      ; nodes per L2/L3 group
@@ -39,7 +39,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from deeppart.errors import LevelConfigError
+from deeppart.errors import LevelConfigError, UnsupportedURLError
+from deeppart.storage.url import S3URL, Location, is_url, parse_location
 
 #: Levels: 1 node-local, 2 partner copy, 3 Reed-Solomon, 4 global.
 LEVELS = (1, 2, 3, 4)
@@ -167,8 +168,19 @@ class LevelConfig:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise LevelConfigError(f"{name} = {value!r}: not an integer")
         for name in ("ckpt_dir", "meta_dir"):
-            if not getattr(self, name).strip():
+            value = getattr(self, name).strip()
+            if not value:
                 raise LevelConfigError(f"{name} must be set (a directory)")
+            if is_url(value):
+                raise LevelConfigError(
+                    f"{name} = {value}: a URL; {name} must be a file system directory "
+                    "(only glbl_dir, the L4 copy, may be an s3:// URL)"
+                )
+        if is_url(self.glbl_dir.strip()):
+            try:
+                parse_location(self.glbl_dir.strip())
+            except UnsupportedURLError as e:
+                raise LevelConfigError(f"glbl_dir: {e}") from e
         if self.l4_enabled and not self.glbl_dir.strip():
             raise LevelConfigError("glbl_dir must be set when ckpt_l4 is enabled")
         if self.node_size < 1:
@@ -390,8 +402,31 @@ class LevelConfig:
     def meta_root(self) -> Path:
         return Path(self.meta_dir) / self.exec_id
 
-    def global_root(self) -> Path:
-        return Path(self.glbl_dir) / self.exec_id
+    def global_location(self) -> Location:
+        """``glbl_dir`` as the storage layer takes it
+        (:func:`deeppart.storage.url.parse_location`): a directory, or an
+        :class:`~deeppart.storage.url.S3URL` for ``s3://bucket/prefix``."""
+        text = self.glbl_dir.strip()
+        return parse_location(text) if is_url(text) else Path(self.glbl_dir)
+
+    @property
+    def global_in_object_store(self) -> bool:
+        """Whether ``glbl_dir`` is an object store URL (``s3://``)."""
+        return isinstance(self.global_location(), S3URL)
+
+    def check_fti_global(self) -> None:
+        """Refuses (:class:`LevelConfigError`) an ``s3://`` glbl_dir for the
+        FTI backend: libfti writes L4 to a file system directory only."""
+        if self.global_in_object_store:
+            raise LevelConfigError(
+                f"glbl_dir = {self.glbl_dir.strip()}: the FTI backend cannot write L4 to an "
+                "object store (libfti writes a file system directory); use backend='builtin' "
+                "for an s3:// glbl_dir"
+            )
+
+    def global_root(self) -> Location:
+        """``glbl_dir/<exec_id>``: a directory or an ``s3://`` URL."""
+        return self.global_location() / self.exec_id
 
     # ------------------------------------------------------------------
 

@@ -13,7 +13,9 @@ data file as :func:`deeppart.save`) into its node's local directory.
   any ``group_size`` of the group's ``2 * group_size`` files restore the rest
   (:mod:`deeppart.levels.erasure`).
 - L4 also writes a normal DeepPart checkpoint to ``glbl_dir`` (readable by
-  any world size with :func:`deeppart.load`).
+  any world size with :func:`deeppart.load`): a directory, or an object
+  store URL (``s3://bucket/prefix``, through the storage layer,
+  :mod:`deeppart.storage`).
 
 A save (:meth:`BuiltinBackend.save`) runs the package's stages: prepare
 (:mod:`deeppart.prepare`), the L1 write (:mod:`deeppart.writer`), the
@@ -36,6 +38,7 @@ import json
 import os
 import socket
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -65,6 +68,8 @@ from deeppart.planning import PlanProvider
 from deeppart.prepare import Prepared, agree_prepared, prepare, refuse_sharded
 from deeppart.progress import Progress
 from deeppart.reader import IntoMatch, Target, all_leaf_targets, assemble
+from deeppart.storage.target import save_target
+from deeppart.storage.url import Location, location_key
 from deeppart.writer import RECORD_FIELDS, write_pieces
 
 _T = TypeVar("_T")
@@ -159,7 +164,7 @@ class BuiltinBackend:
     def meta_step(self, step: int) -> Path:
         return self.layout.meta_step(step)
 
-    def global_step(self, step: int) -> Path:
+    def global_step(self, step: int) -> Location:
         return self.layout.global_step(step)
 
     def _check_level(self, level: int) -> None:
@@ -192,11 +197,17 @@ class BuiltinBackend:
         prep: Prepared | None = None
         value: Any = {"step": step, "user": user}
         link, run = lineage.Link(step, 0), self._run or ""
+        leftovers: dict[int, set[str]] = {}
         try:
             if step < 0:
                 raise CheckpointError(f"step {step}: must be >= 0")
             if c.rank == 0:  # only rank 0's user value is written
                 value, link, run = self._line_record(step, user)
+                objects = self.layout.global_objects()
+                if objects is not None:
+                    # What interrupted L4 saves left in the object store,
+                    # removed after this save commits (see _cleanup).
+                    leftovers = objects.leftovers(below=step)
             if user is not None:
                 from deeppart.state import encode_plain
 
@@ -206,7 +217,9 @@ class BuiltinBackend:
             check_target(self.local_step(step), level_file)
             check_target(self.meta_step(step))
             if lv == 4:
-                check_target(self.global_step(step))
+                # A directory: only DeepPart's files; an object store: the
+                # save refuses a foreign marker and touches nothing else.
+                save_target(self.global_step(step)).check()
             prep = prepare(state, self.compression, self.plans, self.meta_step(step))
             refuse_sharded(prep, "the multi-level engine")
             if c.rank == 0 and self.meta_step(step).exists():
@@ -262,7 +275,7 @@ class BuiltinBackend:
             t = time.perf_counter()
             save(
                 state,
-                self.global_step(step),
+                str(self.global_step(step)),
                 comm=c,
                 compression=self.compression,
                 compression_level=self.zstd_level,
@@ -294,7 +307,7 @@ class BuiltinBackend:
         self._parent, self._run = link, run
         phases["commit"] = time.perf_counter() - t
         t = time.perf_counter()
-        self._cleanup(step, link.seq)
+        self._cleanup(step, link.seq, leftovers)
         phases["cleanup"] = time.perf_counter() - t
         seconds = time.perf_counter() - t0
         stats = LevelSaveStats(step, lv, prep.manifest.total_bytes, seconds, phases)
@@ -359,7 +372,7 @@ class BuiltinBackend:
             # uses the config's directories.
             "ckpt_dir": os.path.abspath(self.config.ckpt_dir),
             "glbl_dir": (
-                os.path.abspath(self.config.glbl_dir) if self.config.glbl_dir.strip() else ""
+                location_key(self.config.global_location()) if self.config.glbl_dir.strip() else ""
             ),
             **self.layout.describe(),
             # Per node, its directory under ckpt_dir (host names on real
@@ -392,7 +405,7 @@ class BuiltinBackend:
         """Committed steps (node-local or global), oldest first."""
         return self.layout.committed_steps()
 
-    def _cleanup(self, newest: int, seq: int) -> None:
+    def _cleanup(self, newest: int, seq: int, leftovers: dict[int, set[str]] | None = None) -> None:
         """After step ``newest`` committed as ``seq``: removes, in every
         root, the steps of its line beyond ``keep`` and the steps of the
         lines it left (:meth:`deeppart.lineage.Lines.abandoned`), uncommitted
@@ -400,49 +413,88 @@ class BuiltinBackend:
         directories named as DeepPart names them, holding nothing but
         DeepPart's files (a user's directory of such a name stays); a
         committed step without a line record (an earlier run's) is never
-        pruned."""
+        pruned.
+
+        With ``glbl_dir`` in an object store, a retired step's L4 copy goes
+        if it is that very save (its marker first, then that save's objects
+        recognised by save id and content,
+        :meth:`deeppart.object_steps.ObjectSteps.remove_step`), and the
+        ``leftovers`` of interrupted L4 saves that rank 0 listed when this
+        save began (:meth:`~deeppart.object_steps.ObjectSteps.leftovers`)
+        are removed the same way; nothing else under the prefix is touched.
+        The save has committed: a failure here is a warning."""
         c = self.comm
         payload = b""
         if c.rank == 0:
-            lines = self.layout.lines()
-            line = lines.line_of(newest, seq)
-            retired = line[self.keep :] + lines.abandoned(line)
-            doomed = {n.step for n in retired}
-            committed = self.committed_steps()
-            meta_root = self.config.meta_root()
-            for s in steps_in(meta_root, False):
-                if s < newest and s not in committed:
-                    doomed.add(s)
-            payload = json.dumps(sorted(doomed)).encode()
-            for node in retired:
-                # Each root's copy of the step goes if it is that very save.
-                roots = [self.meta_step(node.step)]
-                if self.config.glbl_dir.strip():
-                    roots.append(self.global_step(node.step))
-                for d in roots:
-                    _, got = lineage.read_node(d, node.step)
-                    if isinstance(got, lineage.Node) and got.seq == node.seq:
-                        _remove_owned(d)
-            for s in sorted(doomed - {n.step for n in retired}):
-                # Uncommitted everywhere: what an interrupted save left.
-                _remove_owned(self.meta_step(s))
-                if self.config.glbl_dir.strip():
-                    _remove_owned(self.global_step(s))
-            if meta_root.is_dir():
-                for child in meta_root.iterdir():
-                    if side_name(child.name) is not None:
-                        _remove_owned(child)
+            try:
+                payload = self._cleanup_roots(newest, seq, leftovers or {})
+            except Exception as e:
+                warnings.warn(
+                    f"deeppart levels: step {newest} committed, but removing old steps "
+                    f"failed: {type(e).__name__}: {e}",
+                    stacklevel=3,
+                )
         doomed_steps = set(json.loads(c.allgather_varbytes(payload)[0] or b"[]"))
         # One rank per node removes that node's local leftovers.
         hosts = self.layout
         if all(hosts.node(r) != hosts.node(self.rank) for r in range(self.rank)):
-            kept = set(self.committed_steps())
+            kept: set[int] | None
+            try:
+                kept = set(self.committed_steps())
+            except Exception:  # an object store that does not answer
+                kept = None
             root = self.layout.local_root(self.rank)
             for s in steps_in(root, False):
-                if s in doomed_steps or (s < newest and s not in kept):
+                if s in doomed_steps or (kept is not None and s < newest and s not in kept):
                     with contextlib.suppress(OSError):
                         _remove_owned(root / step_name(s), level_file)
         c.barrier()
+
+    def _cleanup_roots(self, newest: int, seq: int, leftovers: dict[int, set[str]]) -> bytes:
+        """Rank 0's part of :meth:`_cleanup`, in ``meta_dir`` and
+        ``glbl_dir``; returns the steps whose node-local files go (JSON)."""
+        lines = self.layout.lines()
+        line = lines.line_of(newest, seq)
+        retired = line[self.keep :] + lines.abandoned(line)
+        doomed = {n.step for n in retired}
+        committed = self.committed_steps()
+        meta_root = self.config.meta_root()
+        for s in steps_in(meta_root, False):
+            if s < newest and s not in committed:
+                doomed.add(s)
+        payload = json.dumps(sorted(doomed)).encode()
+        objects = self.layout.global_objects()
+        glbl = self.layout.has_global()
+        for node in retired:
+            # Each root's copy of the step goes if it is that very save.
+            roots = [self.meta_step(node.step)]
+            copy_at = self.global_step(node.step) if glbl else None
+            if isinstance(copy_at, Path):
+                roots.append(copy_at)
+            for d in roots:
+                _, got = lineage.read_node(d, node.step)
+                if isinstance(got, lineage.Node) and got.seq == node.seq:
+                    _remove_owned(d)
+        if objects is not None:
+            stored, _, save_ids = objects.lines()
+            for node in retired:
+                copy = stored.nodes.get(node.step)
+                if copy is not None and copy.seq == node.seq:
+                    objects.remove_step(node.step, save_ids[node.step])
+        for s in sorted(doomed - {n.step for n in retired}):
+            # Uncommitted everywhere: what an interrupted save left.
+            _remove_owned(self.meta_step(s))
+            copy_at = self.global_step(s) if glbl else None
+            if isinstance(copy_at, Path):
+                _remove_owned(copy_at)
+        if objects is not None:
+            # Interrupted L4 saves (no marker) seen when this save began.
+            objects.remove_leftovers(leftovers)
+        if meta_root.is_dir():
+            for child in meta_root.iterdir():
+                if side_name(child.name) is not None:
+                    _remove_owned(child)
+        return payload
 
     # ------------------------------------------------------------------
     # Restore (the steps of deeppart.levels.recovery).
@@ -453,7 +505,7 @@ class BuiltinBackend:
         c, layout = self.comm, self.layout
         st, _ = recovery.read_step(c, layout, step)
         if st is None:
-            return recovery.global_ok(layout, step)
+            return recovery.global_ok(c, layout, step)
         survey, _, _ = recovery.survey(c, layout, st, deep=False)
         return bool(survey.levels)
 
@@ -507,7 +559,7 @@ class BuiltinBackend:
         c, layout = self.comm, self.layout
         st, why = recovery.read_step(c, layout, step)
         if st is None:
-            if recovery.global_ok(layout, step):
+            if recovery.global_ok(c, layout, step):
                 return recovery.load_global(c, layout, step, into, self.exchange, t0)
             return why
         err: BaseException | None = None
@@ -520,7 +572,7 @@ class BuiltinBackend:
         agree(c, err)
         survey, held, moved = recovery.survey(c, layout, st, deep=True)
         if not survey.levels:
-            if recovery.global_ok(layout, step) and st.level == 4:
+            if st.level == 4 and recovery.global_ok(c, layout, step):
                 return recovery.load_global(c, layout, step, into, self.exchange, t0)
             return survey.reason
         got = recovery.recover_own(c, layout, st, survey.levels, held)

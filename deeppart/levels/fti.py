@@ -139,8 +139,10 @@ def _fti_dirs(config: LevelConfig) -> tuple[str, str, str]:
 
 
 def check_fti_options(config: LevelConfig) -> None:
-    """Raises :class:`LevelConfigError` when the config's FTI-only keys ask
-    for something the backend does not support (heads, offline levels...)."""
+    """Raises :class:`LevelConfigError` when the config asks for something
+    the backend does not support (an ``s3://`` glbl_dir; in its FTI-only
+    keys: heads, offline levels...)."""
+    config.check_fti_global()
     for sec, key, value in config.fti_options:
         want = REQUIRED.get((sec, key))
         if want is not None and value.strip() != want[0]:

@@ -12,18 +12,27 @@ things are; it does no I/O beyond listing directories. For one step::
         parity-RRRRR.bin    a rank's Reed-Solomon parity shard (L3)
     meta_dir/<exec_id>/step-NNNNNNNN/           metadata.json and COMMITTED
     glbl_dir/<exec_id>/step-NNNNNNNN/           a normal checkpoint (L4)
+
+``glbl_dir`` may be an object store URL (``s3://bucket/prefix``): then each
+step's L4 copy is a checkpoint at ``s3://bucket/prefix/<exec_id>/step-NNNNNNNN``
+as :func:`deeppart.save` writes one there (:mod:`deeppart.storage.objects`),
+and its steps are listed through :class:`deeppart.object_steps.ObjectSteps`
+(:meth:`Layout.global_objects`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from deeppart import lineage
 from deeppart.format import STEP_PREFIX, data_file_name, is_committed, step_dir_name, step_number
 from deeppart.levels.config import LevelConfig
+from deeppart.object_steps import ObjectSteps
+from deeppart.storage import open_store
+from deeppart.storage.url import S3URL, Location
 
 #: The step directories' prefix: ``step-`` and eight digits.
 #: The step directories' prefix (format.STEP_PREFIX: one spelling for all).
@@ -72,6 +81,9 @@ class Layout:
     config: LevelConfig
     size: int
     hosts: list[str] | None
+    #: The L4 steps in an object store (made on first use, kept for the
+    #: records it has read).
+    _objects: ObjectSteps | None = field(default=None, init=False, repr=False, compare=False)
 
     def node(self, rank: int) -> int:
         return self.config.node_of(rank, self.hosts)
@@ -118,25 +130,54 @@ class Layout:
         """``step``'s metadata directory (shared by all ranks)."""
         return self.config.meta_root() / step_name(step)
 
-    def global_step(self, step: int) -> Path:
-        """``step``'s L4 checkpoint in ``glbl_dir``."""
+    def global_step(self, step: int) -> Location:
+        """``step``'s L4 checkpoint in ``glbl_dir``: a directory, or an
+        :class:`~deeppart.storage.url.S3URL`."""
         return self.config.global_root() / step_name(step)
 
     def has_global(self) -> bool:
         """Whether the config has a ``glbl_dir`` (L4)."""
         return bool(self.config.glbl_dir.strip())
 
+    def global_objects(self) -> ObjectSteps | None:
+        """The L4 steps when ``glbl_dir`` is an object store URL (None for
+        a directory, or without ``glbl_dir``)."""
+        root = self.config.global_root() if self.has_global() else None
+        if not isinstance(root, S3URL):
+            return None
+        if self._objects is None:
+            self._objects = ObjectSteps(open_store(root))
+        return self._objects
+
     def committed_steps(self) -> list[int]:
         """Committed steps (node-local or global), oldest first."""
         steps = set(steps_in(self.config.meta_root(), True))
-        if self.has_global():
-            steps |= set(steps_in(self.config.global_root(), True))
+        objects = self.global_objects()
+        if objects is not None:
+            steps |= set(objects.lines()[2])
+        elif self.has_global():
+            root = self.config.global_root()
+            assert isinstance(root, Path)
+            steps |= set(steps_in(root, True))
         return sorted(steps)
 
     def lines(self) -> lineage.Lines:
         """The committed steps' line records (:mod:`deeppart.lineage`):
         ``meta_dir``'s, then ``glbl_dir``'s for steps it alone holds."""
-        roots = [self.config.meta_root()]
-        if self.has_global():
-            roots.append(self.config.global_root())
-        return lineage.scan(*roots)
+        objects = self.global_objects()
+        if objects is None:
+            roots = [self.config.meta_root()]
+            if self.has_global():
+                root = self.config.global_root()
+                assert isinstance(root, Path)
+                roots.append(root)
+            return lineage.scan(*roots)
+        lines = lineage.scan(self.config.meta_root())
+        stored = objects.lines()[0]
+        for n, node in stored.nodes.items():
+            if n not in lines.nodes and n not in lines.legacy:
+                lines.nodes[n] = node
+        for n, legacy in stored.legacy.items():
+            if n not in lines.nodes and n not in lines.legacy:
+                lines.legacy[n] = legacy
+        return lines

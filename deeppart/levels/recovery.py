@@ -47,7 +47,10 @@ from deeppart.levels.backend import RecoveryReport
 from deeppart.levels.files import EMPTY, U8, BufReader, by_rank, file_ok, read_all, size_is
 from deeppart.levels.layout import Layout, parity_file, partner_file
 from deeppart.progress import Progress
-from deeppart.reader import Target, read_metadata, read_pieces
+from deeppart.reader import Target, open_checkpoint, read_metadata, read_pieces
+from deeppart.storage import open_store
+from deeppart.storage.objects import open_committed
+from deeppart.storage.url import Location
 
 # Status bits a rank reports for a step during recovery.
 OWN, COPY, PARITY, GLOBAL = 1, 2, 4, 8
@@ -113,9 +116,51 @@ class Recovered:
     decode_bytes: int = 0
 
 
-def global_ok(layout: Layout, step: int) -> bool:
-    """Whether ``step`` has a committed L4 checkpoint."""
-    return layout.has_global() and is_committed(layout.global_step(step))
+def committed_at(where: Location) -> bool:
+    """Whether a committed checkpoint is at ``where`` (a directory, or an
+    object store URL: its marker and the metadata it names match); False
+    if it cannot be read."""
+    if isinstance(where, Path):
+        return is_committed(where)
+    try:
+        open_committed(open_store(where))
+    except Exception:  # not committed, or the store does not answer
+        return False
+    return True
+
+
+def global_ok(comm: Comm, layout: Layout, step: int) -> bool:
+    """Whether ``step`` has a committed L4 checkpoint (collective: rank 0
+    looks, in ``glbl_dir`` or its object store, and every rank gets its
+    answer, so that every rank takes the same way)."""
+    ok = comm.rank == 0 and layout.has_global() and committed_at(layout.global_step(step))
+    return comm.allgather_varbytes(b"\1" if ok else b"")[0] == b"\1"
+
+
+def global_file(where: Location, rank: int, size: int, deep: bool) -> tuple[bool, U8 | None]:
+    """Rank ``rank``'s data file in the committed L4 checkpoint at
+    ``where`` (a directory or an object store URL): whether it is there
+    with ``size`` bytes, and when ``deep`` its bytes (None if they cannot
+    be read; the caller verifies them)."""
+    name = data_file_name(rank)
+    if isinstance(where, Path):
+        if not is_committed(where):
+            return False, None
+        if not deep:
+            return size_is(where / name, size), None
+        return True, read_all(where / name, size)
+    try:
+        at, _ = open_committed(open_store(where))
+        if at.size(name) != size:
+            return False, None
+        if not deep:
+            return True, None
+        buf = np.empty(size, dtype=np.uint8)
+        with at.open(name) as f:
+            got = f.readinto(buf)
+    except Exception:  # not committed, missing, or the store does not answer
+        return False, None
+    return True, (buf if got == size else None)
 
 
 def candidates(comm: Comm, layout: Layout, step: int | None) -> list[int]:
@@ -309,14 +354,13 @@ def survey(
             lambda buf: buf is not None and checksum(buf.data) == st.parity_xxh3[r],
         ):
             bits |= PARITY
-    gdir = layout.global_step(st.step)
-    if (
-        st.level == 4
-        and not bits & OWN
-        and is_committed(gdir)
-        and probe("global", gdir / data_file_name(r), meta.file_sizes[r], data_ok(r))
-    ):
-        bits |= GLOBAL
+    if st.level == 4 and not bits & OWN and layout.has_global():
+        # The L4 copy of this rank's file, in glbl_dir or its object store.
+        found, buf = global_file(layout.global_step(st.step), r, meta.file_sizes[r], deep)
+        if deep:
+            held["global"] = buf
+        if found and (not deep or data_ok(r)(buf)):
+            bits |= GLOBAL
     status = [row[0] for row in comm.allgather_bytes(bytes([bits]), 1)]
     return decide(layout, st, status), held, moved
 
@@ -496,8 +540,8 @@ def load_global(
 ) -> tuple[Any, RecoveryReport]:
     """Loads ``step``'s L4 checkpoint (a normal DeepPart checkpoint, any
     world size); ``t0``: when the load started, for the report."""
-    path = layout.global_step(step)
-    state = load(path, comm=comm, into=into, exchange=exchange)
-    meta, _ = read_metadata(path)
+    where = layout.global_step(step)  # a directory or an s3:// URL
+    state = load(str(where), comm=comm, into=into, exchange=exchange)
+    _, meta, _ = open_checkpoint(where)
     report = RecoveryReport(step, [4] * meta.world_size, [], time.perf_counter() - t0)
     return state, report

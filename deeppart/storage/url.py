@@ -48,6 +48,17 @@ class S3URL:
     def __str__(self) -> str:
         return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
 
+    def __truediv__(self, name: str) -> S3URL:
+        """The location ``name`` under this one, as ``Path / name`` is for a
+        directory: ``S3URL("b", "run") / "step-1"`` is ``s3://b/run/step-1``;
+        UnsupportedURLError for an empty, ``.`` or ``..`` segment."""
+        name = name.strip("/")
+        if any(part in ("", ".", "..") for part in name.split("/")):
+            raise UnsupportedURLError(
+                f"{self}/{name}: empty, '.' or '..' path segments are not allowed"
+            )
+        return S3URL(self.bucket, f"{self.prefix}/{name}" if self.prefix else name)
+
 
 #: A checkpoint's location as the save and load stages take it.
 Location = Path | S3URL

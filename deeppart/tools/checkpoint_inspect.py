@@ -37,7 +37,7 @@ from deeppart.format import (
 )
 from deeppart.progress import Progress, human_bytes
 from deeppart.regions import Region
-from deeppart.storage import S3URL
+from deeppart.storage import S3URL, parse_location
 from deeppart.storage.objects import ObjectDir
 
 
@@ -131,7 +131,7 @@ class LevelFiles:
     group_size: int
     parity_sizes: list[int]
     parity_xxh3: list[int]
-    glbl_step: Path | None
+    glbl_step: Path | S3URL | None  # the L4 copy: a directory or an s3:// URL
     #: Fake nodes (local_test): every node's files are in one shared
     #: ckpt_dir, so any of them missing is a failure. Real nodes keep them
     #: on private storage: one node sees only its own.
@@ -169,7 +169,11 @@ class LevelFiles:
                 group_size=int(lv.get("group_size", 1)),
                 parity_sizes=[int(x) for x in lv.get("parity_sizes", [])],
                 parity_xxh3=[int(x) for x in lv.get("parity_xxh3", [])],
-                glbl_step=Path(glbl) / exec_id / name if isinstance(glbl, str) and glbl else None,
+                glbl_step=(
+                    parse_location(glbl) / exec_id / name
+                    if isinstance(glbl, str) and glbl
+                    else None
+                ),
                 shared=bool(lv.get("local_test", 1)),
             )
         except (KeyError, TypeError, ValueError) as e:
