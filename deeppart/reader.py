@@ -371,9 +371,15 @@ def read_file(
     the memory it was read into (``dest(piece)``, or the staging buffer of
     a device target), after the read. ``through``: a second place for each
     piece (where it is a host array), filled from ``dest(piece)`` as the
-    read goes (:func:`_read_through`)."""
+    read goes (:func:`_read_through`).
+
+    The pieces are read in file order; the file is opened with their
+    ranges declared, so that an object store reads them ahead in large
+    chunks (:func:`~deeppart.storage.files.open_data`)."""
     path = directory / data_file_name(rank)
-    with open_data(directory, rank) as f:
+    pieces = sorted(pieces, key=lambda p: p.offset)
+    expect = [(0, HEADER_SIZE)] + [(p.offset, p.stored) for p in pieces]
+    with open_data(directory, rank, expect) as f:
         return read_pieces(f, path, directory, meta, rank, pieces, dest, progress, staging, through)
 
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import deeppart
+from deeppart import reader
 from deeppart.errors import (
     CheckpointError,
     CommitConflictError,
@@ -26,6 +27,7 @@ from deeppart.errors import (
     UnsupportedURLError,
 )
 from deeppart.format import HEADER_SIZE, MARKER, METADATA, data_file_name
+from deeppart.progress import Progress
 from deeppart.storage import S3URL, ObjectExistsError, ObjectStore, open_store, parse_location
 from deeppart.storage.objects import read_marker, save_groups
 from deeppart.storage.s3 import S3Store
@@ -177,6 +179,120 @@ def test_s3_settings_from_env(s3_url: str, monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("DEEPPART_S3_PART_BYTES", str(1 << 20))
     with pytest.raises(ValueError, match="minimum"):
         open_store(f"{s3_url}/env")
+
+
+# ----------------------------------------------------------------------------
+# Read-ahead (deeppart/storage/readahead.py).
+
+#: Small chunks, so that a few MiB make many of them.
+RA_CHUNK = 64 << 10
+RA_AHEAD = 3
+
+
+def ra_store(s3_url: str, ahead: int = RA_AHEAD) -> S3Store:
+    return S3Store(
+        parse_location(f"{s3_url}/ra"),  # type: ignore[arg-type]
+        concurrency=2,
+        read_chunk_bytes=RA_CHUNK,
+        read_ahead=ahead,
+    )
+
+
+def random_ranges(rng: np.random.Generator, size: int) -> list[tuple[int, int]]:
+    """Ascending ranges within ``size`` bytes: some adjacent, some with small
+    gaps (merged into one span), some with large ones (separate spans),
+    lengths from 1 byte to a few chunks."""
+    out = []
+    at = 0
+    while True:
+        gap = int(rng.choice([0, 0, 0, int(rng.integers(1, 4096)), int(rng.integers(1, 1 << 20))]))
+        length = int(rng.choice([int(rng.integers(1, 300)), int(rng.integers(1, 3 * RA_CHUNK))]))
+        if at + gap + length > size:
+            return out
+        out.append((at + gap, length))
+        at += gap + length
+
+
+def test_read_ahead_returns_the_objects_bytes(s3_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Random ascending range lists (adjacent, small and large gaps, pieces
+    across chunk boundaries), each read in order through a reader that
+    declared them: exactly the object's bytes, every byte from the
+    read-ahead's chunks (no direct ranged read), never more than the cap of
+    chunks outstanding. Reads off the declared sequence (backwards, into a
+    gap, past the last range) are still right, by ranged reads."""
+    store = ra_store(s3_url)
+    rng = np.random.default_rng(7)
+    size = (4 << 20) + 4321
+    data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+    store.put("obj", data)
+    direct: list[tuple[int, int]] = []
+    plain_read = S3Store.read_into
+
+    def counting(self: S3Store, name: str, offset: int, buf: memoryview) -> int:
+        direct.append((offset, len(buf)))
+        return plain_read(self, name, offset, buf)
+
+    monkeypatch.setattr(S3Store, "read_into", counting)
+    for trial in range(4):
+        ranges = random_ranges(rng, size)
+        assert len(ranges) > 5
+        with store.open("obj", ranges) as f:
+            assert f.ahead is not None
+            assert f.ahead.outstanding == RA_AHEAD  # fetching ahead from the start
+            for off, length in ranges:
+                f.seek(off)
+                if trial % 2:
+                    got = f.read(length)
+                else:
+                    buf = bytearray(length)
+                    assert f.readinto(buf) == length
+                    got = bytes(buf)
+                assert got == data[off : off + length], (off, length)
+                assert f.tell() == off + length
+                assert f.ahead.outstanding <= RA_AHEAD
+            assert f.ahead.peak == RA_AHEAD
+            assert f.ahead.fetched >= len(f.ahead.plan) // 2
+        assert direct == []
+    ranges = [(100, 1000), (300_000, 5000), (1_000_000, 200_000)]
+    with store.open("obj", ranges) as f:
+        f.seek(300_000)
+        assert f.read(5000) == data[300_000:305_000]
+        f.seek(100)  # backwards: a ranged read
+        assert f.read(1000) == data[100:1100]
+        f.seek(200_000)  # in a gap
+        assert f.read(10) == data[200_000:200_010]
+        f.seek(1_150_000)  # runs past the last declared range
+        assert f.read(100_000) == data[1_150_000:1_250_000]
+        f.seek(size - 5)  # at the object's end: a short read, as without read-ahead
+        assert f.read(10) == data[size - 5 :]
+    assert direct and all(off != 300_000 for off, _ in direct)
+
+
+def test_read_ahead_range_past_the_end_and_missing_object(s3_url: str) -> None:
+    """A declared range past the object's end (the object is shorter than
+    the reader was told): CorruptCheckpointError naming the object where
+    the read reaches the end; the bytes before it still arrive. A missing
+    object: the same FileNotFoundError as a ranged read."""
+    store = ra_store(s3_url)
+    data = bytes(range(256)) * 1000  # 256000 bytes: 4 chunks
+    store.put("short", data)
+    with store.open("short", [(0, 1000), (200_000, 100_000)]) as f:
+        assert f.read(1000) == data[:1000]
+        f.seek(200_000)
+        buf = bytearray(100_000)
+        with pytest.raises(CorruptCheckpointError, match=r"ra/short: truncated.*256000"):
+            f.readinto(buf)
+    with store.open("missing", [(0, 10)]) as f, pytest.raises(FileNotFoundError):
+        f.read(10)
+
+
+def test_read_ahead_off_is_ranged_reads(s3_url: str) -> None:
+    """``DEEPPART_S3_READ_AHEAD=0`` (here read_ahead=0): no read-ahead, the
+    reads are ranged reads as before."""
+    store = ra_store(s3_url, ahead=0)
+    store.put("obj", b"abcdef")
+    with store.open("obj", [(0, 6)]) as f:
+        assert f.ahead is None and f.read(6) == b"abcdef"
 
 
 # ----------------------------------------------------------------------------
@@ -363,6 +479,37 @@ def test_load_errors(s3_url: str, s3_server: Any) -> None:
     store.delete(f"{marker.save_id}/{METADATA}")
     with pytest.raises(CorruptCheckpointError, match=rf"{marker.save_id}/metadata.json: missing"):
         deeppart.load(url)
+
+
+def test_object_truncated_during_the_read(
+    s3_url: str, s3_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A data object cut short after the load checked its size (another job
+    replaced it): the read-ahead of the file's pieces raises
+    CorruptCheckpointError naming the object, in small chunks and large."""
+    bucket = s3_url[len("s3://") :]
+    url = f"{s3_url}/run/step-1"
+    deeppart.save(state(1.0, n=200_000), url)
+    at, meta, _ = reader.open_checkpoint(parse_location(url))
+    marker = read_marker(open_store(url))
+    assert marker is not None
+    key = f"run/step-1/{marker.save_id}/{data_file_name(0)}"
+    data = s3_server.get_raw(bucket, key)
+    pieces = sorted((p for p in meta.pieces if p.rank == 0), key=lambda p: p.offset)
+    assert max(p.length for p in pieces) == 800_000
+    out = {id(p): np.zeros(p.length, dtype=np.uint8) for p in pieces}
+    for chunk in ("65536", str(8 << 20)):
+        monkeypatch.setenv("DEEPPART_S3_READ_CHUNK_BYTES", chunk)
+        at, meta, _ = reader.open_checkpoint(parse_location(url))
+        s3_server.put_raw(bucket, key, data[: len(data) // 2])
+        with pytest.raises(
+            CorruptCheckpointError, match=rf"{marker.save_id}/rank-00000.bin: truncated"
+        ):
+            reader.read_file(
+                at, meta, 0, pieces, lambda p: out[id(p)], Progress("load", 1, enabled=False)
+            )
+        s3_server.put_raw(bucket, key, data)
+        assert same(deeppart.load(url), state(1.0, n=200_000))
 
 
 def test_addressing_styles(monkeypatch: pytest.MonkeyPatch) -> None:

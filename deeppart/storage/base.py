@@ -19,11 +19,12 @@ conditional put raises :class:`ObjectExistsError`.
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from deeppart.errors import ObjectExistsError
+from deeppart.storage.readahead import ReadAhead
 
 __all__ = [
     "ObjectExistsError",
@@ -64,12 +65,18 @@ class RangeReader:
     ``readinto``/``read`` is one ranged read (a ranged GET on S3), so a
     reader that seeks to a piece reads only that piece's bytes. Enough of
     :class:`io.RawIOBase` for the load's readers (``seek``, ``tell``,
-    ``read``, ``readinto``)."""
+    ``read``, ``readinto``).
 
-    def __init__(self, store: ObjectStore, name: str) -> None:
+    ``ahead``: a :class:`~deeppart.storage.readahead.ReadAhead` of the
+    ranges the caller said it will read (:meth:`ObjectStore.open`); reads
+    are served from its chunks where they hold the bytes, by ranged reads
+    where not."""
+
+    def __init__(self, store: ObjectStore, name: str, ahead: ReadAhead | None = None) -> None:
         self.store = store
         self.name = name
         self.pos = 0
+        self.ahead = ahead
 
     def seek(self, pos: int, whence: int = 0) -> int:
         if whence != 0:
@@ -82,7 +89,9 @@ class RangeReader:
 
     def readinto(self, buf: Any) -> int:
         view = memoryview(buf).cast("B")
-        n = self.store.read_into(self.name, self.pos, view)
+        n = self.ahead.readinto(self.pos, view) if self.ahead is not None else 0
+        if n < len(view):
+            n += self.store.read_into(self.name, self.pos + n, view[n:])
         self.pos += n
         return n
 
@@ -92,7 +101,9 @@ class RangeReader:
         return bytes(out[:n])
 
     def close(self) -> None:
-        pass
+        if self.ahead is not None:
+            self.ahead.close()
+            self.ahead = None
 
     def __enter__(self) -> RangeReader:
         return self
@@ -125,6 +136,13 @@ class ObjectStore(abc.ABC):
         ``buf``; returns how many there were (fewer at the object's end,
         0 at or past it)."""
 
+    def read_range(self, name: str, offset: int, length: int) -> Any:
+        """Bytes ``offset .. offset + length`` of ``name`` as a buffer
+        (fewer at the object's end, none at or past it)."""
+        buf = bytearray(length)
+        n = self.read_into(name, offset, memoryview(buf))
+        return memoryview(buf)[:n]
+
     @abc.abstractmethod
     def head(self, name: str) -> ObjectInfo:
         """The size, time and version of ``name``."""
@@ -153,6 +171,27 @@ class ObjectStore(abc.ABC):
     def delete(self, name: str) -> None:
         """Removes the object ``name`` (nothing if it is already gone)."""
 
-    def open(self, name: str) -> RangeReader:
-        """A seekable reader of ``name`` by ranged reads."""
-        return RangeReader(self, name)
+    #: Read-ahead (:mod:`deeppart.storage.readahead`) for readers that
+    #: declare their ranges: the chunk size, the most chunks held at once
+    #: (0: none, every read is a ranged read) and the fetches in parallel.
+    read_chunk_bytes = 8 << 20
+    read_ahead = 0
+    read_threads = 1
+
+    def open(self, name: str, expect: Iterable[tuple[int, int]] | None = None) -> RangeReader:
+        """A seekable reader of ``name`` by ranged reads. ``expect``: the
+        ``(offset, length)`` ranges the caller is about to read, in
+        ascending order; where the store has a read-ahead
+        (:attr:`read_ahead`), they are fetched in large chunks in the
+        background and the reads served from them."""
+        ahead = None
+        if expect is not None and self.read_ahead > 0:
+            ahead = ReadAhead(
+                lambda offset, length: self.read_range(name, offset, length),
+                expect,
+                self.describe(name),
+                chunk_bytes=self.read_chunk_bytes,
+                ahead=self.read_ahead,
+                threads=self.read_threads,
+            )
+        return RangeReader(self, name, ahead)

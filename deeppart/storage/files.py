@@ -13,6 +13,7 @@ metadata, naming a missing or truncated file or object.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +29,17 @@ __all__ = ["CheckpointDir", "check_file_sizes", "committed_metadata", "open_data
 CheckpointDir = Path | ObjectDir
 
 
-def open_data(directory: CheckpointDir, rank: int) -> Any:
+def open_data(
+    directory: CheckpointDir, rank: int, expect: Iterable[tuple[int, int]] | None = None
+) -> Any:
     """Rank ``rank``'s data file, open for reading;
-    :class:`CorruptCheckpointError` naming it if it cannot be opened."""
+    :class:`CorruptCheckpointError` naming it if it cannot be opened.
+    ``expect``: the ``(offset, length)`` ranges the caller is about to read,
+    in ascending order; an object store reads them ahead in large chunks
+    (:mod:`deeppart.storage.readahead`), a file system ignores them (its
+    page cache and readahead do that job)."""
     if isinstance(directory, ObjectDir):
-        return directory.open(data_file_name(rank))
+        return directory.open(data_file_name(rank), expect)
     path = directory / data_file_name(rank)
     try:
         return open_regular(path)

@@ -157,8 +157,10 @@ class ObjectDir:
     def name(self) -> str:
         return self.store.url.rstrip("/").rsplit("/", 1)[-1]
 
-    def open(self, name: str) -> RangeReader:
-        return self.store.open(self.key(name))
+    def open(self, name: str, expect: Iterable[tuple[int, int]] | None = None) -> RangeReader:
+        """``name`` open for ranged reads; ``expect``: the ranges about to be
+        read, in order (:meth:`ObjectStore.open`: read ahead)."""
+        return self.store.open(self.key(name), expect)
 
     def size(self, name: str) -> int:
         """The size of ``name``; :class:`CorruptCheckpointError` naming the
