@@ -5,13 +5,14 @@ read through the storage layer (:mod:`deeppart.storage`).
 A checkpoint in an object store is read only when committed: its
 ``COMMITTED`` marker names the save whose metadata it hashes
 (:func:`deeppart.storage.objects.open_committed`); its data files are read
-by ranged requests (:class:`StoredFile`).
+by ranged requests, read ahead (:class:`StoredFile`).
 """
 
 from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,8 +65,9 @@ class LocalFile:
         """Its size (:class:`OSError` if it is missing)."""
         return self.path.stat().st_size
 
-    def open(self) -> Any:
-        """A binary file (regular files only, never a FIFO or a link)."""
+    def open(self, expect: Iterable[tuple[int, int]] | None = None) -> Any:
+        """A binary file (regular files only, never a FIFO or a link);
+        ``expect`` is ignored (the page cache reads ahead)."""
         return open_regular(self.path)
 
 
@@ -87,6 +89,8 @@ class StoredFile:
         except CorruptCheckpointError as e:
             raise FileNotFoundError(errno.ENOENT, "no such object", self.label) from e
 
-    def open(self) -> Any:
-        """A seekable reader by ranged requests."""
-        return self.at.open(self.name)
+    def open(self, expect: Iterable[tuple[int, int]] | None = None) -> Any:
+        """A seekable reader by ranged requests; ``expect``: the ranges about
+        to be read, in order, read ahead in large chunks
+        (:mod:`deeppart.storage.readahead`)."""
+        return self.at.open(self.name, expect)

@@ -298,7 +298,7 @@ def verify(
                 fail(f"{size} bytes, metadata says {meta.file_sizes[rank]}")
                 continue
             try:
-                f = file.open()
+                f = file.open([(0, HEADER_SIZE)] + [(p.offset, p.stored) for _, p in pieces])
             except (OSError, CorruptCheckpointError) as e:
                 fail(str(e) if isinstance(e, CorruptCheckpointError) else f"cannot open ({e})")
                 continue
@@ -312,7 +312,11 @@ def verify(
                     fail(f"bad header: {e}")
                 for index, p in pieces:
                     f.seek(p.offset)
-                    data = f.read(p.stored)
+                    try:
+                        data = f.read(p.stored)
+                    except CorruptCheckpointError as e:
+                        fail(str(e), p, index)  # cut short while read
+                        break
                     report.pieces_checked += 1
                     report.bytes_read += len(data)
                     bar.advance(len(data))
