@@ -20,6 +20,10 @@ variables in the environment; ``MOTO_PID``: the server's process id).
   objects go; with one node's local files lost its ranks recover from L4
   (levels [1, 1, 4, 4]), with every node's from L4 alone, and with
   ``meta_dir`` gone too from the L4 checkpoint, bitwise;
+- ``truncated``: a data object is cut short after its reader checked its
+  size (the read-ahead then finds it short): every rank raises
+  CorruptCheckpointError naming the object (the load's agreement), no rank
+  waits; restored, the checkpoint loads bitwise;
 - ``killed`` (last): the server is killed (SIGKILL) mid-save: every rank
   raises within the job's time (the test restarts the server).
 
@@ -30,6 +34,7 @@ Each rank prints ``RESULT <scenario> <case> rank <r> <outcome>`` lines and
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import sys
@@ -44,9 +49,11 @@ from mpi_checkpoint import abort_on_failure, assert_bitwise_equal, make_state
 from rank_output import print_line
 
 import deeppart
+from deeppart import reader
 from deeppart.checkpoint import last_stats
 from deeppart.comm import Comm, resolve
-from deeppart.errors import CommitConflictError
+from deeppart.errors import CommitConflictError, CorruptCheckpointError
+from deeppart.format import data_file_name
 from deeppart.storage import open_store
 from deeppart.storage.objects import read_marker, save_groups
 from deeppart.writer import WriteEvent, fault_hook
@@ -227,6 +234,41 @@ def scenario_levels(c: Comm, base: str) -> None:
     ok(c, "levels")
 
 
+def scenario_truncated(c: Comm, base: str) -> None:
+    url = f"{base}/truncated/step-1"
+    deeppart.save(state(50), url)
+    store = open_store(url)
+    marker = read_marker(store)
+    assert marker is not None
+    plain = reader.check_file_sizes
+    cut: list[tuple[str, bytes]] = []
+
+    def then_cut(directory: Any, meta: Any, ranks: list[int]) -> None:
+        plain(directory, meta, ranks)
+        if c.rank == 1 and ranks:
+            key = f"{marker.save_id}/{data_file_name(ranks[0])}"
+            data = store.get(key)
+            store.put(key, data[: len(data) // 2])
+            cut.append((key, data))
+
+    reader.check_file_sizes = then_cut
+    got, kind = "", "ok"
+    try:
+        deeppart.load(url)
+    except CorruptCheckpointError as e:
+        got, kind = str(e), type(e).__name__
+    finally:
+        reader.check_file_sizes = plain
+    print_line(f"RESULT truncated load rank {c.rank} {kind}")
+    assert re.search(r"rank-\d{5}\.bin: truncated", got), got
+    if c.rank == 1:
+        assert len(cut) == 1
+        store.put(*cut[0])
+    c.barrier()
+    assert_bitwise_equal(deeppart.load(url), state(50), "truncated: restored")
+    ok(c, "truncated")
+
+
 def scenario_killed(c: Comm, base: str) -> None:
     url = f"{base}/killed/step-1"
     with fault_hook("after-write", _server_signal(signal.SIGKILL)):
@@ -235,11 +277,13 @@ def scenario_killed(c: Comm, base: str) -> None:
     ok(c, "killed")
 
 
+SCENARIOS = ["replicated", "race", "foreign", "hung", "levels", "truncated", "killed"]
+
+
 def main() -> None:
     base = sys.argv[1]
     c = resolve(MPI.COMM_WORLD)
-    scenarios = ["replicated", "race", "foreign", "hung", "levels", "killed"]
-    for scenario in sys.argv[2:] or scenarios:
+    for scenario in sys.argv[2:] or SCENARIOS:
         globals()[f"scenario_{scenario}"](c, base)
 
 

@@ -2,7 +2,7 @@
 (tests/s3_server.py): one mpiexec job of 4 ranks for the replicated
 scenarios (tests/s3_worker.py: save and load bitwise, two jobs racing for
 one step, foreign objects, the server stopped and killed mid-save, the
-multi-level engine's L4 level in S3), and
+multi-level engine's L4 level in S3, an object cut short during a load), and
 FSDP2 DTensors on 4 torchrun ranks (tests/dtensor_worker.py ``s3``)."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def test_s3_on_four_ranks(s3_url: str, s3_server: Any, monkeypatch: pytest.Monke
         s3_server.start(port=s3_server.port)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"rc={proc.returncode}\n{out[-8000:]}"
-    for scenario in ("replicated", "race", "foreign", "hung", "levels", "killed"):
+    for scenario in ("replicated", "race", "foreign", "hung", "levels", "truncated", "killed"):
         oks = set(re.findall(rf"OK {scenario} rank \d+/{RANKS}", proc.stdout))
         assert len(oks) == RANKS, (scenario, out[-8000:])
     results = re.findall(r"RESULT (\w+) (\w+) rank (\d+) (\S+)", proc.stdout)
@@ -52,6 +52,8 @@ def test_s3_on_four_ranks(s3_url: str, s3_server: Any, monkeypatch: pytest.Monke
     for scenario in ("hung", "killed"):
         got = [r[3] for r in results if r[0] == scenario]
         assert len(got) == RANKS and "ok" not in got, (scenario, got)
+    truncated = [r[3] for r in results if r[0] == "truncated"]
+    assert truncated == ["CorruptCheckpointError"] * RANKS, truncated
 
 
 @pytest.mark.multirank
