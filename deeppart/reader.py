@@ -53,7 +53,7 @@ from deeppart.format import (
 )
 from deeppart.progress import Progress
 from deeppart.restore import ABSENT, IncompatibleKeys, match, prune, select, write_back_plain
-from deeppart.state import FlatLeaf, decode_plain, flatten, unflatten
+from deeppart.state import Flat, FlatLeaf, decode_plain, flatten, unflatten
 from deeppart.storage.files import CheckpointDir, check_file_sizes, committed_metadata, open_data
 from deeppart.storage.url import S3URL, Location
 from deeppart.tensors import U8, dtype_sizes, torch_dtypes, torch_module, u8_view
@@ -198,18 +198,20 @@ def leaf_targets(
     selected: list[bool] | None = None,
     strict: bool = True,
     into_elsewhere: Collection[int] = (),
+    flat: Flat | None = None,
 ) -> tuple[list[Target | None], IntoMatch | None]:
     """Where each selected leaf's bytes go (None: not read; all leaves are
     selected by default). With ``into``, its leaves are matched with the
     checkpoint's by path (except ``into_elsewhere``, which the sharded
-    stages of :mod:`deeppart.reshard` fill)."""
+    stages of :mod:`deeppart.reshard` fill). ``flat``: ``flatten(into)``,
+    when the caller has it already."""
     if selected is None:
         selected = [True] * len(meta.leaves)
     dtypes = torch_dtypes() if any(lf.kind == "tensor" for lf in meta.leaves) else {}
     targets: list[Target | None] = [None] * len(meta.leaves)
     matched: IntoMatch | None = None
     if into is not None:
-        into_leaves, skeleton = flatten(into)
+        into_leaves, skeleton = flat if flat is not None else flatten(into)
         pairs, keys = match(
             [lf.path for lf in meta.leaves],
             selected,
@@ -221,9 +223,9 @@ def leaf_targets(
     for i, info in enumerate(meta.leaves):
         if not selected[i] or (matched is not None and i not in matched.pairs):
             continue
-        where = "/".join(map(str, info.path))
         if info.kind == "object":
             if matched is not None and matched.leaves[matched.pairs[i]].tensor is not None:
+                where = "/".join(map(str, info.path))
                 raise StateMismatchError(f"into= has a tensor at {where}, the checkpoint a value")
             targets[i] = Target(np.empty(info.nbytes, dtype=np.uint8), None, None)
             continue
@@ -234,8 +236,10 @@ def leaf_targets(
             continue
         t = matched.leaves[matched.pairs[i]].tensor
         if t is None:
+            where = "/".join(map(str, info.path))
             raise StateMismatchError(f"into= has a value at {where}, the checkpoint a tensor")
         if t.dtype != dtype or list(t.shape) != list(info.shape):
+            where = "/".join(map(str, info.path))
             raise StateMismatchError(
                 f"{where}: into= has {t.dtype} {list(t.shape)}, the checkpoint "
                 f"{info.dtype} {info.shape}"
@@ -303,19 +307,21 @@ def plan_reads(
     same_host: bool,
     elsewhere: Collection[int] = (),
     into_elsewhere: Collection[int] = (),
+    flat: Flat | None = None,
 ) -> ReadPlan:
     """The reads of this rank: the same decisions on every rank (they
     depend only on the metadata, the arguments and ``same_host``: whether
     every rank runs on this host). The checkpoint leaves in ``elsewhere``
     and the ``into=`` leaves in ``into_elsewhere`` are left to
-    :mod:`deeppart.reshard` (sharded tensors).
+    :mod:`deeppart.reshard` (sharded tensors). ``flat``: ``flatten(into)``,
+    when the caller has it already.
 
     Every rank checksums every byte it reads from storage; a rank that does
     not read a file gets its bytes copied from the memory in which its
     reader verified them (:mod:`deeppart.integrity`)."""
     selected = select([lf.path for lf in meta.leaves], keys)
     selected = [s and i not in elsewhere and i not in meta.skip for i, s in enumerate(selected)]
-    tgts, matched = leaf_targets(meta, into, selected, strict, into_elsewhere)
+    tgts, matched = leaf_targets(meta, into, selected, strict, into_elsewhere, flat)
     raw_per_file = [0] * meta.world_size
     for p in meta.pieces:
         if tgts[p.leaf] is not None:
