@@ -587,23 +587,25 @@ def load(
                 exchange_shards(c, sr, rp.meta)
             except Exception as e:
                 err = err or e
-        agree(c, err)
-
-    # Decoding the plain values and rebuilding the tree can fail too (a
-    # value that does not decode): agreed like every other stage.
-    state: Any = None
-    assert own is not None
-    try:
-        filled = fill_shards(rp.meta, sr) if sr is not None else None
-        pruned = keys is not None or own.pruned
-        state = assemble(rp.meta, rp.targets, rp.path, rp.matched, pruned, filled)
-        if own.calls:
-            state = resolve_versions(state, own.calls, per_rank)
-    except Exception as e:
-        err = e
-    # With what the load's statistics need from every rank (no collective
-    # of their own).
-    shared_stats = agree(c, err, _stats_row(time.perf_counter() - t0, nread, sr), width=32)
+        # Decoding the plain values and rebuilding the tree can fail too (a
+        # value that does not decode), from this rank's own filled targets
+        # only: agreed together with the exchange (one agreement after both,
+        # which also tells every reader that nobody still copies out of its
+        # segment of the window).
+        state: Any = None
+        assert own is not None
+        if err is None:
+            try:
+                filled = fill_shards(rp.meta, sr) if sr is not None else None
+                pruned = keys is not None or own.pruned
+                state = assemble(rp.meta, rp.targets, rp.path, rp.matched, pruned, filled)
+                if own.calls:
+                    state = resolve_versions(state, own.calls, per_rank)
+            except Exception as e:
+                err = e
+        # With what the load's statistics need from every rank (no collective
+        # of their own).
+        shared_stats = agree(c, err, _stats_row(time.perf_counter() - t0, nread, sr), width=32)
     elsewhere = c.size != rp.meta.world_size
     if callable(per_rank) and into is not None and rp.meta.versions and elsewhere:
         # Every rank alike: the versions of its deferred paths (a collective
