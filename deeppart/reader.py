@@ -371,16 +371,22 @@ def read_file(
     progress: Progress,
     staging: _staging.Staging | None = None,
     through: Callable[[Piece], U8 | _staging.DeviceSink] | None = None,
+    hot: bool = False,
 ) -> int:
     """Reads, verifies and decodes the pieces of one data file into
     ``dest(piece)``; returns the bytes read. A raw piece is checksummed in
     the memory it was read into (``dest(piece)``, or the staging buffer of
     a device target), after the read. ``through``: a second place for each
     piece (where it is a host array), filled from ``dest(piece)`` as the
-    read goes (:func:`_read_through`)."""
+    read goes (:func:`_read_through`). ``hot``: a long raw piece is
+    checksummed chunk by chunk as it is read, while each chunk is still in
+    the cache (:func:`_read_through`, no second place), rather than whole
+    in a background thread afterwards."""
     path = directory / data_file_name(rank)
     with open_data(directory, rank) as f:
-        return read_pieces(f, path, directory, meta, rank, pieces, dest, progress, staging, through)
+        return read_pieces(
+            f, path, directory, meta, rank, pieces, dest, progress, staging, through, hot
+        )
 
 
 class _Checksums:
@@ -430,6 +436,7 @@ def read_pieces(
     progress: Progress,
     staging: _staging.Staging | None = None,
     through: Callable[[Piece], U8 | _staging.DeviceSink] | None = None,
+    hot: bool = False,
 ) -> int:
     """:func:`read_file` from ``f`` (an open file, or anything with
     ``seek``/``read``/``readinto``, e.g. :class:`io.BytesIO`)."""
@@ -437,7 +444,9 @@ def read_pieces(
     check_header(path, f.read(HEADER_SIZE), rank, meta.world_size, meta.plan_fingerprint)
     sums = _Checksums(directory)
     try:
-        n = _read_each(f, directory, meta, pieces, dest, progress, staging, sizes, sums, through)
+        n = _read_each(
+            f, directory, meta, pieces, dest, progress, staging, sizes, sums, through, hot
+        )
         sums.check()
     finally:
         sums.close()
@@ -455,9 +464,11 @@ def _read_each(
     sizes: dict[int, int],
     sums: _Checksums,
     through: Callable[[Piece], U8 | _staging.DeviceSink] | None = None,
+    hot: bool = False,
 ) -> int:
     """The loop of :func:`read_pieces`: the raw pieces' checksums are left
-    to ``sums``, except those read through to a second place."""
+    to ``sums``, except those read through to a second place (and with
+    ``hot``, the long ones: checksummed as they are read)."""
     n = 0
     at = -1  # the file's position after a raw piece (no seek to get there)
     for p in pieces:
@@ -472,8 +483,8 @@ def _read_each(
             progress.advance(p.length)
             continue
         if p.codec == "none":
-            if isinstance(also, np.ndarray):
-                _read_through(f, p, out, also, directory)
+            if isinstance(also, np.ndarray) or (hot and p.length >= OVERLAP_CHECKSUM_BYTES):
+                _read_through(f, p, out, also if isinstance(also, np.ndarray) else None, directory)
             else:
                 got = f.readinto(out.data)
                 if got != p.length:
@@ -507,11 +518,12 @@ def _read_each(
 THROUGH_CHUNK_BYTES = 512 << 10
 
 
-def _read_through(f: Any, p: Piece, out: U8, also: U8, directory: CheckpointDir) -> None:
+def _read_through(f: Any, p: Piece, out: U8, also: U8 | None, directory: CheckpointDir) -> None:
     """Reads raw piece ``p`` (at ``f``'s position) into ``out``, one chunk of
     :data:`THROUGH_CHUNK_BYTES` at a time: each chunk is added to the
     piece's xxh3 in ``out`` right after its read, then copied from ``out``
-    to ``also``, so the bytes pass through memory once for all three.
+    to ``also`` (when given), so the bytes pass through memory once for all
+    three.
     ``also`` holds only bytes of ``out`` that were checksummed; nothing else
     writes ``out`` meanwhile. CorruptCheckpointError for a short read or a
     checksum that differs (the load then fails on every rank)."""
@@ -521,7 +533,8 @@ def _read_through(f: Any, p: Piece, out: U8, also: U8, directory: CheckpointDir)
         if f.readinto(part.data) != part.size:
             raise CorruptCheckpointError(f"{p.describe(directory)}: short read")
         h.update(part.data)
-        copy_into(also[at : at + part.size].data, part.data)
+        if also is not None:
+            copy_into(also[at : at + part.size].data, part.data)
     if h.intdigest() != p.xxh3:
         raise CorruptCheckpointError(f"{p.describe(directory)}: checksum mismatch (xxh3_64)")
 
@@ -651,8 +664,11 @@ def read_share(
     for f in rp.mine:
         pieces = rp.by_file[f]
         if rp.read_all or (not buffers.shared and not _to_device(rp, pieces)):
-            # Into the targets: a broadcast goes out from there.
-            nread += read_file(rp.path, rp.meta, f, pieces, direct, progress, stage)
+            # Into the targets: a broadcast goes out from there. Each long
+            # piece checksummed as it is read: on one host the ranks read
+            # at once, and the checksum of a chunk still in the cache costs
+            # a fraction of a second pass over memory (bench/load_work.py).
+            nread += read_file(rp.path, rp.meta, f, pieces, direct, progress, stage, hot=True)
         else:
             buf = buffers.files.setdefault(f, np.empty(rp.file_raw[f], dtype=np.uint8))
             # From a shared window, the reader's own host targets are filled
