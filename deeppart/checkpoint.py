@@ -65,7 +65,7 @@ from deeppart.reshard import (
     shard_targets,
 )
 from deeppart.restore import IncompatibleKeys, describe
-from deeppart.state import encode_plain, flatten
+from deeppart.state import Flat, encode_plain, flatten
 from deeppart.storage.objects import ObjectDir
 from deeppart.storage.target import SaveTarget, save_target
 from deeppart.storage.url import Location, parse_location
@@ -517,9 +517,11 @@ def load(
         view = load_view(group, into, keys, c.rank)
         into, keys = view.into, view.keys
         path, meta, digest = open_checkpoint(parse_location(directory))
-        own = own_view(meta, c.rank, c.size, per_rank, into, held_only=group is None)
+        # into='s leaves, once for every stage that matches them.
+        flat = flatten(into) if into is not None else None
+        own = own_view(meta, c.rank, c.size, per_rank, into, held_only=group is None, flat=flat)
         meta = own.meta
-        st = shard_targets(meta, into, keys, strict)
+        st = shard_targets(meta, into, keys, strict, flat)
         rp = plan_reads(
             c,
             path,
@@ -531,7 +533,8 @@ def load(
             # Narrowed after the agreement below, which compares the hosts.
             same_host=True,
             elsewhere=st.leaves,
-            into_elsewhere=st.into_leaves | dropped_into(into, own.dropped + own.deferred),
+            into_elsewhere=st.into_leaves | dropped_into(into, own.dropped + own.deferred, flat),
+            flat=flat,
         )
     except Exception as e:
         err = e
@@ -588,23 +591,25 @@ def load(
                 exchange_shards(c, sr, rp.meta)
             except Exception as e:
                 err = err or e
-        agree(c, err)
-
-    # Decoding the plain values and rebuilding the tree can fail too (a
-    # value that does not decode): agreed like every other stage.
-    state: Any = None
-    assert own is not None
-    try:
-        filled = fill_shards(rp.meta, sr) if sr is not None else None
-        pruned = keys is not None or own.pruned
-        state = assemble(rp.meta, rp.targets, rp.path, rp.matched, pruned, filled)
-        if own.calls:
-            state = resolve_versions(state, own.calls, per_rank)
-    except Exception as e:
-        err = e
-    # With what the load's statistics need from every rank (no collective
-    # of their own).
-    shared_stats = agree(c, err, _stats_row(time.perf_counter() - t0, nread, sr), width=32)
+        # Decoding the plain values and rebuilding the tree can fail too (a
+        # value that does not decode), from this rank's own filled targets
+        # only: agreed together with the exchange (one agreement after both,
+        # which also tells every reader that nobody still copies out of its
+        # segment of the window).
+        state: Any = None
+        assert own is not None
+        if err is None:
+            try:
+                filled = fill_shards(rp.meta, sr) if sr is not None else None
+                pruned = keys is not None or own.pruned
+                state = assemble(rp.meta, rp.targets, rp.path, rp.matched, pruned, filled)
+                if own.calls:
+                    state = resolve_versions(state, own.calls, per_rank)
+            except Exception as e:
+                err = e
+        # With what the load's statistics need from every rank (no collective
+        # of their own).
+        shared_stats = agree(c, err, _stats_row(time.perf_counter() - t0, nread, sr), width=32)
     elsewhere = c.size != rp.meta.world_size
     if callable(per_rank) and into is not None and rp.meta.versions and elsewhere:
         # Every rank alike: the versions of its deferred paths (a collective
@@ -651,13 +656,14 @@ def write_back(root: Any, paths: list[tuple[Any, ...]], state: Any) -> None:
         set_values(root, paths, {j: value_at(state, p) for j, p in enumerate(paths)})
 
 
-def dropped_into(into: Any, dropped: list[tuple[Any, ...]]) -> set[int]:
+def dropped_into(into: Any, dropped: list[tuple[Any, ...]], flat: Flat | None = None) -> set[int]:
     """The ``into=`` leaves (indices of its flattened leaves) under the
-    paths that ``per_rank="drop"`` leaves out: neither read nor missing."""
+    paths that ``per_rank="drop"`` leaves out: neither read nor missing.
+    ``flat``: ``flatten(into)``, when the caller has it already."""
     if into is None or not dropped:
         return set()
     gone = set(dropped)
-    leaves = flatten(into)[0]
+    leaves = (flat if flat is not None else flatten(into))[0]
     return {
         j for j, lf in enumerate(leaves)
         if any(tuple(lf.path[:n]) in gone for n in range(1, len(lf.path) + 1))

@@ -150,28 +150,39 @@ class _Ranked:
         return self._size
 
 
-#: How long a rank polls a pending agreement before it sleeps between polls.
-WAIT_SPIN_S = 50e-6
+#: How long a rank polls a pending agreement, yielding its core between
+#: polls (to any rank that is runnable on it), before it sleeps between
+#: polls. A sleep lasts longer than asked (the kernel's timer slack): with
+#: more ranks than cores, an agreement that all ranks reach together took
+#: 1.1 ms when the ranks slept between polls after 50 us, 0.14 ms when they
+#: yield (4 ranks on 2 cores).
+WAIT_SPIN_S = 1e-3
 #: Its first sleep between two polls after that; each next one is twice as
 #: long, up to :data:`WAIT_SLEEP_MAX_S`.
 WAIT_SLEEP_S = 25e-6
 WAIT_SLEEP_MAX_S = 200e-6
 
+#: ``os.sched_yield`` where the platform has it.
+_sched_yield = getattr(os, "sched_yield", lambda: None)
+
 
 def _wait_yielding(req: Any, spin_s: float = WAIT_SPIN_S, most_s: float = WAIT_SLEEP_MAX_S) -> None:
-    """Waits for the MPI request ``req``: polls it for ``spin_s``, then
-    sleeps between polls (:data:`WAIT_SLEEP_S`, doubling up to ``most_s``).
-    MPI's own wait spins, and a rank that waits for slower ones (an
-    agreement after a stage that takes longer on some ranks) holds a core;
-    with more ranks than cores on a host, that core is one the slower ranks
-    need. The sleeps hand it to them, at the cost of at most one sleep's
-    delay once the others arrive."""
+    """Waits for the MPI request ``req``: polls it for ``spin_s``, yielding
+    the core between polls (``sched_yield``: a runnable rank on this core
+    runs first), then sleeps between polls (:data:`WAIT_SLEEP_S`, doubling
+    up to ``most_s``). MPI's own wait spins, and a rank that waits for
+    slower ones (an agreement after a stage that takes longer on some
+    ranks) holds a core; with more ranks than cores on a host, that core is
+    one the slower ranks need. The yields and then the sleeps hand it to
+    them, at the cost of at most one sleep's delay once the others arrive."""
     if req.Test():
         return
     spin_until = time.perf_counter() + spin_s
     nap = WAIT_SLEEP_S
     while not req.Test():
-        if time.perf_counter() > spin_until:
+        if time.perf_counter() < spin_until:
+            _sched_yield()
+        else:
             time.sleep(nap)
             nap = min(2 * nap, most_s)
 

@@ -346,10 +346,15 @@ class VersionRecord:
     records: list[int]
 
 
-def _int(value: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+def _int(value: Any, what: str, lo: int = 0, hi: int = 1 << 62, at: int | None = None) -> int:
+    """``value``, checked to be an integer in ``[lo, hi]``; else
+    CorruptCheckpointError naming ``what`` (with ``at``: a template whose
+    ``{}`` is ``at``, formatted only then: the per-piece checks of a large
+    checkpoint's metadata run hundreds of thousands of times)."""
+    if type(value) is not int or not lo <= value <= hi:  # bool is not int here
+        name = what if at is None else what.format(at)
         raise CorruptCheckpointError(
-            f"metadata: {what} is {value!r}, not an integer in [{lo}, {hi}]"
+            f"metadata: {name} is {value!r}, not an integer in [{lo}, {hi}]"
         )
     return value
 
@@ -392,7 +397,7 @@ def parse_metadata(raw: dict[str, Any], dtype_sizes: dict[str, int]) -> Metadata
         if not isinstance(lf, dict) or not isinstance(lf.get("path"), list):
             raise CorruptCheckpointError(f"metadata: leaf {i} is malformed")
         if lf.get("kind") == "object":
-            nbytes = _int(lf.get("nbytes"), f"leaf {i} nbytes", 0, MAX_OBJECT_BYTES)
+            nbytes = _int(lf.get("nbytes"), "leaf {} nbytes", 0, MAX_OBJECT_BYTES, at=i)
             leaves.append(LeafInfo(lf["path"], "object", None, [], 1, 1, nbytes))
             continue
         dtype = lf.get("dtype")
@@ -401,9 +406,9 @@ def parse_metadata(raw: dict[str, Any], dtype_sizes: dict[str, int]) -> Metadata
             raise CorruptCheckpointError(f"metadata: leaf {i} has bad dtype or shape")
         numel = 1
         for d in shape:
-            numel *= _int(d, f"leaf {i} shape", 0, 1 << 48)
+            numel *= _int(d, "leaf {} shape", 0, 1 << 48, at=i)
         itemsize = dtype_sizes[dtype]
-        _int(numel * itemsize, f"leaf {i} size")
+        _int(numel * itemsize, "leaf {} size", at=i)
         nbytes = numel * itemsize
         leaves.append(LeafInfo(lf["path"], "tensor", dtype, shape, itemsize, numel, nbytes))
     rows = raw.get("pieces")
@@ -413,18 +418,18 @@ def parse_metadata(raw: dict[str, Any], dtype_sizes: dict[str, int]) -> Metadata
     for j, row in enumerate(rows):
         if not isinstance(row, list) or len(row) != len(PIECE_FIELDS):
             raise CorruptCheckpointError(f"metadata: piece {j} is malformed")
-        leaf = _int(row[0], f"piece {j} leaf", 0, len(leaves) - 1)  # none: always refused
+        leaf = _int(row[0], "piece {} leaf", 0, len(leaves) - 1, at=j)  # none: always refused
         info = leaves[leaf]
-        start = _int(row[1], f"piece {j} start", 0, info.numel)
-        stop = _int(row[2], f"piece {j} stop", start, info.numel)
-        rank = _int(row[3], f"piece {j} rank", 0, world - 1)
-        offset = _int(row[4], f"piece {j} offset", HEADER_SIZE)
-        length = _int(row[5], f"piece {j} length")
-        stored = _int(row[6], f"piece {j} stored length")
+        start = _int(row[1], "piece {} start", 0, info.numel, at=j)
+        stop = _int(row[2], "piece {} stop", start, info.numel, at=j)
+        rank = _int(row[3], "piece {} rank", 0, world - 1, at=j)
+        offset = _int(row[4], "piece {} offset", HEADER_SIZE, at=j)
+        length = _int(row[5], "piece {} length", at=j)
+        stored = _int(row[6], "piece {} stored length", at=j)
         codec = row[7]
         if codec not in CODECS:
             raise CorruptCheckpointError(f"metadata: piece {j} has unknown codec {codec!r}")
-        xxh = _int(row[8], f"piece {j} checksum", 0, (1 << 64) - 1)
+        xxh = _int(row[8], "piece {} checksum", 0, (1 << 64) - 1, at=j)
         expect = info.nbytes if info.kind == "object" else (stop - start) * info.itemsize
         if length != expect or (codec == "none" and stored != length):
             raise CorruptCheckpointError(f"metadata: piece {j} has inconsistent lengths")
@@ -585,9 +590,9 @@ def check_holders(raw: dict[str, Any], pieces: list[Piece], world: int) -> None:
     for i, lf in enumerate(leaves):
         owner, g = lf.get("owner"), lf.get("holders")
         if owner is not None:
-            holders.append(frozenset([_int(owner, f"leaf {i} owner", 0, world - 1)]))
+            holders.append(frozenset([_int(owner, "leaf {} owner", 0, world - 1, at=i)]))
         elif g is not None:
-            holders.append(sets[_int(g, f"leaf {i} holders", 0, len(sets) - 1)])
+            holders.append(sets[_int(g, "leaf {} holders", 0, len(sets) - 1, at=i)])
         else:
             holders.append(None)
     if not any(h is not None for h in holders):

@@ -28,7 +28,7 @@ from typing import Any
 
 from deeppart.errors import PerRankStateError, StateError
 from deeppart.format import Metadata, VersionRecord
-from deeppart.state import flatten, path_key
+from deeppart.state import Flat, flatten, path_key
 from deeppart.union import VERSION_KEY
 
 __all__ = ["OwnView", "by_ranks", "own_view", "resolve_versions", "set_at", "value_at"]
@@ -92,6 +92,7 @@ def own_view(
     per_rank: Any = None,
     into: Any = None,
     held_only: bool = True,
+    flat: Flat | None = None,
 ) -> OwnView:
     """This rank's view of ``meta`` (unchanged for metadata before version
     3). ``held_only``: at the save's world size, leave out the items this
@@ -112,7 +113,9 @@ def own_view(
     skip: set[int] = set()
     relabel: dict[int, Any] = {}
     aliases: dict[tuple[Any, ...], tuple[Any, ...]] = {}
-    into_paths = {tuple(lf.path) for lf in flatten(into)[0]} if into is not None else None
+    if into is not None and flat is None:
+        flat = flatten(into)
+    into_paths = {tuple(lf.path) for lf in flat[0]} if flat is not None else None
     view = OwnView(meta)
     shard_leaf = {s.leaf: k for k, r in enumerate(records) for s in r.shards}
 

@@ -53,7 +53,7 @@ from deeppart.format import (
 )
 from deeppart.progress import Progress
 from deeppart.restore import ABSENT, IncompatibleKeys, match, prune, select, write_back_plain
-from deeppart.state import FlatLeaf, decode_plain, flatten, unflatten
+from deeppart.state import Flat, FlatLeaf, decode_plain, flatten, unflatten
 from deeppart.storage.files import CheckpointDir, check_file_sizes, committed_metadata, open_data
 from deeppart.storage.url import S3URL, Location
 from deeppart.tensors import U8, dtype_sizes, torch_dtypes, torch_module, u8_view
@@ -198,18 +198,20 @@ def leaf_targets(
     selected: list[bool] | None = None,
     strict: bool = True,
     into_elsewhere: Collection[int] = (),
+    flat: Flat | None = None,
 ) -> tuple[list[Target | None], IntoMatch | None]:
     """Where each selected leaf's bytes go (None: not read; all leaves are
     selected by default). With ``into``, its leaves are matched with the
     checkpoint's by path (except ``into_elsewhere``, which the sharded
-    stages of :mod:`deeppart.reshard` fill)."""
+    stages of :mod:`deeppart.reshard` fill). ``flat``: ``flatten(into)``,
+    when the caller has it already."""
     if selected is None:
         selected = [True] * len(meta.leaves)
     dtypes = torch_dtypes() if any(lf.kind == "tensor" for lf in meta.leaves) else {}
     targets: list[Target | None] = [None] * len(meta.leaves)
     matched: IntoMatch | None = None
     if into is not None:
-        into_leaves, skeleton = flatten(into)
+        into_leaves, skeleton = flat if flat is not None else flatten(into)
         pairs, keys = match(
             [lf.path for lf in meta.leaves],
             selected,
@@ -221,9 +223,9 @@ def leaf_targets(
     for i, info in enumerate(meta.leaves):
         if not selected[i] or (matched is not None and i not in matched.pairs):
             continue
-        where = "/".join(map(str, info.path))
         if info.kind == "object":
             if matched is not None and matched.leaves[matched.pairs[i]].tensor is not None:
+                where = "/".join(map(str, info.path))
                 raise StateMismatchError(f"into= has a tensor at {where}, the checkpoint a value")
             targets[i] = Target(np.empty(info.nbytes, dtype=np.uint8), None, None)
             continue
@@ -234,8 +236,10 @@ def leaf_targets(
             continue
         t = matched.leaves[matched.pairs[i]].tensor
         if t is None:
+            where = "/".join(map(str, info.path))
             raise StateMismatchError(f"into= has a value at {where}, the checkpoint a tensor")
         if t.dtype != dtype or list(t.shape) != list(info.shape):
+            where = "/".join(map(str, info.path))
             raise StateMismatchError(
                 f"{where}: into= has {t.dtype} {list(t.shape)}, the checkpoint "
                 f"{info.dtype} {info.shape}"
@@ -303,19 +307,21 @@ def plan_reads(
     same_host: bool,
     elsewhere: Collection[int] = (),
     into_elsewhere: Collection[int] = (),
+    flat: Flat | None = None,
 ) -> ReadPlan:
     """The reads of this rank: the same decisions on every rank (they
     depend only on the metadata, the arguments and ``same_host``: whether
     every rank runs on this host). The checkpoint leaves in ``elsewhere``
     and the ``into=`` leaves in ``into_elsewhere`` are left to
-    :mod:`deeppart.reshard` (sharded tensors).
+    :mod:`deeppart.reshard` (sharded tensors). ``flat``: ``flatten(into)``,
+    when the caller has it already.
 
     Every rank checksums every byte it reads from storage; a rank that does
     not read a file gets its bytes copied from the memory in which its
     reader verified them (:mod:`deeppart.integrity`)."""
     selected = select([lf.path for lf in meta.leaves], keys)
     selected = [s and i not in elsewhere and i not in meta.skip for i, s in enumerate(selected)]
-    tgts, matched = leaf_targets(meta, into, selected, strict, into_elsewhere)
+    tgts, matched = leaf_targets(meta, into, selected, strict, into_elsewhere, flat)
     raw_per_file = [0] * meta.world_size
     for p in meta.pieces:
         if tgts[p.leaf] is not None:
@@ -365,13 +371,17 @@ def read_file(
     progress: Progress,
     staging: _staging.Staging | None = None,
     through: Callable[[Piece], U8 | _staging.DeviceSink] | None = None,
+    hot: bool = False,
 ) -> int:
     """Reads, verifies and decodes the pieces of one data file into
     ``dest(piece)``; returns the bytes read. A raw piece is checksummed in
     the memory it was read into (``dest(piece)``, or the staging buffer of
     a device target), after the read. ``through``: a second place for each
     piece (where it is a host array), filled from ``dest(piece)`` as the
-    read goes (:func:`_read_through`).
+    read goes (:func:`_read_through`). ``hot``: a long raw piece is
+    checksummed chunk by chunk as it is read, while each chunk is still in
+    the cache (:func:`_read_through`, no second place), rather than whole
+    in a background thread afterwards.
 
     The pieces are read in file order; the file is opened with their
     ranges declared, so that an object store reads them ahead in large
@@ -380,7 +390,9 @@ def read_file(
     pieces = sorted(pieces, key=lambda p: p.offset)
     expect = [(0, HEADER_SIZE)] + [(p.offset, p.stored) for p in pieces]
     with open_data(directory, rank, expect) as f:
-        return read_pieces(f, path, directory, meta, rank, pieces, dest, progress, staging, through)
+        return read_pieces(
+            f, path, directory, meta, rank, pieces, dest, progress, staging, through, hot
+        )
 
 
 class _Checksums:
@@ -430,6 +442,7 @@ def read_pieces(
     progress: Progress,
     staging: _staging.Staging | None = None,
     through: Callable[[Piece], U8 | _staging.DeviceSink] | None = None,
+    hot: bool = False,
 ) -> int:
     """:func:`read_file` from ``f`` (an open file, or anything with
     ``seek``/``read``/``readinto``, e.g. :class:`io.BytesIO`)."""
@@ -437,7 +450,9 @@ def read_pieces(
     check_header(path, f.read(HEADER_SIZE), rank, meta.world_size, meta.plan_fingerprint)
     sums = _Checksums(directory)
     try:
-        n = _read_each(f, directory, meta, pieces, dest, progress, staging, sizes, sums, through)
+        n = _read_each(
+            f, directory, meta, pieces, dest, progress, staging, sizes, sums, through, hot
+        )
         sums.check()
     finally:
         sums.close()
@@ -455,9 +470,11 @@ def _read_each(
     sizes: dict[int, int],
     sums: _Checksums,
     through: Callable[[Piece], U8 | _staging.DeviceSink] | None = None,
+    hot: bool = False,
 ) -> int:
     """The loop of :func:`read_pieces`: the raw pieces' checksums are left
-    to ``sums``, except those read through to a second place."""
+    to ``sums``, except those read through to a second place (and with
+    ``hot``, the long ones: checksummed as they are read)."""
     n = 0
     at = -1  # the file's position after a raw piece (no seek to get there)
     for p in pieces:
@@ -472,8 +489,8 @@ def _read_each(
             progress.advance(p.length)
             continue
         if p.codec == "none":
-            if isinstance(also, np.ndarray):
-                _read_through(f, p, out, also, directory)
+            if isinstance(also, np.ndarray) or (hot and p.length >= OVERLAP_CHECKSUM_BYTES):
+                _read_through(f, p, out, also if isinstance(also, np.ndarray) else None, directory)
             else:
                 got = f.readinto(out.data)
                 if got != p.length:
@@ -507,11 +524,12 @@ def _read_each(
 THROUGH_CHUNK_BYTES = 512 << 10
 
 
-def _read_through(f: Any, p: Piece, out: U8, also: U8, directory: CheckpointDir) -> None:
+def _read_through(f: Any, p: Piece, out: U8, also: U8 | None, directory: CheckpointDir) -> None:
     """Reads raw piece ``p`` (at ``f``'s position) into ``out``, one chunk of
     :data:`THROUGH_CHUNK_BYTES` at a time: each chunk is added to the
     piece's xxh3 in ``out`` right after its read, then copied from ``out``
-    to ``also``, so the bytes pass through memory once for all three.
+    to ``also`` (when given), so the bytes pass through memory once for all
+    three.
     ``also`` holds only bytes of ``out`` that were checksummed; nothing else
     writes ``out`` meanwhile. CorruptCheckpointError for a short read or a
     checksum that differs (the load then fails on every rank)."""
@@ -521,7 +539,8 @@ def _read_through(f: Any, p: Piece, out: U8, also: U8, directory: CheckpointDir)
         if f.readinto(part.data) != part.size:
             raise CorruptCheckpointError(f"{p.describe(directory)}: short read")
         h.update(part.data)
-        copy_into(also[at : at + part.size].data, part.data)
+        if also is not None:
+            copy_into(also[at : at + part.size].data, part.data)
     if h.intdigest() != p.xxh3:
         raise CorruptCheckpointError(f"{p.describe(directory)}: checksum mismatch (xxh3_64)")
 
@@ -651,8 +670,11 @@ def read_share(
     for f in rp.mine:
         pieces = rp.by_file[f]
         if rp.read_all or (not buffers.shared and not _to_device(rp, pieces)):
-            # Into the targets: a broadcast goes out from there.
-            nread += read_file(rp.path, rp.meta, f, pieces, direct, progress, stage)
+            # Into the targets: a broadcast goes out from there. Each long
+            # piece checksummed as it is read: on one host the ranks read
+            # at once, and the checksum of a chunk still in the cache costs
+            # a fraction of a second pass over memory (bench/load_work.py).
+            nread += read_file(rp.path, rp.meta, f, pieces, direct, progress, stage, hot=True)
         else:
             buf = buffers.files.setdefault(f, np.empty(rp.file_raw[f], dtype=np.uint8))
             # From a shared window, the reader's own host targets are filled

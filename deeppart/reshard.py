@@ -55,7 +55,7 @@ from deeppart.progress import Progress
 from deeppart.reader import FirstError, read_file
 from deeppart.regions import DTensorRecord, Region, ShardRecord
 from deeppart.restore import describe, select
-from deeppart.state import flatten, is_dtensor
+from deeppart.state import Flat, flatten, is_dtensor
 from deeppart.storage.files import CheckpointDir, check_file_sizes, open_data
 from deeppart.tensors import U8, torch_dtypes, torch_module, u8_view
 
@@ -110,13 +110,16 @@ def _records(meta: Metadata) -> dict[tuple[Any, ...], DTensorRecord]:
     return {tuple(r.path): r for r in meta.dtensors}
 
 
-def shard_targets(meta: Metadata, into: Any, keys: Any, strict: bool) -> ShardTargets:
+def shard_targets(
+    meta: Metadata, into: Any, keys: Any, strict: bool, flat: Flat | None = None
+) -> ShardTargets:
     """This rank's needs (local; raises StateMismatchError when ``into=``
-    does not fit the checkpoint's sharded tensors)."""
+    does not fit the checkpoint's sharded tensors). ``flat``:
+    ``flatten(into)``, when the caller has it already."""
     out = ShardTargets()
     for r in meta.dtensors:
         out.leaves.update(s.leaf for s in r.shards)
-    into_leaves = flatten(into)[0] if into is not None else []
+    into_leaves = [] if into is None else (flat if flat is not None else flatten(into))[0]
     dtensor_into = [j for j, lf in enumerate(into_leaves) if is_dtensor(lf.tensor)]
     out.active = bool(meta.dtensors) or bool(dtensor_into)
     if not out.active:

@@ -290,7 +290,11 @@ def _walk(
     return {kind: [_walk(v, (*path, i), depth + 1, leaves, seen) for i, v in enumerate(value)]}
 
 
-def flatten(state: Any) -> tuple[list[FlatLeaf], Any]:
+#: A state tree's :func:`flatten`: its leaves and its skeleton.
+Flat = tuple[list[FlatLeaf], Any]
+
+
+def flatten(state: Any) -> Flat:
     """Splits a state tree into its leaves, in a deterministic order, and a
     JSON-able skeleton for :func:`unflatten`. Tensors that alias one
     another (the same memory viewed the same way, e.g. tied weights) are one

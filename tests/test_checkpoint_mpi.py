@@ -218,9 +218,9 @@ def test_one_host_load_checks_each_byte_once_and_still_fails_every_rank(tmp_path
     run(4, "shared_check", str(tmp_path / "ck"))
 
 
-def test_one_host_load_runs_only_its_four_agreements(tmp_path: Path) -> None:
-    """A one-host load's collectives are its four agreements (plan, read,
-    exchange, assembly): the host check, the kept window's fit and the
+def test_one_host_load_runs_only_its_three_agreements(tmp_path: Path) -> None:
+    """A one-host load's collectives are its three agreements (plan, read,
+    exchange with assembly): the host check, the kept window's fit and the
     statistics go in them (tests/mpi_checkpoint.py collectives)."""
     proc = run(4, "collectives", str(tmp_path / "ck"))
     assert proc.stdout.count("OK collectives") == 4

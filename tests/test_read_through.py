@@ -71,18 +71,25 @@ def test_a_piece_of_several_chunks_arrives_whole_in_both_places(
         at += p.length
 
 
-@pytest.mark.parametrize("where", ["first", "middle", "last"])
-def test_a_changed_byte_in_any_chunk_fails_the_read(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
-) -> None:
-    monkeypatch.setattr(reader, "THROUGH_CHUNK_BYTES", CHUNK)
-    d, meta, pieces, _ = _saved(tmp_path)
+def _flip(d: Path, pieces: list[Piece], where: str) -> Piece:
+    """Changes one byte of the longest piece's first, middle or last chunk
+    in the data file; returns that piece."""
     p = max(pieces, key=lambda p: p.length)
     pos = {"first": 5, "middle": CHUNK + 17, "last": p.length - 1}[where]
     path = d / data_file_name(0)
     data = bytearray(path.read_bytes())
     data[p.offset + pos] ^= 0x01
     path.write_bytes(bytes(data))
+    return p
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_a_changed_byte_in_any_chunk_fails_the_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    monkeypatch.setattr(reader, "THROUGH_CHUNK_BYTES", CHUNK)
+    d, meta, pieces, _ = _saved(tmp_path)
+    _flip(d, pieces, where)
     with pytest.raises(CorruptCheckpointError, match=r"checksum mismatch"):
         _read(d, meta, pieces)
 
@@ -98,3 +105,65 @@ def test_a_file_cut_in_a_chunk_is_a_short_read(
         f.truncate(p.offset + CHUNK + 100)
     with pytest.raises(CorruptCheckpointError, match=r"short read"):
         _read(d, meta, [p])
+
+
+# ----------------------------------------------------------------------------
+# ``hot=True`` without ``through``: a long piece read straight into its
+# target (every rank reading every file, a broadcast's reader, one process)
+# is checksummed chunk by chunk as it is read, not in a second pass.
+
+
+def _read_hot(d: Path, meta: Metadata, pieces: list[Piece]) -> dict[int, np.ndarray]:
+    own = {id(p): np.zeros(p.length, dtype=np.uint8) for p in pieces}
+    reader.read_file(
+        d,
+        meta,
+        0,
+        pieces,
+        lambda p: own[id(p)],
+        Progress("load", sum(p.length for p in pieces), enabled=False),
+        hot=True,
+    )
+    return own
+
+
+@pytest.fixture
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks of CHUNK bytes, and every piece of at least 2 chunks read hot."""
+    monkeypatch.setattr(reader, "THROUGH_CHUNK_BYTES", CHUNK)
+    monkeypatch.setattr(reader, "OVERLAP_CHECKSUM_BYTES", 2 * CHUNK)
+
+
+def test_a_hot_read_arrives_whole(tmp_path: Path, small_chunks: None) -> None:
+    d, meta, pieces, _ = _saved(tmp_path)
+    hot = []
+    real = reader._read_through
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(reader, "_read_through", lambda *a: hot.append(a[1]) or real(*a))
+        own = _read_hot(d, meta, pieces)
+    assert [p.length for p in hot] == [max(p.length for p in pieces)]  # the long one only
+    data = (d / data_file_name(0)).read_bytes()
+    for p in pieces:
+        assert own[id(p)].tobytes() == data[p.offset : p.offset + p.length]
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_a_changed_byte_in_any_chunk_fails_a_hot_read(
+    tmp_path: Path, small_chunks: None, where: str
+) -> None:
+    d, meta, pieces, _ = _saved(tmp_path)
+    p = _flip(d, pieces, where)
+    with pytest.raises(CorruptCheckpointError, match=r"checksum mismatch"):
+        _read_hot(d, meta, pieces)
+    # deeppart.load reads this way in one process: the same error, naming the piece.
+    with pytest.raises(CorruptCheckpointError, match=rf"piece of leaf {p.leaf} .*checksum"):
+        deeppart.load(d)
+
+
+def test_a_file_cut_in_a_chunk_is_a_short_hot_read(tmp_path: Path, small_chunks: None) -> None:
+    d, meta, pieces, _ = _saved(tmp_path)
+    p = max(pieces, key=lambda p: p.length)
+    with open(d / data_file_name(0), "r+b") as f:
+        f.truncate(p.offset + CHUNK + 100)
+    with pytest.raises(CorruptCheckpointError, match=r"short read"):
+        _read_hot(d, meta, [p])
