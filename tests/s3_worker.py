@@ -240,7 +240,7 @@ def scenario_truncated(c: Comm, base: str) -> None:
     store = open_store(url)
     marker = read_marker(store)
     assert marker is not None
-    plain = reader.check_file_sizes
+    plain = reader.check_file_sizes  # type: ignore[attr-defined]
     cut: list[tuple[str, bytes]] = []
 
     def then_cut(directory: Any, meta: Any, ranks: list[int]) -> None:
@@ -251,14 +251,14 @@ def scenario_truncated(c: Comm, base: str) -> None:
             store.put(key, data[: len(data) // 2])
             cut.append((key, data))
 
-    reader.check_file_sizes = then_cut
+    reader.check_file_sizes = then_cut  # type: ignore[attr-defined]
     got, kind = "", "ok"
     try:
         deeppart.load(url)
     except CorruptCheckpointError as e:
         got, kind = str(e), type(e).__name__
     finally:
-        reader.check_file_sizes = plain
+        reader.check_file_sizes = plain  # type: ignore[attr-defined]
     print_line(f"RESULT truncated load rank {c.rank} {kind}")
     assert re.search(r"rank-\d{5}\.bin: truncated", got), got
     if c.rank == 1:

@@ -9,6 +9,7 @@ shared_check."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -136,10 +137,15 @@ def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_a_hot_read_arrives_whole(tmp_path: Path, small_chunks: None) -> None:
     d, meta, pieces, _ = _saved(tmp_path)
-    hot = []
+    hot: list[Any] = []
     real = reader._read_through
+
+    def spy(*a: Any) -> None:
+        hot.append(a[1])
+        real(*a)
+
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(reader, "_read_through", lambda *a: hot.append(a[1]) or real(*a))
+        m.setattr(reader, "_read_through", spy)
         own = _read_hot(d, meta, pieces)
     assert [p.length for p in hot] == [max(p.length for p in pieces)]  # the long one only
     data = (d / data_file_name(0)).read_bytes()

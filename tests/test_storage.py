@@ -202,7 +202,7 @@ def random_ranges(rng: np.random.Generator, size: int) -> list[tuple[int, int]]:
     """Ascending ranges within ``size`` bytes: some adjacent, some with small
     gaps (merged into one span), some with large ones (separate spans),
     lengths from 1 byte to a few chunks."""
-    out = []
+    out: list[tuple[int, int]] = []
     at = 0
     while True:
         gap = int(rng.choice([0, 0, 0, int(rng.integers(1, 4096)), int(rng.integers(1, 1 << 20))]))
