@@ -38,7 +38,6 @@ from deeppart.commit import TEMP_NAME_MAX, metadata_json
 from deeppart.errors import StateMismatchError
 from deeppart.format import SAVE_ID_HEX, Metadata, new_save_id
 from deeppart.groups import LoadView, load_view, read_own, selection_digest
-from deeppart.in_flight import settle_pending
 from deeppart.integrity import HOST_ID_BYTES, host_id, one_host
 from deeppart.own_view import OwnView, by_ranks, own_view, resolve_versions, set_at, value_at
 from deeppart.planning import PlanProvider
@@ -170,9 +169,6 @@ def save(
     refused) instead of compared whole.
     """
     c = resolve(comm)
-    # An asynchronous save in flight on this communicator finishes first;
-    # its error, if nobody has seen it, is this call's.
-    settle_pending(c)
     t0 = time.perf_counter()
     planned = plan_save(
         c,

@@ -1,8 +1,10 @@
 """The asynchronous saves in flight, one per communicator (known by
-:func:`deeppart.comm.writer_key`): every save on a communicator, an
-asynchronous one (:mod:`deeppart.async_save`) or a plain
-:func:`deeppart.save`, first settles the one in flight there, so that its
-error, if nobody has seen it, is raised by the next save."""
+:func:`deeppart.comm.writer_key`): the next asynchronous save on a
+communicator (:mod:`deeppart.async_save`) first settles the one in flight
+there, so that its error, if nobody has seen it, is raised by it. (A plain
+:func:`deeppart.save` does not: every Checkpointer of one process shares
+the single-process communicator, and one must not wait for another's
+save.)"""
 
 from __future__ import annotations
 

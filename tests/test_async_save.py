@@ -130,24 +130,6 @@ def test_unseen_error_of_async_save_surfaces_on_the_next_one(tmp_path: Path) -> 
     assert (tmp_path / "c" / "COMMITTED").exists()
 
 
-def test_unseen_error_of_async_save_surfaces_on_a_plain_save(tmp_path: Path) -> None:
-    """A synchronous ``deeppart.save`` after a failed, never-waited-for
-    ``async_save`` raises that failure (and writes nothing); the one after
-    it goes ahead. A save in flight is finished before a plain save starts."""
-    failed = threading.Event()
-    with fault_hook("before-write", _broken(failed)):
-        deeppart.async_save(make_state(), tmp_path / "a")
-        assert failed.wait(60)
-    with pytest.raises(OSError, match="injected"):
-        deeppart.save(make_state(), tmp_path / "b")
-    assert not (tmp_path / "b").exists()
-    deeppart.save(make_state(), tmp_path / "c")
-    pending = deeppart.async_save(make_state(), tmp_path / "d")
-    deeppart.save(make_state(), tmp_path / "e")
-    assert pending.done() and (tmp_path / "d" / "COMMITTED").exists()
-    assert (tmp_path / "c" / "COMMITTED").exists() and (tmp_path / "e" / "COMMITTED").exists()
-
-
 def test_a_later_save_waits_for_the_previous(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
