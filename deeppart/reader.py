@@ -56,7 +56,14 @@ from deeppart.restore import ABSENT, IncompatibleKeys, match, prune, select, wri
 from deeppart.state import Flat, FlatLeaf, decode_plain, flatten, unflatten
 from deeppart.storage.files import CheckpointDir, check_file_sizes, committed_metadata, open_data
 from deeppart.storage.url import S3URL, Location
-from deeppart.tensors import U8, dtype_sizes, torch_dtypes, torch_module, u8_view
+from deeppart.tensors import (
+    U8,
+    dtype_sizes,
+    torch_dtypes,
+    torch_module,
+    u8_view,
+    written_in_place,
+)
 
 __all__ = [
     "EXCHANGES",
@@ -959,6 +966,8 @@ def assemble(
                     assert tgt.tensor is not None
                     with torch_module().no_grad():
                         tgt.tensor.copy_(tgt.copy_into)
+                elif into is not None and tgt.tensor is not None:
+                    written_in_place(tgt.tensor)
                 values.append(tgt.tensor)
         for i, value in (filled or {}).items():
             values[i] = value

@@ -57,7 +57,7 @@ from deeppart.regions import DTensorRecord, Region, ShardRecord
 from deeppart.restore import describe, select
 from deeppart.state import Flat, flatten, is_dtensor
 from deeppart.storage.files import CheckpointDir, check_file_sizes, open_data
-from deeppart.tensors import U8, torch_dtypes, torch_module, u8_view
+from deeppart.tensors import U8, torch_dtypes, torch_module, u8_view, written_in_place
 
 __all__ = [
     "ShardReads",
@@ -555,6 +555,10 @@ def fill_shards(meta: Metadata, sr: ShardReads) -> dict[int, Any]:
                         for d, p in enumerate(at)
                     ]
                     need.dest[tuple(grids)] = src.to(need.dest.device)
+            # Shards read straight into need.dest (Direct) went through
+            # numpy views, which autograd does not see (a second count where
+            # copy_ above made one: harmless).
+            written_in_place(need.dest)
             if need.value is not None:
                 values[rec.shards[0].leaf] = need.value
     return values

@@ -12,7 +12,15 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["U8", "dtype_sizes", "readable", "torch_dtypes", "torch_module", "u8_view"]
+__all__ = [
+    "U8",
+    "dtype_sizes",
+    "readable",
+    "torch_dtypes",
+    "torch_module",
+    "u8_view",
+    "written_in_place",
+]
 
 U8 = npt.NDArray[np.uint8]
 
@@ -56,6 +64,16 @@ def u8_view(t: Any) -> U8:
         flat = flat.view(torch.uint8)
     arr: U8 = flat.numpy()
     return arr
+
+
+def written_in_place(t: Any) -> None:
+    """Tells autograd that ``t`` was modified in place behind its back
+    (through :func:`u8_view`'s numpy view, which torch does not see): its
+    version counter goes up, so a backward that saved ``t`` before the
+    load raises instead of computing with the new values. Inference
+    tensors have no version counter."""
+    if not t.is_inference():
+        torch_module().autograd.graph.increment_version(t)
 
 
 def readable(t: Any) -> Any:

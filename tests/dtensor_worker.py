@@ -100,14 +100,27 @@ def ok(name: str) -> None:
     print_line(f"OK {name} rank {r}/{n}")
 
 
+def versions(tensors: dict[str, Any]) -> dict[str, int]:
+    """Autograd's version counter of each tensor (a DTensor's local one)."""
+    return {
+        k: int(getattr(t, "_local_tensor", t)._version)
+        for k, t in tensors.items()
+        if isinstance(t, torch.Tensor)
+    }
+
+
 def check_into(layout: str, d: Path, ref: Any) -> None:
     """Loads ``d`` into a model built on ``layout`` (other values), bitwise."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     m, opt = build(layout, seed=7)
     target = sharded_state(m, opt)
+    before = versions(target["model"])
     out = deeppart.load(d, into=target)
     equal(to_full(out), ref, f"{d.name}->{layout}")
+    # Shards read straight into the local tensors count as in-place writes.
+    after = versions(target["model"])
+    assert all(after[k] > before[k] for k in before), f"{d.name}->{layout}: versions {after}"
     set_state_dict(m, opt, model_state_dict=out["model"], optim_state_dict=out["optim"])
     equal(to_full(sharded_state(m, opt)), ref, f"{d.name}->{layout} after set_state_dict")
 

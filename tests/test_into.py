@@ -144,3 +144,28 @@ def test_a_value_in_a_tuple_is_reported(tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         deeppart.load(tmp_path / "ck", into=out)
+
+
+def test_a_backward_that_saved_a_loaded_tensor_raises(tmp_path: Path) -> None:
+    """Tensors are filled through numpy views of their memory, which autograd
+    does not see: the load counts the write in their version counters, so a
+    backward whose graph saved a tensor before the load fails loudly (as
+    after ``copy_``) instead of computing gradients from the new values."""
+    model = torch.nn.Linear(8, 8)
+    deeppart.save(model.state_dict(), tmp_path / "ckpt")
+    x = torch.ones(2, 8, requires_grad=True)
+    loss = (model(x) ** 2).sum()  # saves model.weight for x's gradient
+    before = model.weight._version
+    deeppart.load(tmp_path / "ckpt", into=model.state_dict())
+    assert model.weight._version > before
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_inference_tensors_load_in_place(tmp_path: Path) -> None:
+    """Inference tensors have no version counter: loading into them still works."""
+    deeppart.save({"w": torch.arange(6.0)}, tmp_path / "ckpt")
+    with torch.inference_mode():
+        w = torch.zeros(6)
+    deeppart.load(tmp_path / "ckpt", into={"w": w})
+    assert torch.equal(w, torch.arange(6.0))
