@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import torch  # noqa: F401  (imported before the baseline: load needs it)
+
+if sys.argv[1:2] == ["load"]:
+    import torch  # noqa: F401  (before the baseline: a load needs it; the others do not)
 
 import deeppart
 from deeppart.proto import planner_pb2 as pb
