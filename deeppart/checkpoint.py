@@ -52,6 +52,7 @@ from deeppart.reader import (
     plan_reads,
     read_share,
     shared_buffers,
+    stream_share,
     window_bytes,
 )
 from deeppart.reshard import (
@@ -566,9 +567,20 @@ def load(
     stage = _staging.Staging(staging_bytes)
     nread = 0
     with shared_buffers(c, rp, reuse) as buffers:
+        # A broadcast (between hosts, or exchange="bcast") reads and
+        # exchanges at once: each reader sends what it has verified while
+        # its read goes on. It runs every broadcast even after a local
+        # failure (reader.FirstError), so it runs on every rank.
+        streamed = not rp.read_all and not buffers.shared
         try:
-            nread = read_share(rp, buffers, prog, stage)
-            if sr is not None:
+            if streamed:
+                nread = stream_share(c, rp, prog, stage)
+            else:
+                nread = read_share(rp, buffers, prog, stage)
+        except Exception as e:
+            err = e
+        try:
+            if sr is not None and err is None:
                 nread += read_shards(rp.path, rp.meta, sr, prog)
         except Exception as e:
             err = e
@@ -576,10 +588,12 @@ def load(
             prog.close()
         # Also: every reader has filled (and verified) its shared segment.
         agree(c, err)
-        # Each exchange runs all its collectives even after a local failure
-        # (reader.FirstError), so both run on every rank; then one agreement.
+        # The exchanges run all their collectives even after a local
+        # failure (reader.FirstError), so both run on every rank; then one
+        # agreement.
         try:
-            exchange_share(c, rp, buffers, stage)
+            if not streamed:
+                exchange_share(c, rp, buffers, stage)
         except Exception as e:
             err = e
         if sr is not None:

@@ -21,7 +21,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import numpy as np
@@ -36,6 +36,29 @@ _TAG = 7100
 U8 = npt.NDArray[np.uint8]
 U64 = npt.NDArray[np.uint64]
 F64 = npt.NDArray[np.float64]
+
+
+class InFlight(Protocol):
+    """A collective started by :meth:`Comm.start_bcast_u8`."""
+
+    def done(self) -> bool:
+        """Whether it is complete. Calling it also moves the communicator's
+        transfers on (MPI progresses only inside its calls)."""
+        ...
+
+    def wait(self) -> None:
+        """Returns once it is complete."""
+        ...
+
+
+class Complete:
+    """An :class:`InFlight` that completed when it was started."""
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
 
 
 class Comm(Protocol):
@@ -67,10 +90,11 @@ class Comm(Protocol):
         every rank) in place from ``root``, in chunks."""
         ...
 
-    def bcast_many_u8(self, items: Sequence[tuple[U8, int]]) -> None:
-        """Each ``(buf, root)`` of ``items`` broadcast as :meth:`bcast_u8`
-        does, in this order on every rank, possibly all in flight at once;
-        returns when all are complete."""
+    def start_bcast_u8(self, buf: U8, root: int) -> InFlight:
+        """Starts broadcasting ``buf`` as :meth:`bcast_u8` does, without
+        waiting for it: every rank starts its broadcasts in the same order,
+        and ``buf`` is neither read (on ``root``) nor used otherwise until
+        the returned :class:`InFlight` is complete."""
         ...
 
     def sendrecv_u8(self, send: U8, dest: int, recv: U8, source: int) -> None:
@@ -121,8 +145,8 @@ class SingleComm:
     def bcast_u8(self, buf: U8, root: int) -> None:
         return None
 
-    def bcast_many_u8(self, items: Sequence[tuple[U8, int]]) -> None:
-        return None
+    def start_bcast_u8(self, buf: U8, root: int) -> InFlight:
+        return Complete()
 
     def sendrecv_u8(self, send: U8, dest: int, recv: U8, source: int) -> None:
         if dest != 0 or source != 0:
@@ -255,16 +279,15 @@ class MPIComm(_Ranked):
         for chunk in _chunks(buf, "bcast_u8"):
             self._collective("Bcast", [chunk, self._MPI.BYTE], root=root)
 
-    def bcast_many_u8(self, items: Sequence[tuple[U8, int]]) -> None:
+    def start_bcast_u8(self, buf: U8, root: int) -> InFlight:
         # Non-blocking broadcasts, matched in the order they are started:
         # with more ranks than cores, one blocking Bcast after another was
         # measured 2x slower than the same messages in flight together.
         reqs = [
             self.comm.Ibcast([chunk, self._MPI.BYTE], root=root)
-            for buf, root in items
             for chunk in _chunks(buf, "bcast_u8")
         ]
-        self._MPI.Request.Waitall(reqs)
+        return _MPIInFlight(self._MPI, reqs)
 
     def sendrecv_u8(self, send: U8, dest: int, recv: U8, source: int) -> None:
         for buf in (send, recv):
@@ -289,6 +312,23 @@ class MPIComm(_Ranked):
 #: The longest sleep between two tests of a background writer's collective
 #: (:class:`SleepingMPIComm`), in seconds.
 MAX_POLL_SLEEP = 1e-3
+
+
+class _MPIInFlight:
+    """MPI requests of one broadcast."""
+
+    def __init__(self, mpi: Any, reqs: list[Any]) -> None:
+        self._MPI, self.reqs = mpi, reqs
+
+    def done(self) -> bool:
+        ok: bool = self._MPI.Request.Testall(self.reqs)
+        return ok
+
+    def wait(self) -> None:
+        # Yielding, not MPI's spinning wait: on a host with more ranks than
+        # cores, the rank still reading needs the core.
+        for req in self.reqs:
+            _wait_yielding(req)
 
 
 class SleepingMPIComm(MPIComm):
@@ -421,9 +461,18 @@ class TorchDistComm(_Ranked):
             self._dist.broadcast(t, src=self._global(root), group=self.group)
             self._back(t, chunk)
 
-    def bcast_many_u8(self, items: Sequence[tuple[U8, int]]) -> None:
-        for buf, root in items:
+    def start_bcast_u8(self, buf: U8, root: int) -> InFlight:
+        if self._device.type != "cpu":
+            # Staged through the device one chunk at a time: not in flight.
             self.bcast_u8(buf, root)
+            return Complete()
+        works = [
+            self._dist.broadcast(
+                self._dev(chunk), src=self._global(root), group=self.group, async_op=True
+            )
+            for chunk in _chunks(buf, "bcast_u8")
+        ]
+        return _TorchInFlight(works)
 
     def sendrecv_u8(self, send: U8, dest: int, recv: U8, source: int) -> None:
         for buf in (send, recv):
@@ -460,6 +509,21 @@ class TorchDistComm(_Ranked):
 
 
 _LAUNCHER_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "PMIX_SIZE")
+
+
+class _TorchInFlight:
+    """torch.distributed works of one broadcast (their tensors share the
+    numpy buffer's memory; each work keeps its tensor)."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def done(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
 
 
 class NodeShared:

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 import warnings
+from collections import deque
 from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -32,7 +34,7 @@ import numpy as np
 
 from deeppart import staging as _staging
 from deeppart._planner import Manifest, ManifestError, copy_into
-from deeppart.comm import Comm, release_node_shared, reused_node_shared
+from deeppart.comm import Comm, InFlight, release_node_shared, reused_node_shared
 from deeppart.compression import decompress, decompress_into
 from deeppart.errors import CheckpointError, CodecError, CorruptCheckpointError, StateMismatchError
 from deeppart.format import (
@@ -379,6 +381,7 @@ def read_file(
     staging: _staging.Staging | None = None,
     through: Callable[[Piece], U8 | _staging.DeviceSink] | None = None,
     hot: bool = False,
+    done: Callable[[Piece], None] | None = None,
 ) -> int:
     """Reads, verifies and decodes the pieces of one data file into
     ``dest(piece)``; returns the bytes read. A raw piece is checksummed in
@@ -388,7 +391,8 @@ def read_file(
     read goes (:func:`_read_through`). ``hot``: a long raw piece is
     checksummed chunk by chunk as it is read, while each chunk is still in
     the cache (:func:`_read_through`, no second place), rather than whole
-    in a background thread afterwards.
+    in a background thread afterwards. ``done``: called with each piece
+    once it is in place and verified (implies ``hot``).
 
     The pieces are read in file order; the file is opened with their
     ranges declared, so that an object store reads them ahead in large
@@ -398,7 +402,7 @@ def read_file(
     expect = [(0, HEADER_SIZE)] + [(p.offset, p.stored) for p in pieces]
     with open_data(directory, rank, expect) as f:
         return read_pieces(
-            f, path, directory, meta, rank, pieces, dest, progress, staging, through, hot
+            f, path, directory, meta, rank, pieces, dest, progress, staging, through, hot, done
         )
 
 
@@ -450,6 +454,7 @@ def read_pieces(
     staging: _staging.Staging | None = None,
     through: Callable[[Piece], U8 | _staging.DeviceSink] | None = None,
     hot: bool = False,
+    done: Callable[[Piece], None] | None = None,
 ) -> int:
     """:func:`read_file` from ``f`` (an open file, or anything with
     ``seek``/``read``/``readinto``, e.g. :class:`io.BytesIO`)."""
@@ -458,8 +463,9 @@ def read_pieces(
     sums = _Checksums(directory)
     try:
         n = _read_each(
-            f, directory, meta, pieces, dest, progress, staging, sizes, sums, through, hot
-        )
+            f, directory, meta, pieces, dest, progress, staging, sizes, sums, through,
+            hot or done is not None, done,
+        )  # fmt: skip
         sums.check()
     finally:
         sums.close()
@@ -478,10 +484,13 @@ def _read_each(
     sums: _Checksums,
     through: Callable[[Piece], U8 | _staging.DeviceSink] | None = None,
     hot: bool = False,
+    done: Callable[[Piece], None] | None = None,
 ) -> int:
     """The loop of :func:`read_pieces`: the raw pieces' checksums are left
     to ``sums``, except those read through to a second place (and with
-    ``hot``, the long ones: checksummed as they are read)."""
+    ``hot``, the long ones: checksummed as they are read). With ``hot``
+    every piece is verified before the next one is read (the short raw
+    ones by ``sums.add`` at once): ``done(piece)`` then."""
     n = 0
     at = -1  # the file's position after a raw piece (no seek to get there)
     for p in pieces:
@@ -494,6 +503,8 @@ def _read_each(
             _read_staged(f, p, out, staging or _staging.Staging(), directory, sizes[p.leaf])
             n += p.stored
             progress.advance(p.length)
+            if done is not None:
+                done(p)
             continue
         if p.codec == "none":
             if isinstance(also, np.ndarray) or (hot and p.length >= OVERLAP_CHECKSUM_BYTES):
@@ -506,6 +517,8 @@ def _read_each(
             at = p.offset + p.length
             n += p.stored
             progress.advance(p.length)
+            if done is not None:
+                done(p)
             continue
         stored = f.read(p.stored)
         if len(stored) != p.stored:
@@ -522,6 +535,8 @@ def _read_each(
             copy_into(also.data, out.data)
         n += p.stored
         progress.advance(p.length)
+        if done is not None:
+            done(p)
     return n
 
 
@@ -667,28 +682,26 @@ def read_share(
     progress: Progress,
     stage: _staging.Staging,
 ) -> int:
-    """Reads this rank's data files, verifying every piece: straight into
-    the targets (when every rank reads everything, and for a broadcast,
-    which goes out from there), else into ``buffers`` for
-    :func:`exchange_share` (a node-shared window, or a host buffer for a
-    file with device targets). Returns the bytes read from disk."""
+    """Reads this rank's data files, verifying every piece, when every rank
+    reads everything (straight into the targets) or into a node-shared
+    window (``buffers.shared``; the reader's own host targets filled as it
+    reads, each chunk checksummed in the window first), for
+    :func:`exchange_share`. A broadcast reads and exchanges at once
+    instead: :func:`stream_share`. Returns the bytes read."""
     nread = 0
     direct = _direct(rp)
     for f in rp.mine:
         pieces = rp.by_file[f]
-        if rp.read_all or (not buffers.shared and not _to_device(rp, pieces)):
-            # Into the targets: a broadcast goes out from there. Each long
-            # piece checksummed as it is read: on one host the ranks read
-            # at once, and the checksum of a chunk still in the cache costs
-            # a fraction of a second pass over memory (bench/load_work.py).
+        if rp.read_all:
+            # Each long piece checksummed as it is read: on one host the
+            # ranks read at once, and the checksum of a chunk still in the
+            # cache costs a fraction of a second pass over memory
+            # (bench/load_work.py).
             nread += read_file(rp.path, rp.meta, f, pieces, direct, progress, stage, hot=True)
         else:
-            buf = buffers.files.setdefault(f, np.empty(rp.file_raw[f], dtype=np.uint8))
-            # From a shared window, the reader's own host targets are filled
-            # as it reads (each chunk checksummed in the window first).
-            through = direct if buffers.shared else None
+            buf = buffers.files[f]
             nread += read_file(
-                rp.path, rp.meta, f, pieces, _place(buf, pieces), progress, through=through
+                rp.path, rp.meta, f, pieces, _place(buf, pieces), progress, through=direct
             )
     return nread
 
@@ -696,8 +709,14 @@ def read_share(
 #: Pieces shorter than this travel together in one broadcast; longer ones
 #: go straight into their targets.
 DIRECT_PIECE_BYTES = 1 << 20
-#: The most bytes one broadcast of the exchange carries.
-EXCHANGE_MESSAGE_BYTES = 16 << 20
+#: The most bytes of short pieces packed into one broadcast: a reader
+#: starts a broadcast once every piece in it is verified, so a small
+#: message leaves its read soon after its last piece does.
+PACKED_MESSAGE_BYTES = 1 << 20
+#: The most bytes one broadcast of a long piece carries. Over TCP between
+#: shaped links (bench/object_store.py), broadcasts of 1 MiB kept the links
+#: busier than those of 4 or 16 MiB.
+EXCHANGE_MESSAGE_BYTES = 1 << 20
 
 #: One broadcast of the exchange: (piece, byte offset in it, bytes) parts,
 #: consecutive in the reader's buffer.
@@ -705,15 +724,16 @@ Message = list[tuple[Piece, int, int]]
 
 
 def exchange_messages(pieces: Sequence[Piece]) -> Iterator[Message]:
-    """A data file's bytes as the exchange broadcasts them: runs of short
-    pieces together, up to :data:`EXCHANGE_MESSAGE_BYTES`; a long piece
-    alone, in chunks of that size. Every rank derives the same messages from
-    the metadata, so their broadcasts match."""
+    """A data file's bytes (``pieces``, in the order given) as the exchange
+    broadcasts them: runs of short pieces together, up to
+    :data:`PACKED_MESSAGE_BYTES`; a long piece alone, in chunks of
+    :data:`EXCHANGE_MESSAGE_BYTES`. Every rank derives the same messages
+    from the metadata, so their broadcasts match."""
     batch: Message = []
     size = 0
     for p in pieces:
         if p.length < DIRECT_PIECE_BYTES:
-            if batch and size + p.length > EXCHANGE_MESSAGE_BYTES:
+            if batch and size + p.length > PACKED_MESSAGE_BYTES:
                 yield batch
                 batch, size = [], 0
             batch.append((p, 0, p.length))
@@ -726,13 +746,6 @@ def exchange_messages(pieces: Sequence[Piece]) -> Iterator[Message]:
             yield [(p, off, min(EXCHANGE_MESSAGE_BYTES, p.length - off))]
     if batch:
         yield batch
-
-
-#: The most bytes of packed short pieces that one batch of the exchange's
-#: broadcasts holds in flight (in one reused buffer).
-EXCHANGE_BATCH_BYTES = 4 * EXCHANGE_MESSAGE_BYTES
-#: The most broadcasts in flight in one batch.
-EXCHANGE_BATCH_MESSAGES = 256
 
 
 T = TypeVar("T")
@@ -771,66 +784,138 @@ class FirstError:
             raise self.err
 
 
-class _Batch:
-    """Broadcasts of the exchange in flight together
-    (:meth:`Comm.bcast_many_u8`), and what to do with the bytes received
-    once they complete. Packed messages get consecutive slices of one
-    buffer of at most :data:`EXCHANGE_BATCH_BYTES` (or one message),
-    reused after each flush."""
-
-    def __init__(self, comm: Comm, cap: int, failed: FirstError) -> None:
-        self.comm, self.cap, self.failed = comm, cap, failed
-        self.items: list[tuple[U8, int]] = []
-        self.after: list[Callable[[], None]] = []
-        self.arena: U8 | None = None
-        self.used = 0
-
-    def packed(self, n: int) -> U8:
-        """A buffer for one packed message of ``n`` bytes."""
-        if self.arena is None or self.arena.size < n:
-            self.flush()
-            self.arena = np.empty(max(n, self.cap), dtype=np.uint8)
-        elif self.used + n > self.arena.size:
-            self.flush()
-        out = self.arena[self.used : self.used + n]
-        self.used += n
-        return out
-
-    def add(self, buf: U8, root: int, after: Callable[[], None] | None = None) -> None:
-        self.items.append((buf, root))
-        if after is not None:
-            self.after.append(after)
-        if len(self.items) >= EXCHANGE_BATCH_MESSAGES:
-            self.flush()
-
-    def flush(self) -> None:
-        if self.items:
-            self.comm.bcast_many_u8(self.items)
-        for then in self.after:
-            self.failed.run(then)
-        self.items, self.after, self.used = [], [], 0
-
-
 def exchange_share(comm: Comm, rp: ReadPlan, buffers: ReadBuffers, stage: _staging.Staging) -> None:
-    """Every rank gets every file's bytes (by broadcast from its reader, or
-    from the shared window) and copies them into its targets.
-
-    A broadcast goes from the reader's targets straight into the other
-    ranks' targets where it can (a long piece in host memory), else through
-    a bounded buffer (:func:`exchange_messages`, :class:`_Batch`): no rank
-    holds a copy of a data file, except a reader whose file has device
-    targets. The broadcasts go in batches, in flight together.
-
-    From a shared window, every rank copies each piece out of the memory
-    in which its reader verified it (non-temporal stores); the reader has
-    copied its own pieces with host targets as it read them. A rank whose
-    copy fails still takes part in every broadcast, then raises
-    (:class:`FirstError`): the caller's agreement spreads it."""
+    """From a node-shared window, after the read's agreement: every rank
+    copies each piece out of the memory in which its reader verified it
+    (non-temporal stores); the reader has copied its own pieces with host
+    targets as it read them. A rank whose copy fails raises; the caller's
+    agreement spreads it."""
     if rp.read_all:
         return
     dest = _direct(rp)
+    for f in range(rp.meta.world_size):
+        buf = buffers.files.get(f)
+        if buf is None or rp.file_raw[f] == 0:
+            continue
+        pieces = rp.by_file[f]
+        if rp.owner[f] == comm.rank:
+            # The reader filled its host targets as it read (read_share).
+            pieces = [p for p in pieces if not isinstance(dest(p), np.ndarray)]
+        _copy_out(pieces, _place(buf, rp.by_file[f]), dest, stage)()
+
+
+#: The most bytes of packed short pieces that :func:`stream_share` holds
+#: in flight (packed messages not yet complete on this rank).
+STREAM_PACKED_BYTES = 64 << 20
+#: The most broadcasts :func:`stream_share` holds in flight.
+STREAM_MESSAGES = 256
+#: The longest wait, in seconds, for this rank's reader thread between two
+#: polls of the broadcasts in flight.
+STREAM_POLL_S = 1e-3
+
+
+class _Verified:
+    """The pieces this rank's reader thread has read and verified, and how
+    the thread ended."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.ids: set[int] = set()
+        self.over = False
+        self.err: BaseException | None = None
+        self.nread = 0
+
+    def add(self, p: Piece) -> None:
+        with self.cond:
+            self.ids.add(id(p))
+            self.cond.notify_all()
+
+    def finish(self, nread: int, err: BaseException | None) -> None:
+        with self.cond:
+            self.nread, self.err, self.over = nread, err, True
+            self.cond.notify_all()
+
+    def has(self, message: Message) -> bool | None:
+        """Whether every piece of ``message`` is verified (waiting up to
+        :data:`STREAM_POLL_S` for it); None when it never will be: the
+        thread has ended without it."""
+        with self.cond:
+            for attempt in (0, 1):
+                if all(id(p) in self.ids for p, _, _ in message):
+                    return True
+                if self.over:
+                    return None
+                if attempt == 0:
+                    self.cond.wait(STREAM_POLL_S)
+            return False
+
+
+def stream_share(comm: Comm, rp: ReadPlan, progress: Progress, stage: _staging.Staging) -> int:
+    """Reads this rank's data files and exchanges every file's bytes at the
+    same time (a broadcast, e.g. between hosts): a reader thread reads and
+    verifies this rank's files (each piece checksummed as it is read,
+    straight into the host targets; a file with device targets into one
+    host buffer), and the reader of a file broadcasts each message of
+    :func:`exchange_messages` as soon as all its pieces are verified, while
+    its read goes on. The store's reads and the broadcasts share the link
+    instead of taking turns.
+
+    Every rank starts the same broadcasts in the same order (the messages
+    each derives from the metadata, in file order within a file, the k-th
+    of every file before any file's next; at most :data:`STREAM_MESSAGES`
+    in flight); a long piece goes from
+    its reader's target straight into the others' targets, short pieces
+    (and pieces for device targets) through packed buffers, at most
+    :data:`STREAM_PACKED_BYTES` of them in flight. A reader sends only
+    bytes it has verified: once its read has failed, what it still must
+    send is zeros (every rank takes part in every broadcast). A failed
+    read or copy raises here after the last broadcast
+    (:class:`FirstError`); the caller's agreement spreads it. Returns the
+    bytes read."""
+    dest = _direct(rp)
     failed = FirstError()
-    batch = _Batch(comm, min(EXCHANGE_BATCH_BYTES, sum(rp.file_raw)), failed)
+    verified = _Verified()
+    # This rank's files with device targets: read into a host buffer,
+    # broadcast from there, copied to the device at the end.
+    # Every file's pieces in the order they are read (file order).
+    order = [sorted(ps, key=lambda p: p.offset) for ps in rp.by_file]
+    held = {
+        f: np.empty(rp.file_raw[f], dtype=np.uint8)
+        for f in rp.mine
+        if _to_device(rp, rp.by_file[f])
+    }
+
+    def read_mine() -> None:
+        nread = 0
+        try:
+            for f in rp.mine:
+                pieces = order[f]
+                place = _place(held[f], pieces) if f in held else dest
+                nread += read_file(
+                    rp.path, rp.meta, f, pieces, place, progress, stage, done=verified.add
+                )
+        except BaseException as e:
+            verified.finish(nread, e)
+            return
+        verified.finish(nread, None)
+
+    inflight: deque[tuple[InFlight, Callable[[], None] | None, int]] = deque()
+    packed_bytes = 0
+
+    def settle(wait: bool) -> None:
+        """Completes the oldest broadcasts that are done (with ``wait``, the
+        oldest one in any case), running what follows each."""
+        nonlocal packed_bytes
+        while inflight and (wait or inflight[0][0].done()):
+            handle, then, n = inflight.popleft()
+            handle.wait()
+            packed_bytes -= n
+            if then is not None:
+                failed.run(then)
+            wait = False
+
+    def start(buf: U8, root: int, then: Callable[[], None] | None = None, n: int = 0) -> None:
+        inflight.append((comm.start_bcast_u8(buf, root), then, n))
 
     def unpack(message: Message, packed: U8) -> Callable[[], None]:
         def then() -> None:
@@ -841,45 +926,65 @@ def exchange_share(comm: Comm, rp: ReadPlan, buffers: ReadBuffers, stage: _stagi
 
         return then
 
-    for f in range(rp.meta.world_size):
-        if rp.file_raw[f] == 0:
-            continue
-        pieces = rp.by_file[f]
-        root = rp.owner[f]
-        buf = buffers.files.pop(f, None)
-        if buf is None:
-            # A broadcast between targets: the reader read straight into its
-            # (host) targets and sends from there, the others receive into
-            # theirs; a message of short pieces (or for a device target)
-            # goes through the batch's buffer, packed by the reader.
-            sending = comm.rank == root
-            for message in exchange_messages(pieces):
+    # Message k of every file before message k + 1 of any: each reader's
+    # first messages start early, whatever the cap on those in flight.
+    messages = [list(exchange_messages(ps)) for ps in order]
+    rounds = max((len(m) for m in messages), default=0)
+    at = [0] * len(messages)  # where the next message of each file starts
+    reader = threading.Thread(target=read_mine, name="deeppart-read", daemon=True)
+    reader.start()
+    try:
+        for k in range(rounds):
+            for f in range(rp.meta.world_size):
+                if k >= len(messages[f]):
+                    continue
+                message = messages[f][k]
+                root = rp.owner[f]
+                sending = comm.rank == root
                 n = sum(part[2] for part in message)
+                ready: bool | None = True
+                if sending:
+                    while (ready := verified.has(message)) is False:
+                        settle(False)
+                while len(inflight) >= STREAM_MESSAGES:
+                    settle(True)
                 p, off, _ = message[0]
                 out = dest(p)
-                if len(message) == 1 and isinstance(out, np.ndarray):
-                    batch.add(out[off : off + n], root)
-                    continue
-                packed = batch.packed(n)
-                if sending:
-                    failed.run(_pack(message, packed, dest))
-                batch.add(packed, root, None if sending else unpack(message, packed))
-            continue
-        if not buffers.shared:
-            # The reader of a file with device targets, read into a host
-            # buffer: it holds the messages back to back.
-            at = 0
-            for message in exchange_messages(pieces):
-                n = sum(part[2] for part in message)
-                batch.add(buf[at : at + n], root)
-                at += n
-        if buffers.shared and root == comm.rank:
-            # The reader filled its host targets as it read (read_share).
-            pieces = [p for p in pieces if not isinstance(dest(p), np.ndarray)]
-        failed.run(_copy_out(pieces, _place(buf, rp.by_file[f]), dest, stage))
-        del buf
-    batch.flush()
+                if ready is None:
+                    start(np.zeros(n, dtype=np.uint8), root)
+                elif sending and f in held:
+                    start(held[f][at[f] : at[f] + n], root)
+                elif len(message) == 1 and isinstance(out, np.ndarray):
+                    start(out[off : off + n], root)
+                else:
+                    while inflight and packed_bytes + n > STREAM_PACKED_BYTES:
+                        settle(True)
+                    packed = np.empty(n, dtype=np.uint8)
+                    if sending:
+                        failed.run(_pack(message, packed, dest))
+                    packed_bytes += n
+                    start(packed, root, None if sending else unpack(message, packed), n)
+                at[f] += n
+                settle(False)
+        while inflight:
+            settle(True)
+    finally:
+        reader.join()
+    if verified.err is not None:
+        failed.run(_reraise(verified.err))
+    for f, buf in held.items():
+        failed.run(_copy_out(order[f], _place(buf, order[f]), dest, stage))
     failed.raise_first()
+    return verified.nread
+
+
+def _reraise(err: BaseException) -> Callable[[], None]:
+    """A step that raises ``err`` (kept by :class:`FirstError`)."""
+
+    def step() -> None:
+        raise err
+
+    return step
 
 
 def _pack(

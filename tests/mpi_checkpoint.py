@@ -120,6 +120,19 @@ def abort_on_failure(main: Callable[[], None]) -> None:
         MPI.COMM_WORLD.Abort(1)
 
 
+def flip_middle_byte(d: Path, p: Any) -> None:
+    """Rank 0 flips a bit of the middle byte of piece ``p`` in its data
+    file, between two barriers."""
+    c = resolve()
+    c.barrier()
+    if c.rank == 0:
+        path = d / data_file_name(p.rank)
+        data = bytearray(path.read_bytes())
+        data[p.offset + p.length // 2] ^= 0x10
+        path.write_bytes(bytes(data))
+    c.barrier()
+
+
 def ok(name: str) -> None:
     c = resolve()
     print_line(f"OK {name} rank {c.rank}/{c.size}")
@@ -349,16 +362,119 @@ def scenario_shared_check(d: Path) -> None:
     # 3. A flipped byte in a file that rank 0 does not check.
     f = next(f for f, v in enumerate(verifier) if v != 0 and by_file[f])
     p = max(by_file[f], key=lambda p: p.length)
-    c.barrier()
-    if c.rank == 0:
-        path = d / data_file_name(f)
-        data = bytearray(path.read_bytes())
-        data[p.offset + p.length // 2] ^= 0x10
-        path.write_bytes(bytes(data))
-    c.barrier()
+    flip_middle_byte(d, p)
     expect = f"{data_file_name(f)}: piece of leaf {p.leaf} [{p.start}:{p.stop}]"
     _expect_corrupt(d, expect, "flipped")
     ok("shared_check")
+
+
+def _stream_state(fill: float | None = None) -> dict[str, Any]:
+    """Four 2 MiB tensors (each its own message in an exchange), two in
+    each data file of a 2-rank save; ``fill``: every value that one."""
+    gen = torch.Generator().manual_seed(3)
+    out: dict[str, Any] = {}
+    for k in range(4):
+        t = torch.rand(512, 1024, generator=gen) + 1.0
+        out[f"w{k}"] = t if fill is None else torch.full_like(t, fill)
+    return out
+
+
+def _piece_bytes(state: dict[str, Any], meta: Any, p: Any) -> Any:
+    """The bytes of piece ``p`` in ``state`` (a live view of its tensor)."""
+    leaf = meta.leaves[p.leaf]
+    flat = state[leaf.path[0]].reshape(-1).view(torch.uint8).numpy()
+    isz = leaf.itemsize
+    return flat[p.start * isz : p.stop * isz]
+
+
+def _hold_last_piece(f: int, until: Callable[[], bool], wait_s: float) -> Callable[[], None]:
+    """Makes this rank's read of data file ``f`` (by the load's reader
+    thread) wait, once its last piece is verified, until ``until()`` (at
+    most ``wait_s``; then it raises). Returns the undo."""
+    real = reader.read_file
+
+    def held(*args: Any, **kwargs: Any) -> int:
+        done = kwargs.get("done")
+        if args[2] != f or done is None:
+            got: int = real(*args, **kwargs)
+            return got
+        last = max(args[3], key=lambda p: p.offset)
+
+        def hold(p: Any) -> None:
+            if p is last:
+                deadline = time.monotonic() + wait_s
+                while not until():
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("the other rank never got this file's first message")
+                    time.sleep(0.01)
+            done(p)
+
+        n: int = real(*args, **{**kwargs, "done": hold})
+        return n
+
+    reader.read_file = held
+    return lambda: setattr(reader, "read_file", real)
+
+
+def scenario_stream(d: Path) -> None:
+    """A load by broadcast (2 ranks) sends each message once its reader has
+    verified it, while the read goes on: rank 0's read of its file waits,
+    before its last piece counts as verified, until rank 1 has received the
+    file's first piece (a load that read before exchanging would time out).
+    Then a corrupt piece: its reader's checksum fails, and what the other
+    rank's tensor gets for it is zeros, never the bytes read (both raise)."""
+    c = resolve()
+    assert c.size == 2
+    saved = _stream_state()
+    deeppart.save(saved, d)
+    meta, _ = reader.read_metadata(d)
+    raw = [sum(p.length for p in meta.pieces if p.rank == f) for f in range(2)]
+    mine = reader.assign_readers(raw, 2).index(0)  # the file rank 0 reads
+    first, second = sorted((p for p in meta.pieces if p.rank == mine), key=lambda p: p.offset)
+    flag = d / "first-message-received"
+    into = _stream_state(fill=0.5)
+    undo = None
+    watcher = None
+    if c.rank == 0:
+        undo = _hold_last_piece(mine, flag.exists, 60.0)
+    else:
+        want = _piece_bytes(saved, meta, first).copy()
+        got = _piece_bytes(into, meta, first)
+
+        def watch() -> None:
+            deadline = time.monotonic() + 60.0
+            while time.monotonic() < deadline:
+                if np.array_equal(got, want):
+                    flag.touch()
+                    return
+                time.sleep(0.005)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+    try:
+        out = deeppart.load(d, into=into, exchange="bcast")
+    finally:
+        if undo is not None:
+            undo()
+    if watcher is not None:
+        watcher.join()
+    assert_bitwise_equal(saved, out, "streamed")
+    # The second piece of rank 0's file corrupted on disk.
+    flip_middle_byte(d, second)
+    into = _stream_state(fill=0.5)
+    try:
+        deeppart.load(d, into=into, exchange="bcast")
+    except deeppart.CorruptCheckpointError as e:
+        assert f"{data_file_name(mine)}: piece of leaf {second.leaf}" in str(e), e
+    else:
+        raise AssertionError("a corrupt piece loaded")
+    if c.rank == 1:
+        got = _piece_bytes(into, meta, second)
+        before = _piece_bytes(_stream_state(fill=0.5), meta, second)
+        assert np.all(got == 0) or np.array_equal(got, before), (
+            "the other rank got bytes its reader did not verify"
+        )
+    ok("stream")
 
 
 class CountingComm(MPIComm):
@@ -366,7 +482,7 @@ class CountingComm(MPIComm):
 
     COLLECTIVES = (
         "allgather_bytes", "allgather_f64", "allgather_varbytes", "gatherv_u64",
-        "bcast_u8", "bcast_many_u8", "sendrecv_u8", "barrier",
+        "bcast_u8", "start_bcast_u8", "sendrecv_u8", "barrier",
     )  # fmt: skip
 
     def __init__(self, comm: Any) -> None:
@@ -699,6 +815,7 @@ def main() -> None:
         "async_share": lambda: scenario_async_share(args.dir, args.codec),
         "writer_sleeps": lambda: scenario_writer_sleeps(args.dir),
         "experts-save": lambda: scenario_experts_save(args.dir),
+        "stream": lambda: scenario_stream(args.dir),
         "experts-load": lambda: scenario_experts_load(args.dir),
     }
     torch.set_num_threads(1)
@@ -711,9 +828,10 @@ def main() -> None:
 
         reader.EXCHANGE_MESSAGE_BYTES = args.exchange_message
         reader.DIRECT_PIECE_BYTES = args.exchange_message // 4
-        # Batches of broadcasts fill up (and are flushed) mid-exchange too.
-        reader.EXCHANGE_BATCH_BYTES = 2 * args.exchange_message
-        reader.EXCHANGE_BATCH_MESSAGES = 3
+        reader.PACKED_MESSAGE_BYTES = args.exchange_message // 2
+        # The broadcasts in flight reach their caps mid-exchange too.
+        reader.STREAM_PACKED_BYTES = 2 * args.exchange_message
+        reader.STREAM_MESSAGES = 3
     if args.stage:
         from deeppart import staging
 

@@ -80,17 +80,25 @@ def test_large_messages_are_chunked(tmp_path: Path) -> None:
     run(2, "roundtrip", str(tmp_path / "ck"), "--max-message", "4096")
 
 
-def test_exchange_messages_batch_short_pieces_and_split_long_ones(tmp_path: Path) -> None:
+def test_exchange_messages_pack_short_pieces_and_split_long_ones(tmp_path: Path) -> None:
     """With the exchange's broadcasts capped at 8 KiB (pieces of 2 KiB and
-    more go straight into their targets) and their batches in flight to 16
-    KiB of packed pieces or 3 broadcasts, a load by broadcast batches short
-    pieces, splits long ones across many messages, flushes many batches and
-    restores bitwise, on host tensors and through the staged device path."""
+    more go straight into their targets, shorter ones packed up to 4 KiB)
+    and at most 3 broadcasts or 16 KiB of packed pieces in flight, a load
+    by broadcast packs short pieces, splits long ones across many messages,
+    waits for the oldest ones mid-exchange, and restores bitwise, on host
+    tensors and through the staged device path."""
     d = str(tmp_path / "ck")
     run(3, "save", d)
     run(4, "load", d, "--exchange-message", "8192")
     run(2, "load", d, "--exchange-message", "8192", "--stage", "1024")
     run(3, "roundtrip", str(tmp_path / "ck2"), "--codec", "zstd", "--exchange-message", "8192")
+
+
+def test_broadcast_load_sends_what_is_verified_while_reading(tmp_path: Path) -> None:
+    """A load by broadcast streams: a reader's first message reaches the
+    other rank before the reader's last piece is verified; a piece whose
+    checksum fails reaches no other rank (it gets zeros; both raise)."""
+    run(2, "stream", str(tmp_path / "ck"))
 
 
 @pytest.mark.parametrize(("n", "m"), [(4, 2), (2, 3), (4, 1)])

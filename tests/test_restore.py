@@ -212,9 +212,10 @@ def test_exchange_messages_cover_each_byte_once_in_order(
     lengths: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The broadcasts of a load's exchange: every byte of every piece once,
-    in file order; none over the cap; short pieces whole and together; long
-    pieces alone (split at the cap)."""
+    in file order; none over the caps; short pieces whole and together (up
+    to the packed cap); long pieces alone (split at the cap)."""
     monkeypatch.setattr(reader, "EXCHANGE_MESSAGE_BYTES", 8192)
+    monkeypatch.setattr(reader, "PACKED_MESSAGE_BYTES", 4096)
     monkeypatch.setattr(reader, "DIRECT_PIECE_BYTES", 2048)
     pieces = [_piece(n, i) for i, n in enumerate(lengths)]
     messages = list(reader.exchange_messages(pieces))
@@ -228,12 +229,15 @@ def test_exchange_messages_cover_each_byte_once_in_order(
     assert covered == expected
     for m in messages:
         assert sum(n for *_, n in m) <= 8192
-        if len(m) > 1:
+        if m[0][0].length < 2048:
+            assert sum(n for *_, n in m) <= 4096
             assert all(p.length < 2048 and off == 0 and n == p.length for p, off, n in m)
+        else:
+            assert len(m) == 1
     # Short pieces are batched: no two consecutive batches could have been one.
     for a, b in itertools.pairwise(messages):
         if a[0][0].length < 2048 and b[0][0].length < 2048:
-            assert sum(n for *_, n in a) + b[0][2] > 8192
+            assert sum(n for *_, n in a) + b[0][2] > 4096
 
 
 def test_last_stats_is_exported_as_the_readme_writes_it(tmp_path: Path) -> None:
