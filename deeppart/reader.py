@@ -824,9 +824,14 @@ class _Verified:
         self.over = False
         self.err: BaseException | None = None
         self.nread = 0
+        #: Set when the exchange has stopped (an exception left it): the
+        #: reader thread stops at its next piece instead of reading on.
+        self.abandoned = False
 
     def add(self, p: Piece) -> None:
         with self.cond:
+            if self.abandoned:
+                raise CheckpointError("the load's exchange stopped; its read stops too")
             self.ids.add(id(p))
             self.cond.notify_all()
 
@@ -969,6 +974,8 @@ def stream_share(comm: Comm, rp: ReadPlan, progress: Progress, stage: _staging.S
         while inflight:
             settle(True)
     finally:
+        with verified.cond:
+            verified.abandoned = not verified.over
         reader.join()
     if verified.err is not None:
         failed.run(_reraise(verified.err))
