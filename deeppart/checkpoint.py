@@ -444,11 +444,14 @@ def load(
     ranks, also one process without MPI). Collective.
 
     ``exchange="bcast"``: each rank reads a balanced share of the data files
-    and broadcasts it (the file system serves each byte once: right for a
-    parallel file system under many nodes).
+    and broadcasts it, each message as soon as its pieces are verified,
+    while its read goes on (the storage serves each byte once: right for a
+    parallel file system or an object store under many nodes). A load that
+    raises may have filled part of ``into=``.
     ``exchange="read"``: every rank reads and checksums every piece itself,
     with no bulk MPI traffic (right when the interconnect is the
-    bottleneck).
+    bottleneck, e.g. nodes that reach the store through the same link they
+    reach each other by: README, "Object storage").
     ``exchange="auto"`` (default): each data file is read, checksummed and
     decompressed once, by one rank; on one host (MPI) into memory that all
     its ranks map (a shared window), from which every rank copies, else
