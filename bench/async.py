@@ -26,7 +26,8 @@ For each contender and rank count it measures, per save:
   the last rank's: seen between steps, or waited for after them;
 - **cpu**: the CPU seconds of the rank's process and its child processes
   (a writer process) from the call until the save was waited for, less
-  those of the reference steps: the save's CPU cost, which on a busy
+  those of the reference steps (per step, times the steps that ran: a save
+  that stays in flight longer runs more steps): the save's CPU cost, which on a busy
   machine is taken from training (less noisy than the times when other
   jobs share the machine);
 - **extra host memory**: the process's peak resident memory during the
@@ -318,7 +319,9 @@ def worker(args: argparse.Namespace) -> None:
         wait(handle)
         if durable != durable:  # still in flight after the steps
             durable = time.perf_counter() - t0
-        cpu = _cpu_seconds() - cpu0 - cpu_ref
+        # Less the reference's CPU per step for as many steps as ran with
+        # the save (more than the reference's while it stayed in flight).
+        cpu = _cpu_seconds() - cpu0 - cpu_ref * count / args.steps
         if kind == "deeppart":
             staged = handle.staged_bytes
         comm.Barrier()
