@@ -169,14 +169,21 @@ def build(
 def group_state(g: int, dims: tuple[int, int, int]) -> dict[str, Any]:
     """Model ``g`` of the "two DP groups" layout (0: A, 1: B, another seed)
     and its AdamW state after one step: plain tensors, the same on every
-    rank of its group."""
+    rank of its group. Computed on one thread, so the values do not
+    depend on the calling process's thread count (a job's ranks and a
+    test's process compare them bitwise)."""
     import torch
 
-    m = make_model(10 + g, dims)
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    torch.manual_seed(200 + g)
-    m(torch.randn(4, dims[0])).square().sum().backward()
-    opt.step()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        m = make_model(10 + g, dims)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        torch.manual_seed(200 + g)
+        m(torch.randn(4, dims[0])).square().sum().backward()
+        opt.step()
+    finally:
+        torch.set_num_threads(threads)
     return {"model": m.state_dict(), "optim": opt.state_dict()}
 
 
