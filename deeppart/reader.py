@@ -758,7 +758,7 @@ class FirstError:
     stage's agreement then raises on every rank."""
 
     def __init__(self) -> None:
-        self.err: Exception | None = None
+        self.err: BaseException | None = None
 
     def run(self, step: Callable[[], None]) -> None:
         """Runs ``step`` unless a step failed before; keeps its exception."""
@@ -767,6 +767,12 @@ class FirstError:
                 step()
             except Exception as e:
                 self.err = e
+
+    def keep(self, err: BaseException) -> None:
+        """Keeps ``err`` (one raised elsewhere, e.g. in a thread) unless a
+        step failed before."""
+        if self.err is None:
+            self.err = err
 
     def attempt(self, step: Callable[[], T], fallback: Callable[[], T]) -> T:
         """``step()``'s result; ``fallback()``'s once a step has failed
@@ -845,14 +851,14 @@ class _Verified:
         :data:`STREAM_POLL_S` for it); None when it never will be: the
         thread has ended without it."""
         with self.cond:
-            for attempt in (0, 1):
-                if all(id(p) in self.ids for p, _, _ in message):
-                    return True
-                if self.over:
-                    return None
-                if attempt == 0:
-                    self.cond.wait(STREAM_POLL_S)
-            return False
+            if not self._holds(message) and not self.over:
+                self.cond.wait(STREAM_POLL_S)
+            if self._holds(message):
+                return True
+            return None if self.over else False
+
+    def _holds(self, message: Message) -> bool:
+        return all(id(p) in self.ids for p, _, _ in message)
 
 
 def stream_share(comm: Comm, rp: ReadPlan, progress: Progress, stage: _staging.Staging) -> int:
@@ -880,10 +886,10 @@ def stream_share(comm: Comm, rp: ReadPlan, progress: Progress, stage: _staging.S
     dest = _direct(rp)
     failed = FirstError()
     verified = _Verified()
-    # This rank's files with device targets: read into a host buffer,
-    # broadcast from there, copied to the device at the end.
     # Every file's pieces in the order they are read (file order).
     order = [sorted(ps, key=lambda p: p.offset) for ps in rp.by_file]
+    # This rank's files with device targets: read into a host buffer,
+    # broadcast from there, copied to the device at the end.
     held = {
         f: np.empty(rp.file_raw[f], dtype=np.uint8)
         for f in rp.mine
@@ -978,20 +984,11 @@ def stream_share(comm: Comm, rp: ReadPlan, progress: Progress, stage: _staging.S
             verified.abandoned = not verified.over
         reader.join()
     if verified.err is not None:
-        failed.run(_reraise(verified.err))
+        failed.keep(verified.err)
     for f, buf in held.items():
         failed.run(_copy_out(order[f], _place(buf, order[f]), dest, stage))
     failed.raise_first()
     return verified.nread
-
-
-def _reraise(err: BaseException) -> Callable[[], None]:
-    """A step that raises ``err`` (kept by :class:`FirstError`)."""
-
-    def step() -> None:
-        raise err
-
-    return step
 
 
 def _pack(
