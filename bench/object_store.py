@@ -47,7 +47,11 @@ holds all of it, as in data parallelism):
   over s3fs (``--dcp`` chooses; the report says which ran and why);
 - ``deeppart``: ``deeppart.save(state, "s3://BUCKET/...")`` and
   ``deeppart.load(url, into=state)`` (the endpoint and credentials from
-  ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ... as for any S3 client).
+  ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ... as for any S3 client);
+- ``dp-zstd``: the same with ``compression=`` ``--compression`` (default
+  ``shuffle-zstd``, lossless; ``none`` leaves this contender out): the
+  store holds, and the load's exchange between nodes carries, the
+  compressed bytes.
   Where this DeepPart cannot save to or load from S3, its column says so
   with the error; no number stands in for it.
 
@@ -100,6 +104,12 @@ for _p in (ROOT, ROOT / "tests"):
         sys.path.insert(0, str(_p))
 
 CONTENDERS = ("torch", "dcp", "deeppart")
+#: DeepPart saving with ``--compression`` (unless "none"): its own column.
+COMPRESSED = "dp-zstd"
+
+
+def contenders(compression: str) -> tuple[str, ...]:
+    return CONTENDERS if compression == "none" else (*CONTENDERS, COMPRESSED)
 BUCKET = "deeppart-bench"
 ACCESS_KEY = "deeppartbench"
 SECRET_KEY = "deeppartbenchsecret"
@@ -456,13 +466,20 @@ def worker(args: argparse.Namespace) -> None:
         deeppart.load(url("dp", round_), comm=comm, into=target)
         return target
 
+    def dpz_save(target: Any, round_: int | str) -> None:
+        deeppart.save(target, url("dpz", round_), comm=comm, compression=args.compression)
+
+    def dpz_load(target: Any, round_: int | str) -> Any:
+        deeppart.load(url("dpz", round_), comm=comm, into=target)
+        return target
+
     saves: dict[str, Callable[[Any, int | str], None]] = {
-        "torch": torch_save, "dcp": dcp_save_, "deeppart": dp_save,
+        "torch": torch_save, "dcp": dcp_save_, "deeppart": dp_save, COMPRESSED: dpz_save,
     }  # fmt: skip
     loads: dict[str, Callable[[Any, int | str], Any]] = {
-        "torch": torch_load, "dcp": dcp_load_, "deeppart": dp_load,
+        "torch": torch_load, "dcp": dcp_load_, "deeppart": dp_load, COMPRESSED: dpz_load,
     }  # fmt: skip
-    prefixes = {"torch": "torch.pt", "dcp": "dcp", "deeppart": "dp"}
+    prefixes = {"torch": "torch.pt", "dcp": "dcp", "deeppart": "dp", COMPRESSED: "dpz"}
 
     def agreed_error(fn: Callable[[], Any]) -> str | None:
         """Runs ``fn`` on every rank; the first error any rank met (the same
@@ -486,7 +503,7 @@ def worker(args: argparse.Namespace) -> None:
             got = loads[name](copy, "warm")
             if not _same(got, small):
                 raise RuntimeError("the warm-up load returned other bytes than were saved")
-            if name == "deeppart" and Path("s3:").exists():
+            if name.startswith(("deeppart", "dp-")) and Path("s3:").exists():
                 raise RuntimeError("deeppart.save wrote a local directory 's3:', not the store")
             if rank == 0:
                 found = s3.list_objects_v2(Bucket=BUCKET, Prefix=key(prefixes[name], "warm"))
@@ -505,13 +522,14 @@ def worker(args: argparse.Namespace) -> None:
         notes[f"dcp: {kind}"] = why
     available["dcp"] = why
     notes["dcp writer"] = dcp.kind
-    available["deeppart"] = warm("deeppart")
+    for name in contenders(args.compression)[len(CONTENDERS) - 1 :]:
+        available[name] = warm(name)
     if rank == 0:
         for name in prefixes.values():
             _delete_prefix(s3, key(name, "warm"))
         for name, why in available.items():
             log(f"n={size} {name}: " + ("ready" if why is None else f"cannot run: {why}"))
-    live = [n for n in CONTENDERS if available[n] is None]
+    live = [n for n in contenders(args.compression) if available[n] is None]
 
     rounds: dict[str, list[float | None]] = {}
     verified: dict[str, bool] = {}
@@ -582,7 +600,8 @@ def run_job(c: Any, n: int, args: argparse.Namespace, endpoint: str) -> dict[str
     order = list(range(n))
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker",
             "--scale", str(args.scale), "--hidden", str(args.hidden),
-            "--repeat", str(args.repeat), "--dcp", args.dcp]  # fmt: skip
+            "--repeat", str(args.repeat), "--dcp", args.dcp,
+            "--compression", args.compression]  # fmt: skip
     env = c.launch_env(n, order)
     env.update(s3_env(endpoint))
     env.update(
@@ -640,6 +659,7 @@ def _median_ratio(rounds: dict[str, list[float | None]], num: str, den: str) -> 
 
 
 def report(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    names = contenders(meta["compression"])
     lines = []
     gb = results[0]["bytes"] / 1e9
     lines.append(
@@ -651,27 +671,33 @@ def report(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"(from the head, {PROBE_STREAMS} streams, no shaping: PUT "
         f"{meta['raw']['put'] / 1e6:.0f} MB/s, GET {meta['raw']['get'] / 1e6:.0f} MB/s); "
         f"DCP writer: {results[0]['dcp']}; {meta['repeat']} rounds; "
-        f"load average at start {meta['loadavg_start']}, at end {meta['loadavg_end']}"
+        + (f"{COMPRESSED}: compression={meta['compression']}; " if COMPRESSED in names else "")
+        + f"load average at start {meta['loadavg_start']}, at end {meta['loadavg_end']}"
     )
     for op in ("save", "load"):
         lines.append(
             f"\n{op}: median seconds over the rounds; ratios: median of within-round ratios"
             + (" (predicted: the simulator's)" if op == "save" else "")
         )
-        head = f"{'nodes':>5}" + "".join(f"{c:>10}" for c in CONTENDERS)
+        head = f"{'nodes':>5}" + "".join(f"{c:>10}" for c in names)
         head += f"{'torch/deeppart':>16}{'dcp/deeppart':>14}{'torch/dcp':>11}"
+        if COMPRESSED in names:
+            head += f"{'torch/' + COMPRESSED:>15}{'dcp/' + COMPRESSED:>13}"
         if op == "save":
             head += f"{'predicted: deeppart':>21}{'torch/deeppart':>16}{'dcp/deeppart':>14}"
         lines.append(head)
         for r in results:
             line = f"{r['nodes']:>5}"
-            for c in CONTENDERS:
+            for c in names:
                 m = _median(r["rounds"].get(f"{op} {c}", [None]))
                 line += f"{m:10.2f}" if m is not None else f"{'n/a':>10}"
             rr = r["rounds"]
             line += f"{_fmt(_median_ratio(rr, f'{op} torch', f'{op} deeppart')):>16}"
             line += f"{_fmt(_median_ratio(rr, f'{op} dcp', f'{op} deeppart')):>14}"
             line += f"{_fmt(_median_ratio(rr, f'{op} torch', f'{op} dcp')):>11}"
+            if COMPRESSED in names:
+                line += f"{_fmt(_median_ratio(rr, f'{op} torch', f'{op} {COMPRESSED}')):>15}"
+                line += f"{_fmt(_median_ratio(rr, f'{op} dcp', f'{op} {COMPRESSED}')):>13}"
             if op == "save":
                 p = r["predicted"]
                 line += f"{p['balanced']:>20.2f}s"
@@ -682,7 +708,7 @@ def report(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     for r in results:
         lines.append(
             f"  {r['nodes']} node(s): "
-            + ", ".join(f"{c} {r['verified'].get(c, 'not run')}" for c in CONTENDERS)
+            + ", ".join(f"{c} {r['verified'].get(c, 'not run')}" for c in names)
         )
     notes = [
         (r["nodes"], k, v) for r in results for k, v in r["notes"].items() if k != "dcp writer"
@@ -754,6 +780,7 @@ def drive(args: argparse.Namespace) -> None:
     meta = {
         "scale": args.scale, "hidden": args.hidden, "rate": args.rate, "link": link, "raw": raw,
         "server": args.server, "repeat": args.repeat, "loadavg_start": " ".join(loadavg_start),
+        "compression": args.compression,
         "loadavg_end": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
     }  # fmt: skip
     print(report(results, meta))
@@ -780,6 +807,9 @@ def main() -> None:
         help="hidden size (default 512; with --scale 0.04: 52 MB with AdamW)",
     )
     p.add_argument("--repeat", type=int, default=3, help="timed rounds (default 3)")
+    p.add_argument("--compression", default="shuffle-zstd",
+                   choices=("none", "zstd", "lz4", "shuffle-zstd", "auto"),
+                   help=f"the codec of {COMPRESSED} (none: leave it out)")  # fmt: skip
     p.add_argument("--server", default="s3s-fs", choices=("s3s-fs", "moto"))
     p.add_argument("--dcp", default="auto", choices=("auto", "s3torchconnector", "fsspec"),
                    help="DCP's S3 storage (auto: the S3 connector's, else fsspec)")  # fmt: skip

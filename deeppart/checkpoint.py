@@ -452,11 +452,12 @@ def load(
     with no bulk MPI traffic (right when the interconnect is the
     bottleneck, e.g. nodes that reach the store through the same link they
     reach each other by: README, "Object storage").
-    ``exchange="auto"`` (default): each data file is read, checksummed and
-    decompressed once, by one rank; on one host (MPI) into memory that all
+    ``exchange="auto"`` (default): each data file is read and checksummed
+    once, by one rank; on one host (MPI) decompressed into memory that all
     its ranks map (a shared window), from which every rank copies, else
-    broadcast from the reader's tensors (``"bcast"``); all ranks take the
-    same decision. Whatever a rank returns was checksummed where it lies or
+    broadcast from the reader's tensors (``"bcast"``: a compressed piece as
+    stored, checked and decoded by every rank); all ranks take the same
+    decision. Whatever a rank returns was checksummed where it lies or
     copied from memory where it was (docs/FORMAT.md). The shards of sharded
     state (the checkpoint or ``into=`` holds DTensors): with ``"read"``, and
     with ``"auto"`` on one host when no piece is compressed, each rank reads

@@ -382,6 +382,7 @@ def read_file(
     through: Callable[[Piece], U8 | _staging.DeviceSink] | None = None,
     hot: bool = False,
     done: Callable[[Piece], None] | None = None,
+    stored_into: Callable[[Piece], U8] | None = None,
 ) -> int:
     """Reads, verifies and decodes the pieces of one data file into
     ``dest(piece)``; returns the bytes read. A raw piece is checksummed in
@@ -392,7 +393,9 @@ def read_file(
     checksummed chunk by chunk as it is read, while each chunk is still in
     the cache (:func:`_read_through`, no second place), rather than whole
     in a background thread afterwards. ``done``: called with each piece
-    once it is in place and verified (implies ``hot``).
+    once it is in place and verified (implies ``hot``). ``stored_into``:
+    where a compressed piece's stored bytes are read to (and kept, e.g. to
+    be sent on), instead of a temporary buffer.
 
     The pieces are read in file order; the file is opened with their
     ranges declared, so that an object store reads them ahead in large
@@ -402,8 +405,9 @@ def read_file(
     expect = [(0, HEADER_SIZE)] + [(p.offset, p.stored) for p in pieces]
     with open_data(directory, rank, expect) as f:
         return read_pieces(
-            f, path, directory, meta, rank, pieces, dest, progress, staging, through, hot, done
-        )
+            f, path, directory, meta, rank, pieces, dest, progress, staging, through, hot, done,
+            stored_into,
+        )  # fmt: skip
 
 
 class _Checksums:
@@ -455,6 +459,7 @@ def read_pieces(
     through: Callable[[Piece], U8 | _staging.DeviceSink] | None = None,
     hot: bool = False,
     done: Callable[[Piece], None] | None = None,
+    stored_into: Callable[[Piece], U8] | None = None,
 ) -> int:
     """:func:`read_file` from ``f`` (an open file, or anything with
     ``seek``/``read``/``readinto``, e.g. :class:`io.BytesIO`)."""
@@ -464,7 +469,7 @@ def read_pieces(
     try:
         n = _read_each(
             f, directory, meta, pieces, dest, progress, staging, sizes, sums, through,
-            hot or done is not None, done,
+            hot or done is not None, done, stored_into,
         )  # fmt: skip
         sums.check()
     finally:
@@ -485,6 +490,7 @@ def _read_each(
     through: Callable[[Piece], U8 | _staging.DeviceSink] | None = None,
     hot: bool = False,
     done: Callable[[Piece], None] | None = None,
+    stored_into: Callable[[Piece], U8] | None = None,
 ) -> int:
     """The loop of :func:`read_pieces`: the raw pieces' checksums are left
     to ``sums``, except those read through to a second place (and with
@@ -520,16 +526,16 @@ def _read_each(
             if done is not None:
                 done(p)
             continue
-        stored = f.read(p.stored)
-        if len(stored) != p.stored:
-            raise CorruptCheckpointError(f"{p.describe(directory)}: short read")
-        if checksum(stored) != p.xxh3:
-            raise CorruptCheckpointError(f"{p.describe(directory)}: checksum mismatch (xxh3_64)")
-        try:
-            limit = max_expansion(meta.leaves[p.leaf].kind)
-            decompress_into(p.codec, stored, out, sizes[p.leaf], limit)
-        except CodecError as e:
-            raise CorruptCheckpointError(f"{p.describe(directory)}: {e}") from e
+        if stored_into is not None:
+            keep = stored_into(p)
+            if f.readinto(keep.data) != p.stored:
+                raise CorruptCheckpointError(f"{p.describe(directory)}: short read")
+            stored: bytes | memoryview = keep.data
+        else:
+            stored = f.read(p.stored)
+            if len(stored) != p.stored:
+                raise CorruptCheckpointError(f"{p.describe(directory)}: short read")
+        decode_piece(p, stored, out, meta, directory)
         if isinstance(also, np.ndarray):
             # Decoded from stored bytes verified in this process's memory.
             copy_into(also.data, out.data)
@@ -538,6 +544,28 @@ def _read_each(
         if done is not None:
             done(p)
     return n
+
+
+def decode_piece(
+    p: Piece,
+    stored: bytes | memoryview,
+    out: U8,
+    meta: Metadata,
+    directory: CheckpointDir,
+    received_from: int | None = None,
+) -> None:
+    """Verifies compressed piece ``p``'s stored bytes (their xxh3) where they
+    lie, then decodes them into ``out``; CorruptCheckpointError naming the
+    piece when either fails (and ``received_from``, the rank the bytes came
+    from, when they were received rather than read)."""
+    if checksum(stored) != p.xxh3:
+        where = "" if received_from is None else f" in the bytes received from rank {received_from}"
+        raise CorruptCheckpointError(f"{p.describe(directory)}: checksum mismatch (xxh3_64){where}")
+    info = meta.leaves[p.leaf]
+    try:
+        decompress_into(p.codec, stored, out, info.itemsize, max_expansion(info.kind))
+    except CodecError as e:
+        raise CorruptCheckpointError(f"{p.describe(directory)}: {e}") from e
 
 
 #: A raw piece read through to a second place (:func:`_read_through`) goes
@@ -724,26 +752,27 @@ Message = list[tuple[Piece, int, int]]
 
 
 def exchange_messages(pieces: Sequence[Piece]) -> Iterator[Message]:
-    """A data file's bytes (``pieces``, in the order given) as the exchange
-    broadcasts them: runs of short pieces together, up to
-    :data:`PACKED_MESSAGE_BYTES`; a long piece alone, in chunks of
+    """A data file's stored bytes (``pieces``, in the order given; a
+    compressed piece as stored) as the exchange broadcasts them: runs of
+    short pieces together, up to :data:`PACKED_MESSAGE_BYTES`; a long piece
+    alone, in chunks of
     :data:`EXCHANGE_MESSAGE_BYTES`. Every rank derives the same messages
     from the metadata, so their broadcasts match."""
     batch: Message = []
     size = 0
     for p in pieces:
-        if p.length < DIRECT_PIECE_BYTES:
-            if batch and size + p.length > PACKED_MESSAGE_BYTES:
+        if p.stored < DIRECT_PIECE_BYTES:
+            if batch and size + p.stored > PACKED_MESSAGE_BYTES:
                 yield batch
                 batch, size = [], 0
-            batch.append((p, 0, p.length))
-            size += p.length
+            batch.append((p, 0, p.stored))
+            size += p.stored
             continue
         if batch:
             yield batch
             batch, size = [], 0
-        for off in range(0, p.length, EXCHANGE_MESSAGE_BYTES):
-            yield [(p, off, min(EXCHANGE_MESSAGE_BYTES, p.length - off))]
+        for off in range(0, p.stored, EXCHANGE_MESSAGE_BYTES):
+            yield [(p, off, min(EXCHANGE_MESSAGE_BYTES, p.stored - off))]
     if batch:
         yield batch
 
@@ -818,11 +847,16 @@ STREAM_MESSAGES = 256
 #: The longest wait, in seconds, for this rank's reader thread between two
 #: polls of the broadcasts in flight.
 STREAM_POLL_S = 1e-3
+#: The most stored bytes of compressed pieces that :func:`stream_share`'s
+#: reader thread keeps read and verified but not yet sent; beyond it the
+#: thread waits for the broadcasts, unless the exchange waits for it.
+STREAM_HELD_BYTES = 256 << 20
 
 
 class _Verified:
-    """The pieces this rank's reader thread has read and verified, and how
-    the thread ended."""
+    """The pieces this rank's reader thread has read and verified, how the
+    thread ended, and the stored bytes of compressed pieces it keeps for
+    their broadcasts."""
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
@@ -833,6 +867,11 @@ class _Verified:
         #: Set when the exchange has stopped (an exception left it): the
         #: reader thread stops at its next piece instead of reading on.
         self.abandoned = False
+        #: Stored bytes kept for broadcasts not yet completed.
+        self.held = 0
+        #: The exchange waits for a piece the reader has not verified yet:
+        #: the reader goes on past :data:`STREAM_HELD_BYTES` until it has.
+        self.starved = False
 
     def add(self, p: Piece) -> None:
         with self.cond:
@@ -841,9 +880,35 @@ class _Verified:
             self.ids.add(id(p))
             self.cond.notify_all()
 
+    def hold(self, n: int) -> None:
+        """The reader thread keeps ``n`` more stored bytes: waits first while
+        that would pass :data:`STREAM_HELD_BYTES` (and it keeps some) and the
+        exchange is not waiting for it."""
+        with self.cond:
+            while (
+                self.held
+                and self.held + n > STREAM_HELD_BYTES
+                and not self.starved
+                and not self.abandoned
+            ):
+                self.cond.wait()
+            if self.abandoned:
+                raise CheckpointError("the load's exchange stopped; its read stops too")
+            self.held += n
+
+    def release(self, n: int) -> None:
+        with self.cond:
+            self.held -= n
+            self.cond.notify_all()
+
     def finish(self, nread: int, err: BaseException | None) -> None:
         with self.cond:
             self.nread, self.err, self.over = nread, err, True
+            self.cond.notify_all()
+
+    def abandon(self) -> None:
+        with self.cond:
+            self.abandoned = not self.over
             self.cond.notify_all()
 
     def has(self, message: Message) -> bool | None:
@@ -852,8 +917,12 @@ class _Verified:
         thread has ended without it."""
         with self.cond:
             if not self._holds(message) and not self.over:
+                if not self.starved:
+                    self.starved = True
+                    self.cond.notify_all()
                 self.cond.wait(STREAM_POLL_S)
             if self._holds(message):
+                self.starved = False
                 return True
             return None if self.over else False
 
@@ -871,6 +940,12 @@ def stream_share(comm: Comm, rp: ReadPlan, progress: Progress, stage: _staging.S
     its read goes on. The store's reads and the broadcasts share the link
     instead of taking turns.
 
+    What travels is each file's stored bytes: a compressed piece goes as
+    stored (its reader keeps them, at most :data:`STREAM_HELD_BYTES` ahead
+    of the broadcasts), and every rank checks its checksum in the bytes it
+    received before decoding them into its target, so the link carries the
+    compressed size and every rank verifies what it returns.
+
     Every rank starts the same broadcasts in the same order (the messages
     each derives from the metadata, in file order within a file, the k-th
     of every file before any file's next; at most :data:`STREAM_MESSAGES`
@@ -881,10 +956,14 @@ def stream_share(comm: Comm, rp: ReadPlan, progress: Progress, stage: _staging.S
     bytes it has verified: once its read has failed, what it still must
     send is zeros (every rank takes part in every broadcast). A failed
     read or copy raises here after the last broadcast
-    (:class:`FirstError`); the caller's agreement spreads it. Returns the
-    bytes read."""
+    (:class:`FirstError`); the caller's agreement spreads it. A received
+    compressed piece that does not match its checksum raises too, unless a
+    reader failed (its zeros are what did not match: the reader's own error
+    is the load's). Returns the bytes read."""
     dest = _direct(rp)
     failed = FirstError()
+    # A received compressed piece that failed its check or its decoding.
+    received_bad = FirstError()
     verified = _Verified()
     # Every file's pieces in the order they are read (file order).
     order = [sorted(ps, key=lambda p: p.offset) for ps in rp.by_file]
@@ -895,16 +974,36 @@ def stream_share(comm: Comm, rp: ReadPlan, progress: Progress, stage: _staging.S
         for f in rp.mine
         if _to_device(rp, rp.by_file[f])
     }
+    in_held = {f: _place(buf, order[f]) for f, buf in held.items()}
+    # The stored bytes of the compressed pieces in transit (by id), and how
+    # many of them have not been through their broadcasts yet.
+    wire: dict[int, U8] = {}
+    left: dict[int, int] = {}
+
+    def keep(p: Piece) -> U8:
+        """Reader thread: where compressed piece ``p``'s stored bytes go."""
+        verified.hold(p.stored)
+        buf = np.empty(p.stored, dtype=np.uint8)
+        wire[id(p)] = buf
+        return buf
+
+    def source(p: Piece) -> U8 | _staging.DeviceSink:
+        """Where piece ``p``'s stored bytes are sent from or received into."""
+        if p.codec != "none":
+            return wire[id(p)]
+        if p.rank in in_held:
+            return in_held[p.rank](p)
+        return dest(p)
 
     def read_mine() -> None:
         nread = 0
         try:
             for f in rp.mine:
-                pieces = order[f]
-                place = _place(held[f], pieces) if f in held else dest
+                place = in_held.get(f, dest)
                 nread += read_file(
-                    rp.path, rp.meta, f, pieces, place, progress, stage, done=verified.add
-                )
+                    rp.path, rp.meta, f, order[f], place, progress, stage, done=verified.add,
+                    stored_into=keep,
+                )  # fmt: skip
         except BaseException as e:
             verified.finish(nread, e)
             return
@@ -922,26 +1021,63 @@ def stream_share(comm: Comm, rp: ReadPlan, progress: Progress, stage: _staging.S
             handle.wait()
             packed_bytes -= n
             if then is not None:
-                failed.run(then)
+                then()
             wait = False
 
     def start(buf: U8, root: int, then: Callable[[], None] | None = None, n: int = 0) -> None:
         inflight.append((comm.start_bcast_u8(buf, root), then, n))
 
-    def unpack(message: Message, packed: U8) -> Callable[[], None]:
+    def decode(p: Piece, stored: U8) -> Callable[[], None]:
+        def step() -> None:
+            out = dest(p)
+            root = rp.owner[p.rank]
+            if isinstance(out, np.ndarray):
+                decode_piece(p, stored.data, out, rp.meta, rp.path, root)
+                return
+            raw = np.empty(p.length, dtype=np.uint8)
+            decode_piece(p, stored.data, raw, rp.meta, rp.path, root)
+            _copy_to(out, 0, raw, stage)
+
+        return step
+
+    def after(message: Message, packed: U8 | None, sending: bool) -> Callable[[], None] | None:
+        """What follows a broadcast of ``message``: a receiver unpacks
+        ``packed`` and checks and decodes each compressed piece whose last
+        bytes it got; the reader lets go of such a piece's stored bytes."""
+        ends = [(p, length) for p, _, length in message if p.codec != "none"]
+        if not ends and (sending or packed is None):
+            return None
+
         def then() -> None:
-            at = 0
-            for p, off, length in message:
-                _copy_to(dest(p), off, packed[at : at + length], stage)
-                at += length
+            if packed is not None and not sending:
+                failed.run(unpack(message, packed))
+            for p, length in ends:
+                left[id(p)] -= length
+                if left[id(p)]:
+                    continue
+                del left[id(p)]
+                stored = wire.pop(id(p), None)
+                if sending:
+                    if stored is not None:
+                        verified.release(p.stored)
+                elif stored is not None and failed.err is None:
+                    received_bad.run(decode(p, stored))
 
         return then
+
+    def unpack(message: Message, packed: U8) -> Callable[[], None]:
+        def step() -> None:
+            at = 0
+            for p, off, length in message:
+                _copy_to(source(p), off, packed[at : at + length], stage)
+                at += length
+
+        return step
 
     # Message k of every file before message k + 1 of any: each reader's
     # first messages start early, whatever the cap on those in flight.
     messages = [list(exchange_messages(ps)) for ps in order]
     rounds = max((len(m) for m in messages), default=0)
-    at = [0] * len(messages)  # where the next message of each file starts
     reader = threading.Thread(target=read_mine, name="deeppart-read", daemon=True)
     reader.start()
     try:
@@ -959,34 +1095,42 @@ def stream_share(comm: Comm, rp: ReadPlan, progress: Progress, stage: _staging.S
                         settle(False)
                 while len(inflight) >= STREAM_MESSAGES:
                     settle(True)
+                for p, off, _ in message:
+                    if p.codec != "none" and off == 0:
+                        left[id(p)] = p.stored
+                        if not sending:
+                            wire[id(p)] = np.empty(p.stored, dtype=np.uint8)
                 p, off, _ = message[0]
-                out = dest(p)
                 if ready is None:
-                    start(np.zeros(n, dtype=np.uint8), root)
-                elif sending and f in held:
-                    start(held[f][at[f] : at[f] + n], root)
-                elif len(message) == 1 and isinstance(out, np.ndarray):
-                    start(out[off : off + n], root)
-                else:
-                    while inflight and packed_bytes + n > STREAM_PACKED_BYTES:
-                        settle(True)
-                    packed = np.empty(n, dtype=np.uint8)
-                    if sending:
-                        failed.run(_pack(message, packed, dest))
-                    packed_bytes += n
-                    start(packed, root, None if sending else unpack(message, packed), n)
-                at[f] += n
+                    start(np.zeros(n, dtype=np.uint8), root, after(message, None, sending))
+                    continue
+                out = source(p)
+                if len(message) == 1 and isinstance(out, np.ndarray):
+                    start(out[off : off + n], root, after(message, None, sending))
+                    continue
+                while inflight and packed_bytes + n > STREAM_PACKED_BYTES:
+                    settle(True)
+                packed = np.empty(n, dtype=np.uint8)
+                if sending:
+                    failed.run(_pack(message, packed, source))
+                packed_bytes += n
+                start(packed, root, after(message, packed, sending), n)
                 settle(False)
         while inflight:
             settle(True)
     finally:
-        with verified.cond:
-            verified.abandoned = not verified.over
+        verified.abandon()
         reader.join()
     if verified.err is not None:
         failed.keep(verified.err)
     for f, buf in held.items():
         failed.run(_copy_out(order[f], _place(buf, order[f]), dest, stage))
+    if any(p.codec != "none" for p in rp.meta.pieces):
+        # Whether some rank's own steps failed: then a received piece that
+        # did not match is that failure's zeros, not an error of its own.
+        rows = comm.allgather_bytes(bytes([failed.err is not None]), 1)
+        if received_bad.err is not None and not any(row[0] for row in rows):
+            failed.keep(received_bad.err)
     failed.raise_first()
     return verified.nread
 

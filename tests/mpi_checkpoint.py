@@ -128,7 +128,7 @@ def flip_middle_byte(d: Path, p: Any) -> None:
     if c.rank == 0:
         path = d / data_file_name(p.rank)
         data = bytearray(path.read_bytes())
-        data[p.offset + p.length // 2] ^= 0x10
+        data[p.offset + p.stored // 2] ^= 0x10
         path.write_bytes(bytes(data))
     c.barrier()
 
@@ -341,7 +341,7 @@ def scenario_shared_check(d: Path) -> None:
     if c.rank == seen_by:
         copy = d.parent / f"replaced-{c.rank}.bin"
         data = bytearray((d / data_file_name(f)).read_bytes())
-        data[p.offset + p.length // 2] ^= 0x10
+        data[p.offset + p.stored // 2] ^= 0x10
         copy.write_bytes(bytes(data))
         # Data files are opened through storage.files.open_data (a file
         # system checkpoint: its open_regular).
@@ -475,6 +475,100 @@ def scenario_stream(d: Path) -> None:
             "the other rank got bytes its reader did not verify"
         )
     ok("stream")
+
+
+def _compressible_state() -> dict[str, Any]:
+    """Tensors of small integers in float32 (and bfloat16): every piece
+    compresses, to about a sixth of its bytes."""
+    g = torch.Generator().manual_seed(5)
+    return {
+        "model": {
+            f"w{i}": torch.randint(0, 4, (n,), generator=g).float()
+            for i, n in enumerate((700, 9000, 30000, 2500))
+        },
+        "buf": torch.randint(0, 4, (6000,), generator=g).to(torch.bfloat16),
+    }
+
+
+class BcastBytes(MPIComm):
+    """MPI.COMM_WORLD, counting the bytes of the load's broadcasts and, on
+    ``tamper_rank``, flipping one byte of the first message it receives
+    (after MPI has delivered it, before the load looks at it)."""
+
+    def __init__(self, comm: Any, tamper_rank: int = -1) -> None:
+        super().__init__(comm)
+        self.sent = 0
+        self.tamper = comm.Get_rank() == tamper_rank
+
+    def start_bcast_u8(self, buf: Any, root: int) -> Any:
+        self.sent += buf.size
+        handle = super().start_bcast_u8(buf, root)
+        if not self.tamper or root == self.rank:
+            return handle
+        self.tamper = False
+        inner = handle
+
+        class Tampered:
+            def done(self) -> bool:
+                return bool(inner.done())
+
+            def wait(self) -> None:
+                inner.wait()
+                buf[buf.size // 2] ^= 0x10
+
+        return Tampered()
+
+
+def scenario_stream_compressed(d: Path) -> None:
+    """A compressed checkpoint loads by broadcast with its pieces sent as
+    stored: the broadcasts carry the files' stored bytes, not the raw ones,
+    and every rank checks each piece it receives before decoding it. A byte
+    flipped in transit (on rank 0) fails the load on every rank, naming the
+    piece and the rank its bytes came from; a piece corrupt on disk fails it
+    with its reader's error (the zeros the reader then sends are not
+    reported as a second, misleading corruption)."""
+    from mpi4py import MPI
+
+    c = resolve()
+    saved = _compressible_state()
+    # Every rank writes a part (no fixed costs in the plan's cost model).
+    cost = deeppart.CostModel(
+        fixed_s=0.0, piece_s=0.0, writer_s=0.0, bandwidth=1e6, min_piece_bytes=4096
+    )
+    deeppart.save(saved, d, compression="shuffle-zstd", cost=cost)
+    meta, _ = reader.read_metadata(d)
+    assert all(p.codec != "none" for p in meta.pieces), [p.codec for p in meta.pieces]
+    raw = [sum(p.length for p in meta.pieces if p.rank == f) for f in range(meta.world_size)]
+    owners = reader.assign_readers(raw, c.size)
+    assert {owners[p.rank] for p in meta.pieces} == set(range(c.size)), owners
+    stored = sum(p.stored for p in meta.pieces)
+    assert stored * 3 < sum(p.length for p in meta.pieces), stored
+    counting = BcastBytes(MPI.COMM_WORLD)
+    out = deeppart.load(d, comm=counting, exchange="bcast")
+    assert_bitwise_equal(saved, out, "compressed stream")
+    assert counting.sent == stored, (counting.sent, stored)
+    # One byte flipped in the first message rank 0 receives.
+    try:
+        deeppart.load(d, comm=BcastBytes(MPI.COMM_WORLD, tamper_rank=0), exchange="bcast")
+    except deeppart.CorruptCheckpointError as e:
+        assert "checksum mismatch (xxh3_64) in the bytes received from rank" in str(e), e
+        if c.rank != 0:
+            assert str(e).startswith("rank 0: "), e
+    else:
+        raise AssertionError("bytes corrupted in transit loaded")
+    # A piece of the file rank 1 reads corrupted on disk.
+    victim = max((p for p in meta.pieces if owners[p.rank] == 1), key=lambda p: p.stored)
+    flip_middle_byte(d, victim)
+    try:
+        deeppart.load(d, exchange="bcast")
+    except deeppart.CorruptCheckpointError as e:
+        assert f"piece of leaf {victim.leaf} [{victim.start}:{victim.stop}]" in str(e), e
+        assert "received" not in str(e), e
+        if c.rank != 1:
+            assert str(e).startswith("rank 1: "), e
+    else:
+        raise AssertionError("a corrupt piece loaded")
+    ok("stream_compressed")
 
 
 class CountingComm(MPIComm):
@@ -816,6 +910,7 @@ def main() -> None:
         "writer_sleeps": lambda: scenario_writer_sleeps(args.dir),
         "experts-save": lambda: scenario_experts_save(args.dir),
         "stream": lambda: scenario_stream(args.dir),
+        "stream_compressed": lambda: scenario_stream_compressed(args.dir),
         "experts-load": lambda: scenario_experts_load(args.dir),
     }
     torch.set_num_threads(1)
@@ -832,6 +927,8 @@ def main() -> None:
         # The broadcasts in flight reach their caps mid-exchange too.
         reader.STREAM_PACKED_BYTES = 2 * args.exchange_message
         reader.STREAM_MESSAGES = 3
+        # The reader thread keeps at most this much compressed data ahead.
+        reader.STREAM_HELD_BYTES = args.exchange_message
     if args.stage:
         from deeppart import staging
 

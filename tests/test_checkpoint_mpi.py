@@ -101,6 +101,18 @@ def test_broadcast_load_sends_what_is_verified_while_reading(tmp_path: Path) -> 
     run(2, "stream", str(tmp_path / "ck"))
 
 
+def test_broadcast_load_sends_compressed_pieces_as_stored(tmp_path: Path) -> None:
+    """A compressed checkpoint loaded by broadcast: the broadcasts carry the
+    stored (compressed) bytes, every rank checks what it received before
+    decoding it (a byte flipped in transit fails the load, naming where it
+    came from), a piece corrupt on disk fails with its reader's error; with
+    tiny message caps, a reader allowed to keep 8 KiB ahead of its
+    broadcasts, and on the staged device path."""
+    run(3, "stream_compressed", str(tmp_path / "ck"), "--exchange-message", "8192")
+    run(2, "stream_compressed", str(tmp_path / "ck2"), "--exchange-message", "8192",
+        "--stage", "1024")  # fmt: skip
+
+
 @pytest.mark.parametrize(("n", "m"), [(4, 2), (2, 3), (4, 1)])
 def test_elastic_restore(tmp_path: Path, n: int, m: int) -> None:
     """Written by n ranks, loaded on m (m == 1: one process, no MPI)."""
