@@ -48,10 +48,13 @@ holds all of it, as in data parallelism):
 - ``deeppart``: ``deeppart.save(state, "s3://BUCKET/...")`` and
   ``deeppart.load(url, into=state)`` (the endpoint and credentials from
   ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ... as for any S3 client);
-- ``dp-zstd``: the same with ``compression=`` ``--compression`` (default
-  ``shuffle-zstd``, lossless; ``none`` leaves this contender out): the
-  store holds, and the load's exchange between nodes carries, the
-  compressed bytes.
+- ``dcp-zstd``: DCP's writer with its own lossless compression
+  (``_extensions=[ZStandard()]``, torch's stream extension: each written
+  item zstd-compressed; the reader decompresses);
+- ``dp-zstd``: DeepPart with ``compression=`` ``--compression`` (default
+  ``shuffle-zstd``, lossless): the store holds, and the load's exchange
+  between nodes carries, the compressed bytes. ``--compression none``
+  leaves these two out.
   Where this DeepPart cannot save to or load from S3, its column says so
   with the error; no number stands in for it.
 
@@ -104,12 +107,11 @@ for _p in (ROOT, ROOT / "tests"):
         sys.path.insert(0, str(_p))
 
 CONTENDERS = ("torch", "dcp", "deeppart")
-#: DeepPart saving with ``--compression`` (unless "none"): its own column.
+#: DCP with its own lossless compression (torch's ZStandard stream
+#: extension), and DeepPart saving with ``--compression``: the columns of
+#: the compressed comparison (left out with ``--compression none``).
+DCP_COMPRESSED = "dcp-zstd"
 COMPRESSED = "dp-zstd"
-
-
-def contenders(compression: str) -> tuple[str, ...]:
-    return CONTENDERS if compression == "none" else (*CONTENDERS, COMPRESSED)
 BUCKET = "deeppart-bench"
 ACCESS_KEY = "deeppartbench"
 SECRET_KEY = "deeppartbenchsecret"
@@ -123,6 +125,10 @@ BENCH_MODULES = ("boto3", "s3fs", "s3torchconnector")
 #: Bytes of each object of the raw-throughput probes.
 PROBE_BYTES = 32 << 20
 PROBE_STREAMS = 4
+
+
+def contenders(compression: str) -> tuple[str, ...]:
+    return CONTENDERS if compression == "none" else (*CONTENDERS, DCP_COMPRESSED, COMPRESSED)
 
 
 def log(msg: str) -> None:
@@ -374,17 +380,24 @@ class DcpStore:
     def __init__(self, kind: str) -> None:
         self.kind = kind
 
-    def writer(self, url: str) -> Any:
+    def writer(self, url: str, compressed: bool = False) -> Any:
+        """``compressed``: with DCP's ZStandard stream extension."""
+        from torch.distributed.checkpoint._extension import ZStandard
+
+        extensions = [ZStandard()] if compressed else None
         if self.kind == "s3torchconnector":
             from s3torchconnector import S3ClientConfig
             from s3torchconnector.dcp import S3StorageWriter
 
             return S3StorageWriter(
-                region=REGION, path=url, s3client_config=S3ClientConfig(force_path_style=True)
+                region=REGION,
+                path=url,
+                s3client_config=S3ClientConfig(force_path_style=True),
+                _extensions=extensions,
             )
         from torch.distributed.checkpoint.fsspec_filesystem import FsspecWriter
 
-        return FsspecWriter(url, sync_files=False)
+        return FsspecWriter(url, sync_files=False, _extensions=extensions)
 
     def reader(self, url: str) -> Any:
         if self.kind == "s3torchconnector":
@@ -459,6 +472,13 @@ def worker(args: argparse.Namespace) -> None:
         dcp_load(target, storage_reader=dcp.reader(url("dcp", round_)))
         return target
 
+    def dcpz_save(target: Any, round_: int | str) -> None:
+        dcp_save(target, storage_writer=dcp.writer(url("dcpz", round_), compressed=True))
+
+    def dcpz_load(target: Any, round_: int | str) -> Any:
+        dcp_load(target, storage_reader=dcp.reader(url("dcpz", round_)))
+        return target
+
     def dp_save(target: Any, round_: int | str) -> None:
         deeppart.save(target, url("dp", round_), comm=comm)
 
@@ -474,12 +494,15 @@ def worker(args: argparse.Namespace) -> None:
         return target
 
     saves: dict[str, Callable[[Any, int | str], None]] = {
-        "torch": torch_save, "dcp": dcp_save_, "deeppart": dp_save, COMPRESSED: dpz_save,
+        "torch": torch_save, "dcp": dcp_save_, "deeppart": dp_save,
+        DCP_COMPRESSED: dcpz_save, COMPRESSED: dpz_save,
     }  # fmt: skip
     loads: dict[str, Callable[[Any, int | str], Any]] = {
-        "torch": torch_load, "dcp": dcp_load_, "deeppart": dp_load, COMPRESSED: dpz_load,
+        "torch": torch_load, "dcp": dcp_load_, "deeppart": dp_load,
+        DCP_COMPRESSED: dcpz_load, COMPRESSED: dpz_load,
     }  # fmt: skip
-    prefixes = {"torch": "torch.pt", "dcp": "dcp", "deeppart": "dp", COMPRESSED: "dpz"}
+    prefixes = {"torch": "torch.pt", "dcp": "dcp", "deeppart": "dp",
+                DCP_COMPRESSED: "dcpz", COMPRESSED: "dpz"}  # fmt: skip
 
     def agreed_error(fn: Callable[[], Any]) -> str | None:
         """Runs ``fn`` on every rank; the first error any rank met (the same
@@ -683,6 +706,7 @@ def report(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         head += f"{'torch/deeppart':>16}{'dcp/deeppart':>14}{'torch/dcp':>11}"
         if COMPRESSED in names:
             head += f"{'torch/' + COMPRESSED:>15}{'dcp/' + COMPRESSED:>13}"
+            head += f"{DCP_COMPRESSED + '/' + COMPRESSED:>18}"
         if op == "save":
             head += f"{'predicted: deeppart':>21}{'torch/deeppart':>16}{'dcp/deeppart':>14}"
         lines.append(head)
@@ -698,6 +722,8 @@ def report(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             if COMPRESSED in names:
                 line += f"{_fmt(_median_ratio(rr, f'{op} torch', f'{op} {COMPRESSED}')):>15}"
                 line += f"{_fmt(_median_ratio(rr, f'{op} dcp', f'{op} {COMPRESSED}')):>13}"
+                both = _median_ratio(rr, f"{op} {DCP_COMPRESSED}", f"{op} {COMPRESSED}")
+                line += f"{_fmt(both):>18}"
             if op == "save":
                 p = r["predicted"]
                 line += f"{p['balanced']:>20.2f}s"

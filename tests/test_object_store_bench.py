@@ -57,7 +57,7 @@ def _result(nodes: int, deeppart: bool) -> dict[str, object]:
 META = {
     "scale": 0.04, "hidden": 512, "rate": "100mbit", "server": "s3s-fs", "repeat": 2,
     "link": {"put": 12e6, "get": 12e6}, "raw": {"put": 100e6, "get": 250e6},
-    "loadavg_start": "1.0 1.0 1.0", "loadavg_end": "1.0 1.0 1.0",
+    "loadavg_start": "1.0 1.0 1.0", "loadavg_end": "1.0 1.0 1.0", "compression": "none",
 }  # fmt: skip
 
 
@@ -68,6 +68,26 @@ def test_report_shows_ratios_and_predictions() -> None:
     # within-round ratios: 8/2.5 and 8/3 give 2.93), predicted s, predicted ratios
     assert save[:7] == ["4", "8.00", "2.75", "2.00", "4.00x", "1.38x", "2.93x"]
     assert save[7:] == ["2.00s", "4.00x", "1.00x"]
+
+
+def test_report_compares_the_compressed_contenders() -> None:
+    """With --compression: DCP with its ZStandard extension and DeepPart
+    compressed get their own columns and their ratios, DeepPart's against
+    torch.save, DCP and DCP compressed; the header names the codec."""
+    result = _result(4, deeppart=True)
+    rounds = result["rounds"]
+    assert isinstance(rounds, dict)
+    rounds["save dcp-zstd"] = [2.4, 2.4]
+    rounds["save dp-zstd"] = [1.6, 2.0]
+    text = object_store.report([result], {**META, "compression": "shuffle-zstd"})
+    assert "dp-zstd: compression=shuffle-zstd" in text
+    save = text.split("\nload:")[0].splitlines()[-1].split()
+    # nodes, torch, dcp, deeppart, dcp-zstd, dp-zstd (medians), torch/dp,
+    # dcp/dp, torch/dcp, torch/dp-zstd (8/1.6, 8/2), dcp/dp-zstd (2.5/1.6,
+    # 3/2), dcp-zstd/dp-zstd (2.4/1.6, 2.4/2), then the predictions
+    assert save[:6] == ["4", "8.00", "2.75", "2.00", "2.40", "1.80"]
+    assert save[6:12] == ["4.00x", "1.38x", "2.93x", "4.50x", "1.53x", "1.35x"]
+    assert save[12:] == ["2.00s", "4.00x", "1.00x"]
 
 
 def test_report_says_why_deeppart_did_not_run() -> None:
