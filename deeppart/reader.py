@@ -1101,20 +1101,19 @@ def stream_share(comm: Comm, rp: ReadPlan, progress: Progress, stage: _staging.S
                         if not sending:
                             wire[id(p)] = np.empty(p.stored, dtype=np.uint8)
                 p, off, _ = message[0]
+                out = source(p) if ready else None
                 if ready is None:
                     start(np.zeros(n, dtype=np.uint8), root, after(message, None, sending))
-                    continue
-                out = source(p)
-                if len(message) == 1 and isinstance(out, np.ndarray):
+                elif len(message) == 1 and isinstance(out, np.ndarray):
                     start(out[off : off + n], root, after(message, None, sending))
-                    continue
-                while inflight and packed_bytes + n > STREAM_PACKED_BYTES:
-                    settle(True)
-                packed = np.empty(n, dtype=np.uint8)
-                if sending:
-                    failed.run(_pack(message, packed, source))
-                packed_bytes += n
-                start(packed, root, after(message, packed, sending), n)
+                else:
+                    while inflight and packed_bytes + n > STREAM_PACKED_BYTES:
+                        settle(True)
+                    packed = np.empty(n, dtype=np.uint8)
+                    if sending:
+                        failed.run(_pack(message, packed, source))
+                    packed_bytes += n
+                    start(packed, root, after(message, packed, sending), n)
                 settle(False)
         while inflight:
             settle(True)
