@@ -35,7 +35,7 @@ import numpy as np
 from deeppart import staging as _staging
 from deeppart._planner import Manifest, ManifestError, copy_into
 from deeppart.comm import Comm, InFlight, release_node_shared, reused_node_shared
-from deeppart.compression import decompress, decompress_into
+from deeppart.compression import decompress_into
 from deeppart.errors import CheckpointError, CodecError, CorruptCheckpointError, StateMismatchError
 from deeppart.format import (
     HEADER_SIZE,
@@ -463,12 +463,11 @@ def read_pieces(
 ) -> int:
     """:func:`read_file` from ``f`` (an open file, or anything with
     ``seek``/``read``/``readinto``, e.g. :class:`io.BytesIO`)."""
-    sizes = {i: lf.itemsize for i, lf in enumerate(meta.leaves)}
     check_header(path, f.read(HEADER_SIZE), rank, meta.world_size, meta.plan_fingerprint)
     sums = _Checksums(directory)
     try:
         n = _read_each(
-            f, directory, meta, pieces, dest, progress, staging, sizes, sums, through,
+            f, directory, meta, pieces, dest, progress, staging, sums, through,
             hot or done is not None, done, stored_into,
         )  # fmt: skip
         sums.check()
@@ -485,7 +484,6 @@ def _read_each(
     dest: Callable[[Piece], U8 | _staging.DeviceSink],
     progress: Progress,
     staging: _staging.Staging | None,
-    sizes: dict[int, int],
     sums: _Checksums,
     through: Callable[[Piece], U8 | _staging.DeviceSink] | None = None,
     hot: bool = False,
@@ -506,7 +504,7 @@ def _read_each(
             f.seek(p.offset)
         at = -1
         if isinstance(out, _staging.DeviceSink):
-            _read_staged(f, p, out, staging or _staging.Staging(), directory, sizes[p.leaf])
+            _read_staged(f, p, out, staging or _staging.Staging(), meta, directory)
             n += p.stored
             progress.advance(p.length)
             if done is not None:
@@ -600,12 +598,12 @@ def _read_staged(
     p: Piece,
     sink: _staging.DeviceSink,
     staging: _staging.Staging,
+    meta: Metadata,
     directory: CheckpointDir,
-    itemsize: int,
 ) -> None:
     """Reads piece ``p`` (at ``f``'s position) into a device tensor: a raw
     piece chunk by chunk through ``staging``, a compressed one decoded whole
-    and then copied in chunks."""
+    (:func:`decode_piece`) and then copied in chunks."""
     if p.codec == "none":
         xxh = _staging.read_stream(f, p.length, sink, staging)
         if xxh is None:
@@ -616,13 +614,9 @@ def _read_staged(
     stored = f.read(p.stored)
     if len(stored) != p.stored:
         raise CorruptCheckpointError(f"{p.describe(directory)}: short read")
-    if checksum(stored) != p.xxh3:
-        raise CorruptCheckpointError(f"{p.describe(directory)}: checksum mismatch (xxh3_64)")
-    try:
-        raw = decompress(p.codec, stored, p.length, itemsize)
-    except CodecError as e:
-        raise CorruptCheckpointError(f"{p.describe(directory)}: {e}") from e
-    staging.put(sink, np.frombuffer(raw, dtype=np.uint8))
+    raw = np.empty(p.length, dtype=np.uint8)
+    decode_piece(p, stored, raw, meta, directory)
+    staging.put(sink, raw)
 
 
 def _place(buf: U8, pieces: list[Piece]) -> Callable[[Piece], U8]:

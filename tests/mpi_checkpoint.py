@@ -235,8 +235,8 @@ def scenario_decompress_once(d: Path) -> None:
 
         return call
 
-    # Pieces are decompressed whole, or streamed into their destination.
-    reader.decompress = counting(reader.decompress)  # type: ignore[attr-defined]
+    # Every piece the reader decodes goes through decompress_into (streamed
+    # into its destination, or into a buffer staged on to a device).
     reader.decompress_into = counting(reader.decompress_into)  # type: ignore[attr-defined]
     for exchange, per_rank in (("auto", None), ("read", compressed)):
         calls[0] = 0
