@@ -2,8 +2,8 @@
 and DCP's S3 writer, on 1, 2 and 4 simulated nodes, each with its own shaped
 link to one S3 server (run as root; not run in CI).
 
-    .venv/bin/python bench/object_store.py                      # 1,2,4 nodes, 400mbit links
-    .venv/bin/python bench/object_store.py --nodes 1,2,4,8 --repeat 5 --rate 200mbit
+    .venv/bin/python bench/object_store.py          # 1,2,4 nodes x 1,2 ranks, 100mbit links
+    .venv/bin/python bench/object_store.py --nodes 1,2,4,8 --ranks-per-node 1,4 --rate 200mbit
 
 The nodes are the multi-node test harness's (tests/cluster.py, ``net=True``):
 each node is a network namespace whose ``eth0`` is one end of a veth pair
@@ -12,8 +12,17 @@ both ways with a token bucket (``tc qdisc ... tbf``: on the node's ``eth0``
 for what it sends, on the veth's head end for what it receives), and one S3
 server listens in the head namespace (the host side of every link), its data
 on a tmpfs, so that every node reaches the store through its own link, as
-nodes reach a store through their NICs. One rank per node; MPI (hydra over
-the harness's ssh stand-in) and gloo run over the same links.
+nodes reach a store through their NICs. MPI (hydra over the harness's ssh
+stand-in) and gloo run over the same links.
+
+Every node count runs with each ``--ranks-per-node`` (default 1 and 2):
+one rank per node is the hardest case for a cooperative load (each node
+must receive the whole state through its link whatever the method, so
+the gain can only come from using the link better), several ranks per
+node are what training jobs run (the thesis: 4 processes per node; GPU
+nodes: 4 or 8), where every rank of DCP and of ``torch.load`` reads the
+whole checkpoint through its node's one link, and DeepPart brings each
+byte to each node once.
 
 The server is ``s3s-fs`` (crates.io; an S3 server over a directory, written
 in Rust): when it is not on ``PATH`` nor in ``~/.cache/deeppart/s3s-fs``,
@@ -69,13 +78,15 @@ compared bitwise with the saved one (untimed); a load that returns other
 bytes is reported as failed, not timed. The report gives each contender's
 median time, and for DeepPart the median over the rounds of the within-
 round ratios torch/deeppart and dcp/deeppart, beside the simulator's
-prediction (deeppart/tools/simulate.py, ``deeppart simulate``'s model: one
-rank per node, the measured link as ``net_bw``, the measured server as
+prediction (deeppart/tools/simulate.py, ``deeppart simulate``'s model: the
+job's ranks per node, the measured link as ``net_bw``, the measured server as
 ``pfs_bw`` and the measured unshaped single stream as ``rank_bw``) of the
 save ratios torch.save/balanced and dcp-dedup/balanced at level L4. The
-simulator models saves only; a replicated load must bring every byte to
-every node over its own link whatever the method, so the load ratios are
-expected near 1.
+simulator models saves only; at one rank per node a replicated load must
+bring every byte to every node over its own link whatever the method, so
+the load ratios are expected near 1; at k ranks per node DCP's and
+torch.load's ranks each read everything, DeepPart's node receives each
+byte once: near k.
 """
 
 from __future__ import annotations
@@ -328,7 +339,7 @@ def run_probe(prefix: list[str], env: dict[str, str], streams: int, nbytes: int)
 
 
 # ---------------------------------------------------------------------------
-# The worker: one rank per node.
+# The worker: one job of nodes x ranks per node.
 
 
 def _tensors(state: Any) -> Iterator[Any]:
@@ -431,6 +442,7 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
+    nodes = size // int(args.ranks_per_node)
     dist.init_process_group("gloo", rank=rank, world_size=size)
     s3 = _client()
     run = f"n{size}"
@@ -551,7 +563,7 @@ def worker(args: argparse.Namespace) -> None:
         for name in prefixes.values():
             _delete_prefix(s3, key(name, "warm"))
         for name, why in available.items():
-            log(f"n={size} {name}: " + ("ready" if why is None else f"cannot run: {why}"))
+            log(f"n={nodes} {name}: " + ("ready" if why is None else f"cannot run: {why}"))
     live = [n for n in contenders(args.compression) if available[n] is None]
 
     rounds: dict[str, list[float | None]] = {}
@@ -593,14 +605,15 @@ def worker(args: argparse.Namespace) -> None:
                 rounds.setdefault(f"{op} {name}", []).append(dt)
                 if rank == 0:
                     shown = f"{dt:8.3f} s" if dt is not None else "failed"
-                    log(f"n={size} round {round_} {op} {name:<9} {shown}")
+                    log(f"n={nodes} round {round_} {op} {name:<9} {shown}")
     if rank == 0:
         _delete_prefix(s3, f"{run}/")
         print(
             "RESULT "
             + json.dumps(
                 {
-                    "nodes": size,
+                    "nodes": nodes,
+                    "ranks": size,
                     "bytes": total,
                     "rounds": rounds,
                     "available": available,
@@ -619,20 +632,24 @@ def worker(args: argparse.Namespace) -> None:
 # The driver.
 
 
-def run_job(c: Any, n: int, args: argparse.Namespace, endpoint: str) -> dict[str, Any]:
+def run_job(
+    c: Any, n: int, per_node: int, args: argparse.Namespace, endpoint: str
+) -> dict[str, Any]:
     order = list(range(n))
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker",
             "--scale", str(args.scale), "--hidden", str(args.hidden),
             "--repeat", str(args.repeat), "--dcp", args.dcp,
-            "--compression", args.compression]  # fmt: skip
-    env = c.launch_env(n, order)
+            "--compression", args.compression,
+            "--ranks-per-node", str(per_node)]  # fmt: skip
+    ranks = n * per_node
+    env = c.launch_env(ranks, order)
     env.update(s3_env(endpoint))
     env.update(
         MASTER_ADDR=c.ip(0), MASTER_PORT="29517", GLOO_SOCKET_IFNAME="eth0",
         OMP_NUM_THREADS="1", PYTHONUNBUFFERED="",
     )  # fmt: skip
     proc = subprocess.Popen(
-        c.launch_cmd(n, order, argv),
+        c.launch_cmd(ranks, order, argv),
         env=env,
         cwd=ROOT,
         stdout=subprocess.PIPE,
@@ -644,26 +661,36 @@ def run_job(c: Any, n: int, args: argparse.Namespace, endpoint: str) -> dict[str
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        raise SystemExit(f"object_store: the {n}-node job hung (over {args.timeout} s)") from None
+        raise SystemExit(
+            f"object_store: the {n}x{per_node}-rank job hung (over {args.timeout} s)"
+        ) from None
     for line in out.splitlines():
         if line.startswith("RESULT "):
             got: dict[str, Any] = json.loads(line[len("RESULT ") :])
             return got
-    raise SystemExit(f"object_store: no result from the {n}-node job (status {proc.returncode})")
+    raise SystemExit(
+        f"object_store: no result from the {n}x{per_node}-rank job (status {proc.returncode})"
+    )
 
 
 def predict(
-    args: argparse.Namespace, nodes: int, link: float, server: float, stream: float
+    args: argparse.Namespace,
+    nodes: int,
+    link: float,
+    server: float,
+    stream: float,
+    per_node: int = 1,
 ) -> dict[str, float]:
     """The simulator's save times (seconds) of torch.save, DCP-style dedup
-    and DeepPart's balanced plan to L4 at ``nodes`` nodes of one rank."""
+    and DeepPart's balanced plan to L4 at ``nodes`` nodes of ``per_node``
+    ranks."""
     import deeppart
     from bench.jobs import build_state
     from deeppart.tools.simulate import StorageModel, simulate
 
     manifest = deeppart.Manifest.from_state_dict(build_state(args.scale, hidden=args.hidden))
-    model = StorageModel(ranks_per_node=1, net_bw=link, pfs_bw=server, rank_bw=stream)
-    preds = simulate(manifest, [nodes], model, algorithms=("balanced",), levels=("L4",))
+    model = StorageModel(ranks_per_node=per_node, net_bw=link, pfs_bw=server, rank_bw=stream)
+    preds = simulate(manifest, [nodes * per_node], model, algorithms=("balanced",), levels=("L4",))
     return {p.method: p.seconds for p in preds}
 
 
@@ -688,7 +715,7 @@ def report(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines.append(
         f"state: BERT-shaped model + AdamW (--scale {meta['scale']} --hidden {meta['hidden']}), "
         f"{gb:.3f} GB, "
-        f"replicated on every node; one rank per node; links {meta['rate']} each way "
+        f"replicated on every rank; links {meta['rate']} each way "
         f"(measured through one link: PUT {meta['link']['put'] / 1e6:.1f} MB/s, "
         f"GET {meta['link']['get'] / 1e6:.1f} MB/s); server {meta['server']} "
         f"(from the head, {PROBE_STREAMS} streams, no shaping: PUT "
@@ -702,7 +729,7 @@ def report(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"\n{op}: median seconds over the rounds; ratios: median of within-round ratios"
             + (" (predicted: the simulator's)" if op == "save" else "")
         )
-        head = f"{'nodes':>5}" + "".join(f"{c:>10}" for c in names)
+        head = f"{'nodes x ranks':>13}" + "".join(f"{c:>10}" for c in names)
         head += f"{'torch/deeppart':>16}{'dcp/deeppart':>14}{'torch/dcp':>11}"
         if COMPRESSED in names:
             head += f"{'torch/' + COMPRESSED:>15}{'dcp/' + COMPRESSED:>13}"
@@ -711,7 +738,7 @@ def report(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             head += f"{'predicted: deeppart':>21}{'torch/deeppart':>16}{'dcp/deeppart':>14}"
         lines.append(head)
         for r in results:
-            line = f"{r['nodes']:>5}"
+            line = f"{_layout(r):>13}"
             for c in names:
                 m = _median(r["rounds"].get(f"{op} {c}", [None]))
                 line += f"{m:10.2f}" if m is not None else f"{'n/a':>10}"
@@ -733,18 +760,24 @@ def report(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines.append("\nloads verified bitwise against the saved state:")
     for r in results:
         lines.append(
-            f"  {r['nodes']} node(s): "
+            f"  {_layout(r)}: "
             + ", ".join(f"{c} {r['verified'].get(c, 'not run')}" for c in names)
         )
     notes = [
-        (r["nodes"], k, v) for r in results for k, v in r["notes"].items() if k != "dcp writer"
+        (_layout(r), k, v) for r in results for k, v in r["notes"].items() if k != "dcp writer"
     ]
-    notes += [(r["nodes"], c, f"could not run: {why}")
+    notes += [(_layout(r), c, f"could not run: {why}")
               for r in results for c, why in r["available"].items() if why]  # fmt: skip
     if notes:
         lines.append("\nnotes:")
-        lines += [f"  {n} node(s): {k}: {v}" for n, k, v in notes]
+        lines += [f"  {n}: {k}: {v}" for n, k, v in notes]
     return "\n".join(lines)
+
+
+def _layout(result: dict[str, Any]) -> str:
+    """``nodes x ranks per node`` of one job's result."""
+    nodes = int(result["nodes"])
+    return f"{nodes}x{int(result.get('ranks', nodes)) // nodes}"
 
 
 def _fmt(x: float | None) -> str:
@@ -755,6 +788,7 @@ def drive(args: argparse.Namespace) -> None:
     import cluster
 
     nodes = [int(x) for x in args.nodes.split(",")]
+    layouts = [int(x) for x in args.ranks_per_node.split(",")]
     why = host_unavailable()
     if why:
         raise Skip(why)
@@ -796,11 +830,13 @@ def drive(args: argparse.Namespace) -> None:
                 f"MB/s, GET {link['get'] / 1e6:.1f} MB/s")  # fmt: skip
             stream = run_probe(head, env, 1, PROBE_BYTES)
             for n in nodes:
-                r = run_job(c, n, args, server.endpoint)
-                r["predicted"] = predict(
-                    args, n, min(link["put"], link["get"]), raw["put"], stream["put"]
-                )
-                results.append(r)
+                for per_node in layouts:
+                    r = run_job(c, n, per_node, args, server.endpoint)
+                    r["predicted"] = predict(
+                        args, n, min(link["put"], link["get"]), raw["put"], stream["put"],
+                        per_node,
+                    )  # fmt: skip
+                    results.append(r)
         finally:
             server.stop()
     meta = {
@@ -832,6 +868,9 @@ def main() -> None:
         default=512,
         help="hidden size (default 512; with --scale 0.04: 52 MB with AdamW)",
     )
+    p.add_argument("--ranks-per-node", default="1,2",
+                   help="comma-separated ranks per node, each layout at every node count "
+                        "(default 1,2); every rank holds the whole state")
     p.add_argument("--repeat", type=int, default=3, help="timed rounds (default 3)")
     p.add_argument("--compression", default="shuffle-zstd",
                    choices=("none", "zstd", "lz4", "shuffle-zstd", "auto"),

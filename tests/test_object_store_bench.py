@@ -33,7 +33,7 @@ def test_median_ratio_pairs_rounds_and_refuses_a_failed_round() -> None:
     assert object_store._median(rounds["save dcp"]) is None
 
 
-def _result(nodes: int, deeppart: bool) -> dict[str, object]:
+def _result(nodes: int, deeppart: bool, per_node: int = 1) -> dict[str, object]:
     rounds: dict[str, list[float | None]] = {
         "save torch": [8.0, 8.0],
         "save dcp": [2.5, 3.0],
@@ -48,7 +48,8 @@ def _result(nodes: int, deeppart: bool) -> dict[str, object]:
         available["deeppart"] = "UnsupportedURLError: no S3 here"
     predicted = {"torch.save": 8.0, "balanced": 2.0, "dcp-dedup": 2.0}
     return {
-        "nodes": nodes, "bytes": 52_000_000, "rounds": rounds, "available": available,
+        "nodes": nodes, "ranks": nodes * per_node, "bytes": 52_000_000, "rounds": rounds,
+        "available": available,
         "verified": {"torch": True, "dcp": True}, "notes": {}, "dcp": "s3torchconnector",
         "predicted": predicted,
     }  # fmt: skip
@@ -66,7 +67,7 @@ def test_report_shows_ratios_and_predictions() -> None:
     save = text.split("\nload:")[0].splitlines()[-1].split()
     # nodes, torch, dcp, deeppart (medians), torch/dp, dcp/dp, torch/dcp (medians of
     # within-round ratios: 8/2.5 and 8/3 give 2.93), predicted s, predicted ratios
-    assert save[:7] == ["4", "8.00", "2.75", "2.00", "4.00x", "1.38x", "2.93x"]
+    assert save[:7] == ["4x1", "8.00", "2.75", "2.00", "4.00x", "1.38x", "2.93x"]
     assert save[7:] == ["2.00s", "4.00x", "1.00x"]
 
 
@@ -85,9 +86,20 @@ def test_report_compares_the_compressed_contenders() -> None:
     # nodes, torch, dcp, deeppart, dcp-zstd, dp-zstd (medians), torch/dp,
     # dcp/dp, torch/dcp, torch/dp-zstd (8/1.6, 8/2), dcp/dp-zstd (2.5/1.6,
     # 3/2), dcp-zstd/dp-zstd (2.4/1.6, 2.4/2), then the predictions
-    assert save[:6] == ["4", "8.00", "2.75", "2.00", "2.40", "1.80"]
+    assert save[:6] == ["4x1", "8.00", "2.75", "2.00", "2.40", "1.80"]
     assert save[6:12] == ["4.00x", "1.38x", "2.93x", "4.50x", "1.53x", "1.35x"]
     assert save[12:] == ["2.00s", "4.00x", "1.00x"]
+
+
+def test_report_names_each_jobs_nodes_and_ranks_per_node() -> None:
+    """One row per job, labelled nodes x ranks per node, in the tables, the
+    verification lines and the notes."""
+    two = _result(4, deeppart=False, per_node=2)
+    text = object_store.report([_result(4, deeppart=True), two], META)
+    rows = [line.split()[0] for line in text.split("\nload:")[0].splitlines()[-2:]]
+    assert rows == ["4x1", "4x2"]
+    assert "  4x2: torch True, dcp True, deeppart not run" in text
+    assert "  4x2: deeppart: could not run: UnsupportedURLError" in text
 
 
 def test_report_says_why_deeppart_did_not_run() -> None:
@@ -106,3 +118,7 @@ def test_prediction_scales_with_the_nodes_links() -> None:
     assert 3.5 < p["torch.save"] / p["balanced"] <= 4.0
     one = object_store.predict(args, 1, link=12.5e6, server=1e9, stream=1e9)
     assert one["torch.save"] / one["balanced"] == pytest.approx(1.0, rel=0.05)
+    # Two ranks per node share a node's link: the balanced save's time at 4
+    # nodes stays the link's, not halved.
+    two = object_store.predict(args, 4, link=12.5e6, server=1e9, stream=1e9, per_node=2)
+    assert two["balanced"] == pytest.approx(p["balanced"], rel=0.1)
