@@ -443,9 +443,10 @@ def worker(args: argparse.Namespace) -> None:
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     nodes = size // int(args.ranks_per_node)
+    job = f"{nodes}x{args.ranks_per_node}"  # as the report labels it (_layout)
     dist.init_process_group("gloo", rank=rank, world_size=size)
     s3 = _client()
-    run = f"n{size}"
+    run = f"n{job}"
     state = build_state(args.scale, hidden=args.hidden)
     ref = build_state(args.scale, hidden=args.hidden)
     total = deeppart.Manifest.from_state_dict(state).total_bytes
@@ -563,7 +564,7 @@ def worker(args: argparse.Namespace) -> None:
         for name in prefixes.values():
             _delete_prefix(s3, key(name, "warm"))
         for name, why in available.items():
-            log(f"n={nodes} {name}: " + ("ready" if why is None else f"cannot run: {why}"))
+            log(f"{job} {name}: " + ("ready" if why is None else f"cannot run: {why}"))
     live = [n for n in contenders(args.compression) if available[n] is None]
 
     rounds: dict[str, list[float | None]] = {}
@@ -605,7 +606,7 @@ def worker(args: argparse.Namespace) -> None:
                 rounds.setdefault(f"{op} {name}", []).append(dt)
                 if rank == 0:
                     shown = f"{dt:8.3f} s" if dt is not None else "failed"
-                    log(f"n={nodes} round {round_} {op} {name:<9} {shown}")
+                    log(f"{job} round {round_} {op} {name:<9} {shown}")
     if rank == 0:
         _delete_prefix(s3, f"{run}/")
         print(
@@ -777,7 +778,7 @@ def report(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 def _layout(result: dict[str, Any]) -> str:
     """``nodes x ranks per node`` of one job's result."""
     nodes = int(result["nodes"])
-    return f"{nodes}x{int(result.get('ranks', nodes)) // nodes}"
+    return f"{nodes}x{int(result['ranks']) // nodes}"
 
 
 def _fmt(x: float | None) -> str:
