@@ -21,6 +21,7 @@ The hierarchy::
     │   ├── LevelConfigError              a multi-level config is wrong
     │   ├── TopologyMismatchError         L1-L3 written by another layout
     │   ├── UnrecoverableError            more lost than the levels repair
+    │   ├── StoreConfigError (ValueError) an object store's AWS profile
     │   ├── FTIError                      libfti missing or a call failed
     │   └── ExportError                   export/import of other formats
     ├── DcpPlanError (RuntimeError)       torch.distributed.checkpoint planner
@@ -69,6 +70,7 @@ __all__ = [
     "ServiceUnavailable",
     "StateError",
     "StateMismatchError",
+    "StoreConfigError",
     "TopologyMismatchError",
     "UnrecoverableError",
     "UnsupportedURLError",
@@ -119,6 +121,13 @@ class CommitConflictError(CheckpointError):
 class UnsupportedURLError(CheckpointError, ValueError):
     """A path is a URL (``scheme://...``) that DeepPart does not serve: it
     reads and writes local (or mounted) file systems only."""
+
+
+class StoreConfigError(CheckpointError, ValueError):
+    """An object store's configuration cannot be used: the AWS shared config
+    or credentials file is malformed, names a profile it does not have, or
+    gets credentials in a way DeepPart does not run
+    (:mod:`deeppart.storage.aws_profile`)."""
 
 
 class ObjectExistsError(CheckpointError, FileExistsError):
@@ -226,8 +235,8 @@ class RngStateWarning(UserWarning):
 #: Every DeepPart exception that can fail a collective step, most derived
 #: first, so that :func:`code_of` finds an error's own class. Its position
 #: (plus one) is the code that the agreement collective sends; code 0 means
-#: no error. Append only at the end: old and new ranks of one job always run
-#: the same code, but a stable order keeps codes readable in logs.
+#: no error. A new class goes before its bases (codes travel only between
+#: the ranks of one job, which run the same code).
 ERROR_TYPES: tuple[type[DeepPartError], ...] = (
     ReplicaMismatchError,
     PerRankStateError,
@@ -242,6 +251,7 @@ ERROR_TYPES: tuple[type[DeepPartError], ...] = (
     CommitConflictError,
     UnsupportedURLError,
     ObjectExistsError,
+    StoreConfigError,
     CheckpointError,
     ValueEncodeError,
     StateError,

@@ -24,6 +24,7 @@ from deeppart.errors import (
     CommitConflictError,
     CorruptCheckpointError,
     ForeignPathError,
+    StoreConfigError,
     UnsupportedURLError,
 )
 from deeppart.format import HEADER_SIZE, MARKER, METADATA, data_file_name
@@ -522,10 +523,69 @@ def test_addressing_styles(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
     monkeypatch.setenv("AWS_REGION", "us-east-1")
     monkeypatch.setenv("DEEPPART_S3_MAX_RETRIES", "0")
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
     with pytest.raises(Exception, match=r"http://127\.0\.0\.1:9/bkt1/run/x"):
         open_store("s3://bkt1/run").get("x")
     monkeypatch.setenv("AWS_VIRTUAL_HOSTED_STYLE_REQUEST", "true")
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://bkt1.localhost:9")
+    with pytest.raises(Exception, match=r"http://bkt1\.localhost:9/run/x"):
+        open_store("s3://bkt1/run").get("x")
+
+
+def test_settings_from_an_aws_profile_reach_the_server(
+    s3_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without AWS_* credentials, region or endpoint in the environment, the
+    profile named by AWS_PROFILE gives them (its keys from the credentials
+    file; its region and endpoint from the config file): a save and a load
+    through s3:// reach the server, and the client signs with the profile's
+    keys. A profile that neither file has is a StoreConfigError."""
+    from s3_server import ACCESS_KEY, REGION, SECRET_KEY
+
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(var)
+    (tmp_path / "credentials").write_text(
+        f"[train]\naws_access_key_id = {ACCESS_KEY}\naws_secret_access_key = {SECRET_KEY}\n"
+    )
+    (tmp_path / "config").write_text(
+        f"[profile train]\nregion = {REGION}\nendpoint_url = {endpoint}\n"
+    )
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    monkeypatch.setenv("AWS_PROFILE", "train")
+    url = f"{s3_url}/run/step-1"
+    deeppart.save(state(3.0), url)
+    assert same(deeppart.load(url), state(3.0))
+    store = open_store(url)
+    assert isinstance(store, S3Store)
+    config = store.obstore.config
+    assert (config["access_key_id"], config["region"]) == (ACCESS_KEY, REGION)
+    monkeypatch.setenv("AWS_PROFILE", "nobody")
+    with pytest.raises(StoreConfigError, match="AWS profile 'nobody'"):
+        deeppart.load(url)
+
+
+def test_virtual_addressing_from_an_aws_profile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The profile's ``s3 = addressing_style = virtual`` and ``endpoint_url``
+    (the environment has neither): requests go to bucket.endpoint/key, as
+    with AWS_VIRTUAL_HOSTED_STYLE_REQUEST (test_addressing_styles)."""
+    for var in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT",
+                "AWS_VIRTUAL_HOSTED_STYLE_REQUEST", "AWS_PROFILE"):  # fmt: skip
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    monkeypatch.setenv("DEEPPART_S3_MAX_RETRIES", "0")
+    (tmp_path / "config").write_text(
+        "[default]\nendpoint_url = http://bkt1.localhost:9\ns3 =\n  addressing_style = virtual\n"
+    )
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
     with pytest.raises(Exception, match=r"http://bkt1\.localhost:9/run/x"):
         open_store("s3://bkt1/run").get("x")

@@ -6,7 +6,8 @@
   object).
 - :mod:`deeppart.storage.local`: :class:`LocalStore`, a directory.
 - :mod:`deeppart.storage.s3`: :class:`S3Store`, ``s3://bucket/prefix``
-  through ``obstore`` (configuration from the ``AWS_*`` environment).
+  through ``obstore`` (configuration from the ``AWS_*`` environment, and
+  from the AWS shared files: :mod:`deeppart.storage.aws_profile`).
 - :mod:`deeppart.storage.url`: :func:`parse_location` (a path, an
   :class:`S3URL`, or :class:`~deeppart.errors.UnsupportedURLError`).
 - :mod:`deeppart.storage.objects`: checkpoints in an object store (the

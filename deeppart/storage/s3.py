@@ -9,12 +9,16 @@ variables, read by ``obstore`` itself when the store is made:
 ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN`` (or ``AWS_TOKEN``),
 ``AWS_SKIP_SIGNATURE``, and on AWS the instance, container and
 web-identity credentials (``AWS_CONTAINER_CREDENTIALS_*``,
-``AWS_WEB_IDENTITY_TOKEN_FILE``, ``AWS_ROLE_ARN``). ``obstore`` does not
-read ``~/.aws/config`` or ``AWS_PROFILE``: export the variables instead.
+``AWS_WEB_IDENTITY_TOKEN_FILE``, ``AWS_ROLE_ARN``). What the environment
+does not give comes from the AWS shared files, ``~/.aws/credentials`` and
+``~/.aws/config``, and their profile (``AWS_PROFILE``):
+:mod:`deeppart.storage.aws_profile` (keys, session token, web-identity
+role, region, ``endpoint_url``, ``s3 = addressing_style``).
 
 Addressing: path-style (``http://endpoint/bucket/key``) by default;
 virtual-hosted style (``http://bucket.endpoint/key``, which some providers
-require) with ``AWS_VIRTUAL_HOSTED_STYLE_REQUEST=true``. An ``http://``
+require) with ``AWS_VIRTUAL_HOSTED_STYLE_REQUEST=true`` (or the profile's
+``addressing_style = virtual``). An ``http://``
 endpoint (a test server) is allowed without further settings.
 
 DeepPart's own knobs (environment): ``DEEPPART_S3_PART_BYTES`` (the
@@ -40,6 +44,7 @@ from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
+from deeppart.storage.aws_profile import profile_settings
 from deeppart.storage.base import ObjectExistsError, ObjectInfo, ObjectStore, ObjectWriter
 from deeppart.storage.url import S3URL, parse_s3_url
 
@@ -147,7 +152,8 @@ class S3Store(ObjectStore):
         )
         self.read_threads = self.concurrency
         if client is None:
-            endpoint = endpoint_from_env()
+            profile = profile_settings()
+            endpoint = endpoint_from_env() or profile.endpoint
             retry: dict[str, Any] = {
                 "max_retries": _env_int("DEEPPART_S3_MAX_RETRIES", 10, least=0),
                 "retry_timeout": timedelta(
@@ -162,6 +168,7 @@ class S3Store(ObjectStore):
             client = Client(
                 url.bucket,
                 prefix=url.prefix or None,
+                config=profile.config or None,  # type: ignore[arg-type]
                 client_options=options,  # type: ignore[arg-type]
                 retry_config=retry,  # type: ignore[arg-type]
             )
