@@ -64,6 +64,14 @@ holds all of it, as in data parallelism):
   ``shuffle-zstd``, lossless): the store holds, and the load's exchange
   between nodes carries, the compressed bytes. ``--compression none``
   leaves these two out.
+- ``dp-read`` (loads only): DeepPart's load of ``deeppart``'s checkpoint
+  with ``exchange="read"``: every rank fetches and checks every byte
+  itself, as DCP's ranks do, and nothing crosses between nodes; the store
+  serves each byte once per rank instead of once per job. Beside the
+  default cooperative load it shows the choice a job has when its store
+  serves every node at its link's full rate: at one rank per node the
+  cooperative load sends three quarters of the state over each node's
+  link in both directions, the direct one only receives.
   Where this DeepPart cannot save to or load from S3, its column says so
   with the error; no number stands in for it.
 
@@ -123,6 +131,10 @@ CONTENDERS = ("torch", "dcp", "deeppart")
 #: the compressed comparison (left out with ``--compression none``).
 DCP_COMPRESSED = "dcp-zstd"
 COMPRESSED = "dp-zstd"
+#: DeepPart's load of ``deeppart``'s checkpoint with ``exchange="read"``:
+#: every rank fetches every byte from the store itself, as DCP's ranks do
+#: (load only; its own column and ratio in the load table).
+DIRECT = "dp-read"
 BUCKET = "deeppart-bench"
 ACCESS_KEY = "deeppartbench"
 SECRET_KEY = "deeppartbenchsecret"
@@ -138,8 +150,11 @@ PROBE_BYTES = 32 << 20
 PROBE_STREAMS = 4
 
 
-def contenders(compression: str) -> tuple[str, ...]:
-    return CONTENDERS if compression == "none" else (*CONTENDERS, DCP_COMPRESSED, COMPRESSED)
+def contenders(compression: str, op: str = "load") -> tuple[str, ...]:
+    """The contenders of ``op`` (``"save"`` or ``"load"``), in the order of
+    the report's columns."""
+    names = CONTENDERS if compression == "none" else (*CONTENDERS, DCP_COMPRESSED, COMPRESSED)
+    return names if op == "save" else (*names, DIRECT)
 
 
 def log(msg: str) -> None:
@@ -506,16 +521,20 @@ def worker(args: argparse.Namespace) -> None:
         deeppart.load(url("dpz", round_), comm=comm, into=target)
         return target
 
+    def direct_load(target: Any, round_: int | str) -> Any:
+        deeppart.load(url("dp", round_), comm=comm, into=target, exchange="read")
+        return target
+
     saves: dict[str, Callable[[Any, int | str], None]] = {
         "torch": torch_save, "dcp": dcp_save_, "deeppart": dp_save,
         DCP_COMPRESSED: dcpz_save, COMPRESSED: dpz_save,
     }  # fmt: skip
     loads: dict[str, Callable[[Any, int | str], Any]] = {
         "torch": torch_load, "dcp": dcp_load_, "deeppart": dp_load,
-        DCP_COMPRESSED: dcpz_load, COMPRESSED: dpz_load,
+        DCP_COMPRESSED: dcpz_load, COMPRESSED: dpz_load, DIRECT: direct_load,
     }  # fmt: skip
     prefixes = {"torch": "torch.pt", "dcp": "dcp", "deeppart": "dp",
-                DCP_COMPRESSED: "dcpz", COMPRESSED: "dpz"}  # fmt: skip
+                DCP_COMPRESSED: "dcpz", COMPRESSED: "dpz", DIRECT: "dp"}  # fmt: skip
 
     def agreed_error(fn: Callable[[], Any]) -> str | None:
         """Runs ``fn`` on every rank; the first error any rank met (the same
@@ -534,7 +553,8 @@ def worker(args: argparse.Namespace) -> None:
         copy = {"w": torch.zeros_like(small["w"])}
 
         def once() -> None:
-            saves[name](small, "warm")
+            if name in saves:  # DIRECT loads deeppart's (warmed before it)
+                saves[name](small, "warm")
             comm.Barrier()
             got = loads[name](copy, "warm")
             if not _same(got, small):
@@ -565,13 +585,16 @@ def worker(args: argparse.Namespace) -> None:
             _delete_prefix(s3, key(name, "warm"))
         for name, why in available.items():
             log(f"{job} {name}: " + ("ready" if why is None else f"cannot run: {why}"))
-    live = [n for n in contenders(args.compression) if available[n] is None]
+    live = {
+        op: [n for n in contenders(args.compression, op) if available[n] is None]
+        for op in ("save", "load")
+    }
 
     rounds: dict[str, list[float | None]] = {}
     verified: dict[str, bool] = {}
     for op in ("save", "load"):
         for round_ in range(args.repeat):
-            order = [live[i] for i in np.random.default_rng(round_).permutation(len(live))]
+            order = [live[op][i] for i in np.random.default_rng(round_).permutation(len(live[op]))]
             for name in order:
                 if op == "load":
                     for t in _tensors(state):  # a sentinel: a no-op load cannot pass
@@ -710,7 +733,7 @@ def _median_ratio(rounds: dict[str, list[float | None]], num: str, den: str) -> 
 
 
 def report(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
-    names = contenders(meta["compression"])
+    loaded = contenders(meta["compression"])
     lines = []
     gb = results[0]["bytes"] / 1e9
     lines.append(
@@ -722,10 +745,11 @@ def report(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"(from the head, {PROBE_STREAMS} streams, no shaping: PUT "
         f"{meta['raw']['put'] / 1e6:.0f} MB/s, GET {meta['raw']['get'] / 1e6:.0f} MB/s); "
         f"DCP writer: {results[0]['dcp']}; {meta['repeat']} rounds; "
-        + (f"{COMPRESSED}: compression={meta['compression']}; " if COMPRESSED in names else "")
+        + (f"{COMPRESSED}: compression={meta['compression']}; " if COMPRESSED in loaded else "")
         + f"load average at start {meta['loadavg_start']}, at end {meta['loadavg_end']}"
     )
     for op in ("save", "load"):
+        names = contenders(meta["compression"], op)
         lines.append(
             f"\n{op}: median seconds over the rounds; ratios: median of within-round ratios"
             + (" (predicted: the simulator's)" if op == "save" else "")
@@ -737,6 +761,8 @@ def report(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             head += f"{DCP_COMPRESSED + '/' + COMPRESSED:>18}"
         if op == "save":
             head += f"{'predicted: deeppart':>21}{'torch/deeppart':>16}{'dcp/deeppart':>14}"
+        else:
+            head += f"{'dcp/' + DIRECT:>13}"
         lines.append(head)
         for r in results:
             line = f"{_layout(r):>13}"
@@ -757,12 +783,14 @@ def report(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                 line += f"{p['balanced']:>20.2f}s"
                 line += f"{_fmt(p['torch.save'] / p['balanced']):>16}"
                 line += f"{_fmt(p['dcp-dedup'] / p['balanced']):>14}"
+            else:
+                line += f"{_fmt(_median_ratio(rr, 'load dcp', f'load {DIRECT}')):>13}"
             lines.append(line)
     lines.append("\nloads verified bitwise against the saved state:")
     for r in results:
         lines.append(
             f"  {_layout(r)}: "
-            + ", ".join(f"{c} {r['verified'].get(c, 'not run')}" for c in names)
+            + ", ".join(f"{c} {r['verified'].get(c, 'not run')}" for c in loaded)
         )
     notes = [
         (_layout(r), k, v) for r in results for k, v in r["notes"].items() if k != "dcp writer"

@@ -122,3 +122,24 @@ def test_prediction_scales_with_the_nodes_links() -> None:
     # nodes stays the link's, not halved.
     two = object_store.predict(args, 4, link=12.5e6, server=1e9, stream=1e9, per_node=2)
     assert two["balanced"] == pytest.approx(p["balanced"], rel=0.1)
+
+
+def test_report_shows_the_direct_load_in_the_load_table_only() -> None:
+    """DeepPart's load with exchange="read" (DIRECT) has a column and a
+    dcp/dp-read ratio in the load table and its verification; the save
+    table has no such column (it saves nothing of its own)."""
+    result = _result(4, deeppart=True)
+    rounds = result["rounds"]
+    assert isinstance(rounds, dict)
+    rounds[f"load {object_store.DIRECT}"] = [3.0, 4.0]
+    verified = result["verified"]
+    assert isinstance(verified, dict)
+    verified[object_store.DIRECT] = True
+    text = object_store.report([result], META)
+    save, load = text.split("\nload:")
+    assert object_store.DIRECT not in save.split("\n\nsave:")[1]
+    head, row = load.splitlines()[1:3]
+    assert head.split()[6] == object_store.DIRECT and head.split()[-1] == "dcp/dp-read"
+    # dp-read's median 3.50 s; dcp/dp-read: within-round 4.5/3 and 4.4/4 -> 1.30x
+    assert row.split()[4] == "3.50" and row.split()[-1] == "1.30x"
+    assert f"{object_store.DIRECT} True" in text
