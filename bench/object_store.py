@@ -357,6 +357,19 @@ def run_probe(prefix: list[str], env: dict[str, str], streams: int, nbytes: int)
 # The worker: one job of nodes x ranks per node.
 
 
+def link_counters(dev: str = "eth0") -> tuple[int, int]:
+    """Bytes received and sent through this network namespace's ``dev`` so
+    far (``/proc/self/net/dev``, which is per namespace: a node's link);
+    (0, 0) where it has none."""
+    with open("/proc/self/net/dev") as f:
+        for line in f:
+            name, _, fields = line.partition(":")
+            if name.strip() == dev:
+                values = fields.split()
+                return int(values[0]), int(values[8])
+    return 0, 0
+
+
 def _tensors(state: Any) -> Iterator[Any]:
     import torch
 
@@ -592,6 +605,8 @@ def worker(args: argparse.Namespace) -> None:
 
     rounds: dict[str, list[float | None]] = {}
     verified: dict[str, bool] = {}
+    # Bytes in and out of each node's link during an op's last round.
+    link: dict[str, list[float]] = {}
     for op in ("save", "load"):
         for round_ in range(args.repeat):
             order = [live[op][i] for i in np.random.default_rng(round_).permutation(len(live[op]))]
@@ -600,6 +615,7 @@ def worker(args: argparse.Namespace) -> None:
                     for t in _tensors(state):  # a sentinel: a no-op load cannot pass
                         t.fill_(7) if t.dtype.is_floating_point else t.zero_()
                 comm.Barrier()
+                before = link_counters()
                 t0 = time.perf_counter()
                 err: str | None = None
                 got: Any = None
@@ -612,6 +628,12 @@ def worker(args: argparse.Namespace) -> None:
                     err = f"{type(e).__name__}: {e}"
                 comm.Barrier()
                 dt: float | None = time.perf_counter() - t0
+                after = link_counters()
+                moved = [b - a for a, b in zip(before, after, strict=True)]
+                # The ranks of a node read the same counters: the mean over
+                # ranks is the mean over nodes.
+                total_moved = comm.allreduce(np.array(moved, dtype=np.float64))
+                link[f"{op} {name}"] = [float(x) / size for x in total_moved]
                 errs = [e for e in comm.allgather(err) if e]
                 if errs:
                     notes[f"{op} {name}"] = errs[0][:600]
@@ -642,6 +664,7 @@ def worker(args: argparse.Namespace) -> None:
                     "rounds": rounds,
                     "available": available,
                     "verified": verified,
+                    "link": link,
                     "notes": notes,
                     "dcp": dcp.kind,
                 }
@@ -792,6 +815,17 @@ def report(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"  {_layout(r)}: "
             + ", ".join(f"{c} {r['verified'].get(c, 'not run')}" for c in loaded)
         )
+    lines.append(
+        "\nload: MB into / out of each node's link (its interface's counters, mean over nodes, "
+        "last round)"
+    )
+    lines.append(f"{'nodes x ranks':>13}" + "".join(f"{c:>16}" for c in loaded))
+    for r in results:
+        cells = []
+        for c in loaded:
+            got = r.get("link", {}).get(f"load {c}")
+            cells.append(f"{got[0] / 1e6:.1f} / {got[1] / 1e6:.1f}" if got else "-")
+        lines.append(f"{_layout(r):>13}" + "".join(f"{x:>16}" for x in cells))
     notes = [
         (_layout(r), k, v) for r in results for k, v in r["notes"].items() if k != "dcp writer"
     ]

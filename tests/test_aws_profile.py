@@ -186,3 +186,10 @@ def test_an_unsupported_source_is_no_error_when_the_environment_has_keys(tmp_pat
 def test_malformed_files_are_named(tmp_path: Path, config: str, message: str) -> None:
     with pytest.raises(StoreConfigError, match=message):
         profile_settings(files(tmp_path, credentials="", config=config))
+
+
+def test_a_repeated_section_or_key_reads_as_its_last(tmp_path: Path) -> None:
+    """As the AWS CLI reads such files: no error, the later value wins."""
+    config = "[default]\nregion = eu-west-1\nregion = eu-north-1\n[default]\nregion = us-east-2\n"
+    got = profile_settings(files(tmp_path, credentials="", config=config))
+    assert got.config == {"region": "us-east-2"}

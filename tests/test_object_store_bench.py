@@ -136,10 +136,36 @@ def test_report_shows_the_direct_load_in_the_load_table_only() -> None:
     assert isinstance(verified, dict)
     verified[object_store.DIRECT] = True
     text = object_store.report([result], META)
-    save, load = text.split("\nload:")
+    save, load = text.split("\nload:")[:2]
     assert object_store.DIRECT not in save.split("\n\nsave:")[1]
     head, row = load.splitlines()[1:3]
     assert head.split()[6] == object_store.DIRECT and head.split()[-1] == "dcp/dp-read"
     # dp-read's median 3.50 s; dcp/dp-read: within-round 4.5/3 and 4.4/4 -> 1.30x
     assert row.split()[4] == "3.50" and row.split()[-1] == "1.30x"
     assert f"{object_store.DIRECT} True" in text
+
+
+def test_report_shows_the_bytes_through_each_nodes_link() -> None:
+    """The load's bytes in and out of a node's link, by contender; a
+    contender without counters shows '-', not a number."""
+    result = _result(4, deeppart=True)
+    result["link"] = {"load dcp": [52.0e6, 0.1e6], "load deeppart": [51.9e6, 39.0e6]}
+    text = object_store.report([result], META)
+    table = text.split("load: MB into / out of each node's link")[1].splitlines()
+    assert table[1].split() == ["nodes", "x", "ranks", "torch", "dcp", "deeppart", "dp-read"]
+    assert table[2].split() == ["4x1", "-", "52.0", "/", "0.1", "51.9", "/", "39.0", "-"]
+
+
+def test_link_counters_read_this_namespaces_interface() -> None:
+    """The loopback's counters (every namespace has one) grow by at least
+    what is sent through it; an interface that is absent reads (0, 0)."""
+    import socket
+
+    rx0, tx0 = object_store.link_counters("lo")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        for _ in range(10):
+            s.sendto(b"x" * 1000, s.getsockname())
+    rx1, tx1 = object_store.link_counters("lo")
+    assert rx1 - rx0 >= 10_000 and tx1 - tx0 >= 10_000
+    assert object_store.link_counters("no-such-interface") == (0, 0)

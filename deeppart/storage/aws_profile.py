@@ -81,7 +81,10 @@ def _truthy(text: str | None) -> bool:
 
 
 def _read(path: Path) -> configparser.ConfigParser:
-    parser = configparser.ConfigParser(interpolation=None, default_section="\x00none")
+    # Not strict: a repeated section or key is the last one, as the CLI reads it.
+    parser = configparser.ConfigParser(
+        interpolation=None, default_section="\x00none", strict=False
+    )
     try:
         with open(path, encoding="utf-8") as f:
             parser.read_file(f, source=str(path))
