@@ -7,12 +7,15 @@ save and load against the S3 server in tests/test_storage.py."""
 
 from __future__ import annotations
 
+import json
+import sys
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 
 from deeppart.errors import StoreConfigError
-from deeppart.storage.aws_profile import profile_settings
+from deeppart.storage.aws_profile import ProcessCredentials, profile_settings
 
 CREDENTIALS = """\
 [default]
@@ -158,8 +161,7 @@ def test_no_files_and_no_profile_give_nothing(tmp_path: Path) -> None:
     [
         ("nobody", r"AWS profile 'nobody' \(AWS_PROFILE\) is not in .*credentials or .*config"),
         ("half", r"'half': aws_access_key_id and aws_secret_access_key come together"),
-        ("sso", r"'sso' gets its credentials through sso_session, which DeepPart does not run"),
-        ("proc", r"'proc' gets its credentials through credential_process.*export-credentials"),
+        ("sso", r"'sso' gets its credentials through sso_session.*export-credentials"),
         ("assume", r"'assume' gets its credentials through source_profile"),
     ],
 )
@@ -193,3 +195,72 @@ def test_a_repeated_section_or_key_reads_as_its_last(tmp_path: Path) -> None:
     config = "[default]\nregion = eu-west-1\nregion = eu-north-1\n[default]\nregion = us-east-2\n"
     got = profile_settings(files(tmp_path, credentials="", config=config))
     assert got.config == {"region": "us-east-2"}
+
+
+def credential_script(tmp_path: Path, answer: object, code: int = 0) -> str:
+    """A credential_process command: counts its runs in ``runs``, prints
+    ``answer`` as JSON (or as is, if a str), exits with ``code``."""
+    script = tmp_path / "creds.py"
+    out = answer if isinstance(answer, str) else json.dumps(answer)
+    script.write_text(
+        "import sys\n"
+        f"open({str(tmp_path / 'runs')!r}, 'a').write('x')\n"
+        f"print({out!r})\n"
+        "print('refused by the identity service', file=sys.stderr)\n"
+        f"sys.exit({code})\n"
+    )
+    return f"{sys.executable} {script}"
+
+
+def runs(tmp_path: Path) -> int:
+    path = tmp_path / "runs"
+    return len(path.read_text()) if path.exists() else 0
+
+
+def test_credential_process_is_run_when_asked_and_kept_until_near_expiry(tmp_path: Path) -> None:
+    later = datetime.now(UTC) + timedelta(hours=1)
+    expiration = later.isoformat().replace("+00:00", "Z")
+    answer = {"Version": 1, "AccessKeyId": "PK", "SecretAccessKey": "ps",
+              "SessionToken": "pt", "Expiration": expiration}  # fmt: skip
+    config = f"[profile proc]\ncredential_process = {credential_script(tmp_path, answer)}\n"
+    got = profile_settings({**files(tmp_path, config=config), "AWS_PROFILE": "proc"})
+    assert got.config == {} and isinstance(got.credentials, ProcessCredentials)
+    assert runs(tmp_path) == 0  # not before the client asks
+    first = got.credentials()
+    keys = (first["access_key_id"], first["secret_access_key"], first["token"])
+    assert keys == ("PK", "ps", "pt")
+    assert abs((first["expires_at"] - later).total_seconds()) < 1
+    assert got.credentials() == first and runs(tmp_path) == 1
+    # An answer about to expire is renewed at the next call.
+    soon = dict(answer, Expiration=(datetime.now(UTC) + timedelta(seconds=30)).isoformat())
+    proc = ProcessCredentials(credential_script(tmp_path, soon), "proc")
+    proc()
+    proc()
+    assert runs(tmp_path) == 3
+    # Environment keys come first: the process is not used.
+    env = {**files(tmp_path, config=config), "AWS_PROFILE": "proc", "AWS_ACCESS_KEY_ID": "K"}
+    assert profile_settings(env).credentials is None
+
+
+@pytest.mark.parametrize(
+    ("answer", "code", "message"),
+    [
+        ({"Version": 1, "AccessKeyId": "K", "SecretAccessKey": "s"}, 3,
+         r"exited with 3: refused by the identity service"),
+        ("not json", 0, r"its output is not JSON"),
+        ({"Version": 2, "AccessKeyId": "K", "SecretAccessKey": "s"}, 0, r'"Version": 1'),
+        ({"Version": 1, "AccessKeyId": "K"}, 0, r"AccessKeyId and SecretAccessKey are required"),
+        ({"Version": 1, "AccessKeyId": "K", "SecretAccessKey": "s", "Expiration": "soon"}, 0,
+         r"Expiration"),
+    ],
+)  # fmt: skip
+def test_a_failing_credential_process_is_named(
+    tmp_path: Path, answer: object, code: int, message: str
+) -> None:
+    proc = ProcessCredentials(credential_script(tmp_path, answer, code), "proc")
+    named = rf"AWS profile 'proc': credential_process.*{message}"
+    with pytest.raises(StoreConfigError, match=named):
+        proc()
+    missing = ProcessCredentials(str(tmp_path / "no-such-command"), "proc")
+    with pytest.raises(StoreConfigError, match="did not run"):
+        missing()

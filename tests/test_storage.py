@@ -589,3 +589,40 @@ def test_virtual_addressing_from_an_aws_profile(
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
     with pytest.raises(Exception, match=r"http://bkt1\.localhost:9/run/x"):
         open_store("s3://bkt1/run").get("x")
+
+
+def test_credentials_from_a_profiles_credential_process(
+    s3_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A profile whose keys come from credential_process: the client runs it
+    when it first signs a request (a save and a load through s3:// reach
+    the server), and a process that fails fails the load with its message."""
+    import json
+
+    from s3_server import ACCESS_KEY, SECRET_KEY
+
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(var)
+    answer = {"Version": 1, "AccessKeyId": ACCESS_KEY, "SecretAccessKey": SECRET_KEY}
+    script = tmp_path / "creds.py"
+    script.write_text(
+        f"open({str(tmp_path / 'runs')!r}, 'a').write('x')\nprint({json.dumps(answer)!r})\n"
+    )
+    (tmp_path / "config").write_text(
+        f"[default]\nendpoint_url = {endpoint}\n"
+        f"credential_process = {sys.executable} {script}\n"
+    )
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    url = f"{s3_url}/run/step-1"
+    deeppart.save(state(4.0), url)
+    assert same(deeppart.load(url), state(4.0))
+    assert (tmp_path / "runs").read_text().count("x") >= 1
+    script.write_text("import sys\nprint('token expired', file=sys.stderr)\nsys.exit(1)\n")
+    # (A new store runs it again: its answer is kept per store.) obstore
+    # reports the provider's StoreConfigError as UnauthenticatedError.
+    from obstore.exceptions import UnauthenticatedError
+
+    failed = "credential_process exited with 1: token expired"
+    with pytest.raises(UnauthenticatedError, match=failed):
+        deeppart.load(url)

@@ -15,6 +15,11 @@ environment comes first, as in the SDKs):
   ``aws_session_token``), from the credentials file, else the config file;
   or ``role_arn`` with ``web_identity_token_file`` (and
   ``role_session_name``), the web-identity role that ``obstore`` assumes;
+  or ``credential_process``: the command is run (without a shell, as the
+  CLI runs it) when the client first needs credentials and again before
+  they expire, and its JSON (``Version`` 1, ``AccessKeyId``,
+  ``SecretAccessKey``, ``SessionToken``, ``Expiration``) is checked:
+  :class:`ProcessCredentials`;
 - ``region``;
 - the endpoint: the ``endpoint_url`` of the profile's ``s3`` sub-section,
   of the ``[services NAME]`` section that its ``services`` names, or the
@@ -24,7 +29,7 @@ environment comes first, as in the SDKs):
   sub-section (``path`` and ``auto`` keep path-style).
 
 A profile whose credentials come from something DeepPart does not run
-(``credential_process``, SSO, a role assumed from another profile) raises
+(SSO, a role assumed from another profile) raises
 :class:`~deeppart.errors.StoreConfigError` naming the profile and the key,
 as does a named profile that neither file has, a key id without its
 secret, or a file that is not INI: a clear error instead of requests
@@ -34,18 +39,29 @@ signed with nothing.
 from __future__ import annotations
 
 import configparser
+import json
 import os
+import shlex
+import subprocess
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 from deeppart.errors import StoreConfigError
 
-__all__ = ["ProfileSettings", "profile_settings"]
+__all__ = ["ProcessCredentials", "ProfileSettings", "profile_settings"]
+
+#: A credential_process's answer with an ``Expiration`` is renewed this
+#: long before it (one without is kept, as the CLI keeps it).
+REFRESH_BEFORE = timedelta(minutes=5)
+#: The longest a credential_process may run.
+PROCESS_TIMEOUT_S = 60
 
 #: A profile's credential sources that DeepPart does not run.
 _UNSUPPORTED_SOURCES = (
-    "credential_process",
     "sso_session",
     "sso_start_url",
     "source_profile",
@@ -70,6 +86,8 @@ class ProfileSettings:
     profile: str
     config: dict[str, str] = field(default_factory=dict)
     files: tuple[Path, ...] = ()
+    #: The client's credential provider (a profile's credential_process).
+    credentials: ProcessCredentials | None = None
 
     @property
     def endpoint(self) -> str | None:
@@ -82,9 +100,7 @@ def _truthy(text: str | None) -> bool:
 
 def _read(path: Path) -> configparser.ConfigParser:
     # Not strict: a repeated section or key is the last one, as the CLI reads it.
-    parser = configparser.ConfigParser(
-        interpolation=None, default_section="\x00none", strict=False
-    )
+    parser = configparser.ConfigParser(interpolation=None, default_section="\x00none", strict=False)
     try:
         with open(path, encoding="utf-8") as f:
             parser.read_file(f, source=str(path))
@@ -171,7 +187,12 @@ def profile_settings(environ: Mapping[str, str] | None = None) -> ProfileSetting
                     out["session_token"] = token
                 break
         else:
-            if conf.get("role_arn") and conf.get("web_identity_token_file"):
+            process = (creds or {}).get("credential_process") or conf.get("credential_process")
+            if process:
+                settings = ProfileSettings(
+                    profile, out, tuple(read), ProcessCredentials(process, profile)
+                )
+            elif conf.get("role_arn") and conf.get("web_identity_token_file"):
                 out["role_arn"] = conf["role_arn"]
                 out["web_identity_token_file"] = conf["web_identity_token_file"]
                 if conf.get("role_session_name"):
@@ -209,3 +230,67 @@ def profile_settings(environ: Mapping[str, str] | None = None) -> ProfileSetting
     if style == "virtual" and not has_env(_ENV_ADDRESSING):
         out["virtual_hosted_style_request"] = "true"
     return settings
+
+
+class ProcessCredentials:
+    """A profile's ``credential_process`` as obstore's credential provider:
+    runs the command when called and keeps its answer until
+    :data:`REFRESH_BEFORE` its ``Expiration`` (for ever without one, as the
+    CLI does). A command that fails, times out or answers anything but
+    version 1 JSON with both keys raises :class:`StoreConfigError` naming
+    the profile."""
+
+    def __init__(self, command: str, profile: str) -> None:
+        self.command = command
+        self.profile = profile
+        self._lock = threading.Lock()
+        self._kept: dict[str, Any] | None = None
+
+    def __call__(self) -> dict[str, Any]:
+        with self._lock:
+            kept = self._kept
+            if kept is None or (
+                kept["expires_at"] is not None
+                and kept["expires_at"] - REFRESH_BEFORE <= datetime.now(UTC)
+            ):
+                kept = self._kept = self._run()
+            return dict(kept)
+
+    def _run(self) -> dict[str, Any]:
+        where = f"AWS profile {self.profile!r}: credential_process"
+        try:
+            done = subprocess.run(
+                shlex.split(self.command),
+                capture_output=True,
+                timeout=PROCESS_TIMEOUT_S,
+                check=False,
+            )
+        except (OSError, ValueError, subprocess.TimeoutExpired) as e:
+            raise StoreConfigError(f"{where} {self.command!r} did not run: {e}") from e
+        if done.returncode != 0:
+            err = done.stderr.decode("utf-8", "replace").strip()[-500:]
+            raise StoreConfigError(f"{where} exited with {done.returncode}: {err}")
+        try:
+            answer = json.loads(done.stdout)
+        except ValueError as e:
+            raise StoreConfigError(f"{where}: its output is not JSON: {e}") from e
+        if not isinstance(answer, dict) or answer.get("Version") != 1:
+            raise StoreConfigError(f'{where}: expected JSON with "Version": 1')
+        key_id, secret = answer.get("AccessKeyId"), answer.get("SecretAccessKey")
+        if not (isinstance(key_id, str) and key_id and isinstance(secret, str) and secret):
+            raise StoreConfigError(f"{where}: AccessKeyId and SecretAccessKey are required")
+        token = answer.get("SessionToken")
+        expires: datetime | None = None
+        if answer.get("Expiration") is not None:
+            try:
+                expires = datetime.fromisoformat(str(answer["Expiration"]).replace("Z", "+00:00"))
+            except ValueError as e:
+                raise StoreConfigError(f"{where}: Expiration: {e}") from e
+            if expires.tzinfo is None:
+                expires = expires.replace(tzinfo=UTC)
+        return {
+            "access_key_id": key_id,
+            "secret_access_key": secret,
+            "token": token if isinstance(token, str) and token else None,
+            "expires_at": expires,
+        }

@@ -13,7 +13,8 @@ web-identity credentials (``AWS_CONTAINER_CREDENTIALS_*``,
 does not give comes from the AWS shared files, ``~/.aws/credentials`` and
 ``~/.aws/config``, and their profile (``AWS_PROFILE``):
 :mod:`deeppart.storage.aws_profile` (keys, session token, web-identity
-role, region, ``endpoint_url``, ``s3 = addressing_style``).
+role, ``credential_process``, region, ``endpoint_url``,
+``s3 = addressing_style``).
 
 Addressing: path-style (``http://endpoint/bucket/key``) by default;
 virtual-hosted style (``http://bucket.endpoint/key``, which some providers
@@ -169,6 +170,7 @@ class S3Store(ObjectStore):
                 url.bucket,
                 prefix=url.prefix or None,
                 config=profile.config or None,  # type: ignore[arg-type]
+                credential_provider=profile.credentials,  # type: ignore[arg-type]
                 client_options=options,  # type: ignore[arg-type]
                 retry_config=retry,  # type: ignore[arg-type]
             )
@@ -183,6 +185,7 @@ class S3Store(ObjectStore):
             self.location.bucket,
             prefix=inner or None,
             config={k: v for k, v in self.obstore.config.items() if k != "bucket"},  # type: ignore[arg-type]
+            credential_provider=self.obstore.credential_provider,
             client_options=self.obstore.client_options,
             retry_config=self.obstore.retry_config,
         )
