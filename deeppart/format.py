@@ -44,6 +44,12 @@ METADATA_VERSION_UNION = 3
 MAX_VERSION_ENTRIES = 1 << 24
 METADATA = "metadata.json"
 MARKER = "COMMITTED"
+#: In an object store: ``<save id>/SAVING``, put by a save's rank 0 before
+#: any rank uploads (:func:`saving_text`), removed after its commit. It
+#: marks the save id as DeepPart's while the save's own objects may still
+#: be invisible (multipart uploads in progress), so that the next save of
+#: the prefix can abort the uploads that a killed save left.
+SAVING = "SAVING"
 #: Numbered checkpoints (Checkpointer, the level backends) live in
 #: directories STEP_PREFIX + the step as 8 digits: ``step-00000100``.
 STEP_PREFIX = "step-"
@@ -246,6 +252,11 @@ def write_durable(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def saving_text(save_id: str) -> bytes:
+    """The content of a save's :data:`SAVING` object."""
+    return f"{FORMAT_NAME} save {save_id} began\n".encode()
 
 
 def marker_text(metadata: bytes) -> bytes:

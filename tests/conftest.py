@@ -65,4 +65,6 @@ def s3_url(s3_server: Any, monkeypatch: pytest.MonkeyPatch) -> str:
     ``AWS_*`` variables that reach it set for this test."""
     for key, value in s3_server.env().items():
         monkeypatch.setenv(key, value)
+    for key in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE"):  # not the developer's
+        monkeypatch.delenv(key, raising=False)
     return str(s3_server.make_bucket(f"deeppart-{os.getpid()}-{next(_buckets)}"))

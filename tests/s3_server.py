@@ -102,7 +102,6 @@ class S3Server:
             # Not the developer's own AWS files and profile.
             "AWS_CONFIG_FILE": os.devnull,
             "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
-            "AWS_PROFILE": "",
             # No retries stretching a test's failure out over minutes.
             "DEEPPART_S3_RETRY_TIMEOUT_S": "5",
             "DEEPPART_S3_MAX_RETRIES": "2",

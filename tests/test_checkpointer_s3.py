@@ -133,7 +133,7 @@ def test_a_killed_save_is_removed_by_the_next_save_and_nothing_else(s3_url: str)
     )
     assert proc.returncode == 17, proc.stdout + proc.stderr
     killed = keys(s3_url, f"run/{step_dir_name(20)}")
-    assert killed and all(k.endswith("/rank-00000.bin") for k in killed), killed
+    assert {k.rsplit("/", 1)[1] for k in killed} == {"rank-00000.bin", "SAVING"}, killed
     assert ck.steps() == [10] and ck.latest() == 10, "an uncommitted step is not a step"
     foreign = put_foreign(
         s3_url,
@@ -147,6 +147,77 @@ def test_a_killed_save_is_removed_by_the_next_save_and_nothing_else(s3_url: str)
     assert keys(s3_url, f"run/{step_dir_name(20)}") == set(foreign), "only the killed save's go"
     assert_untouched(s3_url, foreign)
     check(ck, 10, 10)
+    check(ck, 30)
+
+
+KILLED_MID_UPLOAD = textwrap.dedent(
+    """
+    import os, sys, time, torch
+    import deeppart
+    from deeppart.storage import s3
+
+    written = [0]
+    write = s3._Writer.write
+
+    def dying_write(self, data):
+        written[0] += len(memoryview(data).cast("B"))
+        n = write(self, data)
+        if written[0] > (11 << 20):
+            time.sleep(1)  # the parts in flight reach the server
+            os._exit(17)  # killed mid-upload: the multipart upload stays incomplete
+        return n
+
+    s3._Writer.write = dying_write
+    deeppart.Checkpointer(sys.argv[1]).save(
+        20, {"w": torch.arange(4 << 20, dtype=torch.float32), "step": 20}
+    )
+    """
+)
+
+
+def uploads(url: str, prefix: str) -> set[str]:
+    """The keys of the incomplete multipart uploads under ``url/prefix``."""
+    import boto3
+
+    bucket = url[len("s3://") :]
+    client = boto3.client("s3")
+    found = client.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", [])
+    return {u["Key"] for u in found}
+
+
+def test_a_save_killed_mid_upload_has_its_uploads_aborted_by_the_next_save(
+    s3_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save killed while its data file is a multipart upload in progress
+    (invisible to listing): the next save aborts that upload and removes
+    the save's SAVING object, identified by it; the user's uploads under
+    the prefix, under another group and under the killed save's own id
+    with another name, stay."""
+    import boto3
+
+    monkeypatch.setenv("DEEPPART_S3_PART_BYTES", str(5 << 20))
+    root = f"{s3_url}/run"
+    step = f"run/{step_dir_name(20)}"
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_MID_UPLOAD, root], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 17, proc.stdout + proc.stderr
+    left = keys(s3_url, step)
+    assert {k.rsplit("/", 1)[1] for k in left} == {"SAVING"}, left
+    save_id = next(iter(left)).split("/")[2]
+    ours = uploads(s3_url, step)
+    assert ours == {f"{step}/{save_id}/rank-00000.bin"}, ours
+    bucket = s3_url[len("s3://") :]
+    client = boto3.client("s3")
+    theirs = {f"{step}/{FOREIGN_GROUP}/rank-00000.bin", f"{step}/notes.bin",
+              f"{step}/{save_id}/mine.bin"}  # fmt: skip
+    for key in theirs:
+        client.create_multipart_upload(Bucket=bucket, Key=key)
+    ck = deeppart.Checkpointer(root)
+    ck.save(30, state(30))
+    assert uploads(s3_url, step) == theirs, "only the killed save's upload is aborted"
+    assert keys(s3_url, step) == set(), "its SAVING object is removed"
+    assert ck.steps() == [30]
     check(ck, 30)
 
 

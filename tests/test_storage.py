@@ -626,3 +626,10 @@ def test_credentials_from_a_profiles_credential_process(
     failed = "credential_process exited with 1: token expired"
     with pytest.raises(UnauthenticatedError, match=failed):
         deeppart.load(url)
+
+
+def test_without_obstore_an_s3_url_names_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "obstore.store", None)  # import fails
+    named = r"S3 needs obstore \(pip install 'deeppart\[s3\]'\)"
+    with pytest.raises(StoreConfigError, match=named):
+        deeppart.load("s3://bkt/run")

@@ -19,7 +19,7 @@ conditional put raises :class:`ObjectExistsError`.
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -170,6 +170,14 @@ class ObjectStore(abc.ABC):
     @abc.abstractmethod
     def delete(self, name: str) -> None:
         """Removes the object ``name`` (nothing if it is already gone)."""
+
+    def abort_uploads(self, prefix: str, accept: Callable[[str], bool]) -> tuple[str, ...]:
+        """Aborts the incomplete uploads (S3 multipart uploads that a killed
+        writer left, invisible to :meth:`list`) of the objects under
+        ``prefix`` whose name (relative to ``prefix``) ``accept`` admits;
+        returns those names. A store without such uploads, or without a way
+        to list them, aborts nothing."""
+        return ()
 
     #: Read-ahead (:mod:`deeppart.storage.readahead`) for readers that
     #: declare their ranges: the chunk size, the most chunks held at once

@@ -6,6 +6,7 @@ A checkpoint at ``s3://bucket/run/step-1`` is the store rooted there
     COMMITTED                      the commit marker, written last
     <save id>/metadata.json        the save's metadata
     <save id>/rank-00000.bin ...   each rank's data file
+    <save id>/SAVING               while the save runs (removed after its commit)
 
 The save id (:func:`deeppart.format.new_save_id`, 32 hex digits) is in the
 key of every object a save writes, in its metadata (``save_id``) and in
@@ -15,7 +16,10 @@ the header of its data files. A save:
    is refused unless ``overwrite``; an object named ``COMMITTED`` that is
    not DeepPart's marker is refused with
    :class:`~deeppart.errors.ForeignPathError`. It remembers the marker's
-   version (ETag) it saw.
+   version (ETag) it saw, and puts ``<save id>/SAVING``
+   (:func:`~deeppart.format.saving_text`) before any rank uploads: the
+   save id is then DeepPart's by content even while every object of the
+   save is an upload in progress.
 2. (every rank) uploads its data file ``<save id>/rank-NNNNN.bin``
    (multipart above a part's size, parts in parallel, memory bounded).
 3. (rank 0, :func:`commit_save`) puts ``<save id>/metadata.json``, then the
@@ -29,7 +33,9 @@ the header of its data files. A save:
    under the prefix when it began (step 1): the checkpoint it replaced and
    interrupted saves, found by their save id and recognised as DeepPart's
    by content (the data files' header and the metadata's ``save_id``),
-   never by a name pattern alone (:func:`remove_save`). A save that was
+   never by a name pattern alone (:func:`remove_save`), and aborts their
+   incomplete multipart uploads of data files (a killed writer's), then
+   removes its own ``SAVING``. A save that was
    still running then began before this commit, so its own conditional
    put can no longer succeed: it fails, and removes its objects itself.
    Saves that began later are left to the next save. No clock is
@@ -41,9 +47,12 @@ checkpoints. The data files are read by ranges (:class:`ObjectDir`).
 
 Multipart uploads that a killed process leaves incomplete are invisible
 to listing, and ``obstore`` (``object_store``) has no call to list or abort
-them: a bucket lifecycle rule (``AbortIncompleteMultipartUpload``) removes
-them (docs/ARCHITECTURE.md). A writer that fails in-process completes its
-upload and deletes the object, so nothing stays behind.
+them: :meth:`~deeppart.storage.base.ObjectStore.abort_uploads` does it
+through boto3 where it is installed (else a bucket lifecycle rule,
+``AbortIncompleteMultipartUpload``, removes them: docs/ARCHITECTURE.md),
+for the save ids that are DeepPart's by content, and only for the keys of
+data files under them. A writer that fails in-process completes its upload
+and deletes the object, so nothing stays behind.
 """
 
 from __future__ import annotations
@@ -67,9 +76,11 @@ from deeppart.format import (
     MAX_MARKER_BYTES,
     MAX_METADATA_BYTES,
     METADATA,
+    SAVING,
     data_file_name,
     header_save_id,
     marker_text,
+    saving_text,
 )
 from deeppart.ownership import checkpoint_file, head_save_id
 from deeppart.storage.base import ObjectExistsError, ObjectStore, RangeReader
@@ -211,17 +222,20 @@ class Begun:
     sent: list[bool] = field(default_factory=list)
 
 
-def begin_save(store: ObjectStore, overwrite: bool) -> Begun:
+def begin_save(store: ObjectStore, overwrite: bool, save_id: str) -> Begun:
     """Rank 0, before anything is written: the marker now at ``store``
     and the saves found there, after refusing a committed checkpoint unless
-    ``overwrite`` and an object ``COMMITTED`` that is not DeepPart's."""
+    ``overwrite`` and an object ``COMMITTED`` that is not DeepPart's; then
+    puts ``<save_id>/SAVING``."""
     marker = read_marker(store)
     if marker is not None and not overwrite:
         raise CheckpointError(
             f"{store.url}: a committed checkpoint exists "
             "(overwrite=False; pass overwrite=True to replace it)"
         )
-    return Begun(marker, save_groups(store))
+    begun = Begun(marker, save_groups(store))
+    store.put(f"{save_id}/{SAVING}", saving_text(save_id), create=True)
+    return begun
 
 
 def save_groups(store: ObjectStore) -> list[str]:
@@ -278,6 +292,7 @@ def _tidy(store: ObjectStore, save_id: str, begun: Begun) -> None:
     for earlier in begun.saves:
         if earlier != save_id:
             left += remove_save(store, earlier)
+    store.delete(f"{save_id}/{SAVING}")
     if left:
         warnings.warn(
             f"{store.url}: kept objects DeepPart did not write: {', '.join(left[:5])}",
@@ -297,10 +312,16 @@ def _names(store: ObjectStore, save_id: str) -> bool:
 def owned_object(store: ObjectStore, name: str, save_id: str) -> bool:
     """Whether the object ``<save_id>/name`` is DeepPart's, of that save,
     by its name and content: a data file whose header carries ``save_id``,
-    or a metadata.json of DeepPart's format recording ``save_id``."""
+    a metadata.json of DeepPart's format recording ``save_id``, or the
+    save's ``SAVING`` object."""
+    key = f"{save_id}/{name}"
+    if name == SAVING:
+        try:
+            return store.get(key) == saving_text(save_id)
+        except FileNotFoundError:
+            return False
     if "/" in name or not checkpoint_file(name) or name == MARKER:
         return False
-    key = f"{save_id}/{name}"
     head = bytearray(HEADER_SIZE)
     try:
         n = store.read_into(key, 0, memoryview(head))
@@ -332,16 +353,25 @@ def abandon_save(store: ObjectStore, save_id: str, begun: Begun) -> list[str]:
 def remove_save(store: ObjectStore, save_id: str, names: Iterable[str] | None = None) -> list[str]:
     """Removes the objects of the save ``save_id`` (all of them under
     ``<save_id>/``, or only ``names``) that are DeepPart's by content
-    (:func:`owned_object`); returns the names of the others, which stay."""
+    (:func:`owned_object`); returns the names of the others, which stay.
+    When some object shows the save id to be DeepPart's, the incomplete
+    multipart uploads of its data files are aborted first
+    (:meth:`~deeppart.storage.base.ObjectStore.abort_uploads`); its
+    ``SAVING`` object goes last, so that a removal cut short is still
+    recognised by the next save."""
     if names is None:
         names = [o.name[len(save_id) + 1 :] for o in store.list(save_id)]
-    left = []
-    for name in names:
-        if owned_object(store, name, save_id):
-            store.delete(f"{save_id}/{name}")
-        else:
-            left.append(f"{save_id}/{name}")
-    return left
+    owned = [name for name in names if owned_object(store, name, save_id)]
+    if owned:
+        store.abort_uploads(save_id, _data_file)
+    for name in sorted(owned, key=lambda name: name == SAVING):
+        store.delete(f"{save_id}/{name}")
+    return [f"{save_id}/{name}" for name in names if name not in owned]
+
+
+def _data_file(name: str) -> bool:
+    """Whether ``name`` (under a save id) is a data file's."""
+    return "/" not in name and checkpoint_file(name) and name not in (MARKER, METADATA)
 
 
 def data_key(save_id: str, rank: int) -> str:

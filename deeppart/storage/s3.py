@@ -41,10 +41,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
+from deeppart.errors import StoreConfigError
 from deeppart.storage.aws_profile import profile_settings
 from deeppart.storage.base import ObjectExistsError, ObjectInfo, ObjectStore, ObjectWriter
 from deeppart.storage.url import S3URL, parse_s3_url
@@ -135,7 +137,12 @@ class S3Store(ObjectStore):
         read_ahead: int | None = None,
         client: Any = None,
     ) -> None:
-        from obstore.store import S3Store as Client
+        try:
+            from obstore.store import S3Store as Client
+        except ImportError as e:
+            raise StoreConfigError(
+                f"{url}: S3 needs obstore (pip install 'deeppart[s3]'): {e}"
+            ) from e
 
         self.location = url
         self.url = str(url)
@@ -299,6 +306,85 @@ class S3Store(ObjectStore):
 
         with contextlib.suppress(FileNotFoundError):
             obstore.delete(self.obstore, name)
+
+    def abort_uploads(self, prefix: str, accept: Callable[[str], bool]) -> tuple[str, ...]:
+        """Through boto3 (obstore cannot list or abort multipart uploads);
+        nothing without boto3 (``pip install boto3``): a bucket lifecycle
+        rule removes them then). A failure to list or abort them is a
+        warning: they are a cleanup's, not a checkpoint's."""
+        try:
+            return tuple(_abort_uploads(self, prefix, accept))
+        except Exception as e:
+            warnings.warn(
+                f"{self.describe(prefix)}: incomplete uploads were not aborted "
+                f"({type(e).__name__}: {e}); a bucket lifecycle rule "
+                "(AbortIncompleteMultipartUpload) removes them",
+                stacklevel=2,
+            )
+            return ()
+
+
+def _boto3_client(store: S3Store) -> Any:
+    """A boto3 client reaching ``store``'s bucket as its obstore client does
+    (endpoint, region, credentials, addressing), or None without boto3:
+    the calls obstore lacks (listing and aborting multipart uploads)."""
+    try:
+        import boto3
+        from botocore.config import Config
+    except ImportError:
+        return None
+    config = store.obstore.config
+    endpoint = config.get("endpoint") or endpoint_from_env()
+    region = (
+        config.get("region") or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    )
+    keys: dict[str, Any] = {}
+    if config.get("access_key_id"):
+        keys = {
+            "aws_access_key_id": config["access_key_id"],
+            "aws_secret_access_key": config.get("secret_access_key"),
+            "aws_session_token": config.get("session_token"),
+        }
+    elif store.obstore.credential_provider is not None:
+        got = store.obstore.credential_provider()
+        keys = {
+            "aws_access_key_id": got["access_key_id"],
+            "aws_secret_access_key": got["secret_access_key"],
+            "aws_session_token": got.get("token"),
+        }
+    virtual = str(
+        config.get("virtual_hosted_style_request")
+        or os.environ.get("AWS_VIRTUAL_HOSTED_STYLE_REQUEST", "")
+    ).lower() in ("1", "true", "yes")
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name=region,
+        config=Config(
+            s3={"addressing_style": "virtual" if virtual else "path"},
+            retries={"max_attempts": 3, "mode": "standard"},
+        ),
+        **keys,
+    )
+
+
+def _abort_uploads(store: S3Store, prefix: str, accept: Callable[[str], bool]) -> list[str]:
+    client = _boto3_client(store)
+    if client is None:
+        return []
+    under = "/".join(p for p in (store.location.prefix, prefix.strip("/")) if p) + "/"
+    aborted = []
+    for page in client.get_paginator("list_multipart_uploads").paginate(
+        Bucket=store.location.bucket, Prefix=under
+    ):
+        for upload in page.get("Uploads", []):
+            name = upload["Key"][len(under) :]
+            if upload["Key"].startswith(under) and accept(name):
+                client.abort_multipart_upload(
+                    Bucket=store.location.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+                )
+                aborted.append(name)
+    return aborted
 
 
 def s3_store(url: str | S3URL) -> S3Store:

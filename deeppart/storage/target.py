@@ -158,7 +158,7 @@ class ObjectTarget(SaveTarget):
         pass  # rank 0's begin reads the marker; objects beside ours are never touched
 
     def begin(self, save_id: str, overwrite: bool) -> str:
-        self.begun = begin_save(self.store, overwrite)
+        self.begun = begin_save(self.store, overwrite, save_id)
         return save_id
 
     def data_file(self, token: str, save_id: str, rank: int) -> tuple[Path, Opener | None]:
