@@ -633,3 +633,32 @@ def test_without_obstore_an_s3_url_names_what_to_install(monkeypatch: pytest.Mon
     named = r"S3 needs obstore \(pip install 'deeppart\[s3\]'\)"
     with pytest.raises(StoreConfigError, match=named):
         deeppart.load("s3://bkt/run")
+
+
+def test_only_a_save_that_never_committed_has_its_uploads_aborted(
+    s3_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Removing a committed save (pruning, replacing) asks the store for no
+    incomplete uploads (all of them completed before its commit); removing
+    one whose SAVING object is still there (interrupted) does."""
+    from deeppart.format import SAVING, new_save_id, saving_text
+    from deeppart.storage.objects import remove_save
+
+    asked: list[str] = []
+
+    def abort_uploads(self: S3Store, prefix: str, accept: Any) -> tuple[str, ...]:
+        asked.append(prefix)
+        return ()
+
+    monkeypatch.setattr(S3Store, "abort_uploads", abort_uploads)
+    url = f"{s3_url}/run/step-1"
+    deeppart.save(state(1.0), url)
+    store = open_store(url)
+    marker = read_marker(store)
+    assert marker is not None and f"{marker.save_id}/{SAVING}" not in names(store)
+    assert remove_save(store, marker.save_id) == [] and asked == []
+    killed = new_save_id()
+    store.put(f"{killed}/{SAVING}", saving_text(killed))
+    store.put(f"{killed}/notes.txt", b"the user's")
+    assert remove_save(store, killed) == [f"{killed}/notes.txt"] and asked == [killed]
+    assert names(store) == sorted([MARKER, f"{killed}/notes.txt"])

@@ -50,9 +50,10 @@ to listing, and ``obstore`` (``object_store``) has no call to list or abort
 them: :meth:`~deeppart.storage.base.ObjectStore.abort_uploads` does it
 through boto3 where it is installed (else a bucket lifecycle rule,
 ``AbortIncompleteMultipartUpload``, removes them: docs/ARCHITECTURE.md),
-for the save ids that are DeepPart's by content, and only for the keys of
-data files under them. A writer that fails in-process completes its upload
-and deletes the object, so nothing stays behind.
+for the saves that never committed (their ``SAVING`` object is there and
+DeepPart's), and only for the keys of data files under them. A writer
+that fails in-process completes its upload and deletes the object, so
+nothing stays behind.
 """
 
 from __future__ import annotations
@@ -354,15 +355,17 @@ def remove_save(store: ObjectStore, save_id: str, names: Iterable[str] | None = 
     """Removes the objects of the save ``save_id`` (all of them under
     ``<save_id>/``, or only ``names``) that are DeepPart's by content
     (:func:`owned_object`); returns the names of the others, which stay.
-    When some object shows the save id to be DeepPart's, the incomplete
-    multipart uploads of its data files are aborted first
-    (:meth:`~deeppart.storage.base.ObjectStore.abort_uploads`); its
-    ``SAVING`` object goes last, so that a removal cut short is still
-    recognised by the next save."""
+    A save that never committed (its ``SAVING`` object is there and
+    DeepPart's) may have left incomplete multipart uploads of its data
+    files: they are aborted first
+    (:meth:`~deeppart.storage.base.ObjectStore.abort_uploads`; a committed
+    save's uploads all completed before its commit, so pruning asks the
+    store nothing more); ``SAVING`` goes last, so that a removal cut short
+    is still recognised by the next save."""
     if names is None:
         names = [o.name[len(save_id) + 1 :] for o in store.list(save_id)]
     owned = [name for name in names if owned_object(store, name, save_id)]
-    if owned:
+    if SAVING in owned:
         store.abort_uploads(save_id, _data_file)
     for name in sorted(owned, key=lambda name: name == SAVING):
         store.delete(f"{save_id}/{name}")
