@@ -52,7 +52,7 @@ from typing import Any
 
 from deeppart.errors import StoreConfigError
 
-__all__ = ["ProcessCredentials", "ProfileSettings", "profile_settings"]
+__all__ = ["ENDPOINT_VARS", "ProcessCredentials", "ProfileSettings", "profile_settings"]
 
 #: A credential_process's answer with an ``Expiration`` is renewed this
 #: long before it (one without is kept, as the CLI keeps it).
@@ -73,7 +73,8 @@ _UNSUPPORTED_SOURCES = (
 _ENV_CREDENTIALS = ("AWS_ACCESS_KEY_ID",)
 _ENV_ROLE = ("AWS_WEB_IDENTITY_TOKEN_FILE",)
 _ENV_REGION = ("AWS_REGION", "AWS_DEFAULT_REGION")
-_ENV_ENDPOINT = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")
+#: The endpoint variables, in the order obstore prefers them.
+ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")
 _ENV_ADDRESSING = ("AWS_VIRTUAL_HOSTED_STYLE_REQUEST",)
 
 
@@ -157,19 +158,19 @@ def profile_settings(environ: Mapping[str, str] | None = None) -> ProfileSetting
             if conf_file.has_section(section):
                 conf = {k.lower(): v.strip() for k, v in conf_file.items(section)}
                 break
-    settings = ProfileSettings(profile, {}, tuple(read))
     if creds is None and conf is None:
         if named:
             where = " or ".join(str(p) for p in (creds_path, config_path))
             raise StoreConfigError(f"AWS profile {profile!r} (AWS_PROFILE) is not in {where}")
-        return settings
+        return ProfileSettings(profile, {}, tuple(read))
     conf = conf or {}
     where = f"AWS profile {profile!r}"
 
     def has_env(names: tuple[str, ...]) -> bool:
         return any(env.get(n) for n in names)
 
-    out = settings.config
+    out: dict[str, str] = {}
+    provider: ProcessCredentials | None = None
     if not has_env(_ENV_CREDENTIALS) and not has_env(_ENV_ROLE):
         for source in (creds or {}, conf):
             key_id = source.get("aws_access_key_id")
@@ -189,9 +190,7 @@ def profile_settings(environ: Mapping[str, str] | None = None) -> ProfileSetting
         else:
             process = (creds or {}).get("credential_process") or conf.get("credential_process")
             if process:
-                settings = ProfileSettings(
-                    profile, out, tuple(read), ProcessCredentials(process, profile)
-                )
+                provider = ProcessCredentials(process, profile)
             elif conf.get("role_arn") and conf.get("web_identity_token_file"):
                 out["role_arn"] = conf["role_arn"]
                 out["web_identity_token_file"] = conf["web_identity_token_file"]
@@ -210,7 +209,7 @@ def profile_settings(environ: Mapping[str, str] | None = None) -> ProfileSetting
     if not has_env(_ENV_REGION) and conf.get("region"):
         out["region"] = conf["region"]
     s3 = _nested(conf.get("s3", ""), f"{where}: s3")
-    if not has_env(_ENV_ENDPOINT) and not _truthy(env.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS")):
+    if not has_env(ENDPOINT_VARS) and not _truthy(env.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS")):
         endpoint = s3.get("endpoint_url")
         services = conf.get("services")
         if not endpoint and services and conf_file is not None:
@@ -229,7 +228,7 @@ def profile_settings(environ: Mapping[str, str] | None = None) -> ProfileSetting
         )
     if style == "virtual" and not has_env(_ENV_ADDRESSING):
         out["virtual_hosted_style_request"] = "true"
-    return settings
+    return ProfileSettings(profile, out, tuple(read), provider)
 
 
 class ProcessCredentials:

@@ -47,7 +47,7 @@ from datetime import timedelta
 from typing import Any
 
 from deeppart.errors import StoreConfigError
-from deeppart.storage.aws_profile import profile_settings
+from deeppart.storage.aws_profile import ENDPOINT_VARS, profile_settings
 from deeppart.storage.base import ObjectExistsError, ObjectInfo, ObjectStore, ObjectWriter
 from deeppart.storage.url import S3URL, parse_s3_url
 
@@ -68,13 +68,10 @@ DEFAULT_READ_AHEAD = 16
 #: S3's smallest multipart part (all but the last).
 MIN_PART_BYTES = 5 << 20
 
-#: The endpoint variables in the order obstore prefers them.
-_ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")
-
 
 def endpoint_from_env() -> str | None:
     """The endpoint that obstore takes from the environment, if any."""
-    for var in _ENDPOINT_VARS:
+    for var in ENDPOINT_VARS:
         value = os.environ.get(var)
         if value:
             return value
