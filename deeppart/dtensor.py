@@ -19,6 +19,7 @@ torch is only imported when a state holds a DTensor.
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -77,21 +78,35 @@ def _region_at(
 #: mesh spans, placements, global shape), unchanged between saves.
 _LAYOUTS: OrderedDict[tuple[Any, ...], list[tuple[Region, list[int]]]] = OrderedDict()
 _LAYOUT_CACHE = 4096
-#: Per device mesh object: its ranks as nested tuples (a cache key), and numpy.
-_MESHES: dict[int, tuple[Any, tuple[Any, ...], Any]] = {}
+#: Per device mesh object (by id): a weak reference to it, its ranks as
+#: nested tuples (a cache key), and numpy. Weak: a torch DeviceMesh holds
+#: its process groups, and a mesh kept here would keep them past the user's
+#: destroy_process_group() into the interpreter's teardown, where a gloo
+#: group's destruction can abort the process ("terminate called without an
+#: active exception") after the program has finished.
+_MESHES: dict[int, tuple[weakref.ref[Any], tuple[Any, ...], Any]] = {}
+
+
+def _forget_mesh(key: int, ref: weakref.ref[Any]) -> None:
+    """A cached mesh was freed: its entry goes (unless replaced since)."""
+    hit = _MESHES.get(key)
+    if hit is not None and hit[0] is ref:
+        del _MESHES[key]
 
 
 def _mesh_ranks(mesh: Any) -> tuple[tuple[Any, ...], Any]:
     """``mesh``'s ranks as a hashable key and as a numpy array (cached per
-    mesh object; meshes live as long as the model, so few are held)."""
+    live mesh object; meshes live as long as the model, so few are held)."""
     hit = _MESHES.get(id(mesh))
-    if hit is not None and hit[0] is mesh:
+    if hit is not None and hit[0]() is mesh:
         return hit[1], hit[2]
     arr = mesh.mesh.cpu().numpy().astype("int64")
     key = (arr.shape, tuple(arr.reshape(-1).tolist()))
     if len(_MESHES) > 256:
         _MESHES.clear()
-    _MESHES[id(mesh)] = (mesh, key, arr)
+    mesh_id = id(mesh)
+    ref = weakref.ref(mesh, lambda r: _forget_mesh(mesh_id, r))
+    _MESHES[mesh_id] = (ref, key, arr)
     return key, arr
 
 

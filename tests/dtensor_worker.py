@@ -513,4 +513,9 @@ def mpi_main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["mpi"]:
+        main()  # under mpiexec: mpi4py's MPI_Finalize runs at exit
+    else:
+        from mpi_checkpoint import run_then_exit
+
+        run_then_exit(main)

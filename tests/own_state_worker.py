@@ -736,4 +736,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from mpi_checkpoint import run_then_exit
+
+    run_then_exit(main)

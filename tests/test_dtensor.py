@@ -398,3 +398,36 @@ def test_malformed_holder_groups_fail_load(saved: Path, tmp_path: Path) -> None:
         CorruptCheckpointError, match=r"holder group 0 rank is 9, not an integer in \[0, 3\]"
     ):
         deeppart.load(_tamper(saved, tmp_path, widen))
+
+
+def test_save_and_load_keep_no_device_mesh_alive(tmp_path: Path) -> None:
+    """DeepPart keeps no reference to a DTensor's device mesh, which holds
+    its process groups: once the user's state and mesh are gone, the mesh
+    is freed, so no gloo group outlives the user's destroy_process_group()
+    into the interpreter's teardown (where destroying one can abort a
+    process that has finished: "terminate called without an active
+    exception")."""
+    import gc
+    import weakref
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    store = f"file://{tmp_path / 'store'}"
+    dist.init_process_group("gloo", init_method=store, rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+        state = {"w": distribute_tensor(w, mesh, [Shard(0)])}
+        deeppart.save(state, tmp_path / "ckpt")
+        into = {"w": distribute_tensor(torch.zeros(3, 4), mesh, [Shard(0)])}
+        out = deeppart.load(tmp_path / "ckpt", into=into)
+        assert torch.equal(out["w"].to_local(), w)
+        freed = weakref.ref(mesh)
+        del mesh, state, into, out
+        gc.collect()
+        assert freed() is None, [type(r).__name__ for r in gc.get_referrers(freed())]
+    finally:
+        dist.destroy_process_group()
