@@ -29,6 +29,28 @@ ACCESS_KEY = "deeppart-test"
 SECRET_KEY = "deeppart-test-secret"
 REGION = "us-east-1"
 
+#: Python source that a child process runs before its save: the process
+#: dies (exit status 17) once more than 11 MiB of a data file went to the
+#: store, so that with 5 MiB parts (``DEEPPART_S3_PART_BYTES``) the file's
+#: multipart upload stays incomplete, invisible to listing.
+DIE_MID_UPLOAD = """
+import os, time
+from deeppart.storage import s3
+
+written = [0]
+write = s3._Writer.write
+
+def dying_write(self, data):
+    written[0] += len(memoryview(data).cast("B"))
+    n = write(self, data)
+    if written[0] > (11 << 20):
+        time.sleep(1)  # the parts in flight reach the server
+        os._exit(17)  # killed mid-upload: the multipart upload stays incomplete
+    return n
+
+s3._Writer.write = dying_write
+"""
+
 
 def moto_command() -> list[str] | None:
     """The command that runs moto's server, or None if moto is absent."""

@@ -28,6 +28,7 @@ from deeppart.storage import open_store
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 import mpi_checkpoint  # noqa: E402
+from s3_server import DIE_MID_UPLOAD  # noqa: E402
 
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 WORKER = ROOT / "tests" / "checkpointer_s3_worker.py"
@@ -150,24 +151,11 @@ def test_a_killed_save_is_removed_by_the_next_save_and_nothing_else(s3_url: str)
     check(ck, 30)
 
 
-KILLED_MID_UPLOAD = textwrap.dedent(
+KILLED_MID_UPLOAD = DIE_MID_UPLOAD + textwrap.dedent(
     """
-    import os, sys, time, torch
+    import sys, torch
     import deeppart
-    from deeppart.storage import s3
 
-    written = [0]
-    write = s3._Writer.write
-
-    def dying_write(self, data):
-        written[0] += len(memoryview(data).cast("B"))
-        n = write(self, data)
-        if written[0] > (11 << 20):
-            time.sleep(1)  # the parts in flight reach the server
-            os._exit(17)  # killed mid-upload: the multipart upload stays incomplete
-        return n
-
-    s3._Writer.write = dying_write
     deeppart.Checkpointer(sys.argv[1]).save(
         20, {"w": torch.arange(4 << 20, dtype=torch.float32), "step": 20}
     )

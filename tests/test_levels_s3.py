@@ -2,8 +2,9 @@
 ``glbl_dir = s3://bucket/prefix``) against moto's S3 server
 (tests/s3_server.py), in one process: the L4 save, recovery from it once
 every node-local directory is gone (with and without ``meta_dir``), the
-removal of old steps' and interrupted saves' objects (never a foreign
-object), and the config errors (other schemes, the FTI backend). The
+removal of old steps' and interrupted saves' objects and the abort of
+an interrupted save's multipart upload (never a foreign object or
+upload), and the config errors (other schemes, the FTI backend). The
 multi-rank case is the ``levels`` scenario of tests/s3_worker.py."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from s3_server import DIE_MID_UPLOAD
 
 import deeppart
 from deeppart.errors import LevelConfigError, UnsupportedURLError
@@ -189,6 +191,57 @@ def test_l4_in_s3_interrupted_save_cleaned(s3_url: str, s3_server: Any, tmp_path
     assert be.committed_steps() == [2]
     got, _ = BuiltinBackend(be.config).load()
     assert_bitwise(got, state(2))
+
+
+_KILLED_MID_UPLOAD_L4 = (
+    DIE_MID_UPLOAD
+    + """
+import sys, torch
+from deeppart.levels.engine import BuiltinBackend
+from deeppart.levels import LevelConfig
+c = LevelConfig.from_dict({"ckpt_dir": sys.argv[1] + "/local", "meta_dir": sys.argv[1] + "/meta",
+                           "glbl_dir": sys.argv[2], "ckpt_l4": 1, "keep": 1})
+BuiltinBackend(c).save(1, {"w": torch.arange(4 << 20, dtype=torch.float32)})
+"""
+)
+
+
+def test_l4_in_s3_save_killed_mid_upload_has_its_upload_aborted(
+    s3_url: str, tmp_path: Path
+) -> None:
+    """A process killed while its L4 data file is a multipart upload in
+    progress (no object of it is listed but the save's SAVING): the next
+    save aborts that upload and removes SAVING; the user's incomplete
+    upload beside the step stays."""
+    import boto3
+
+    glbl = f"{s3_url}/glbl"
+    bucket = s3_url[len("s3://") :]
+    step1 = f"glbl/deeppart/{STEP.format(1)}"
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLED_MID_UPLOAD_L4, str(tmp_path), glbl],
+        env=dict(os.environ, PYTHONPATH=str(ROOT), DEEPPART_S3_PART_BYTES=str(5 << 20)),
+        capture_output=True,
+        timeout=WAIT_S,
+    )
+    assert proc.returncode == 17, proc.stderr.decode()[-2000:]
+    client = boto3.client("s3")
+
+    def uploads() -> set[str]:
+        found = client.list_multipart_uploads(Bucket=bucket, Prefix=step1).get("Uploads", [])
+        return {u["Key"] for u in found}
+
+    left = names(f"{s3_url}/{step1}")
+    assert [n.rsplit("/", 1)[1] for n in left] == ["SAVING"], left
+    save_id = left[0].split("/")[0]
+    assert uploads() == {f"{step1}/{save_id}/rank-00000.bin"}
+    theirs = f"{step1}/notes.bin"
+    client.create_multipart_upload(Bucket=bucket, Key=theirs)
+    be = BuiltinBackend(config(tmp_path, glbl, ckpt_l4=1, keep=1))
+    be.save(2, state(2))
+    assert uploads() == {theirs}, "only the killed save's upload is aborted"
+    assert names(f"{s3_url}/{step1}") == [], "its SAVING object is removed"
+    assert be.committed_steps() == [2]
 
 
 def test_glbl_dir_urls_in_the_config(tmp_path: Path) -> None:
