@@ -91,7 +91,7 @@ def _forget_mesh(key: int, ref: weakref.ref[Any]) -> None:
     """A cached mesh was freed: its entry goes (unless replaced since)."""
     hit = _MESHES.get(key)
     if hit is not None and hit[0] is ref:
-        del _MESHES[key]
+        _MESHES.pop(key, None)  # another thread may have cleared the cache
 
 
 def _mesh_ranks(mesh: Any) -> tuple[tuple[Any, ...], Any]:
