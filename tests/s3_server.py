@@ -52,6 +52,16 @@ s3._Writer.write = dying_write
 """
 
 
+def uploads(url: str, prefix: str) -> set[str]:
+    """The keys of the incomplete multipart uploads under ``url/prefix``."""
+    import boto3
+
+    bucket = url[len("s3://") :]
+    client = boto3.client("s3")
+    found = client.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", [])
+    return {u["Key"] for u in found}
+
+
 def moto_command() -> list[str] | None:
     """The command that runs moto's server, or None if moto is absent."""
     exe = Path(sys.executable).parent / "moto_server"

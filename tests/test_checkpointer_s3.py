@@ -28,7 +28,7 @@ from deeppart.storage import open_store
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 import mpi_checkpoint  # noqa: E402
-from s3_server import DIE_MID_UPLOAD  # noqa: E402
+from s3_server import DIE_MID_UPLOAD, uploads  # noqa: E402
 
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 WORKER = ROOT / "tests" / "checkpointer_s3_worker.py"
@@ -161,16 +161,6 @@ KILLED_MID_UPLOAD = DIE_MID_UPLOAD + textwrap.dedent(
     )
     """
 )
-
-
-def uploads(url: str, prefix: str) -> set[str]:
-    """The keys of the incomplete multipart uploads under ``url/prefix``."""
-    import boto3
-
-    bucket = url[len("s3://") :]
-    client = boto3.client("s3")
-    found = client.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", [])
-    return {u["Key"] for u in found}
 
 
 def test_a_save_killed_mid_upload_has_its_uploads_aborted_by_the_next_save(

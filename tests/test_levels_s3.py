@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from s3_server import DIE_MID_UPLOAD
+from s3_server import DIE_MID_UPLOAD, uploads
 
 import deeppart
 from deeppart.errors import LevelConfigError, UnsupportedURLError
@@ -226,20 +226,15 @@ def test_l4_in_s3_save_killed_mid_upload_has_its_upload_aborted(
     )
     assert proc.returncode == 17, proc.stderr.decode()[-2000:]
     client = boto3.client("s3")
-
-    def uploads() -> set[str]:
-        found = client.list_multipart_uploads(Bucket=bucket, Prefix=step1).get("Uploads", [])
-        return {u["Key"] for u in found}
-
     left = names(f"{s3_url}/{step1}")
     assert [n.rsplit("/", 1)[1] for n in left] == ["SAVING"], left
     save_id = left[0].split("/")[0]
-    assert uploads() == {f"{step1}/{save_id}/rank-00000.bin"}
+    assert uploads(s3_url, step1) == {f"{step1}/{save_id}/rank-00000.bin"}
     theirs = f"{step1}/notes.bin"
     client.create_multipart_upload(Bucket=bucket, Key=theirs)
     be = BuiltinBackend(config(tmp_path, glbl, ckpt_l4=1, keep=1))
     be.save(2, state(2))
-    assert uploads() == {theirs}, "only the killed save's upload is aborted"
+    assert uploads(s3_url, step1) == {theirs}, "only the killed save's upload is aborted"
     assert names(f"{s3_url}/{step1}") == [], "its SAVING object is removed"
     assert be.committed_steps() == [2]
 
