@@ -15,6 +15,19 @@ on a tmpfs, so that every node reaches the store through its own link, as
 nodes reach a store through their NICs. MPI (hydra over the harness's ssh
 stand-in) and gloo run over the same links.
 
+Every namespace's TCP uses ``--tcp-cc`` (default ``reno``, loss-based like
+Linux's default ``cubic``, and allowed in any namespace; ``host`` leaves
+the host's). The token bucket queues up to 50 ms of a link's traffic in
+one FIFO per direction (the kernel here has no ``fq`` to put behind it).
+A node that sends at its link's rate holds the ACKs of what it receives
+in that queue; BBR (this host's default) caps what a flow has in flight
+at twice its rate times the shortest round trip it has seen (well under
+a millisecond here), so behind 50 ms of queued ACKs a flow into a busy
+sender runs at a fraction of the link: measured 3 MB/s of 12. Only a load
+that sends and receives at once (DeepPart's cooperative load at one rank
+per node) meets it; a NIC's short queue does not delay ACKs that long.
+The report names the TCP in use.
+
 Every node count runs with each ``--ranks-per-node`` (default 1 and 2):
 one rank per node is the hardest case for a cooperative load (each node
 must receive the whole state through its link whatever the method, so
@@ -293,6 +306,29 @@ def shape(c: Any, nodes: int, rate: str) -> None:
                  "rate", rate, "burst", "512kb", "latency", "50ms"],
                 check=True, capture_output=True, text=True,
             )  # fmt: skip
+
+
+def host_tcp_cc() -> str:
+    """The host's default TCP congestion control (what a new network
+    namespace starts with)."""
+    return Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+
+
+def set_tcp_cc(c: Any, nodes: int, cc: str) -> None:
+    """Every node's namespace and the head's (the server's) use the TCP
+    congestion control ``cc`` ("host": leave the host's)."""
+    if cc == "host":
+        return
+    for ns in [f"{c.tag}n{k}" for k in range(nodes)] + [f"{c.tag}head"]:
+        done = subprocess.run(
+            ["ip", "netns", "exec", ns, "sysctl", "-w", f"net.ipv4.tcp_congestion_control={cc}"],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        if done.returncode != 0:
+            raise Skip(
+                f"cannot use TCP congestion control {cc!r} in namespace {ns}: "
+                f"{done.stderr.strip()} (--tcp-cc host keeps the host's, {host_tcp_cc()})"
+            )
 
 
 def rate_bytes(rate: str) -> float:
@@ -762,7 +798,8 @@ def report(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines.append(
         f"state: BERT-shaped model + AdamW (--scale {meta['scale']} --hidden {meta['hidden']}), "
         f"{gb:.3f} GB, "
-        f"replicated on every rank; links {meta['rate']} each way "
+        f"replicated on every rank; links {meta['rate']} each way, TCP {meta['tcp']} "
+        f"(the host's default: {meta['host_tcp']}) "
         f"(measured through one link: PUT {meta['link']['put'] / 1e6:.1f} MB/s, "
         f"GET {meta['link']['get'] / 1e6:.1f} MB/s); server {meta['server']} "
         f"(from the head, {PROBE_STREAMS} streams, no shaping: PUT "
@@ -868,6 +905,7 @@ def drive(args: argparse.Namespace) -> None:
         # sweep unmounts it): no disk in the path.
         subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8g", "tmpfs", str(data)], check=True)
         shape(c, max(nodes), args.rate)
+        set_tcp_cc(c, max(nodes), args.tcp_cc)
         host = f"10.77.{c.id}.254"
         server = start_server(args.server, f"{c.tag}head", host, data, c.dir / "server.log")
         try:
@@ -906,6 +944,7 @@ def drive(args: argparse.Namespace) -> None:
         "scale": args.scale, "hidden": args.hidden, "rate": args.rate, "link": link, "raw": raw,
         "server": args.server, "repeat": args.repeat, "loadavg_start": " ".join(loadavg_start),
         "compression": args.compression,
+        "tcp": host_tcp_cc() if args.tcp_cc == "host" else args.tcp_cc, "host_tcp": host_tcp_cc(),
         "loadavg_end": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
     }  # fmt: skip
     print(report(results, meta))
@@ -938,6 +977,9 @@ def main() -> None:
     p.add_argument("--compression", default="shuffle-zstd",
                    choices=("none", "zstd", "lz4", "shuffle-zstd", "auto"),
                    help=f"the codec of {COMPRESSED} (none: leave it out)")  # fmt: skip
+    p.add_argument("--tcp-cc", default="reno",
+                   help="TCP congestion control in every namespace (default reno, loss-based "
+                        "as Linux's default cubic; 'host': the host's own)")  # fmt: skip
     p.add_argument("--server", default="s3s-fs", choices=("s3s-fs", "moto"))
     p.add_argument("--dcp", default="auto", choices=("auto", "s3torchconnector", "fsspec"),
                    help="DCP's S3 storage (auto: the S3 connector's, else fsspec)")  # fmt: skip

@@ -57,6 +57,7 @@ def _result(nodes: int, deeppart: bool, per_node: int = 1) -> dict[str, object]:
 
 META = {
     "scale": 0.04, "hidden": 512, "rate": "100mbit", "server": "s3s-fs", "repeat": 2,
+    "tcp": "reno", "host_tcp": "bbr",
     "link": {"put": 12e6, "get": 12e6}, "raw": {"put": 100e6, "get": 250e6},
     "loadavg_start": "1.0 1.0 1.0", "loadavg_end": "1.0 1.0 1.0", "compression": "none",
 }  # fmt: skip
@@ -69,6 +70,9 @@ def test_report_shows_ratios_and_predictions() -> None:
     # within-round ratios: 8/2.5 and 8/3 give 2.93), predicted s, predicted ratios
     assert save[:7] == ["4x1", "8.00", "2.75", "2.00", "4.00x", "1.38x", "2.93x"]
     assert save[7:] == ["2.00s", "4.00x", "1.00x"]
+    # The links' TCP is part of the conditions (it decides how a link
+    # carries both directions at once): the header names it and the host's.
+    assert "TCP reno (the host's default: bbr)" in text.splitlines()[0]
 
 
 def test_report_compares_the_compressed_contenders() -> None:
