@@ -26,7 +26,9 @@ a millisecond here), so behind 50 ms of queued ACKs a flow into a busy
 sender runs at a fraction of the link: measured 3 MB/s of 12. Only a load
 that sends and receives at once (DeepPart's cooperative load at one rank
 per node) meets it; a NIC's short queue does not delay ACKs that long.
-The report names the TCP in use.
+The report names the TCP in use. ``--trace FILE`` writes, for the last
+round of loads, each rank's node link MB/s in and out per 0.25 s (its
+counters read every 20 ms), which shows this.
 
 Every node count runs with each ``--ranks-per-node`` (default 1 and 2):
 one rank per node is the hardest case for a cooperative load (each node
@@ -127,6 +129,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -393,6 +396,77 @@ def run_probe(prefix: list[str], env: dict[str, str], streams: int, nbytes: int)
 # The worker: one job of nodes x ranks per node.
 
 
+#: ``--trace``: seconds between two reads of a node's link counters, and
+#: the width of the bins whose rates the trace reports.
+TRACE_SAMPLE_S = 0.02
+TRACE_BIN_S = 0.25
+
+
+class LinkSampler:
+    """Reads this namespace's link counters every :data:`TRACE_SAMPLE_S`
+    in a thread, from :meth:`start` to :meth:`stop`: (seconds since
+    ``start``, bytes received, bytes sent)."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, int, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._t0 = 0.0
+
+    def _run(self) -> None:
+        while True:
+            self.samples.append((time.perf_counter() - self._t0, *link_counters()))
+            if self._stop.wait(TRACE_SAMPLE_S):
+                break
+
+    def start(self) -> None:
+        self._t0 = time.perf_counter()
+        self._thread.start()
+
+    def stop(self) -> list[tuple[float, int, int]]:
+        self._stop.set()
+        self._thread.join()
+        self.samples.append((time.perf_counter() - self._t0, *link_counters()))
+        return self.samples
+
+
+def link_rates(
+    samples: list[tuple[float, int, int]], bin_s: float = TRACE_BIN_S
+) -> list[tuple[float, float]]:
+    """MB/s into and out of the link in each ``bin_s`` from the first
+    sample: the counters' change between the first and the last sample
+    inside the bin over the time between them; (0, 0) for a bin with fewer
+    than two samples."""
+    if not samples:
+        return []
+    out: list[tuple[float, float]] = []
+    edge = samples[0][0]
+    end = samples[-1][0]
+    while edge < end:
+        inside = [x for x in samples if edge <= x[0] < edge + bin_s]
+        dt = inside[-1][0] - inside[0][0] if len(inside) > 1 else 0.0
+        if dt > 0:
+            (_, rx0, tx0), (_, rx1, tx1) = inside[0], inside[-1]
+            out.append(((rx1 - rx0) / dt / 1e6, (tx1 - tx0) / dt / 1e6))
+        else:
+            out.append((0.0, 0.0))
+        edge += bin_s
+    return out
+
+
+def trace_text(results: list[dict[str, Any]], bin_s: float = TRACE_BIN_S) -> str:
+    """``--trace``'s file: for each job and contender, one line per rank of
+    its last load round: MB/s in/out of the rank's node link per bin."""
+    lines = [f"MB/s into / out of each rank's node link, in bins of {bin_s} s, last load round"]
+    for r in results:
+        for name, rows in sorted(r.get("trace", {}).items()):
+            lines.append(f"{r['nodes']}x{r['ranks'] // r['nodes']} {name}:")
+            for rank, rates in rows:
+                cells = " ".join(f"{a:4.1f}/{b:4.1f}" for a, b in rates)
+                lines.append(f"  rank {rank}: {cells}")
+    return "\n".join(lines) + "\n"
+
+
 def link_counters(dev: str = "eth0") -> tuple[int, int]:
     """Bytes received and sent through this network namespace's ``dev`` so
     far (``/proc/self/net/dev``, which is per namespace: a node's link);
@@ -643,6 +717,8 @@ def worker(args: argparse.Namespace) -> None:
     verified: dict[str, bool] = {}
     # Bytes in and out of each node's link during an op's last round.
     link: dict[str, list[float]] = {}
+    # --trace: each rank's node link rates during the last round of loads.
+    traces: dict[str, list[Any]] = {}
     for op in ("save", "load"):
         for round_ in range(args.repeat):
             order = [live[op][i] for i in np.random.default_rng(round_).permutation(len(live[op]))]
@@ -651,6 +727,10 @@ def worker(args: argparse.Namespace) -> None:
                     for t in _tensors(state):  # a sentinel: a no-op load cannot pass
                         t.fill_(7) if t.dtype.is_floating_point else t.zero_()
                 comm.Barrier()
+                sampler = None
+                if args.trace and op == "load" and round_ == args.repeat - 1:
+                    sampler = LinkSampler()
+                    sampler.start()
                 before = link_counters()
                 t0 = time.perf_counter()
                 err: str | None = None
@@ -665,6 +745,10 @@ def worker(args: argparse.Namespace) -> None:
                 comm.Barrier()
                 dt: float | None = time.perf_counter() - t0
                 after = link_counters()
+                if sampler is not None:
+                    rows = comm.gather([rank, link_rates(sampler.stop())])
+                    if rows is not None:  # rank 0
+                        traces[name] = rows
                 moved = [b - a for a, b in zip(before, after, strict=True)]
                 # The ranks of a node read the same counters: the mean over
                 # ranks is the mean over nodes.
@@ -701,6 +785,7 @@ def worker(args: argparse.Namespace) -> None:
                     "available": available,
                     "verified": verified,
                     "link": link,
+                    "trace": traces,
                     "notes": notes,
                     "dcp": dcp.kind,
                 }
@@ -724,6 +809,8 @@ def run_job(
             "--repeat", str(args.repeat), "--dcp", args.dcp,
             "--compression", args.compression,
             "--ranks-per-node", str(per_node)]  # fmt: skip
+    if args.trace:
+        argv += ["--trace", args.trace]
     ranks = n * per_node
     env = c.launch_env(ranks, order)
     env.update(s3_env(endpoint))
@@ -950,6 +1037,9 @@ def drive(args: argparse.Namespace) -> None:
     print(report(results, meta))
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    if args.trace:
+        Path(args.trace).write_text(trace_text(results))
+        log(f"link trace of the last load round: {args.trace}")
 
 
 def main() -> None:
@@ -985,6 +1075,9 @@ def main() -> None:
                    help="DCP's S3 storage (auto: the S3 connector's, else fsspec)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=900, help="seconds per job (900)")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    p.add_argument("--trace", default=None,
+                   help="write each node link's MB/s in and out during the last round of loads, "
+                        f"every {TRACE_BIN_S} s, to this file")  # fmt: skip
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--probe", nargs=2, type=int, help=argparse.SUPPRESS)
     args = p.parse_args()

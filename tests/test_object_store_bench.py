@@ -173,3 +173,44 @@ def test_link_counters_read_this_namespaces_interface() -> None:
     rx1, tx1 = object_store.link_counters("lo")
     assert rx1 - rx0 >= 10_000 and tx1 - tx0 >= 10_000
     assert object_store.link_counters("no-such-interface") == (0, 0)
+
+
+def test_link_rates_bins_the_counters() -> None:
+    """--trace's rates: per bin, the counters' change between its first and
+    last sample over the time between them; a bin without two samples is
+    (0, 0), not a rate made up from its neighbours."""
+    mb = 1_000_000
+    samples = [
+        (0.0, 0, 0),
+        (0.1, 1 * mb, 0),
+        (0.2, 2 * mb, 3 * mb),  # bin 0: 2 MB in, 3 MB out in 0.2 s
+        (0.3, 2 * mb, 3 * mb),
+        (0.45, 5 * mb, 3 * mb),  # bin 1: 3 MB in over 0.15 s
+        (0.6, 5 * mb, 3 * mb),  # bin 2: one sample only
+    ]
+    got = object_store.link_rates(samples, bin_s=0.25)
+    assert got == [
+        pytest.approx((10.0, 15.0)),
+        pytest.approx((20.0, 0.0)),
+        (0.0, 0.0),
+    ]
+    assert object_store.link_rates([]) == []
+
+
+def test_trace_text_names_each_job_contender_and_rank() -> None:
+    result = _result(4, deeppart=True, per_node=2)
+    result["trace"] = {"deeppart": [[0, [(12.0, 0.5), (3.31, 11.9)]], [1, [(12.0, 0.0)]]]}
+    text = object_store.trace_text([result, _result(2, deeppart=True)])
+    assert text.splitlines()[1:] == [
+        "4x2 deeppart:",
+        "  rank 0: 12.0/ 0.5  3.3/11.9",
+        "  rank 1: 12.0/ 0.0",
+    ]
+
+
+def test_sampler_reads_counters_until_stopped() -> None:
+    sampler = object_store.LinkSampler()
+    sampler.start()
+    samples = sampler.stop()
+    assert len(samples) >= 2
+    assert [t for t, _, _ in samples] == sorted(t for t, _, _ in samples)
