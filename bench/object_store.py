@@ -23,7 +23,7 @@ A node that sends at its link's rate holds the ACKs of what it receives
 in that queue; BBR (this host's default) caps what a flow has in flight
 at twice its rate times the shortest round trip it has seen (well under
 a millisecond here), so behind 50 ms of queued ACKs a flow into a busy
-sender runs at a fraction of the link: measured 3 MB/s of 12. Only a load
+sender runs at a fraction of the link: measured 3-5 MB/s of 12. Only a load
 that sends and receives at once (DeepPart's cooperative load at one rank
 per node) meets it; a NIC's short queue does not delay ACKs that long.
 The report names the TCP in use. ``--trace FILE`` writes, for the last
