@@ -29,7 +29,7 @@ from deeppart.errors import (
 )
 from deeppart.format import HEADER_SIZE, MARKER, METADATA, data_file_name
 from deeppart.progress import Progress
-from deeppart.storage import S3URL, ObjectExistsError, ObjectStore, open_store, parse_location
+from deeppart.storage import S3URL, ObjectExistsError, ObjectStore, open_store, parse_location, s3
 from deeppart.storage.objects import read_marker, save_groups
 from deeppart.storage.s3 import S3Store
 from deeppart.writer import WriteEvent, fault_hook
@@ -529,10 +529,18 @@ def test_addressing_styles(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
     with pytest.raises(Exception, match=r"http://127\.0\.0\.1:9/bkt1/run/x"):
         open_store("s3://bkt1/run").get("x")
-    monkeypatch.setenv("AWS_VIRTUAL_HOSTED_STYLE_REQUEST", "true")
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://bkt1.localhost:9")
-    with pytest.raises(Exception, match=r"http://bkt1\.localhost:9/run/x"):
-        open_store("s3://bkt1/run").get("x")
+    # obstore's reading of the flag (object_store's booleans) and the boto3
+    # client's that lists and aborts incomplete uploads agree.
+    for flag, virtual in [("true", True), ("On", True), ("y", True), ("YES", True), ("1", True),
+                          ("false", False), ("off", False), ("0", False)]:  # fmt: skip
+        monkeypatch.setenv("AWS_VIRTUAL_HOSTED_STYLE_REQUEST", flag)
+        store = open_store("s3://bkt1/run")
+        seen = r"http://bkt1\.localhost:9/run/x" if virtual else r"localhost:9/bkt1/run/x"
+        with pytest.raises(Exception, match=seen):
+            store.get("x")
+        boto = s3._boto3_client(store)  # type: ignore[arg-type]
+        assert boto.meta.config.s3["addressing_style"] == ("virtual" if virtual else "path"), flag
 
 
 def test_settings_from_an_aws_profile_reach_the_server(

@@ -321,6 +321,13 @@ class S3Store(ObjectStore):
             return ()
 
 
+def object_store_flag(text: str) -> bool:
+    """A boolean setting read as ``object_store`` (obstore's client) reads
+    it, so that DeepPart's own calls agree with the client's: ``1``,
+    ``true``, ``on``, ``yes``, ``y`` in any case are true."""
+    return text.lower() in ("1", "true", "on", "yes", "y")
+
+
 def _boto3_client(store: S3Store) -> Any:
     """A boto3 client reaching ``store``'s bucket as its obstore client does
     (endpoint, region, credentials, addressing), or None without boto3:
@@ -349,10 +356,12 @@ def _boto3_client(store: S3Store) -> Any:
             "aws_secret_access_key": got["secret_access_key"],
             "aws_session_token": got.get("token"),
         }
-    virtual = str(
-        config.get("virtual_hosted_style_request")
-        or os.environ.get("AWS_VIRTUAL_HOSTED_STYLE_REQUEST", "")
-    ).lower() in ("1", "true", "yes")
+    virtual = object_store_flag(
+        str(
+            config.get("virtual_hosted_style_request")
+            or os.environ.get("AWS_VIRTUAL_HOSTED_STYLE_REQUEST", "")
+        )
+    )
     return boto3.client(
         "s3",
         endpoint_url=endpoint,
