@@ -1027,11 +1027,12 @@ def drive(args: argparse.Namespace) -> None:
                     results.append(r)
         finally:
             server.stop()
+    host_tcp = host_tcp_cc()
     meta = {
         "scale": args.scale, "hidden": args.hidden, "rate": args.rate, "link": link, "raw": raw,
         "server": args.server, "repeat": args.repeat, "loadavg_start": " ".join(loadavg_start),
         "compression": args.compression,
-        "tcp": host_tcp_cc() if args.tcp_cc == "host" else args.tcp_cc, "host_tcp": host_tcp_cc(),
+        "tcp": host_tcp if args.tcp_cc == "host" else args.tcp_cc, "host_tcp": host_tcp,
         "loadavg_end": " ".join(Path("/proc/loadavg").read_text().split()[:3]),
     }  # fmt: skip
     print(report(results, meta))
