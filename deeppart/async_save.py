@@ -74,6 +74,9 @@ class AsyncSave:
         #: the host buffer holding them; 0 for a synchronous save.
         self.staged_bytes = 0
         self.staging_capacity = 0
+        #: Seconds the copies of this rank's share from CUDA devices took on
+        #: the device (None: no device copies, or not done yet).
+        self.device_copy_seconds: float | None = None
         self._finished = threading.Event()
         self._stats: Stats | None = None
         self._error: BaseException | None = None
@@ -160,10 +163,12 @@ def start(
     max_staging_bytes: int | None = None,
     snapshot: ShareSnapshot | None = None,
     after: Callable[[], None] | None = None,
+    snapshot_on_device: bool = False,
 ) -> AsyncSave:
     """Plans the save, snapshots this rank's share of ``state`` and starts
     writing it (collective over ``c``); ``after`` runs once the save is
-    committed (on the writer thread)."""
+    committed (on the writer thread). ``snapshot_on_device``: see
+    :func:`async_save`."""
     writer, why = writer_comm(c)
     settle_pending(c)
 
@@ -184,7 +189,7 @@ def start(
             return 1
         if writer is None:
             return 1
-        staged = snap.take(prep, c.rank)
+        staged = snap.take(prep, c.rank, on_device=snapshot_on_device)
         return 0
 
     # Planning and prepare as save() does them, then the snapshot; one
@@ -195,6 +200,7 @@ def start(
     handle.snapshot_seconds = time.perf_counter() - t0
 
     if any(planned.flags):
+        snap.discard()
         why = why or "another rank cannot save in the background"
         warnings.warn(
             f"{directory}: saving synchronously: {why}",
@@ -208,10 +214,16 @@ def start(
         return handle
 
     assert writer is not None and staged is not None
+    # The copies from CUDA devices, queued now that the agreement is past
+    # (deeppart.snapshot: the training stream waits for them on the device).
+    snap.issue()
+    handle.snapshot_seconds = time.perf_counter() - t0
     handle.staged_bytes, handle.staging_capacity = snap.staged_bytes, snap.capacity
     # The writer thread sees the snapshot only, never the live state.
     background = dataclasses.replace(planned, prep=staged)
     del planned, state
+
+    copies = snap.copies
 
     def run() -> None:
         background_priority()
@@ -220,6 +232,8 @@ def start(
         except BaseException as e:  # surfaced by wait() or the next save
             handle._finish(None, e)
             return
+        if copies is not None:
+            handle.device_copy_seconds = copies.seconds()
         _after(after, directory)
         handle._finish(stats, None)
 
@@ -279,18 +293,26 @@ def async_save(
     *,
     comm: Any = None,
     max_staging_bytes: int | None = None,
+    snapshot_on_device: bool = False,
     **save_kwargs: Any,
 ) -> AsyncSave:
     """Saves ``state`` like :func:`deeppart.save` (same keyword arguments),
     but returns as soon as this rank's planned share of the state is copied
-    to host memory; a background thread writes and commits it. Collective.
+    to host memory (from CUDA devices: as soon as the copies are queued on
+    DeepPart's side stream; the current stream waits for them on the
+    device, not the host); a background thread writes and commits it.
+    Collective.
 
     The state may change right after the call returns: the checkpoint holds
-    the snapshot. A second ``async_save`` on the same communicator first waits
-    for this one. ``max_staging_bytes``: the most tensor bytes a rank's
-    snapshot (its share) may hold in host memory (None: no limit); when a
-    rank's share is larger, the save runs synchronously on every rank, with
-    an :class:`AsyncSaveWarning`.
+    the snapshot (device work queued after the call runs after the copies;
+    :mod:`deeppart.snapshot`, docs/GPU.md). ``snapshot_on_device``: copy
+    the share within the device first, on the training stream, so that it
+    pauses for a device-to-device copy only (it needs free device memory of
+    the share's size until the host copies are done). A second ``async_save`` on the
+    same communicator first waits for this one. ``max_staging_bytes``: the
+    most tensor bytes a rank's snapshot (its share) may hold in host memory
+    (None: no limit); when a rank's share is larger, the save runs
+    synchronously on every rank, with an :class:`AsyncSaveWarning`.
     """
     return start(
         resolve(comm),
@@ -298,6 +320,7 @@ def async_save(
         parse_location(directory),
         save_kwargs,
         max_staging_bytes=max_staging_bytes,
+        snapshot_on_device=snapshot_on_device,
     )
 
 
@@ -305,9 +328,12 @@ class AsyncCheckpointer:
     """The asynchronous side of a ``Checkpointer(async_=True)``: one save in
     flight at a time, snapshot buffers reused."""
 
-    def __init__(self, comm: Comm, max_staging_bytes: int | None) -> None:
+    def __init__(
+        self, comm: Comm, max_staging_bytes: int | None, snapshot_on_device: bool = False
+    ) -> None:
         self.comm = comm
         self.max_staging_bytes = max_staging_bytes
+        self.snapshot_on_device = snapshot_on_device
         self._snapshot = ShareSnapshot()
         self.pending: AsyncSave | None = None
 
@@ -340,5 +366,6 @@ class AsyncCheckpointer:
             max_staging_bytes=self.max_staging_bytes,
             snapshot=self._snapshot,
             after=after,
+            snapshot_on_device=self.snapshot_on_device,
         )
         return self.pending

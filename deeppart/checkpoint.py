@@ -152,7 +152,7 @@ def save(
     level (1: fast; ratios on float data barely improve above). ``user``: a plain value
     stored in the metadata. ``staging_bytes``: the host buffer through which
     pieces of device (e.g. CUDA) tensors are copied, in chunks (default
-    :data:`deeppart.staging.DEFAULT_STAGING_BYTES`, 64 MiB). Returns the
+    :data:`deeppart.staging.DEFAULT_STAGING_BYTES`, 256 MiB). Returns the
     save's :class:`Stats` (the same on every rank); rank 0 prints its
     summary when ``verbose``. ``verify_replicas``: first check that every
     rank holds the same state (a hash of each leaf on every rank, compared
@@ -476,7 +476,9 @@ def load(
     truncated file, naming the file and piece) or
     :class:`StateMismatchError` (``into`` differs), on every rank.
     ``into`` tensors on a device (e.g. CUDA) are filled through a host
-    buffer of ``staging_bytes`` (default 64 MiB), in chunks.
+    buffer of ``staging_bytes`` (default 256 MiB), in chunks (from a local
+    file: by several reader threads, each chunk checksummed on the host
+    and copied on the thread's own stream; docs/GPU.md).
 
     ``keys``: read only these parts, e.g. ``keys=["model"]`` or
     ``keys=[("optim", "state")]`` (top-level keys or path prefixes): only
@@ -505,7 +507,6 @@ def load(
     """
     c = resolve(comm)
     t0 = time.perf_counter()
-
     # Open the checkpoint and plan the reads; every rank checks that all
     # read the same metadata.
     err: BaseException | None = None

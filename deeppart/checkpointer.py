@@ -71,8 +71,10 @@ class Checkpointer:
     memory (at most ``max_staging_bytes`` of tensors, else it saves
     synchronously with a warning) and writes it in a background thread; the next ``save``,
     ``load``, ``wait`` or ``close`` first waits for it and raises its error,
-    if nobody has seen it yet (docs/ASYNC.md). ``staging_bytes``: the host
-    buffer for device tensors (see :func:`save`).
+    if nobody has seen it yet (docs/ASYNC.md). CUDA tensors are copied on a
+    side stream while training goes on; ``snapshot_on_device``: copy them
+    within the device first (see :func:`deeppart.async_save`, docs/GPU.md).
+    ``staging_bytes``: the host buffer for device tensors (see :func:`save`).
     """
 
     PREFIX = STEP_PREFIX
@@ -97,6 +99,7 @@ class Checkpointer:
         staging_bytes: int | None = None,
         async_: bool = False,
         max_staging_bytes: int | None = None,
+        snapshot_on_device: bool = False,
         config: Any = None,
         backend: str = "auto",
         level: int | None = None,
@@ -147,7 +150,7 @@ class Checkpointer:
         self._run: str | None = None
         self._async: AsyncCheckpointer | None = None
         if async_:
-            self._async = AsyncCheckpointer(self.comm, max_staging_bytes)
+            self._async = AsyncCheckpointer(self.comm, max_staging_bytes, snapshot_on_device)
         #: Multi-level storage (docs/LEVELS.md): with ``config=`` (a
         #: LevelConfig or an FTI-style INI path), save/latest/load go through
         #: a LevelBackend and ``root`` is unused; ``last_recovery`` is the

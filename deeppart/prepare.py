@@ -92,6 +92,9 @@ class Prepared:
     samples: dict[int, bytes] = field(default_factory=dict)
     #: An asynchronous save's snapshot of this rank's pieces (:mod:`deeppart.snapshot`).
     staged: list[StagedPiece] | None = None
+    #: Waits until ``staged`` holds its bytes (copies from a device still in
+    #: flight), raising if they may be torn; the writer calls it first.
+    staged_ready: Callable[[], None] | None = None
     #: A union save whose items are not all held by every rank, or have
     #: versions (:mod:`deeppart.union`): metadata.json's version 3 keys
     #: (``dtensors`` with each record's ranks, ``versions``).

@@ -464,6 +464,18 @@ def read_pieces(
     """:func:`read_file` from ``f`` (an open file, or anything with
     ``seek``/``read``/``readinto``, e.g. :class:`io.BytesIO`)."""
     check_header(path, f.read(HEADER_SIZE), rank, meta.world_size, meta.plan_fingerprint)
+    to_device: list[Piece] = []
+    fd = _staging.descriptor_of(f)
+    if fd is not None and through is None and done is None and stored_into is None:
+        # Raw pieces for device tensors from a local file: several readers
+        # at once (deeppart.staging.read_to_device).
+        to_device = [
+            p for p in pieces
+            if p.codec == "none" and p.length and isinstance(dest(p), _staging.DeviceSink)
+        ]  # fmt: skip
+    if to_device:
+        chosen = {id(p) for p in to_device}
+        pieces = [p for p in pieces if id(p) not in chosen]
     sums = _Checksums(directory)
     try:
         n = _read_each(
@@ -473,7 +485,38 @@ def read_pieces(
         sums.check()
     finally:
         sums.close()
+    if to_device:
+        assert fd is not None
+        n += _read_to_devices(
+            fd, to_device, dest, progress, staging or _staging.Staging(), directory
+        )
     return n
+
+
+def _read_to_devices(
+    fd: int,
+    pieces: list[Piece],
+    dest: Callable[[Piece], U8 | _staging.DeviceSink],
+    progress: Progress,
+    staging: _staging.Staging,
+    directory: CheckpointDir,
+) -> int:
+    """Reads raw ``pieces`` of the open file ``fd`` into their device sinks
+    (:func:`deeppart.staging.read_to_device`, one device at a time), each
+    verified on its host copy; returns the bytes read."""
+    by_device: dict[Any, list[_staging.DeviceRead]] = {}
+    for p in pieces:
+        sink = dest(p)
+        assert isinstance(sink, _staging.DeviceSink)
+        read = _staging.DeviceRead(p.offset, p.length, sink, p.xxh3, p)
+        by_device.setdefault(sink.tensor.device, []).append(read)
+
+    def error(p: Piece, what: str) -> BaseException:
+        return CorruptCheckpointError(f"{p.describe(directory)}: {what}")
+
+    for reads in by_device.values():
+        _staging.read_to_device(fd, reads, staging, error, lambda r: progress.advance(r.length))
+    return sum(p.stored for p in pieces)
 
 
 def _read_each(

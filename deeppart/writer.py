@@ -122,17 +122,6 @@ def _write_chunked(f: Any, data: bytes | memoryview) -> None:
         f.write(view[start : start + WRITE_CHUNK])
 
 
-def _descriptor(f: Any) -> int | None:
-    """``f``'s file descriptor, or None for a writer that has none."""
-    fileno = getattr(f, "fileno", None)
-    if fileno is None:
-        return None
-    try:
-        return int(fileno())
-    except (OSError, ValueError):
-        return None
-
-
 def write_pieces(
     path: Path,
     rank: int,
@@ -149,6 +138,9 @@ def write_pieces(
     ``opener``: opens the file to write instead of ``path`` on the file
     system (an upload to an object store, :mod:`deeppart.storage.target`;
     the object is complete when the context exits)."""
+    if prep.staged_ready is not None:
+        # An asynchronous snapshot's copies from a device: done, and not torn.
+        prep.staged_ready()
     stage = staging if staging is not None else _staging.Staging()
     on_device: dict[int, Any] = {}
     pieces = prep.plan.rank_pieces(rank)
@@ -169,7 +161,7 @@ def write_pieces(
         flushed = False
         # The Rust one-pass write needs a file descriptor; an object store's
         # upload (deeppart.storage) has none and takes the Python path.
-        fd = _descriptor(f)
+        fd = _staging.descriptor_of(f)
         for k, (li, start, stop) in enumerate(pieces):
             leaf = prep.leaves[li]
             is_tensor = leaf.tensor is not None

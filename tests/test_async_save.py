@@ -237,7 +237,7 @@ def test_a_failed_snapshot_raises_at_the_call_and_writes_nothing(
     raised by async_save itself, no thread starts, nothing is written, and
     the next save goes ahead."""
 
-    def broken(self: ShareSnapshot, prep: Any, rank: int) -> Any:
+    def broken(self: ShareSnapshot, prep: Any, rank: int, on_device: bool = False) -> Any:
         raise MemoryError("injected: no host memory for the snapshot")
 
     with monkeypatch.context() as m:

@@ -109,3 +109,114 @@ def test_nccl_group(tmp_path: Path) -> None:
 def test_gloo_group_with_cuda_state(tmp_path: Path) -> None:
     """Three gloo ranks sharing one GPU save and load CUDA state bitwise."""
     _torchrun(3, "gloo-cuda", tmp_path / "ck")
+
+
+def _big_cuda_state(mib: int, seed: int) -> dict[str, Any]:
+    """Float32 CUDA tensors of about ``mib`` MiB in all (copies that take
+    milliseconds, long enough for work queued after them to overtake them
+    if nothing ordered it), one of them transposed (not contiguous)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    n = mib * (1 << 20) // 4 // 4
+    side = int(n**0.5)
+    return {
+        "a": torch.randn(n, generator=gen, device="cuda"),
+        "b": torch.randn(n, generator=gen, device="cuda"),
+        "c": torch.randn(n, generator=gen, device="cuda"),
+        "t": torch.randn(side, side, generator=gen, device="cuda").t(),
+        "step": 7,
+    }
+
+
+def _cuda_clone(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_async_save_returns_before_the_copies_and_orders_training_after_them(
+    tmp_path: Path, on_device: bool
+) -> None:
+    """async_save queues the device-to-host copies on DeepPart's side stream
+    and returns; work the training loop queues right after (an optimizer's
+    in-place steps, on the current stream) runs after the copies have read
+    the state (or, with snapshot_on_device, after copies within the
+    device): the checkpoint holds the state as of the call, bitwise. The
+    copies' own time on the device is reported."""
+    state = _big_cuda_state(512, seed=1)
+    want = _cuda_clone(state)
+    params = [torch.nn.Parameter(state[k]) for k in ("a", "b", "c")]
+    state.update(a=params[0], b=params[1], c=params[2])
+    opt = torch.optim.SGD(params, lr=1.0)
+    torch.cuda.synchronize()
+    handle = deeppart.async_save(state, tmp_path / "ck", snapshot_on_device=on_device)
+    for p in params:  # queued at once, on the current stream
+        p.grad = torch.ones_like(p)
+    opt.step()
+    state["t"].mul_(-1.0)
+    stats = handle.wait()
+    assert stats.raw_bytes > 0
+    assert handle.device_copy_seconds is not None and handle.device_copy_seconds > 0
+    assert handle.staged_bytes >= sum(
+        v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor)
+    )
+    out = deeppart.load(tmp_path / "ck")
+    for k in ("a", "b", "c", "t"):
+        assert _bitwise(want[k], out[k]), k
+    # The training loop's changes are there, after the copies.
+    assert _bitwise(want["a"] - 1.0, state["a"].detach())
+
+
+def test_async_save_on_device_frees_its_device_copies(tmp_path: Path) -> None:
+    """snapshot_on_device holds the share's copies on the device only until
+    they are on the host: after wait() the device memory is back."""
+    state = _big_cuda_state(256, seed=2)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    handle = deeppart.async_save(state, tmp_path / "ck", snapshot_on_device=True)
+    assert torch.cuda.memory_allocated() >= before + 200 * (1 << 20)
+    handle.wait()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= before + (1 << 20)
+    assert _bitwise(state["a"], deeppart.load(tmp_path / "ck")["a"])
+
+
+@pytest.mark.parametrize("threads", ["1", "4", "16"])
+def test_load_into_cuda_with_several_readers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: str
+) -> None:
+    """load(into=) CUDA tensors: several reader threads, pinned slots,
+    copies on their own streams; the tensors are usable on the current
+    stream at once (the load orders it after the copies), bitwise, and a
+    flipped byte fails the load naming the piece."""
+    import json
+
+    from deeppart.errors import CorruptCheckpointError
+    from deeppart.format import data_file_name
+
+    monkeypatch.setenv("DEEPPART_LOAD_THREADS", threads)
+    state = _big_cuda_state(256, seed=3)
+    d = tmp_path / "ck"
+    deeppart.save(state, d)
+    into: dict[str, Any] = {
+        k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in state.items()
+    }
+    ptrs = {k: v.data_ptr() for k, v in into.items() if isinstance(v, torch.Tensor)}
+    out = deeppart.load(d, into=into, staging_bytes=64 << 20)
+    # Read on the current stream right away: no synchronisation by the test.
+    sums = {k: float(v.double().sum()) for k, v in into.items() if isinstance(v, torch.Tensor)}
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor):
+            assert out[k] is into[k] and into[k].data_ptr() == ptrs[k], k
+            assert sums[k] == float(v.double().sum()), k
+            assert _bitwise(v, into[k]), k
+    assert out["step"] == 7
+    meta = json.loads((d / "metadata.json").read_text())
+    leaf, _, _, rank, offset, length = max(meta["pieces"], key=lambda row: row[5])[:6]
+    path = d / data_file_name(rank)
+    with open(path, "r+b") as f:
+        f.seek(offset + length - 3)
+        byte = f.read(1)
+        f.seek(offset + length - 3)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch") as info:
+        deeppart.load(d, into=into)
+    assert f"piece of leaf {leaf} " in str(info.value)
