@@ -153,7 +153,7 @@ def _cpu_seconds() -> float:
     return total
 
 
-def _tc_manager(cuda: bool) -> Any:
+def tc_manager(cuda: bool) -> Any:
     """torch_checkpointing's asynchronous CheckpointManager. On a host
     without CUDA its staging must not pin memory nor copy non-blocking (its
     docs/troubleshooting.md, "Save fails on a CPU-only host"); its writer
@@ -236,7 +236,7 @@ def worker(args: argparse.Namespace) -> None:
     # Checkpointer keeps its buffers); shared memory for the writer process.
     cuda = torch.cuda.is_available()
     stager = DefaultStager(StagingOptions(cuda, process, False, False))
-    manager = _tc_manager(cuda) if kind == "torch-checkpointing" else None
+    manager = tc_manager(cuda) if kind == "torch-checkpointing" else None
 
     def start(i: int) -> Any:
         if kind == "deeppart":
