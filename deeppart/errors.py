@@ -21,7 +21,7 @@ The hierarchy::
     │   ├── LevelConfigError              a multi-level config is wrong
     │   ├── TopologyMismatchError         L1-L3 written by another layout
     │   ├── UnrecoverableError            more lost than the levels repair
-    │   ├── StoreConfigError (ValueError) an object store's AWS profile
+    │   ├── StoreConfigError (ValueError) a store that cannot be used
     │   ├── FTIError                      libfti missing or a call failed
     │   └── ExportError                   export/import of other formats
     ├── DcpPlanError (RuntimeError)       torch.distributed.checkpoint planner
@@ -124,10 +124,12 @@ class UnsupportedURLError(CheckpointError, ValueError):
 
 
 class StoreConfigError(CheckpointError, ValueError):
-    """An object store's configuration cannot be used: the AWS shared config
-    or credentials file is malformed, names a profile it does not have, or
+    """A store cannot be used as configured: the AWS shared config or
+    credentials file is malformed, names a profile it does not have, or
     gets credentials in a way DeepPart does not run
-    (:mod:`deeppart.storage.aws_profile`)."""
+    (:mod:`deeppart.storage.aws_profile`); the bucket does not exist, the
+    endpoint cannot be reached or refuses the credentials
+    (:meth:`deeppart.storage.s3.S3Store.config_error`)."""
 
 
 class ObjectExistsError(CheckpointError, FileExistsError):

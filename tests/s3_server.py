@@ -78,9 +78,12 @@ def free_port() -> int:
 
 
 class S3Server:
-    """One moto server process on 127.0.0.1."""
+    """One moto server process on 127.0.0.1. ``checks_credentials``: moto
+    checks every request's keys against its IAM (``INITIAL_NO_AUTH_ACTION_COUNT=0``),
+    which knows none of the tests' keys: every request is refused
+    (InvalidAccessKeyId, 403), as a server refuses wrong credentials."""
 
-    def __init__(self, log: Path) -> None:
+    def __init__(self, log: Path, checks_credentials: bool = False) -> None:
         cmd = moto_command()
         if cmd is None:
             raise RuntimeError("moto_server is not installed (pip install 'moto[server]')")
@@ -88,6 +91,8 @@ class S3Server:
         self.log = log
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
+        #: What the server's environment adds to this process's.
+        self.extra_env = {"INITIAL_NO_AUTH_ACTION_COUNT": "0"} if checks_credentials else {}
 
     @property
     def endpoint(self) -> str:
@@ -103,6 +108,7 @@ class S3Server:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                env={**os.environ, **self.extra_env},
             )
         deadline = time.monotonic() + timeout_s
         while True:

@@ -6,15 +6,19 @@ background saves, in one mpiexec job: tests/checkpointer_s3_worker.py),
 foreign objects under the prefix never deleted, a save killed before its
 commit and the next save removing only that save's objects, a rollback
 without ``keep_last``, and ``inspect``/``export``/``manifest`` on an
-``s3://`` checkpoint."""
+``s3://`` checkpoint. Issue 49, item 13: a missing bucket, an unreachable
+endpoint and refused credentials are one line."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +26,14 @@ import pytest
 import torch
 
 import deeppart
+from deeppart.errors import StoreConfigError
 from deeppart.format import HEADER_SIZE, MARKER, step_dir_name
 from deeppart.storage import open_store
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 import mpi_checkpoint  # noqa: E402
-from s3_server import DIE_MID_UPLOAD, uploads  # noqa: E402
+from s3_server import DIE_MID_UPLOAD, S3Server, free_port, uploads  # noqa: E402
 
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 WORKER = ROOT / "tests" / "checkpointer_s3_worker.py"
@@ -73,6 +78,17 @@ def assert_untouched(url: str, foreign: dict[str, bytes]) -> None:
 
 # ----------------------------------------------------------------------------
 # keep_last and a rollback at 2 ranks (sync and background saves).
+
+
+@contextlib.contextmanager
+def another_server(log: Path, checks_credentials: bool = False) -> Iterator[S3Server]:
+    """A second moto server beside the session's, for one test."""
+    server = S3Server(log, checks_credentials=checks_credentials)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.mark.mpi
@@ -312,3 +328,57 @@ def test_export_and_manifest_read_an_s3_checkpoint(s3_url: str, tmp_path: Path) 
     proc = cli("export", f"{s3_url}/ck/absent", "--to", "torch", str(tmp_path / "x.pt"))
     assert proc.returncode != 0 and "no committed checkpoint" in proc.stderr, proc.stderr
     assert not (tmp_path / "x.pt").exists()
+
+
+# ----------------------------------------------------------------------------
+# Issue 49, item 13: a store that cannot be used is one line.
+
+
+def refusals(*runs: Callable[[], object]) -> list[str]:
+    """The message of the StoreConfigError each of ``runs`` raises, checked
+    to be one line of at most 400 characters (the client's error is its
+    cause, not its text)."""
+    said = []
+    for run in runs:
+        with pytest.raises(StoreConfigError) as got:
+            run()
+        text = str(got.value)
+        assert "\n" not in text and len(text) <= 400, text
+        assert got.value.__cause__ is not None
+        said.append(text)
+    return said
+
+
+def save_and_load(url: str) -> tuple[Callable[[], object], Callable[[], object]]:
+    return lambda: deeppart.save(state(1), url), lambda: deeppart.load(url)
+
+
+def test_a_missing_bucket_is_one_line_on_save_and_load(s3_url: str) -> None:
+    """Issue 49, item 13: a save (plain, and a Checkpointer's) and a load at
+    a bucket that does not exist raise StoreConfigError, one line naming
+    the bucket and the endpoint (before: a 27-line NoSuchBucket dump on
+    save, "no COMMITTED marker" on load)."""
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    url = s3_url.replace("s3://", "s3://deeppart-no-such-", 1) + "/run"
+    bucket = url[len("s3://") :].split("/")[0]
+    runs = (*save_and_load(f"{url}/step-1"), lambda: deeppart.Checkpointer(url).save(1, state(1)))
+    for said in refusals(*runs, lambda: deeppart.Checkpointer(url).load()):
+        assert f"the bucket '{bucket}' does not exist at {endpoint}" in said, said
+
+
+def test_an_unreachable_endpoint_and_refused_credentials_are_one_line(
+    s3_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An endpoint where nothing listens, and a server that refuses the
+    credentials (moto checking keys against its IAM): StoreConfigError on
+    save and load, one line naming the endpoint (and the bucket)."""
+    bucket = s3_url[len("s3://") :]
+    nobody = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", nobody)
+    monkeypatch.setenv("DEEPPART_S3_MAX_RETRIES", "0")
+    for said in refusals(*save_and_load(f"{s3_url}/a")):
+        assert f"cannot reach the endpoint {nobody}" in said and "connection refused" in said
+    with another_server(tmp_path / "auth.log", checks_credentials=True) as strict:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", strict.endpoint)
+        for said in refusals(*save_and_load(f"{s3_url}/a")):
+            assert f"{strict.endpoint} refused access to the bucket '{bucket}'" in said, said

@@ -122,6 +122,13 @@ class ObjectStore(abc.ABC):
         """``name`` as shown in messages: the root's URL and the name."""
         return f"{self.url.rstrip('/')}/{name}" if name else self.url
 
+    def probe(self) -> None:
+        """Raises :class:`~deeppart.errors.StoreConfigError` if the store
+        itself cannot be used (S3: a bucket that does not exist, an
+        endpoint that cannot be reached), which a missing object's error
+        does not tell apart; by default nothing."""
+        return None
+
     @abc.abstractmethod
     def child(self, prefix: str) -> ObjectStore:
         """The store rooted at ``prefix`` under this one's root."""

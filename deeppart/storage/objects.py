@@ -190,6 +190,7 @@ def open_committed(store: ObjectStore) -> tuple[ObjectDir, bytes]:
     the metadata it names is missing or does not match it."""
     marker = read_marker(store)
     if marker is None:
+        store.probe()  # a missing bucket answers a HEAD as a missing object does
         raise CheckpointError(
             f"{store.url}: no {MARKER} marker; no committed checkpoint there "
             "(nothing saved, or a save was interrupted)"

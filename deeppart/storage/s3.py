@@ -35,12 +35,18 @@ default 8 MiB) and ``DEEPPART_S3_READ_AHEAD`` (the most chunks a reader
 holds, fetched or in flight, default 16: at most 128 MiB per reader; 0
 turns the read-ahead off), ``DEEPPART_S3_CONCURRENCY`` of them fetched at
 a time.
+
+A bucket that does not exist, an endpoint that cannot be reached and a
+refused access raise :class:`~deeppart.errors.StoreConfigError` with one
+line naming the URL, the bucket and the endpoint
+(:meth:`S3Store.config_error`; the client's error is its ``__cause__``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import warnings
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -67,6 +73,25 @@ DEFAULT_READ_CHUNK_BYTES = 8 << 20
 DEFAULT_READ_AHEAD = 16
 #: S3's smallest multipart part (all but the last).
 MIN_PART_BYTES = 5 << 20
+#: The region obstore signs for when none is set.
+DEFAULT_REGION = "us-east-1"
+
+#: S3 error codes of a refused access (credentials or policy).
+_DENIED = frozenset(
+    {
+        "AccessDenied",
+        "AllAccessDisabled",
+        "ExpiredToken",
+        "InvalidAccessKeyId",
+        "InvalidToken",
+        "SignatureDoesNotMatch",
+    }
+)
+_CODE = re.compile(r"<Code>([A-Za-z]+)</Code>")
+#: The request in a client's error (``GET http://host/bucket/key``).
+_REQUEST = re.compile(r"performing ([A-Z]+ \S+)")
+#: The HTTP status a server answered, in a client's error.
+_STATUS = re.compile(r"status code: (\d{3})")
 
 
 def endpoint_from_env() -> str | None:
@@ -106,10 +131,12 @@ class _Writer:
         )
 
     def write(self, data: Any, /) -> int:
-        return int(self.file.write(data))
+        with self.store.errors():
+            return int(self.file.write(data))
 
     def close(self) -> None:
-        self.file.close()
+        with self.store.errors():
+            self.file.close()
 
     def abort(self) -> None:
         # obstore has no abort of a multipart upload: the upload is
@@ -179,6 +206,90 @@ class S3Store(ObjectStore):
                 retry_config=retry,  # type: ignore[arg-type]
             )
         self.obstore = client
+        #: The endpoint (None: AWS's, by region), region and addressing the
+        #: client uses, from its config and the environment.
+        self.endpoint, self.region, self.virtual = client_settings(client.config)
+
+    @property
+    def endpoint_shown(self) -> str:
+        """The endpoint as messages name it."""
+        return self.endpoint or f"AWS S3 in {self.region}"
+
+    def config_error(self, e: BaseException) -> StoreConfigError | None:
+        """``e`` (an error of the client) as a one-line StoreConfigError
+        when it says that the bucket does not exist, that the endpoint
+        cannot be reached, or that access was refused; else None."""
+        found = self._failure(e)
+        return StoreConfigError(found[1]) if found is not None else None
+
+    def _failure(self, e: BaseException) -> tuple[str, str] | None:
+        """What :meth:`config_error` reports: ``("bucket" | "denied" |
+        "unreachable", message)``, or None."""
+        text = str(e)
+        found = _CODE.search(text)
+        code = found.group(1) if found else ""
+        answered = _STATUS.search(text)
+        status = answered.group(1) if answered else ""
+        bucket = self.location.bucket
+        if code == "NoSuchBucket":
+            return "bucket", (
+                f"{self.url}: the bucket {bucket!r} does not exist at {self.endpoint_shown}: "
+                "create it, or check the URL and the endpoint (AWS_ENDPOINT_URL, or the "
+                "profile's endpoint_url)"
+            )
+        if code in _DENIED or status in ("401", "403"):
+            why = code or f"HTTP {status}"
+            return "denied", (
+                f"{self.url}: {self.endpoint_shown} refused access to the bucket {bucket!r} "
+                f"({why}): check the credentials (AWS_ACCESS_KEY_ID, AWS_PROFILE) and the "
+                "bucket's policy"
+            )
+        lower = text.lower()
+        # Only a failure to connect (a server that stops answering later is
+        # not a wrong endpoint).
+        if "tcp connect error" in lower or "dns error" in lower:
+            why = (
+                "connection refused" if "connection refused" in lower
+                else "its name does not resolve" if "dns error" in lower
+                else "connection timed out" if "timed out" in lower
+                else "no connection"
+            )  # fmt: skip
+            request = _REQUEST.search(text)
+            if request is not None:
+                why = f"{request.group(1)}: {why}"
+            return "unreachable", (
+                f"{self.url}: cannot reach the endpoint {self.endpoint_shown} ({why}): check "
+                "AWS_ENDPOINT_URL (or the profile's endpoint_url) and the network"
+            )
+        return None
+
+    @contextlib.contextmanager
+    def errors(self) -> Iterator[None]:
+        """Raises the client's errors inside as :meth:`config_error` says
+        (from the client's), others as they are."""
+        try:
+            yield
+        except StoreConfigError:
+            raise
+        except Exception as e:
+            err = self.config_error(e)
+            if err is None:
+                raise
+            raise err from e
+
+    def probe(self) -> None:
+        """One listing request (of at most one key): StoreConfigError if
+        the bucket does not exist or the endpoint cannot be reached (what a
+        HEAD's bare 404 does not tell). A refused listing says nothing
+        here (a reader may lack the right to list)."""
+        import obstore
+
+        try:
+            next(iter(obstore.list(self.obstore, None, chunk_size=1)), None)
+        except Exception as e:
+            found = self._failure(e)
+            if found is not None and found[0] != "denied":
+                raise StoreConfigError(found[1]) from e
 
     def child(self, prefix: str) -> S3Store:
         prefix = prefix.strip("/")
@@ -205,9 +316,14 @@ class S3Store(ObjectStore):
     def get(self, name: str) -> bytes:
         import obstore
 
-        return bytes(obstore.get(self.obstore, name).bytes())
+        with self.errors():
+            return bytes(obstore.get(self.obstore, name).bytes())
 
     def read_into(self, name: str, offset: int, buf: memoryview) -> int:
+        with self.errors():
+            return self._read_into(name, offset, buf)
+
+    def _read_into(self, name: str, offset: int, buf: memoryview) -> int:
         if len(buf) == 0:
             return 0
         try:
@@ -231,16 +347,17 @@ class S3Store(ObjectStore):
 
         if length == 0:
             return b""
-        try:
-            return obstore.get_range(self.obstore, name, start=offset, length=length)
-        except FileNotFoundError:
-            raise
-        except Exception:
-            # A range that starts at or past the object's end (one that
-            # ends past it gets the rest).
-            if offset < self.head(name).size:
+        with self.errors():
+            try:
+                return obstore.get_range(self.obstore, name, start=offset, length=length)
+            except FileNotFoundError:
                 raise
-            return b""
+            except Exception:
+                # A range that starts at or past the object's end (one that
+                # ends past it gets the rest).
+                if offset < self.head(name).size:
+                    raise
+                return b""
 
     def _read_ranges(self, name: str, offset: int, buf: memoryview) -> int:
         """``buf`` filled from ``offset`` by ranged GETs of at most a part
@@ -266,7 +383,8 @@ class S3Store(ObjectStore):
     def head(self, name: str) -> ObjectInfo:
         import obstore
 
-        m = obstore.head(self.obstore, name)
+        with self.errors():
+            m = obstore.head(self.obstore, name)
         return ObjectInfo(name, int(m["size"]), m["last_modified"].timestamp(), m["e_tag"])
 
     def put(
@@ -281,7 +399,8 @@ class S3Store(ObjectStore):
         elif if_match is not None:
             mode = {"e_tag": if_match}
         try:
-            result = obstore.put(self.obstore, name, data, mode=mode, use_multipart=False)
+            with self.errors():
+                result = obstore.put(self.obstore, name, data, mode=mode, use_multipart=False)
         except (AlreadyExistsError, PreconditionError) as e:
             raise ObjectExistsError(f"{self.describe(name)}: {type(e).__name__}") from e
         return result["e_tag"]
@@ -292,16 +411,17 @@ class S3Store(ObjectStore):
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         import obstore
 
-        for batch in obstore.list(self.obstore, prefix.strip("/") or None):
-            for m in batch:
-                yield ObjectInfo(
-                    str(m["path"]), int(m["size"]), m["last_modified"].timestamp(), m["e_tag"]
-                )
+        with self.errors():
+            for batch in obstore.list(self.obstore, prefix.strip("/") or None):
+                for m in batch:
+                    yield ObjectInfo(
+                        str(m["path"]), int(m["size"]), m["last_modified"].timestamp(), m["e_tag"]
+                    )
 
     def delete(self, name: str) -> None:
         import obstore
 
-        with contextlib.suppress(FileNotFoundError):
+        with self.errors(), contextlib.suppress(FileNotFoundError):
             obstore.delete(self.obstore, name)
 
     def abort_uploads(self, prefix: str, accept: Callable[[str], bool]) -> tuple[str, ...]:
@@ -328,6 +448,26 @@ def object_store_flag(text: str) -> bool:
     return text.lower() in ("1", "true", "on", "yes", "y")
 
 
+def client_settings(config: dict[str, Any]) -> tuple[str | None, str, bool]:
+    """The endpoint (None: AWS's), region and whether virtual-hosted
+    addressing is on, of an obstore S3 client made with ``config`` in this
+    environment: its config first, then the variables it reads."""
+    endpoint = config.get("endpoint") or endpoint_from_env()
+    region = (
+        config.get("region")
+        or os.environ.get("AWS_REGION")
+        or os.environ.get("AWS_DEFAULT_REGION")
+        or DEFAULT_REGION
+    )
+    virtual = object_store_flag(
+        str(
+            config.get("virtual_hosted_style_request")
+            or os.environ.get("AWS_VIRTUAL_HOSTED_STYLE_REQUEST", "")
+        )
+    )
+    return endpoint, str(region), virtual
+
+
 def _boto3_client(store: S3Store) -> Any:
     """A boto3 client reaching ``store``'s bucket as its obstore client does
     (endpoint, region, credentials, addressing), or None without boto3:
@@ -338,10 +478,6 @@ def _boto3_client(store: S3Store) -> Any:
     except ImportError:
         return None
     config = store.obstore.config
-    endpoint = config.get("endpoint") or endpoint_from_env()
-    region = (
-        config.get("region") or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-    )
     keys: dict[str, Any] = {}
     if config.get("access_key_id"):
         keys = {
@@ -356,18 +492,12 @@ def _boto3_client(store: S3Store) -> Any:
             "aws_secret_access_key": got["secret_access_key"],
             "aws_session_token": got.get("token"),
         }
-    virtual = object_store_flag(
-        str(
-            config.get("virtual_hosted_style_request")
-            or os.environ.get("AWS_VIRTUAL_HOSTED_STYLE_REQUEST", "")
-        )
-    )
     return boto3.client(
         "s3",
-        endpoint_url=endpoint,
-        region_name=region,
+        endpoint_url=store.endpoint,
+        region_name=store.region,
         config=Config(
-            s3={"addressing_style": "virtual" if virtual else "path"},
+            s3={"addressing_style": "virtual" if store.virtual else "path"},
             retries={"max_attempts": 3, "mode": "standard"},
         ),
         **keys,
