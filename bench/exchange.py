@@ -12,14 +12,15 @@ several GB of memory (over 7 GB once rank 0 merges); ``--bytes-only``
 makes every rank's payload (about 2 CPU minutes, 3 GB) without rank 0's
 merge.
 
-The exchange (:func:`deeppart.prepare.prepare_save`): one agreement of a
-65-byte row per rank (structure digest, sampled-tensor and plain-value
-digests, a flag); when the ranks' structures differ (pipeline stages) one
-``allgather_varbytes`` in which the lowest rank of each distinct structure
-sends its description (:class:`deeppart.union.Described`, JSON) and every
-other rank only the digests that differ from that rank's (per-rank plain
-values, sampled shared tensors); every rank then builds the same union
-manifest and plans it, and a last agreement of a 33-byte row checks that.
+The exchange (:func:`deeppart.prepare.prepare_save`): one agreement of an
+81-byte row per rank (structure digest, sampled-tensor and plain-value
+digests, a flag, the digest of the store the rank addresses); when the
+ranks' structures differ (pipeline stages) one ``allgather_varbytes`` in
+which the lowest rank of each distinct structure sends its description
+(:class:`deeppart.union.Described`, JSON) and every other rank only the
+digests that differ from that rank's (per-rank plain values, sampled
+shared tensors); every rank then builds the same union manifest and plans
+it, and a last agreement of a 33-byte row checks that.
 A load with DTensor targets exchanges too
 (:func:`deeppart.reshard.plan_shard_reads`: every rank's needed regions).
 
@@ -575,6 +576,7 @@ def _computed(
         prepare_save,
     )
     from deeppart.state import FlatLeaf, encode_plain
+    from deeppart.storage.identity import identity_digest
 
     world = pp * dp * tp
     path = Path(directory)
@@ -631,7 +633,8 @@ def _computed(
             ]
             held = sorted([*shared, *per_rank.get(r, []), *mine], key=lambda x: x[0])
             digests, sample, values = digest_held(held)
-            rows[r] = own.prep.digest + sample + values + b"\0"
+            # prepare_save below is given no store: the digest of b"".
+            rows[r] = own.prep.digest + sample + values + b"\0" + identity_digest(b"")
             if r != reps[s]:
                 own_of[r] = dataclasses.replace(own, digests=digests, sample=sample, values=values)
             else:
@@ -660,7 +663,7 @@ def _computed(
     if bytes_only:
         # What rank 0's three gathers carry with these rows and payloads.
         ops: list[list[Any]] = [
-            ["prepare_save", "allgather_bytes", 66, 66 * (world - 1)],
+            ["prepare_save", "allgather_bytes", 82, 82 * (world - 1)],
             ["_union_prepare", "allgather_varbytes", len(payloads[0]) + 8,
              _others(payloads, 0) + 8 * (world - 1)],
             ["_union_prepare", "allgather_bytes", 34, 34 * (world - 1)],

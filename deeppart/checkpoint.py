@@ -66,6 +66,7 @@ from deeppart.reshard import (
 )
 from deeppart.restore import IncompatibleKeys, describe
 from deeppart.state import Flat, encode_plain, flatten
+from deeppart.storage.identity import identity_text
 from deeppart.storage.objects import ObjectDir
 from deeppart.storage.target import SaveTarget, save_target
 from deeppart.storage.url import Location, parse_location
@@ -240,6 +241,7 @@ class PlannedSave:
         before_sync = t_sync - t0
         save_id = names[0][:SAVE_ID_HEX].decode()
         token = names[0][SAVE_ID_HEX:].rstrip(b"\0").decode()
+        _agree_seen(c, target, token, save_id)
 
         # Every rank writes its pieces; rank 0 gathers the piece records.
         gathered = _write(
@@ -252,7 +254,10 @@ class PlannedSave:
             assert gathered is not None
             try:
                 meta = metadata_json(prep, gathered, self.user, save_id=save_id)
-                stored_total = int(json.loads(meta)["stored_bytes"])
+                head = json.loads(meta)
+                stored_total = int(head["stored_bytes"])
+                # Nothing is committed that the store does not hold.
+                target.check_written(token, save_id, head["file_sizes"])
                 target.commit(token, save_id, meta, self.overwrite)
             except Exception as e:
                 err = e
@@ -342,10 +347,13 @@ def plan_save(
     err: BaseException | None = None
     user = o.get("user")
     verify_replicas = o.get("verify_replicas", False)
+    store = b""
     try:
         if user is not None:
             encode_plain(user, ("<user>",))
         target.check()  # on every rank: each may see its own file system
+        # The store this rank addresses, compared in the agreement below.
+        store = identity_text(target.identity())
     except Exception as e:
         err = e
     prep, flags = prepare_save(
@@ -358,6 +366,7 @@ def plan_save(
         group=o.get("group"),
         replica_dims=o.get("replica_dims"),
         local=local,
+        store=store,
     )
     if verify_replicas:
         check_replicas(c, prep)
@@ -373,6 +382,31 @@ def plan_save(
         flags,
         target,
     )
+
+
+def _agree_seen(c: Comm, target: SaveTarget, token: str, save_id: str) -> None:
+    """Where one path may be a different directory on each node
+    (``target.check_seen``), every rank checks that it sees what rank 0
+    began the save in, and all agree (one 1-byte agreement, before anything
+    is written); if some do not, rank 0 removes it and every rank raises
+    the same StoreConfigError naming them."""
+    if c.size == 1 or not target.check_seen:
+        return
+    err: BaseException | None = None
+    seen = False
+    try:
+        seen = target.sees(token)
+    except Exception as e:
+        err = e
+    try:
+        rows = agree(c, err, bytes([seen]), width=1)
+        blind = [r for r, row in enumerate(rows) if not row[0]]
+        if blind:
+            raise target.unseen_error(token, blind)
+    except BaseException:
+        if c.rank == 0:
+            target.abandon(token, save_id)
+        raise
 
 
 def _write(

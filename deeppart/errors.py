@@ -129,7 +129,10 @@ class StoreConfigError(CheckpointError, ValueError):
     gets credentials in a way DeepPart does not run
     (:mod:`deeppart.storage.aws_profile`); the bucket does not exist, the
     endpoint cannot be reached or refuses the credentials
-    (:meth:`deeppart.storage.s3.S3Store.config_error`)."""
+    (:meth:`deeppart.storage.s3.S3Store.config_error`); or the ranks of a
+    save do not address one store (another endpoint, a directory that is
+    not shared), found before anything is written or before the commit
+    (:mod:`deeppart.storage.identity`)."""
 
 
 class ObjectExistsError(CheckpointError, FileExistsError):

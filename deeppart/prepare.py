@@ -33,6 +33,7 @@ from deeppart.dtensor import HolderGroups, expand
 from deeppart.errors import CheckpointError, StateMismatchError
 from deeppart.regions import DTensorRecord, Region, ShardRecord
 from deeppart.state import FlatLeaf, check_has_data, flatten
+from deeppart.storage.identity import IDENTITY_BYTES, identity_digest, identity_error
 from deeppart.storage.url import Location, location_key
 from deeppart.tensors import U8, readable, u8_view
 from deeppart.union import Described, Digests, Union, build_union, whole_digests_needed
@@ -340,7 +341,8 @@ def verify_replicas(c: Comm, prep: Prepared) -> None:
 
 #: Bytes of each rank's row in the save's prepare agreement: the digest of
 #: its structure and plan (32), of its sampled shared tensors (16), of its
-#: plain values (16).
+#: plain values (16). The row goes on with the ``local`` step's byte and
+#: the digest of the store the rank addresses (:data:`IDENTITY_BYTES`).
 ROW_WIDTH = 64
 
 
@@ -461,11 +463,16 @@ def prepare_save(
     group: Any = None,
     replica_dims: str | Sequence[str] | None = None,
     local: Callable[[Prepared], int] | None = None,
+    store: bytes = b"",
 ) -> tuple[Prepared, list[int]]:
     """The prepare stage of :func:`deeppart.save` and its agreement
     (collective over ``c``): each rank passes its own tree (see
-    :mod:`deeppart.union`). Fast path: one agreement of a 64-byte row per
-    rank (structure and plan digest, sampled tensors, plain values); when
+    :mod:`deeppart.union`). Fast path: one agreement of an 81-byte row per
+    rank (structure and plan digest, sampled tensors, plain values, the
+    ``local`` byte, the digest of ``store``: the identity of the store this
+    rank addresses, :func:`deeppart.storage.identity.identity_text`; ranks
+    whose stores differ raise StoreConfigError naming the settings that
+    differ, after one more collective); when
     all ranks hold the same structure, their shared tensors' samples agree
     within each replica class and their plain values agree, the plan every
     rank made of its own tree is the job's. Otherwise the ranks exchange
@@ -489,8 +496,11 @@ def prepare_save(
     except Exception as e:
         err = e
     row = own.prep.digest + own.sample + own.values if own is not None else b"\0" * ROW_WIDTH
-    rows = agree(c, err, row + bytes([flag]), width=ROW_WIDTH + 1)
+    row += bytes([flag]) + identity_digest(store)
+    rows = agree(c, err, row, width=ROW_WIDTH + 1 + IDENTITY_BYTES)
     assert own is not None
+    if len({r[ROW_WIDTH + 1 :] for r in rows}) != 1:
+        raise identity_error(c.allgather_varbytes(store))
     flags = [r[ROW_WIDTH] for r in rows]
     same = len({r[:32] for r in rows}) == 1 and len({r[48:64] for r in rows}) == 1
     if same and group != AUTO:

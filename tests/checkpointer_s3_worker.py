@@ -10,13 +10,25 @@ by tests/test_checkpointer_s3.py as one job:
 - ``async``: ``async_=True, keep_last=1`` at ``s3://BUCKET/async``:
   saves 1, 2, 3 in the background; after ``close`` only 3 is a step, and
   it loads bitwise.
+- ``stores`` (issue 49, items 1 and 13): ``keep_last=1`` at
+  ``s3://BUCKET/stores``, step 1 saved; then rank 1 addresses another
+  server (``DEEPPART_TEST_OTHER_ENDPOINT``, which has the bucket too): the
+  save of step 2 raises StoreConfigError on every rank, naming both
+  endpoints, before anything is written; with ``DEEPPART_S3_STORE_ID``
+  set alike on every rank (the endpoints then compare equal) the commit's
+  check finds rank 1's data file missing: StoreConfigError on every rank,
+  nothing committed. Step 1 stays the only step and loads bitwise; rank 0's
+  store holds nothing of step 2. A bucket that does not exist: a save and
+  a load raise StoreConfigError on every rank, one line naming it.
 
 Each rank prints ``OK <scenario> rank <r>/<size>`` when its checks pass.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,6 +37,9 @@ from rank_output import print_line
 
 import deeppart
 from deeppart.comm import resolve
+from deeppart.errors import StoreConfigError
+from deeppart.format import step_dir_name
+from deeppart.storage import open_store
 
 
 def state(v: int, world: int) -> dict[str, Any]:
@@ -72,11 +87,57 @@ def in_background(root: str) -> None:
     check(ck, 3, comm.size)
 
 
+def refused(run: Callable[[], Any]) -> str:
+    """The message of the StoreConfigError that ``run`` raises on this rank
+    (an AssertionError if it returns or raises anything else)."""
+    try:
+        run()
+    except StoreConfigError as e:
+        return str(e)
+    raise AssertionError("no StoreConfigError")
+
+
+def stores(root: str) -> None:
+    comm = resolve(None)
+    own = os.environ["AWS_ENDPOINT_URL"]
+    other = os.environ["DEEPPART_TEST_OTHER_ENDPOINT"]
+    ck = deeppart.Checkpointer(root, keep_last=1)
+    ck.save(1, state(1, comm.size))
+    if comm.rank == 1:
+        os.environ["AWS_ENDPOINT_URL"] = other  # one misconfigured node
+    try:
+        said = refused(lambda: ck.save(2, state(2, comm.size)))
+        assert "do not address one store" in said and "nothing was written" in said, said
+        assert f"rank 0 {own}" in said and f"rank 1 {other}" in said, said
+        os.environ["DEEPPART_S3_STORE_ID"] = "one-store"  # the same name on every rank
+        said = refused(lambda: ck.save(2, state(2, comm.size)))
+        assert "rank-00001.bin missing" in said and "nothing was committed" in said, said
+    finally:
+        os.environ["AWS_ENDPOINT_URL"] = own
+        os.environ.pop("DEEPPART_S3_STORE_ID", None)
+    comm.barrier()
+    assert ck.steps() == [1] and ck.latest() == 1, ck.steps()
+    check(ck, 1, comm.size)
+    left = list(open_store(root).list(step_dir_name(2)))
+    assert not left, left
+    missing = root.replace("s3://", "s3://deeppart-no-such-bucket-", 1)
+    for run in (
+        lambda: deeppart.save(state(3, comm.size), missing),
+        lambda: deeppart.load(missing),
+    ):
+        said = refused(run)
+        assert "does not exist" in said and "'deeppart-no-such-bucket-" in said, said
+        assert own in said and "\n" not in said, said
+
+
+SCENARIOS = {"line": line, "async": in_background, "stores": stores}
+
+
 def main() -> None:
     bucket = sys.argv[1]
     comm = resolve(None)
-    for name, run in (("line", line), ("async", in_background)):
-        run(f"{bucket}/{name}")
+    for name in sys.argv[2:] or SCENARIOS:
+        SCENARIOS[name](f"{bucket}/{name}")
         comm.barrier()
         print_line(f"OK {name} rank {comm.rank}/{comm.size}")
 

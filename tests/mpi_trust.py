@@ -10,6 +10,12 @@ every rank), run by tests/test_trust_mpi.py as one job:
 - ``stages``: each stage of a save and of a load, made to raise on one
   rank only; every rank must raise the same error type (a hang is the
   job's timeout).
+- ``directories`` (issue 49, item 1): one path that is a different
+  directory on each rank (``/proc/self/cwd/...`` with each rank in its
+  own working directory: a node-local disk at a shared path). The save
+  raises StoreConfigError on every rank, naming the ranks that do not see
+  rank 0's temporary directory, before any rank began writing its data
+  file; nothing is left in either directory.
 
 Each rank prints ``RESULT <scenario> <case> rank <r> <outcome>`` lines,
 then ``OK <scenario> rank <r>/<size>`` when its checks pass.
@@ -36,6 +42,7 @@ from deeppart.comm import Comm, resolve
 from deeppart.errors import CorruptCheckpointError, DeepPartError, StateError
 from deeppart.format import data_file_name
 from deeppart.storage import target as storage_target
+from deeppart.writer import add_fault_hook
 
 
 def _outcome(c: Comm, scenario: str, case: str, run: Callable[[], str]) -> list[str]:
@@ -226,6 +233,37 @@ def scenario_stages(d: Path) -> None:
     print_line(f"OK stages rank {c.rank}/{c.size}")
 
 
+def scenario_directories(d: Path) -> None:
+    c = resolve()
+    own = d / f"rank-{c.rank}"
+    own.mkdir(parents=True)
+    began: list[Path] = []
+    remove = add_fault_hook("before-write", lambda event: began.append(event.path))
+    said: list[str] = []
+
+    def run() -> str:
+        try:
+            deeppart.save({"w": torch.arange(4096.0)}, Path("/proc/self/cwd/ckpt"))
+        except DeepPartError as e:
+            said.append(str(e))
+            raise
+        return "ok"
+
+    home = os.getcwd()
+    os.chdir(own)
+    try:
+        outcomes = _outcome(c, "directories", "private", run)
+    finally:
+        os.chdir(home)
+        remove()
+    assert set(outcomes) == {"StoreConfigError"}, outcomes
+    assert "rank 1 does not see this save's temporary directory" in said[0], said
+    assert "nothing was written" in said[0], said
+    assert not began, f"rank {c.rank} began writing {began}"
+    assert not list(own.iterdir()), list(own.iterdir())
+    print_line(f"OK directories rank {c.rank}/{c.size}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("dir", type=Path)
@@ -235,6 +273,8 @@ def main() -> None:
     scenario_verified(args.dir / "verified")
     c.barrier()
     scenario_stages(args.dir / "stages")
+    c.barrier()
+    scenario_directories(args.dir / "directories")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ background saves, in one mpiexec job: tests/checkpointer_s3_worker.py),
 foreign objects under the prefix never deleted, a save killed before its
 commit and the next save removing only that save's objects, a rollback
 without ``keep_last``, and ``inspect``/``export``/``manifest`` on an
-``s3://`` checkpoint. Issue 49, item 13: a missing bucket, an unreachable
+``s3://`` checkpoint. Issue 49: ranks that address different stores
+(the same job: one rank on a second server) and a data file missing at
+commit time never commit nor prune; a missing bucket, an unreachable
 endpoint and refused credentials are one line."""
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import deeppart
 from deeppart.errors import StoreConfigError
 from deeppart.format import HEADER_SIZE, MARKER, step_dir_name
 from deeppart.storage import open_store
+from deeppart.writer import WriteEvent, fault_hook
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -93,7 +96,13 @@ def another_server(log: Path, checks_credentials: bool = False) -> Iterator[S3Se
 
 @pytest.mark.mpi
 @pytest.mark.skipif(not MPIEXEC.exists(), reason="mpiexec (the mpich wheel) is not installed")
-def test_keep_last_and_rollback_at_two_ranks(s3_url: str) -> None:
+def test_keep_last_rollback_and_one_store_at_two_ranks(
+    s3_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker's scenarios ``line``, ``async`` and ``stores`` (its
+    docstring); for ``stores`` a second server that has the bucket too, so
+    that rank 1's upload there succeeds (before issue 49 the save then
+    committed on every rank and pruned step 1)."""
     foreign = put_foreign(
         s3_url,
         [
@@ -105,10 +114,13 @@ def test_keep_last_and_rollback_at_two_ranks(s3_url: str) -> None:
         ],
     )
     cmd = [str(MPIEXEC), "-n", str(RANKS), sys.executable, str(WORKER), s3_url]
-    proc = mpi_checkpoint.launch(cmd, TIMEOUT_S, ROOT)
+    with another_server(tmp_path / "other.log") as other:
+        other.make_bucket(s3_url[len("s3://") :])
+        monkeypatch.setenv("DEEPPART_TEST_OTHER_ENDPOINT", other.endpoint)
+        proc = mpi_checkpoint.launch(cmd, TIMEOUT_S, ROOT)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"rc={proc.returncode}\n{out[-8000:]}"
-    for scenario in ("line", "async"):
+    for scenario in ("line", "async", "stores"):
         oks = set(re.findall(rf"OK {scenario} rank \d+/{RANKS}", proc.stdout))
         assert len(oks) == RANKS, out[-8000:]
     assert_untouched(s3_url, foreign)
@@ -331,7 +343,48 @@ def test_export_and_manifest_read_an_s3_checkpoint(s3_url: str, tmp_path: Path) 
 
 
 # ----------------------------------------------------------------------------
-# Issue 49, item 13: a store that cannot be used is one line.
+# Issue 49: a commit names only what the store holds; a store that cannot be
+# used is one line.
+
+
+@pytest.mark.parametrize("where", ["directory", "s3"])
+def test_a_commit_never_names_a_data_file_the_store_does_not_hold(
+    where: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """A data file gone from the store (an object removed) or cut short (a
+    file truncated) between its write and the commit: the save raises
+    StoreConfigError naming it, nothing is committed, and ``keep_last``
+    prunes nothing: step 1 stays and loads. (Before issue 49 step 2
+    committed, step 1 was pruned, and step 2 could not be loaded.)"""
+    s3 = where == "s3"
+    root = f"{request.getfixturevalue('s3_url')}/run" if s3 else tmp_path / "run"
+    ck = deeppart.Checkpointer(root, keep_last=1)
+    ck.save(1, state(1))
+
+    def damage(event: WriteEvent) -> None:
+        if s3:
+            store = open_store(str(ck.location(2)))
+            for o in store.list():
+                if o.name.endswith("/rank-00000.bin"):
+                    store.delete(o.name)
+        else:
+            os.truncate(event.path, event.path.stat().st_size - 1)
+
+    said = r"rank-00000\.bin missing" if s3 else r"rank-00000\.bin has (\d+) bytes, (\d+) written"
+    with (
+        fault_hook("after-write", damage),
+        pytest.raises(StoreConfigError, match=said + ".*nothing was committed") as got,
+    ):
+        ck.save(2, state(2))
+    if not s3:
+        short, written = (int(x) for x in re.findall(said, str(got.value))[0])
+        assert short == written - 1
+    assert ck.steps() == [1] and ck.latest() == 1
+    check(ck, 1, 1)
+    if s3:
+        assert keys(request.getfixturevalue("s3_url"), f"run/{step_dir_name(2)}") == set()
+    else:
+        assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [step_dir_name(1)]
 
 
 def refusals(*runs: Callable[[], object]) -> list[str]:

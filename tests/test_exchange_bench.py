@@ -33,4 +33,4 @@ def test_computed_exchange_at_eight_ranks() -> None:
     assert len(descriptions) == 2 and 0 < lo <= hi < min(descriptions) / 10
     total = pb["total (what every rank gathers)"]
     assert ops[1][3] == total - descriptions[0] + 8 * 7  # what rank 0 gathers
-    assert res["rank0"]["sent"] == 66 + descriptions[0] + 8 + 34
+    assert res["rank0"]["sent"] == 82 + descriptions[0] + 8 + 34

@@ -543,6 +543,55 @@ def test_addressing_styles(monkeypatch: pytest.MonkeyPatch) -> None:
         assert boto.meta.config.s3["addressing_style"] == ("virtual" if virtual else "path"), flag
 
 
+def test_the_store_each_rank_addresses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 49, item 1: the identity of the store that the ranks of a save
+    compare (deeppart/storage/identity.py): spellings of one endpoint agree,
+    other endpoints, regions, addressing styles and prefixes differ,
+    DEEPPART_S3_STORE_ID stands for the endpoint; the error names each
+    setting that differs and which ranks have which value."""
+    from deeppart.storage.identity import identity_error, identity_text, normalise_endpoint
+
+    assert normalise_endpoint("HTTPS://S3.Example.com:443/") == "https://s3.example.com"
+    assert normalise_endpoint("http://127.0.0.1:80") == "http://127.0.0.1"
+    assert normalise_endpoint("http://[::1]:9000/") == "http://[::1]:9000"
+    assert normalise_endpoint("http://minio:9000/s3/") == "http://minio:9000/s3"
+    for var, value in {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s",
+                       "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+                       "AWS_ENDPOINT_URL": "http://Minio:9000/"}.items():  # fmt: skip
+        monkeypatch.setenv(var, value)
+    for var in ("AWS_PROFILE", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL_S3",
+                "AWS_VIRTUAL_HOSTED_STYLE_REQUEST", "DEEPPART_S3_STORE_ID"):  # fmt: skip
+        monkeypatch.delenv(var, raising=False)
+
+    def seen(url: str = "s3://bkt/run/step-1") -> dict[str, str]:
+        return S3Store(parse_location(url)).identity()  # type: ignore[arg-type]
+
+    base = seen()
+    assert base == {"endpoint": "http://minio:9000", "region": "us-east-1", "bucket": "bkt",
+                    "prefix": "run/step-1", "addressing": "path"}  # fmt: skip
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://minio:9000")
+    monkeypatch.setenv("AWS_REGION", "us-east-1")  # obstore's default, now set
+    assert seen() == base
+    changes = {"AWS_ENDPOINT_URL": "http://minio-2:9000", "AWS_REGION": "eu-west-1",
+               "AWS_VIRTUAL_HOSTED_STYLE_REQUEST": "true"}  # fmt: skip
+    for var, value in changes.items():
+        with monkeypatch.context() as m:
+            m.setenv(var, value)
+            assert seen() != base, var
+    assert seen("s3://bkt/run/step-2") != base
+    monkeypatch.setenv("DEEPPART_S3_STORE_ID", "lab")
+    named = seen()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://minio-2:9000")
+    assert seen() == named and named["endpoint"] == "DEEPPART_S3_STORE_ID=lab"
+
+    texts = [identity_text(base), identity_text({**base, "endpoint": "http://b"})] * 2
+    texts.append(identity_text({**base, "region": "eu-west-1"}))
+    said = str(identity_error(texts))
+    assert ("endpoint: ranks [0, 2, 4] http://minio:9000, ranks [1, 3] http://b; "
+            "region: ranks [0, 1, 2, 3] us-east-1, rank 4 eu-west-1") in said, said  # fmt: skip
+    assert "nothing was written" in said and "DEEPPART_S3_STORE_ID" in said
+
+
 def test_settings_from_an_aws_profile_reach_the_server(
     s3_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -618,8 +667,7 @@ def test_credentials_from_a_profiles_credential_process(
         f"open({str(tmp_path / 'runs')!r}, 'a').write('x')\nprint({json.dumps(answer)!r})\n"
     )
     (tmp_path / "config").write_text(
-        f"[default]\nendpoint_url = {endpoint}\n"
-        f"credential_process = {sys.executable} {script}\n"
+        f"[default]\nendpoint_url = {endpoint}\ncredential_process = {sys.executable} {script}\n"
     )
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
     url = f"{s3_url}/run/step-1"

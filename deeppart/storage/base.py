@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from deeppart.errors import ObjectExistsError
+from deeppart.storage.identity import Identity
 from deeppart.storage.readahead import ReadAhead
 
 __all__ = [
@@ -121,6 +122,12 @@ class ObjectStore(abc.ABC):
     def describe(self, name: str) -> str:
         """``name`` as shown in messages: the root's URL and the name."""
         return f"{self.url.rstrip('/')}/{name}" if name else self.url
+
+    def identity(self) -> Identity:
+        """The store as this process resolved it, which every rank of a
+        save must share (:mod:`deeppart.storage.identity`); by default its
+        root as shown."""
+        return {"store": self.url}
 
     def probe(self) -> None:
         """Raises :class:`~deeppart.errors.StoreConfigError` if the store

@@ -22,8 +22,13 @@ the header of its data files. A save:
    save is an upload in progress.
 2. (every rank) uploads its data file ``<save id>/rank-NNNNN.bin``
    (multipart above a part's size, parts in parallel, memory bounded).
-3. (rank 0, :func:`commit_save`) puts ``<save id>/metadata.json``, then the
-   marker, with a conditional put: ``If-None-Match: *`` when there was no
+3. (rank 0, :func:`check_uploaded`) lists ``<save id>/`` once: every data
+   file the metadata names must be there with the size its rank wrote
+   (else :class:`~deeppart.errors.StoreConfigError`: a rank wrote to
+   another store; or :class:`~deeppart.errors.CommitConflictError` if
+   another save committed meanwhile, whose cleanup removed this one's
+   objects); then (:func:`commit_save`) puts ``<save id>/metadata.json``,
+   then the marker, with a conditional put: ``If-None-Match: *`` when there was no
    marker, ``If-Match: <the ETag it saw>`` when it replaces a committed
    checkpoint. Of two jobs committing one step only one put succeeds; the
    other raises :class:`~deeppart.errors.CommitConflictError` and removes
@@ -61,7 +66,7 @@ from __future__ import annotations
 import hashlib
 import re
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from deeppart.errors import (
@@ -69,6 +74,7 @@ from deeppart.errors import (
     CommitConflictError,
     CorruptCheckpointError,
     ForeignPathError,
+    StoreConfigError,
 )
 from deeppart.format import (
     HEADER_SIZE,
@@ -85,6 +91,7 @@ from deeppart.format import (
 )
 from deeppart.ownership import checkpoint_file, head_save_id
 from deeppart.storage.base import ObjectExistsError, ObjectStore, RangeReader
+from deeppart.storage.identity import check_written
 
 __all__ = [
     "Begun",
@@ -92,6 +99,7 @@ __all__ = [
     "ObjectDir",
     "abandon_save",
     "begin_save",
+    "check_uploaded",
     "commit_save",
     "data_key",
     "marker_bytes",
@@ -249,6 +257,40 @@ def save_groups(store: ObjectStore) -> list[str]:
         if sep and _SAVE_ID.fullmatch(top):
             found.add(top)
     return sorted(found)
+
+
+def check_uploaded(store: ObjectStore, save_id: str, sizes: Sequence[int], begun: Begun) -> None:
+    """Rank 0, before :func:`commit_save`: every rank r's data file of the
+    save ``save_id`` is in ``store`` with ``sizes[r]`` bytes, by one
+    listing of ``<save_id>/`` (a request per 1,000 objects). Else
+    :class:`CommitConflictError` if a save committed there since this one
+    began (its cleanup removed this save's objects, as an interrupted
+    save's: see the module's docstring), :class:`StoreConfigError` naming
+    the missing files otherwise."""
+    listed = {o.name: o.size for o in store.list(save_id)}
+    seen = [listed.get(data_key(save_id, r)) for r in range(len(sizes))]
+    endpoint = store.identity().get("endpoint")
+    where = store.describe(save_id) + (f" (endpoint {endpoint})" if endpoint else "")
+    try:
+        check_written(where, seen, sizes)
+    except StoreConfigError as e:
+        if _committed_since(store, begun):
+            raise CommitConflictError(
+                f"{store.url}: another save committed there while this one was writing "
+                "(and removed this save's objects); that checkpoint is kept and this save failed"
+            ) from e
+        raise
+
+
+def _committed_since(store: ObjectStore, begun: Begun) -> bool:
+    """Whether the marker at ``store`` is another than the one the save
+    saw when it began (``begun``); False if it cannot be read."""
+    try:
+        marker = read_marker(store)
+    except Exception:
+        return False
+    seen = begun.marker
+    return marker is not None and (seen is None or marker.tag != seen.tag)
 
 
 def commit_save(

@@ -29,7 +29,10 @@ per read, default 8: a writer holds at most about (concurrency + 1) x part
 bytes), ``DEEPPART_S3_RETRY_TIMEOUT_S`` and ``DEEPPART_S3_MAX_RETRIES``
 (``object_store``'s retries of failed requests; defaults 180 s and 10),
 ``DEEPPART_S3_TIMEOUT_S`` (one request's limit; ``object_store``'s default
-30 s). Loads read ahead (:mod:`deeppart.storage.readahead`):
+30 s), ``DEEPPART_S3_STORE_ID`` (a name for the store that replaces the
+endpoint in the comparison of the ranks' stores, :meth:`S3Store.identity`:
+set it to one value on every rank where each node reaches the same store
+through its own endpoint). Loads read ahead (:mod:`deeppart.storage.readahead`):
 ``DEEPPART_S3_READ_CHUNK_BYTES`` (one ranged GET of the read-ahead,
 default 8 MiB) and ``DEEPPART_S3_READ_AHEAD`` (the most chunks a reader
 holds, fetched or in flight, default 16: at most 128 MiB per reader; 0
@@ -55,6 +58,7 @@ from typing import Any
 from deeppart.errors import StoreConfigError
 from deeppart.storage.aws_profile import ENDPOINT_VARS, profile_settings
 from deeppart.storage.base import ObjectExistsError, ObjectInfo, ObjectStore, ObjectWriter
+from deeppart.storage.identity import Identity, normalise_endpoint
 from deeppart.storage.url import S3URL, parse_s3_url
 
 __all__ = [
@@ -75,6 +79,8 @@ DEFAULT_READ_AHEAD = 16
 MIN_PART_BYTES = 5 << 20
 #: The region obstore signs for when none is set.
 DEFAULT_REGION = "us-east-1"
+#: The variable naming the store in place of its endpoint (see the module's docstring).
+STORE_ID_VAR = "DEEPPART_S3_STORE_ID"
 
 #: S3 error codes of a refused access (credentials or policy).
 _DENIED = frozenset(
@@ -214,6 +220,21 @@ class S3Store(ObjectStore):
     def endpoint_shown(self) -> str:
         """The endpoint as messages name it."""
         return self.endpoint or f"AWS S3 in {self.region}"
+
+    def identity(self) -> Identity:
+        """The store as this process resolved it, which every rank of a
+        save must share (:mod:`deeppart.storage.identity`): the endpoint
+        (normalised; ``DEEPPART_S3_STORE_ID`` in its place where set), the
+        region, bucket, key prefix and addressing style."""
+        named = os.environ.get(STORE_ID_VAR)
+        endpoint = normalise_endpoint(self.endpoint) if self.endpoint else "(AWS)"
+        return {
+            "endpoint": f"{STORE_ID_VAR}={named}" if named else endpoint,
+            "region": self.region,
+            "bucket": self.location.bucket,
+            "prefix": self.location.prefix,
+            "addressing": "virtual-hosted" if self.virtual else "path",
+        }
 
     def config_error(self, e: BaseException) -> StoreConfigError | None:
         """``e`` (an error of the client) as a one-line StoreConfigError

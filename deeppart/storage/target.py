@@ -6,10 +6,24 @@ layer.
 lock, the rename that cannot replace, ownership by content:
 :mod:`deeppart.commit`, unchanged) or an :class:`ObjectTarget` for an
 object store (the conditional marker: :mod:`deeppart.storage.objects`).
-The save's stages call the same five methods on either
-(:meth:`SaveTarget.check` on every rank, :meth:`~SaveTarget.begin` on rank
-0, :meth:`~SaveTarget.data_file` on every rank, :meth:`~SaveTarget.commit`
-or :meth:`~SaveTarget.abandon` on rank 0).
+The save's stages call the same methods on either
+(:meth:`SaveTarget.check` and :meth:`~SaveTarget.identity` on every rank,
+:meth:`~SaveTarget.begin` on rank 0, :meth:`~SaveTarget.sees` and
+:meth:`~SaveTarget.data_file` on every rank,
+:meth:`~SaveTarget.check_written` then :meth:`~SaveTarget.commit`, or
+:meth:`~SaveTarget.abandon`, on rank 0).
+
+Every rank must write into the one store that rank 0 commits to
+(:mod:`deeppart.storage.identity`). In an object store the ranks compare
+the identity of the store each resolved (endpoint, region, bucket, prefix,
+addressing) in the save's prepare agreement, before anything is written.
+On a file system one path can be a different directory on each node (a
+node-local disk): once rank 0 has made the save's temporary directory
+(its name ends in 48 random bits, made for this save), every rank checks
+that it sees it, in one more small agreement before anything is written.
+And before the commit rank 0 checks that every data file is in its store
+with the size its rank wrote (one listing of the save's prefix in an
+object store, one ``stat`` per data file on a file system).
 """
 
 from __future__ import annotations
@@ -17,16 +31,27 @@ from __future__ import annotations
 import abc
 import contextlib
 import os
+import stat
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from deeppart.commit import commit_dir, make_temp_dir, remove_temp_dir
+from deeppart.errors import StoreConfigError
 from deeppart.format import data_file_name
 from deeppart.ownership import check_target
 from deeppart.storage.base import ObjectStore
-from deeppart.storage.objects import Begun, abandon_save, begin_save, commit_save, data_key
+from deeppart.storage.identity import Identity, check_written, ranks_text
+from deeppart.storage.objects import (
+    Begun,
+    abandon_save,
+    begin_save,
+    check_uploaded,
+    commit_save,
+    data_key,
+)
 from deeppart.storage.s3 import s3_store
 from deeppart.storage.url import S3URL
 
@@ -47,6 +72,30 @@ class SaveTarget(abc.ABC):
     def check(self) -> None:
         """Every rank, before the save's first agreement: refuses a
         location that holds something DeepPart may not replace."""
+
+    @abc.abstractmethod
+    def identity(self) -> Identity:
+        """Every rank, before the save's prepare agreement: the store as
+        this rank resolved it (:mod:`deeppart.storage.identity`)."""
+
+    #: Whether every rank checks, once rank 0 has begun the save, that it
+    #: sees what rank 0 made (:meth:`sees`: one more agreement).
+    check_seen = False
+
+    def sees(self, token: str) -> bool:
+        """Every rank, after :meth:`begin` on rank 0, when
+        :attr:`check_seen`: whether it sees where rank 0 began the save."""
+        return True
+
+    def unseen_error(self, token: str, blind: list[int]) -> StoreConfigError:
+        """The error every rank raises when the ranks ``blind`` do not see
+        where rank 0 began the save."""
+        return StoreConfigError(f"{self.shown}: {ranks_text(blind)} cannot see this save")
+
+    @abc.abstractmethod
+    def check_written(self, token: str, save_id: str, sizes: Sequence[int]) -> None:
+        """Rank 0, before :meth:`commit`: raises StoreConfigError unless
+        every rank r's data file is in the store with ``sizes[r]`` bytes."""
 
     @abc.abstractmethod
     def begin(self, save_id: str, overwrite: bool) -> str:
@@ -77,14 +126,45 @@ class LocalTarget(SaveTarget):
         self.final = final
         self.shown = str(final)
 
+    #: One path can be a different directory on each node.
+    check_seen = True
+
     def check(self) -> None:
         check_target(self.final)
+
+    def identity(self) -> Identity:
+        return {"directory": os.path.abspath(self.final)}
 
     def begin(self, save_id: str, overwrite: bool) -> str:
         return make_temp_dir(self.final, overwrite)
 
     def _tmp(self, token: str) -> Path:
         return self.final.parent / token
+
+    def sees(self, token: str) -> bool:
+        # Its name ends in 48 random bits, made by rank 0 for this save.
+        tmp = self._tmp(token)
+        return tmp.is_dir() and not tmp.is_symlink()
+
+    def unseen_error(self, token: str, blind: list[int]) -> StoreConfigError:
+        return StoreConfigError(
+            f"{self._tmp(token)}: {ranks_text(blind)} {'does' if len(blind) == 1 else 'do'} not "
+            "see this save's temporary directory, "
+            f"which rank 0 has just made: the ranks do not share one file system at "
+            f"{self.final.parent} (a node-local disk?). A save's directory must be on a file "
+            "system every rank sees (node-local copies: Checkpointer(config=...), "
+            "docs/LEVELS.md); nothing was written"
+        )
+
+    def check_written(self, token: str, save_id: str, sizes: Sequence[int]) -> None:
+        tmp = self._tmp(token)
+        paths = [tmp / data_file_name(r) for r in range(len(sizes))]
+        if len(paths) <= _STAT_THREADS:
+            seen = [_file_size(p) for p in paths]
+        else:  # a parallel file system answers each stat in a round trip
+            with ThreadPoolExecutor(_STAT_THREADS, thread_name_prefix="deeppart-stat") as pool:
+                seen = list(pool.map(_file_size, paths))
+        check_written(str(tmp), seen, sizes)
 
     def data_file(self, token: str, save_id: str, rank: int) -> tuple[Path, Opener | None]:
         return self._tmp(token) / data_file_name(rank), None
@@ -94,6 +174,19 @@ class LocalTarget(SaveTarget):
 
     def abandon(self, token: str, save_id: str) -> None:
         remove_temp_dir(self._tmp(token), save_id)
+
+
+#: The stats of data files that rank 0 runs at once before a commit.
+_STAT_THREADS = 16
+
+
+def _file_size(path: Path) -> int | None:
+    """The size of the regular file ``path`` (None: missing, or not one)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
 
 
 class _Upload:
@@ -156,6 +249,12 @@ class ObjectTarget(SaveTarget):
 
     def check(self) -> None:
         pass  # rank 0's begin reads the marker; objects beside ours are never touched
+
+    def identity(self) -> Identity:
+        return self.store.identity()
+
+    def check_written(self, token: str, save_id: str, sizes: Sequence[int]) -> None:
+        check_uploaded(self.store, save_id, sizes, self.begun)
 
     def begin(self, save_id: str, overwrite: bool) -> str:
         self.begun = begin_save(self.store, overwrite, save_id)
