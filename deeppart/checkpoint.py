@@ -232,7 +232,7 @@ class PlannedSave:
             try:
                 save_id = new_save_id()
                 payload = save_id.encode() + target.begin(save_id, self.overwrite).encode()
-            except Exception as e:
+            except BaseException as e:
                 err = e
         names = agree(c, err, payload, width=SAVE_ID_HEX + TEMP_NAME_MAX)
         # Every rank leaves that agreement at about the same moment: a rank's
@@ -259,7 +259,7 @@ class PlannedSave:
                 # Nothing is committed that the store does not hold.
                 target.check_written(token, save_id, head["file_sizes"])
                 target.commit(token, save_id, meta, self.overwrite)
-            except Exception as e:
+            except BaseException as e:
                 err = e
                 target.abandon(token, save_id)
         # The time after the first agreement ends in this last one, which
@@ -354,7 +354,7 @@ def plan_save(
         target.check()  # on every rank: each may see its own file system
         # The store this rank addresses, compared in the agreement below.
         store = identity_text(target.identity())
-    except Exception as e:
+    except BaseException as e:
         err = e
     prep, flags = prepare_save(
         c,
@@ -442,7 +442,7 @@ def _write(
             opener=opener,
         )
         local = np.concatenate([records.reshape(-1), np.array([size], dtype=np.uint64)])
-    except Exception as e:
+    except BaseException as e:
         err = e
     finally:
         prog.close()
@@ -572,7 +572,7 @@ def load(
             into_elsewhere=st.into_leaves | dropped_into(into, own.dropped + own.deferred, flat),
             flat=flat,
         )
-    except Exception as e:
+    except BaseException as e:
         err = e
     # The agreement also carries what the exchange needs from every rank
     # (no collective of its own): its host (one host: a shared window) and
@@ -616,12 +616,12 @@ def load(
                 nread = stream_share(c, rp, prog, stage)
             else:
                 nread = read_share(rp, buffers, prog, stage)
-        except Exception as e:
+        except BaseException as e:
             err = e
         try:
             if sr is not None and err is None:
                 nread += read_shards(rp.path, rp.meta, sr, prog)
-        except Exception as e:
+        except BaseException as e:
             err = e
         finally:
             prog.close()
@@ -633,12 +633,12 @@ def load(
         try:
             if not streamed:
                 exchange_share(c, rp, buffers, stage)
-        except Exception as e:
+        except BaseException as e:
             err = e
         if sr is not None:
             try:
                 exchange_shards(c, sr, rp.meta)
-            except Exception as e:
+            except BaseException as e:
                 err = err or e
         # Decoding the plain values and rebuilding the tree can fail too (a
         # value that does not decode), from this rank's own filled targets
@@ -654,7 +654,7 @@ def load(
                 state = assemble(rp.meta, rp.targets, rp.path, rp.matched, pruned, filled)
                 if own.calls:
                     state = resolve_versions(state, own.calls, per_rank)
-            except Exception as e:
+            except BaseException as e:
                 err = e
         # With what the load's statistics need from every rank (no collective
         # of their own).
@@ -670,7 +670,7 @@ def load(
             for p in own.deferred:
                 state = set_at(state, p, per_rank(p, by_ranks(value_at(versions, p))))
             write_back(rp.matched.root if rp.matched else None, own.deferred, state)
-        except Exception as e:
+        except BaseException as e:
             err = e
         agree(c, err)
     if view.unwrap is not None:

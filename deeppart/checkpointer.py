@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from deeppart import lineage
-from deeppart.agreement import agree
+from deeppart.agreement import agree, from_root
 from deeppart.async_save import AsyncCheckpointer, AsyncSave
 from deeppart.checkpoint import compression_level_of, load, save
 from deeppart.comm import resolve
@@ -234,7 +234,7 @@ class Checkpointer:
             self._async.wait()  # the line continues from the save in flight
         value: Any = {"step": step, "user": user}
         link, run = lineage.Link(step, 0), self._run or ""
-        err: Exception | None = None
+        err: BaseException | None = None
         #: In an object store: what interrupted saves left below this step
         #: when it began (removed after its commit).
         leftovers: dict[int, set[str]] = {}
@@ -244,12 +244,9 @@ class Checkpointer:
                     leftovers = self.objects.leftovers(below=step)
                 value, link, run, replace = self._line_record(step, user)
                 overwrite = overwrite or replace
-            except Exception as e:  # an object store's listing: one rank's error
-                if self.objects is None:
-                    raise
+            except BaseException as e:  # one rank's error (an interruption too)
                 err = e
-        if self.objects is not None:
-            agree(self.comm, err)  # every rank raises rank 0's error
+        agree(self.comm, err)  # every rank raises rank 0's error
         kwargs: dict[str, Any] = {
             "compression": self.compression,
             "compression_level": self.compression_level,
@@ -274,12 +271,9 @@ class Checkpointer:
         self._parent, self._run = link, run
         # The save succeeded everywhere: a failed cleanup is a warning on
         # every rank (one small collective), never one rank's exception.
-        problem = (
-            self._cleanup_or_warn(step, link.seq, leftovers, warn=False)
-            if self.comm.rank == 0
-            else ""
-        )
-        message = self.comm.allgather_varbytes(problem.encode())[0].decode()
+        message = from_root(
+            self.comm, lambda: self._cleanup_or_warn(step, link.seq, leftovers, warn=False).encode()
+        ).decode()
         if message:
             warnings.warn(message, stacklevel=2)
         return stats

@@ -317,7 +317,7 @@ def verify_replicas(c: Comm, prep: Prepared) -> None:
         views = [_leaf_buffer(leaf) for leaf in prep.leaves]
         buffers = [v.data if isinstance(v, np.ndarray) else v for v in views]
         digests = replica_digests(buffers, max(1, (os.cpu_count() or 1) // c.size))
-    except Exception as e:
+    except BaseException as e:
         err = e
     summary = hashlib.blake2b(digests, digest_size=16).digest()
     rows = agree(c, err, summary, width=16)
@@ -493,7 +493,7 @@ def prepare_save(
         own = _own_prepare(state, compression, plan_for, directory, group, dims, c.rank, c.size)
         if local is not None and group != AUTO:
             flag = local(own.prep)
-    except Exception as e:
+    except BaseException as e:
         err = e
     row = own.prep.digest + own.sample + own.values if own is not None else b"\0" * ROW_WIDTH
     row += bytes([flag]) + identity_digest(store)
@@ -573,7 +573,7 @@ def _union_prepare(
         prep = _union_prepared(u, own, c.rank)
         if local is not None:
             flag = local(prep)
-    except Exception as e:
+    except BaseException as e:
         err = e
     out = agree(c, err, (prep.digest if prep else b"\0" * 32) + bytes([flag]), width=33)
     assert prep is not None

@@ -831,7 +831,7 @@ class FirstError:
         if self.err is None:
             try:
                 step()
-            except Exception as e:
+            except BaseException as e:
                 self.err = e
 
     def keep(self, err: BaseException) -> None:
@@ -847,7 +847,7 @@ class FirstError:
         if self.err is None:
             try:
                 return step()
-            except Exception as e:
+            except BaseException as e:
                 self.err = e
         return fallback()
 

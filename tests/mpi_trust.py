@@ -16,6 +16,11 @@ every rank), run by tests/test_trust_mpi.py as one job:
   raises StoreConfigError on every rank, naming the ranks that do not see
   rank 0's temporary directory, before any rank began writing its data
   file; nothing is left in either directory.
+- ``interrupts``: the same stages (and a Checkpointer's rank-0 steps: its
+  line record before the save, its cleanup after), made to raise
+  ``KeyboardInterrupt`` (or ``SystemExit``) on one rank: that rank
+  re-raises its own, every other rank raises a DeepPartError naming the
+  rank and the interruption (a hang is the job's timeout).
 
 Each rank prints ``RESULT <scenario> <case> rank <r> <outcome>`` lines,
 then ``OK <scenario> rank <r>/<size>`` when its checks pass.
@@ -39,19 +44,25 @@ import deeppart
 import deeppart.checkpoint as checkpoint
 from deeppart import prepare, reader
 from deeppart.comm import Comm, resolve
-from deeppart.errors import CorruptCheckpointError, DeepPartError, StateError
+from deeppart.errors import ERROR_TYPES, CorruptCheckpointError, StateError
 from deeppart.format import data_file_name
 from deeppart.storage import target as storage_target
 from deeppart.writer import add_fault_hook
 
 
-def _outcome(c: Comm, scenario: str, case: str, run: Callable[[], str]) -> list[str]:
+def _outcome(
+    c: Comm, scenario: str, case: str, run: Callable[[], str], names: str = ""
+) -> list[str]:
     """Runs ``run`` (its outcome: a word) on every rank; an exception's
-    outcome is its type's name. Every rank's outcome, after one collective."""
+    outcome is its type's name (any BaseException: an interruption too),
+    followed by ``-unnamed`` when ``names`` is given and its message does
+    not hold it. Every rank's outcome, after one collective."""
     try:
         got = run()
-    except Exception as e:
+    except BaseException as e:
         got = type(e).__name__
+        if names and names not in str(e):
+            got += "-unnamed"
     print_line(f"RESULT {scenario} {case} rank {c.rank} {got}")
     return [row.decode() for row in c.allgather_varbytes(got.encode())]
 
@@ -148,7 +159,7 @@ def scenario_verified(d: Path) -> None:
 # Every failure reaches every rank.
 
 
-def _failing(module: Any, name: str, exc: type[DeepPartError]) -> Callable[[], None]:
+def _failing(module: Any, name: str, exc: type[BaseException]) -> Callable[[], None]:
     """Makes ``module.name`` raise ``exc`` (on the rank that calls this);
     returns the undo."""
     real = getattr(module, name)
@@ -198,11 +209,25 @@ def _saving(state: Any, d: Path) -> Callable[[], str]:
     return run
 
 
-def scenario_stages(d: Path) -> None:
+def _saved(d: Path) -> tuple[Comm, Any, Path]:
+    """The job's comm, a state and where it was saved (``d/good``)."""
     c = resolve()
     state = make_state()
     good = d / "good"
     deeppart.save(state, good)
+    return c, state, good
+
+
+def _remove(c: Comm, target: Path) -> None:
+    """Rank 0 removes ``target`` while the others wait."""
+    c.barrier()
+    if c.rank == 0:
+        shutil.rmtree(target, ignore_errors=True)
+    c.barrier()
+
+
+def scenario_stages(d: Path) -> None:
+    c, state, good = _saved(d)
     failures: list[str] = []
     for case, module, name, bad, exchange in LOAD_STAGES:
         undo = _failing(module, name, CorruptCheckpointError) if c.rank == bad else None
@@ -223,10 +248,7 @@ def scenario_stages(d: Path) -> None:
                 undo()
         if set(outcomes) != {"StateError"}:
             failures.append(f"{case}: {outcomes}")
-        c.barrier()
-        if c.rank == 0:
-            shutil.rmtree(target, ignore_errors=True)
-        c.barrier()
+        _remove(c, target)
     # After all that, the job still saves and loads.
     assert_bitwise_equal(state, deeppart.load(good), "after the failures")
     assert not failures, failures
@@ -264,6 +286,69 @@ def scenario_directories(d: Path) -> None:
     print_line(f"OK directories rank {c.rank}/{c.size}")
 
 
+# ----------------------------------------------------------------------------
+# Every kind of exit of one rank reaches every rank.
+
+#: A Checkpointer's steps that run on rank 0 only: its line record (before
+#: the save) and its cleanup of old steps (after the commit).
+RANK0_STEPS: list[tuple[str, str]] = [
+    ("checkpointer-record", "_line_record"),
+    ("checkpointer-cleanup", "_cleanup_or_warn"),
+]
+
+
+def _interrupted(
+    c: Comm, case: str, module: Any, name: str, bad: int, exc: type[BaseException], run: Any
+) -> str:
+    """``module.name`` raises ``exc`` on rank ``bad`` during ``run``: rank
+    ``bad`` must raise ``exc`` itself, every other rank a DeepPartError
+    naming rank ``bad`` and the interruption. Returns "" or what differs."""
+    undo = _failing(module, name, exc) if c.rank == bad else None
+    try:
+        names = f"rank {bad}: interrupted by" if c.rank != bad else ""
+        outcomes = _outcome(c, "interrupts", case, run, names=names)
+    finally:
+        if undo is not None:
+            undo()
+    deeppart_errors = {cls.__name__ for cls in ERROR_TYPES}
+    for r, got in enumerate(outcomes):
+        if (got != exc.__name__) if r == bad else (got not in deeppart_errors):
+            return f"{case}: {outcomes}"
+    return ""
+
+
+def scenario_interrupts(d: Path) -> None:
+    from deeppart.checkpointer import Checkpointer
+
+    c, state, good = _saved(d)
+    failures: list[str] = []
+    for case, module, name, bad, exchange in LOAD_STAGES:
+        failures.append(
+            _interrupted(c, case, module, name, bad, KeyboardInterrupt, _loading(good, exchange))
+        )
+    for k, (case, module, name, bad) in enumerate(SAVE_STAGES):
+        target = d / f"save-{k}"
+        exc = SystemExit if case == "save-write" else KeyboardInterrupt
+        failures.append(_interrupted(c, case, module, name, bad, exc, _saving(state, target)))
+        _remove(c, target)
+    ck = Checkpointer(d / "line", keep_last=1)
+    ck.save(1, state)
+    for k, (case, name) in enumerate(RANK0_STEPS):
+
+        def step(k: int = k) -> str:
+            ck.save(2 + k, state)
+            return "ok"
+
+        failures.append(_interrupted(c, case, Checkpointer, name, 0, KeyboardInterrupt, step))
+    # After all that, the job still saves and loads.
+    ck.save(9, state)
+    assert_bitwise_equal(state, ck.load(9), "after the interruptions")
+    assert_bitwise_equal(state, deeppart.load(good), "after the interruptions")
+    failures = [f for f in failures if f]
+    assert not failures, failures
+    print_line(f"OK interrupts rank {c.rank}/{c.size}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("dir", type=Path)
@@ -275,6 +360,7 @@ def main() -> None:
     scenario_stages(args.dir / "stages")
     c.barrier()
     scenario_directories(args.dir / "directories")
+    scenario_interrupts(args.dir / "interrupts")
 
 
 if __name__ == "__main__":

@@ -59,6 +59,30 @@ def test_the_table_knows_every_exception_most_derived_first() -> None:
     assert len(table) < 255  # one byte on the wire
 
 
+def test_every_kept_error_is_any_exit() -> None:
+    """A stage that keeps its exception for an agreement (``err = e``)
+    keeps any BaseException: an ``except Exception`` there lets a
+    KeyboardInterrupt or SystemExit leave this rank alone while the others
+    wait in the agreement (issue 49, item 8; the multi-rank check is
+    tests/test_trust_mpi.py)."""
+    import ast
+
+    narrow: list[str] = []
+    for path in sorted((ROOT / "deeppart").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ExceptHandler) and node.name and node.type is not None):
+                continue
+            if ast.unparse(node.type) != "Exception":
+                continue
+            for stmt in node.body:
+                if not isinstance(stmt, ast.Assign):
+                    continue
+                names = {n.id for n in ast.walk(stmt.value) if isinstance(n, ast.Name)}
+                if isinstance(stmt.value, ast.Name | ast.BoolOp) and node.name in names:
+                    narrow.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not narrow, narrow
+
+
 def test_old_builtin_bases_still_catch() -> None:
     assert issubclass(errors.StateError, TypeError)
     assert issubclass(errors.ValueEncodeError, TypeError)

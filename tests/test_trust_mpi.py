@@ -3,7 +3,11 @@ rank returns bytes that were not checksummed where they lie or copied from
 memory where they were (a data file changed under the load through a
 shared mapping: a tensor byte, a plain value); and a failure injected into
 each stage of a save and of a load on one rank raises the same error type
-on every rank, within the job's timeout (no rank left waiting). Issue 49,
+on every rank, within the job's timeout (no rank left waiting); a
+KeyboardInterrupt or SystemExit raised in each of those stages on one rank
+(issue 49, item 8) is re-raised there while every other rank raises a
+DeepPartError naming the rank and the interruption, within the timeout
+(before: the other ranks hung in their next collective). Issue 49,
 item 1: a save to a path that is another directory on each rank fails on
 every rank before anything is written."""
 
@@ -35,10 +39,10 @@ def test_verified_bytes_and_failures_reach_every_rank(tmp_path: Path) -> None:
     proc = mpi_checkpoint.launch(cmd, TIMEOUT_S, ROOT)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"rc={proc.returncode}\n{out[-8000:]}"
-    for scenario in ("verified", "stages", "directories"):
+    for scenario in ("verified", "stages", "directories", "interrupts"):
         oks = set(re.findall(rf"OK {scenario} rank \d+/{RANKS}", proc.stdout))
         assert len(oks) == RANKS, out[-8000:]
     results = re.findall(r"RESULT (\w+) ([\w-]+) rank (\d+) (\S+)", proc.stdout)
     cases = {(s, case) for s, case, _, _ in results}
-    assert len(cases) == 2 + 14 + 1, cases  # every case reported ...
+    assert len(cases) == 2 + 14 + 1 + 14 + 2, cases  # every case reported ...
     assert len(results) == len(cases) * RANKS  # ... by every rank

@@ -47,7 +47,7 @@ import numpy as np
 import numpy.typing as npt
 
 from deeppart import lineage
-from deeppart.agreement import agree
+from deeppart.agreement import agree, from_root
 from deeppart.checkpoint import save
 from deeppart.comm import Comm, resolve
 from deeppart.commit import commit_dir, metadata_json, remove_temp_dir
@@ -226,7 +226,7 @@ class BuiltinBackend:
                 # Re-saving a step: uncommit it first, so a crash never
                 # leaves a marker over mixed files.
                 (self.meta_step(step) / MARKER).unlink(missing_ok=True)
-        except Exception as e:
+        except BaseException as e:
             err = e
         prep = agree_prepared(c, err, prep)
 
@@ -242,7 +242,7 @@ class BuiltinBackend:
             prog = Progress("save", 0, enabled=False)
             recs, size = write_pieces(own_tmp, self.rank, prep, self.zstd_level, prog)
             records = recs.reshape(-1)
-        except Exception as e:
+        except BaseException as e:
             err = e
         agree(c, err)
         phases["l1"] = time.perf_counter() - t
@@ -291,7 +291,7 @@ class BuiltinBackend:
             for src, dst in renames:
                 src.replace(dst)
             fsync_dir(local)
-        except Exception as e:
+        except BaseException as e:
             err = e
         agree(c, err)
         mine = np.concatenate([records, np.array([size, parity_size, parity_xxh], dtype=np.uint64)])
@@ -301,7 +301,7 @@ class BuiltinBackend:
             assert gathered is not None
             try:
                 self._commit_meta(step, lv, prep, gathered, counts, value)
-            except Exception as e:
+            except BaseException as e:
                 err = e
         agree(c, err)
         self._parent, self._run = link, run
@@ -335,7 +335,7 @@ class BuiltinBackend:
         out: _T | None = None
         try:
             out = fn()
-        except Exception as e:
+        except BaseException as e:
             err = e
         agree(self.comm, err)
         phases[name] = time.perf_counter() - t
@@ -424,17 +424,19 @@ class BuiltinBackend:
         are removed the same way; nothing else under the prefix is touched.
         The save has committed: a failure here is a warning."""
         c = self.comm
-        payload = b""
-        if c.rank == 0:
+
+        def roots() -> bytes:
             try:
-                payload = self._cleanup_roots(newest, seq, leftovers or {})
+                return self._cleanup_roots(newest, seq, leftovers or {})
             except Exception as e:
                 warnings.warn(
                     f"deeppart levels: step {newest} committed, but removing old steps "
                     f"failed: {type(e).__name__}: {e}",
-                    stacklevel=3,
+                    stacklevel=5,  # the caller of save(), as before
                 )
-        doomed_steps = set(json.loads(c.allgather_varbytes(payload)[0] or b"[]"))
+                return b""
+
+        doomed_steps = set(json.loads(from_root(c, roots) or b"[]"))
         # One rank per node removes that node's local leftovers.
         hosts = self.layout
         if all(hosts.node(r) != hosts.node(self.rank) for r in range(self.rank)):
@@ -567,7 +569,7 @@ class BuiltinBackend:
         matched: IntoMatch | None = None
         try:
             targets, matched = all_leaf_targets(st.meta, into)  # checks into= before any I/O
-        except Exception as e:
+        except BaseException as e:
             err = e
         agree(c, err)
         survey, held, moved = recovery.survey(c, layout, st, deep=True)

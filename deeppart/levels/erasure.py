@@ -97,7 +97,7 @@ def encode(
     read_err: OSError | None = None
     if data is None:
         data, read_err = files.read_own(own, gsizes[me])
-    err: Exception | None = read_err
+    err: BaseException | None = read_err
     tmp = local / (parity_file(rank) + ".tmp")
     h = xxhash.xxh3_64()
     written = 0
@@ -120,7 +120,7 @@ def encode(
                 try:
                     coded = rs_encode([x.data for x in chunks], g)
                     parity = [np.frombuffer(p, dtype=np.uint8) for p in coded]
-                except DeepPartError as e:
+                except BaseException as e:  # an interruption too: raised after the exchanges
                     err = err or e
                     parity = [np.zeros(shard_len(lens), dtype=np.uint8)] * g
                 coding += time.thread_time() - t

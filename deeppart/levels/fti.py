@@ -357,14 +357,14 @@ class FTIBackend:
                 hosts = [h.decode() for h in user.allgather_varbytes(socket.gethostname().encode())]
             config.validate(user.size, hosts)
             self._hosts = hosts
-        except Exception as e:
+        except BaseException as e:
             err = e
         agree(user, err)
 
         # 2. The library, on every rank.
         try:
             self._lib = load_libfti(library)
-        except Exception as e:
+        except BaseException as e:
             err = e
         agree(user, err)
         lib = self._lib
@@ -387,7 +387,7 @@ class FTIBackend:
                 tmp.write_text(text)
                 os.replace(tmp, self.config_path)
                 fsync_dir(self._dir)
-            except Exception as e:
+            except BaseException as e:
                 err = e
         agree(user, err)
 
@@ -519,7 +519,7 @@ class FTIBackend:
 
             prep = prepare(state, None, PlanProvider(c.size), self._dir / f"step-{step}")
             refuse_sharded(prep, "the FTI backend")
-        except Exception as e:
+        except BaseException as e:
             err = e
         digests = agree(c, err, prep.digest if prep else b"")
         assert prep is not None
@@ -564,7 +564,7 @@ class FTIBackend:
                 _HEADER.pack(_MAGIC, step, c.rank, c.size, self._digest(prep, step)), dtype=np.uint8
             )
             keep.append(header)
-        except Exception as e:
+        except BaseException as e:
             err = e
         # Every rank protects as many ids as the rank with the most.
         wants = agree(c, err, struct.pack("<q", max(self._nids, 1 + len(blobs))))
@@ -572,7 +572,7 @@ class FTIBackend:
         try:
             nids = self._protect_all(header, blobs, keep, total)
             local = np.array([*sums, nids], dtype=np.uint64)
-        except Exception as e:
+        except BaseException as e:
             err = e
         self._check_protected(err, f"FTI_Checkpoint(id {step + 1})")
         t2 = time.perf_counter()
@@ -597,7 +597,7 @@ class FTIBackend:
                 for old in self._indexed_steps():
                     if old != step:
                         self._index_path(old).unlink(missing_ok=True)
-            except Exception as e:
+            except BaseException as e:
                 err = e
         agree(c, err)
         self._count += 1
@@ -724,7 +724,7 @@ class FTIBackend:
                 raise CorruptCheckpointError(f"{self._index_path(have)}: not an FTI index")
         except (OSError, ValueError) as e:
             err = CorruptCheckpointError(f"{self._index_path(have or 0)}: {e}")
-        except Exception as e:
+        except BaseException as e:
             err = e
         digests = agree(c, err, digest)
         if len(set(digests)) != 1:
@@ -781,7 +781,7 @@ class FTIBackend:
             err = e
         except (KeyError, TypeError, ValueError) as e:
             err = CorruptCheckpointError(f"{self._index_path(have)}: malformed FTI index ({e})")
-        except Exception as e:
+        except BaseException as e:
             err = e
         self._check_protected(err, "FTI_Recover")
 
@@ -811,7 +811,7 @@ class FTIBackend:
                         "recovered by FTI fails its xxh3 checksum"
                     )
             targets, matched = all_leaf_targets(meta, into)
-        except Exception as e:
+        except BaseException as e:
             err = e
         agree(c, err)
 

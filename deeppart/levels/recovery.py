@@ -530,7 +530,7 @@ def distribute(comm: Comm, meta: Metadata, where: Path, own: U8, targets: list[T
                     direct,
                     prog,
                 )
-            except Exception as e:
+            except BaseException as e:
                 err = e
     agree(comm, err)
 

@@ -351,7 +351,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
                 files = [
                     export_torch(args.checkpoint, args.out, key=args.key, overwrite=args.overwrite)
                 ]
-        except Exception as e:  # agreed first, so that no rank is left waiting
+        except BaseException as e:  # agreed first, so that no rank is left waiting
             err = e
     try:
         agree(comm, err)
