@@ -20,11 +20,17 @@ What it changes against ``DefaultSavePlanner``:
   to the ranks with less of their own.
 - **Less plan traffic.** All ranks hold the same replicated state, so each
   rank plans deterministically in ``create_local_plan`` and sends the
-  coordinator only its own shards and a fingerprint of its replicated state
-  (not one WriteItem per tensor). The coordinator checks that the
-  fingerprints agree, rebuilds the same plan, and writes the global
+  coordinator only its own shards, a fingerprint of its replicated state
+  and a compressed list of its replicated items (not one WriteItem per
+  tensor). The coordinator rebuilds the same plan when the fingerprints
+  agree (else it balances each group's items over the ranks that list
+  them), validates it as DCP's default planner does, and writes the global
   ``Metadata``; when no rank owns anything, it scatters an empty "use your
-  own plan" marker instead of the per-rank plans.
+  own plan" marker (with the rank's place) instead of the per-rank plans.
+- **No collective of its own.** Like the default planner, it leaves every
+  collective to DCP: a rank that fails before or while planning reaches
+  DCP's gather as the others do (``CheckpointException`` on every rank),
+  and ``no_dist=True`` saves while a process group is up.
 - **Plan cache.** Plans go through DeepPart's plan cache (memory and disk by
   default), so repeated saves and restarts skip planning.
 
@@ -47,11 +53,12 @@ dimension-0 rows are coarse (Mixture-of-Experts weights stacked as
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import io
+import json
 import math
 import pickle
 import time
+import zlib
 from collections import ChainMap
 from dataclasses import dataclass
 from typing import Any, cast
@@ -327,6 +334,117 @@ def split_shard(item: WriteItem, parts: int) -> list[list[WriteItem]]:
     return out
 
 
+# The torch values a TensorProperties field may hold, named as ``str()``
+# names them ("torch.float32", "torch.strided", "torch.contiguous_format").
+_TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)
+
+
+def _plain(value: object) -> object:
+    if isinstance(value, _TORCH_VALUES):
+        return str(value)
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _torch_value(text: str) -> object:
+    value = getattr(torch, text.removeprefix("torch."), None)
+    if not text.startswith("torch.") or not isinstance(value, _TORCH_VALUES):
+        raise ValueError(f"not a torch dtype, layout or memory format: {text!r}")
+    return value
+
+
+def _path_code(fqn: str, path: tuple[str | int, ...] | None) -> int | list[Any] | None:
+    """A flattening mapping's path, short: DCP's flattening joins the path
+    with dots, so mostly the path is the key split at its dots, and a bit
+    mask of which parts are ints says it all; else the path itself."""
+    if path is None:
+        return None
+    if ".".join(map(str, path)) == fqn and all(
+        isinstance(k, int) or (isinstance(k, str) and "." not in k) for k in path
+    ):
+        return sum(1 << i for i, k in enumerate(path) if isinstance(k, int))
+    return list(path)
+
+
+def _path_of(fqn: str, code: int | list[Any]) -> tuple[str | int, ...]:
+    """The path that :func:`_path_code` made ``code`` of."""
+    if isinstance(code, list):
+        return tuple(code)
+    return tuple(int(k) if code >> i & 1 else k for i, k in enumerate(fqn.split(".")))
+
+
+def _describe(leaves: list[_Leaf], mappings: dict[str, Any]) -> bytes:
+    """A rank's replicated items (and their flattening mappings) for a
+    coordinator that does not hold them: one JSON row per item (its key,
+    path, and a tensor's size and ``TensorProperties`` fields in their
+    order: every rank of a job runs the same torch), compressed. Only read when
+    the ranks' replicated states differ (:func:`_undescribe`)."""
+    rows: list[list[Any]] = []
+    fields = [f.name for f in dataclasses.fields(TensorProperties)]
+    for leaf in leaves:
+        path = _path_code(leaf.fqn, mappings.get(leaf.fqn))
+        td = leaf.item.tensor_data
+        if td is None:
+            rows.append([leaf.fqn, path])
+            continue
+        props = [_plain(getattr(td.properties, name)) for name in fields]
+        rows.append([leaf.fqn, path, list(td.size), props])
+    return zlib.compress(json.dumps(rows, separators=(",", ":")).encode(), 6)
+
+
+def _undescribe(blob: bytes, rank: int) -> tuple[list[WriteItem], dict[str, Any]]:
+    """Rank ``rank``'s replicated items and their mappings, from
+    :func:`_describe` (the WriteItems that ``create_default_local_save_plan``
+    would list for them)."""
+    items: list[WriteItem] = []
+    mappings: dict[str, Any] = {}
+    try:
+        for row in json.loads(zlib.decompress(blob)):
+            fqn = str(row[0])
+            if row[1] is not None:
+                mappings[fqn] = _path_of(fqn, row[1])
+            if len(row) == 2:
+                items.append(WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO))
+                continue
+            props: list[Any] = [
+                _torch_value(v) if isinstance(v, str) else tuple(v) if isinstance(v, list) else v
+                for v in row[3]
+            ]
+            size = torch.Size(int(x) for x in row[2])
+            offsets = torch.Size([0] * len(size))
+            items.append(
+                WriteItem(
+                    index=MetadataIndex(fqn, offsets),
+                    type=WriteItemType.TENSOR,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(offsets=offsets, sizes=size),
+                        properties=TensorProperties(*props),
+                        size=size,
+                    ),
+                )
+            )
+    except (zlib.error, ValueError, TypeError, KeyError, IndexError) as e:
+        raise DcpPlanError(
+            f"rank {rank}: its local plan's replicated items do not decode: {e}"
+        ) from e
+    return items, mappings
+
+
+def _validate(global_plan: list[SavePlan], metadata: Metadata) -> None:
+    """DCP's own check of a global plan (as ``DefaultSavePlanner`` runs it):
+    every chunk within its tensor, no two chunks overlapping, and the
+    chunks covering each tensor."""
+    from torch.distributed.checkpoint.default_planner import _validate_global_plan
+
+    errors = _validate_global_plan(global_plan, metadata)
+    if errors:
+        summary = "; ".join(errors)
+        if len(summary) > 500:
+            summary = summary[:500] + "... (truncated)"
+        raise DcpPlanError(f"Failed to validate global plan: {summary}")
+
+
 def row_grain(cost: CostModel | None) -> CostModel:
     """``cost`` (default: the default model) with cuts on whole rows only."""
     fields = {} if cost is None else cost.to_dict()
@@ -375,13 +493,13 @@ class BalancedSavePlanner(DefaultSavePlanner):
         self._leaves: list[_Leaf] = []
         self._own_items: list[WriteItem] = []
         self._fingerprint = ""
+        #: This rank's speculative plan: its rank, the world size and every
+        #: rank's items (create_local_plan).
+        self._speculative: tuple[int, int, list[list[WriteItem]]] | None = None
+        #: Every rank's items, on the rank that made the global plan.
+        self._per_rank: list[list[WriteItem]] | None = None
 
     # -- planning ----------------------------------------------------------
-
-    def _rank_world(self) -> tuple[int, int]:
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
-        return 0, 1
 
     def _plan(
         self, leaves: list[_Leaf], world_size: int
@@ -407,8 +525,10 @@ class BalancedSavePlanner(DefaultSavePlanner):
         return p, per_rank
 
     def create_local_plan(self) -> SavePlan:
+        # No collective here (DCP's contract: a rank that failed before
+        # planning goes straight to DCP's gather, which must meet the
+        # others'): what the coordinator needs travels in the local plan.
         t0 = time.perf_counter()
-        rank, world = self._rank_world()
         replicated: list[_Leaf] = []
         own: list[WriteItem] = []
         for fqn, obj in self.state_dict.items():
@@ -426,39 +546,31 @@ class BalancedSavePlanner(DefaultSavePlanner):
         # The replicated manifest's structure identifies the state: ranks
         # that disagree on it do not hold replicas.
         self._fingerprint = _manifest(replicated).fingerprint
-        self._subset = self._states_differ(world)
-        if self._subset:
-            # Groups of ranks hold different plain state (two data-parallel
-            # groups): every rank lists its items, and the coordinator
-            # balances each over the ranks that list it, as DTensor replicas.
-            own += create_default_local_save_plan(
-                {leaf.fqn: self.state_dict[leaf.fqn] for leaf in replicated}, self.is_coordinator
-            ).items
-            replicated = []
         self._leaves = replicated
         self._own_items = own
-        self._rank, self._world = rank, world
-        # Speculate that no rank owns anything: the common, pure data-parallel
-        # case. The coordinator says whether the speculation holds.
-        self._speculative: list[WriteItem] | None = None
-        self._speculative_all: list[list[WriteItem]] | None = None
+        # Speculate that every rank holds this replicated state and that no
+        # rank owns anything (the common, pure data-parallel case), at this
+        # rank's place in the default group (or ``process_group``): the
+        # coordinator says whether the speculation holds and where this
+        # rank stands (finish_plan).
+        self._speculative = None
+        self._per_rank = None
         if not own:
+            rank, world = self._rank_world()
             p, per_rank = self._plan(replicated, world)
             self.deeppart_plan = p
-            self._speculative = per_rank[rank]
-            self._speculative_all = per_rank
+            self._speculative = (rank, world, per_rank)
         own_fqns = {it.index.fqn for it in own}
         data = {
             _KEY: {
                 # Shards whose WriteItem chunk is not a box of the local
                 # tensor (_StridedShard): written whole, never cut.
-                "whole": sorted(
-                    fqn for fqn, obj in self.state_dict.items() if _strided(obj)
-                ),
+                "whole": sorted(fqn for fqn, obj in self.state_dict.items() if _strided(obj)),
                 "fingerprint": self._fingerprint,
-                "subset": self._subset,
-                "rank": rank,
-                "world": world,
+                # The replicated items, compressed, for a coordinator whose
+                # own replicated state differs (groups of ranks that hold
+                # different plain state).
+                "replicated": _describe(replicated, self.mappings),
                 # Only the mappings of keys that the coordinator may lack.
                 "mappings": {k: v for k, v in self.mappings.items() if k in own_fqns},
             }
@@ -471,24 +583,29 @@ class BalancedSavePlanner(DefaultSavePlanner):
         t0 = time.perf_counter()
         world = len(all_plans)
         infos = [p.planner_data[_KEY] for p in all_plans]
-        bad = [r for r, info in enumerate(infos) if info["fingerprint"] != self._fingerprint]
-        if bad and not self._subset:
-            raise DcpPlanError(
-                f"ranks {bad} hold a different replicated state than the coordinator "
-                "(other keys, shapes or dtypes): BalancedSavePlanner needs every rank to "
-                "hold the same plain tensors and objects; keep per-rank values in "
-                "DTensor/ShardedTensor or use DefaultSavePlanner"
-            )
+        items = [list(p.items) for p in all_plans]
+        mappings = [dict(info["mappings"]) for info in infos]
+        leaves = list(self._leaves)
+        subset = any(info["fingerprint"] != self._fingerprint for info in infos)
+        if subset:
+            # Groups of ranks hold different plain state (two data-parallel
+            # groups): each rank's replicated items are balanced over the
+            # ranks that list them, as DTensor replicas.
+            for r, info in enumerate(infos):
+                listed, paths = _undescribe(info["replicated"], r)
+                items[r] += listed
+                mappings[r].update(paths)
+            leaves = []
         # Owned shards. A shard that several ranks list (a DTensor replicated
         # over part of its mesh: HSDP, DDP in a 2-D mesh, TP x DP) is cut into
         # as many box-aligned parts as it has holders, each part given to its
         # least-loaded holder (largest parts first, after the shards that one
         # rank holds alone).
-        leaves = list(self._leaves)
+        base = len(leaves)
         holders: dict[MetadataIndex, list[int]] = {}
         first: dict[MetadataIndex, WriteItem] = {}
-        for r, local in enumerate(all_plans):
-            for item in local.items:
+        for r, local in enumerate(items):
+            for item in local:
                 holders.setdefault(item.index, []).append(r)
                 seen = first.setdefault(item.index, item)
                 if _item_shape(seen) != _item_shape(item):
@@ -513,12 +630,11 @@ class BalancedSavePlanner(DefaultSavePlanner):
             r = min(ranks, key=lambda k: (load[k], k))
             load[r] += nbytes
             leaves += [_owned_leaf(item, r) for item in part]
-        owned = len(leaves) > len(self._leaves)
-        speculation_holds = not owned and all(
-            info["rank"] == r and info["world"] == world for r, info in enumerate(infos)
-        )
-        if speculation_holds and self._speculative_all is not None:
-            per_rank = self._speculative_all  # the coordinator's own speculation
+        # Nothing owned, one replicated state: every rank plans it alike.
+        alike = len(leaves) == base and not subset
+        spec = self._speculative
+        if alike and spec is not None and spec[1] == world:
+            per_rank = spec[2]  # the coordinator's own speculation
         else:
             p, per_rank = self._plan(leaves, world)
             self.deeppart_plan = p
@@ -528,39 +644,48 @@ class BalancedSavePlanner(DefaultSavePlanner):
         ]
         global_plan, metadata = create_default_global_save_plan(plans)
         if self.flatten_state_dict:
-            mappings = dict(ChainMap(*(info["mappings"] for info in infos), self.mappings))
-            metadata = dataclasses.replace(metadata, planner_data=mappings)
+            merged = dict(ChainMap(*mappings, self.mappings))
+            metadata = dataclasses.replace(metadata, planner_data=merged)
+        _validate(global_plan, metadata)
         self.global_plan = global_plan
         self.metadata = metadata
-        if speculation_holds:
-            # Every rank already knows its items: scatter only a marker.
-            out = [SavePlan([], usable=False) for _ in range(world)]
+        self._per_rank = per_rank
+        if alike:
+            # Scatter only a marker with the rank's place (finish_plan).
+            out = [
+                SavePlan([], usable=False, planner_data={_KEY: {"rank": r, "world": world}})
+                for r in range(world)
+            ]
         else:
             out = global_plan
         self.plan_seconds += time.perf_counter() - t0
         return out, metadata
 
-    def _states_differ(self, world: int) -> bool:
-        """Whether the ranks' replicated states differ (one allgather of a
-        16-byte digest of :attr:`_fingerprint`, on every rank alike)."""
-        if world == 1:
-            return False
-        pg = self.process_group
-        backend = dist.get_backend(pg)
-        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
-        mine = torch.frombuffer(
-            bytearray(hashlib.blake2b(self._fingerprint.encode(), digest_size=16).digest()),
-            dtype=torch.uint8,
-        ).to(device)
-        rows = torch.empty(world * 16, dtype=torch.uint8, device=device)
-        dist.all_gather_into_tensor(rows, mine, group=pg)
-        return bool((rows.view(world, 16) != mine).any())
+    def _rank_world(self) -> tuple[int, int]:
+        """This rank's place in ``process_group`` (no collective), where the
+        speculation plans it; DCP may save without it (``no_dist``)."""
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
+        return 0, 1
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         if not new_plan.usable:
-            if self._speculative is None:
-                raise DcpPlanError("the coordinator sent no plan and this rank has none")
-            new_plan = dataclasses.replace(new_plan, items=self._speculative, usable=True)
+            t0 = time.perf_counter()
+            info = (new_plan.planner_data or {}).get(_KEY)
+            if info is None:
+                raise DcpPlanError("the coordinator sent no plan and no place for this rank")
+            rank, world = int(info["rank"]), int(info["world"])
+            spec = self._speculative
+            if self._per_rank is not None and len(self._per_rank) == world:
+                mine = self._per_rank[rank]  # this rank planned the save
+            elif spec is not None and spec[:2] == (rank, world):
+                mine = spec[2][rank]
+            else:
+                p, per_rank = self._plan(self._leaves, world)
+                self.deeppart_plan = p
+                mine = per_rank[rank]
+            new_plan = dataclasses.replace(new_plan, items=mine, usable=True, planner_data=None)
+            self.plan_seconds += time.perf_counter() - t0
         self.plan = new_plan
         return new_plan
 
@@ -574,9 +699,8 @@ class BalancedSavePlanner(DefaultSavePlanner):
                 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
                 assert isinstance(obj, torch.Tensor)
-                _, base = compute_local_shape_and_global_offset(
-                    obj.shape, obj.device_mesh, obj.placements  # type: ignore[attr-defined]
-                )
+                mesh, placements = obj.device_mesh, obj.placements  # type: ignore[attr-defined]
+                _, base = compute_local_shape_and_global_offset(obj.shape, mesh, placements)
                 chunk = write_item.tensor_data.chunk
                 part = obj.to_local().detach()  # type: ignore[attr-defined]
                 for dim, (offset, size) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):

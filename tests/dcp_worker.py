@@ -11,7 +11,9 @@ transformer and its AdamW state after one step, seeded) and saves it with
 builds the same structure with other values, loads the checkpoint with stock
 ``torch.distributed.checkpoint.load`` and checks it is bitwise the reference.
 ``savemoe`` / ``loadmoe`` do the same with a scaled-down Mixtral (stacked
-experts) and a cost model without per-piece costs.
+experts) and a cost model without per-piece costs. ``failures`` runs DCP's
+failure cases with the default planner and with ``BalancedSavePlanner``
+(:func:`failures`).
 Each rank prints one line: ``RESULT`` and a JSON object.
 """
 
@@ -126,6 +128,75 @@ def same(a: Any, b: Any, path: str = "") -> list[str]:
     return [] if a == b else [path]
 
 
+def _outcome(save: Any) -> str:
+    """``"ok"``, or the type of what ``save()`` raised (DCP's
+    CheckpointException is a BaseException)."""
+    try:
+        save()
+    except BaseException as e:
+        return type(e).__name__
+    return "ok"
+
+
+def failures(root: Path, world: int, rank: int) -> dict[str, str]:
+    """DCP's failure handling, with the default planner and with
+    ``BalancedSavePlanner``: rank 1 fails in ``set_up_storage_writer``
+    (before planning) and in ``create_local_plan``; each must raise
+    CheckpointException on every rank (no hang, no collective mismatch) and
+    commit nothing. Then rank 0 alone saves with ``no_dist=True`` while the
+    process group is up (the other ranks wait in a barrier): it must save
+    without any collective and load back bitwise. Returns this rank's
+    outcome per case."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    class FailingWriter(FileSystemWriter):
+        def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+            if rank == 1:
+                raise RuntimeError("injected: rank 1 cannot set up its storage writer")
+            super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+
+    state = make_state(0)
+    out: dict[str, str] = {}
+    for name, cls in (("default", None), ("balanced", BalancedSavePlanner)):
+
+        def planner(fail: bool = False, cls: Any = cls) -> Any:
+            if cls is None:
+                from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+                cls = DefaultSavePlanner
+            if not fail or rank != 1:
+                return cls()
+
+            def create_local_plan(self: Any) -> Any:
+                raise RuntimeError("injected: rank 1 fails in create_local_plan")
+
+            return type("Failing", (cls,), {"create_local_plan": create_local_plan})()
+
+        d = root / f"{name}-writer"
+        out[f"{name}-writer"] = _outcome(
+            lambda d=d: dcp_save(state, storage_writer=FailingWriter(str(d)), planner=planner())
+        )
+        d = root / f"{name}-plan"
+        out[f"{name}-plan"] = _outcome(
+            lambda d=d: dcp_save(state, checkpoint_id=str(d), planner=planner(fail=True))
+        )
+        for case in ("writer", "plan"):
+            if (root / f"{name}-{case}" / ".metadata").exists():
+                out[f"{name}-{case}"] += "-committed"
+        d = root / f"{name}-alone"
+        if rank == 0:
+            out[f"{name}-alone"] = _outcome(
+                lambda d=d: dcp_save(state, checkpoint_id=str(d), planner=planner(), no_dist=True)
+            )
+            if out[f"{name}-alone"] == "ok":
+                target = make_state(1)
+                dcp_load(target, checkpoint_id=str(d), no_dist=True)
+                if same(state, target):
+                    out[f"{name}-alone"] += "-differs"
+        dist.barrier()
+    return out
+
+
 def main() -> int:
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -171,6 +242,8 @@ def main() -> int:
             assert same(target, make_state(0)), "the load target must differ from the reference"
             dcp_load(target, checkpoint_id=path, no_dist=world == 1)
             result[f"load:{path}"] = same(make_state(0), target)
+        elif mode == "failures":
+            result["failures"] = failures(Path(path), world, rank)
         else:
             raise SystemExit(f"unknown op {op!r}")
     print_line("RESULT " + json.dumps(result))

@@ -219,6 +219,26 @@ def test_moe_experts_cut_below_rows_balance_within_one_percent(tmp_path: Path) -
 
 
 @pytest.mark.multirank
+def test_failures_as_with_the_default_planner(tmp_path: Path) -> None:
+    """Issue 49, item 14, on 2 gloo ranks, each case with DCP's default
+    planner and with BalancedSavePlanner: rank 1 failing in
+    set_up_storage_writer (before planning) or in create_local_plan raises
+    CheckpointException on every rank and commits nothing; rank 0 saving
+    alone with no_dist=True while the group is up saves and loads back
+    bitwise. Before: BalancedSavePlanner's create_local_plan ran an
+    all-gather, which met the failing rank's gather in DCP (gloo: collective
+    mismatch) or blocked the no_dist save."""
+    results = launch(2, f"failures:{tmp_path}")
+    for r, res in enumerate(results):
+        for planner in ("default", "balanced"):
+            got = res["failures"]
+            assert got[f"{planner}-writer"] == "CheckpointException", (r, got)
+            assert got[f"{planner}-plan"] == "CheckpointException", (r, got)
+            if r == 0:
+                assert got[f"{planner}-alone"] == "ok", got
+
+
+@pytest.mark.multirank
 def test_load_at_2_and_1(saved_by_4: tuple[Path, list[dict[str, Any]]], tmp_path: Path) -> None:
     ck, _ = saved_by_4
     own, dt = tmp_path / "ck2", tmp_path / "dt2"
@@ -273,15 +293,16 @@ def test_global_plan_with_owned_shards() -> None:
 
     state = {"big": torch.arange(64 * 256, dtype=torch.float32).reshape(256, 64), "lr": 0.1}
     planner, plans = _local_plans(state, 4)
-    # Rank 3 owns a 32 x 64 shard of a sharded tensor (as a DTensor would).
-    offsets, sizes = torch.Size([480, 0]), torch.Size([32, 64])
+    # Rank 3 owns a 32 x 64 tensor of its own (as a DTensor on one rank
+    # would): all of it, or the global plan fails DCP's validation.
+    offsets, sizes = torch.Size([0, 0]), torch.Size([32, 64])
     shard = WriteItem(
         index=MetadataIndex("sharded", offsets),
         type=WriteItemType.SHARD,
         tensor_data=TensorWriteData(
             chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
             properties=TensorProperties(dtype=torch.float32),
-            size=torch.Size([512, 64]),
+            size=sizes,
         ),
     )
     plans[3] = type(plans[3])([shard], planner_data=plans[3].planner_data)
@@ -345,8 +366,7 @@ def test_shards_several_ranks_list_are_split_over_them(mesh: tuple[int, int]) ->
         plans[r] = type(plans[r])(items, planner_data=plans[r].planner_data)
     out, md = planner.create_global_plan(plans)
     per_rank = [
-        sum(it.tensor_data.chunk.sizes.numel() * 4 for it in p.items if it.tensor_data)
-        for p in out
+        sum(it.tensor_data.chunk.sizes.numel() * 4 for it in p.items if it.tensor_data) for p in out
     ]
     total = sum(math.prod(s) * 4 for s in shapes.values())
     assert sum(per_rank) == total
@@ -373,14 +393,51 @@ def test_fast_path_scatters_markers() -> None:
     assert set(md.state_dict_metadata) == {"big", "small"}
 
 
+def test_global_plan_is_validated() -> None:
+    """As DefaultSavePlanner does: a tensor whose chunks do not cover it
+    (here only a 32 x 64 shard of a 512 x 64 tensor is listed) is refused."""
+    from deeppart.errors import DcpPlanError
+
+    planner, plans = _local_plans({"lr": 0.1}, 2)
+    shard = _shard_item("sharded", [480, 0], [32, 64], [512, 64])
+    plans[1] = type(plans[1])([shard], planner_data=plans[1].planner_data)
+    with pytest.raises(DcpPlanError, match="sharded invalid fill"):
+        planner.create_global_plan(plans)
+
+
 def test_ranks_with_different_state_are_refused() -> None:
+    """Ranks whose plain states differ are balanced as groups (each item
+    over the ranks that list it), but one key of two shapes is refused."""
     from deeppart.errors import DcpPlanError
 
     planner, plans = _local_plans({"w": torch.zeros(4, 4)}, 2)
-    other, _ = _local_plans({"w": torch.zeros(4, 5)}, 2)
-    plans[1].planner_data["deeppart"]["fingerprint"] = other._fingerprint
-    with pytest.raises(DcpPlanError, match=r"ranks \[1\]"):
+    _, other = _local_plans({"w": torch.zeros(4, 5)}, 2)
+    plans[1] = other[1]
+    with pytest.raises(DcpPlanError, match=r"'w' is \[4, 4, 0, 0, 4, 4\] on rank 0 and"):
         planner.create_global_plan(plans)
+
+
+def test_groups_with_different_state_each_write_their_own() -> None:
+    """Ranks 0, 1 hold "a", ranks 2, 3 "b" (plain tensors: their local plans
+    list no item, only their fingerprint and described items): every item
+    is written once, by a rank that holds it, with its flattening mapping."""
+    a = {"net": {"a": torch.arange(256 * 64, dtype=torch.float32).reshape(256, 64)}}
+    b = {"net": {"b": torch.ones(128, 64, dtype=torch.bfloat16)}, "lr": 0.1}
+    planner, plans = _local_plans(a, 4)
+    _, others = _local_plans(b, 4)
+    plans[2:] = others[2:]
+    assert not any(p.items for p in plans)
+    out, md = planner.create_global_plan(plans)
+    for r, p in enumerate(out):
+        assert p.usable
+        assert {it.index.fqn for it in p.items} <= ({"net.a"} if r < 2 else {"net.b", "lr"})
+    for fqn in ("net.a", "net.b"):
+        meta = md.state_dict_metadata[fqn]
+        assert isinstance(meta, TensorStorageMetadata)
+        assert_chunks_tile(meta)
+    assert md.state_dict_metadata["net.b"].properties.dtype == torch.bfloat16
+    assert sum(it.index.fqn == "lr" for p in out for it in p.items) == 1
+    assert md.planner_data["net.b"] == ("net", "b")
 
 
 @given(
