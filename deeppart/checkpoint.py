@@ -651,7 +651,9 @@ def load(
             try:
                 filled = fill_shards(rp.meta, sr) if sr is not None else None
                 pruned = keys is not None or own.pruned
-                state = assemble(rp.meta, rp.targets, rp.path, rp.matched, pruned, filled)
+                state = assemble(
+                    rp.meta, rp.targets, rp.path, rp.matched, pruned, filled, rp.hidden
+                )
                 if own.calls:
                     state = resolve_versions(state, own.calls, per_rank)
             except BaseException as e:

@@ -41,6 +41,7 @@ from deeppart.format import (
     HEADER_SIZE,
     MARKER,
     OVERLAP_CHECKSUM_BYTES,
+    LeafInfo,
     Metadata,
     Piece,
     check_header,
@@ -54,13 +55,23 @@ from deeppart.format import (
     read_checked_metadata,
 )
 from deeppart.progress import Progress
-from deeppart.restore import ABSENT, IncompatibleKeys, match, prune, select, write_back_plain
-from deeppart.state import Flat, FlatLeaf, decode_plain, flatten, unflatten
+from deeppart.restore import (
+    ABSENT,
+    IncompatibleKeys,
+    describe,
+    leaf_paths,
+    match,
+    prune,
+    select_paths,
+    write_back_plain,
+)
+from deeppart.state import Flat, FlatLeaf, decode_plain, flatten, skeleton_without, unflatten
 from deeppart.storage.files import CheckpointDir, check_file_sizes, committed_metadata, open_data
 from deeppart.storage.url import S3URL, Location
 from deeppart.tensors import (
     U8,
     dtype_sizes,
+    same_bytes,
     torch_dtypes,
     torch_module,
     u8_view,
@@ -191,6 +202,22 @@ class IntoMatch:
     keys: IncompatibleKeys
     #: The caller's ``into=`` object, whose plain values are set in place.
     root: Any = None
+    #: (checkpoint leaf, into leaf): also copied there (weights tied in
+    #: the checkpoint, not in into=).
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    #: (checkpoint leaf, into leaf, its path, the path that filled it):
+    #: must equal what filled it (weights tied in into=, not in the
+    #: checkpoint).
+    checks: list[tuple[int, int, str, str]] = field(default_factory=list)
+
+
+def meta_leaf_paths(meta: Metadata) -> list[list[tuple[Any, ...]]]:
+    """Per checkpoint leaf, every path that holds it (its own first; tied
+    weights: more, from the skeleton)."""
+    try:
+        return leaf_paths([lf.path for lf in meta.leaves], meta.skeleton)
+    except ValueError as e:
+        raise CorruptCheckpointError(f"metadata: {e}") from e
 
 
 def all_leaf_targets(meta: Metadata, into: Any) -> tuple[list[Target], IntoMatch | None]:
@@ -204,55 +231,56 @@ def all_leaf_targets(meta: Metadata, into: Any) -> tuple[list[Target], IntoMatch
 def leaf_targets(
     meta: Metadata,
     into: Any,
-    selected: list[bool] | None = None,
+    chosen: Sequence[Sequence[tuple[Any, ...]]] | None = None,
     strict: bool = True,
     into_elsewhere: Collection[int] = (),
     flat: Flat | None = None,
 ) -> tuple[list[Target | None], IntoMatch | None]:
-    """Where each selected leaf's bytes go (None: not read; all leaves are
-    selected by default). With ``into``, its leaves are matched with the
-    checkpoint's by path (except ``into_elsewhere``, which the sharded
-    stages of :mod:`deeppart.reshard` fill). ``flat``: ``flatten(into)``,
-    when the caller has it already."""
-    if selected is None:
-        selected = [True] * len(meta.leaves)
+    """Where each selected leaf's bytes go (None: not read). ``chosen``:
+    per leaf, its selected paths (empty: not read; default: every path of
+    every leaf, :func:`meta_leaf_paths`). With ``into``, its leaves are
+    matched with the checkpoint's by path (except ``into_elsewhere``, which
+    the sharded stages of :mod:`deeppart.reshard` fill). ``flat``:
+    ``flatten(into)``, when the caller has it already."""
+    if chosen is None:
+        chosen = meta_leaf_paths(meta)
     dtypes = torch_dtypes() if any(lf.kind == "tensor" for lf in meta.leaves) else {}
     targets: list[Target | None] = [None] * len(meta.leaves)
     matched: IntoMatch | None = None
+    compared: set[int] = set()
     if into is not None:
         into_leaves, skeleton = flat if flat is not None else flatten(into)
-        pairs, keys = match(
-            [lf.path for lf in meta.leaves],
-            selected,
-            [lf.path for lf in into_leaves],
-            strict,
-            into_elsewhere,
+        m = match(
+            chosen, leaf_paths([lf.path for lf in into_leaves], skeleton), strict, into_elsewhere
         )
-        matched = IntoMatch(into_leaves, skeleton, pairs, keys, into)
+        matched = IntoMatch(into_leaves, skeleton, m.pairs, m.keys, into, m.copies, m.checks)
+        for i, j in m.copies:
+            _fits(meta.leaves[i], into_leaves[j].tensor, dtypes, describe(into_leaves[j].path))
+        for i, j, at, by in m.checks:
+            if meta.leaves[i].kind != "tensor" or not _fits(
+                meta.leaves[i], into_leaves[j].tensor, dtypes, at, strict_kind=False
+            ):
+                raise StateMismatchError(
+                    f"{by} and {at}: into= holds one tensor at both (tied weights), the "
+                    "checkpoint two of different kinds, dtypes or shapes"
+                )
+        compared = {i for i, *_ in m.checks if i not in m.pairs}
     for i, info in enumerate(meta.leaves):
-        if not selected[i] or (matched is not None and i not in matched.pairs):
+        if not chosen[i] or (matched is not None and i not in matched.pairs and i not in compared):
             continue
         if info.kind == "object":
-            if matched is not None and matched.leaves[matched.pairs[i]].tensor is not None:
-                where = "/".join(map(str, info.path))
-                raise StateMismatchError(f"into= has a tensor at {where}, the checkpoint a value")
+            if matched is not None and i in matched.pairs:
+                _fits(info, matched.leaves[matched.pairs[i]].tensor, dtypes)
             targets[i] = Target(np.empty(info.nbytes, dtype=np.uint8), None, None)
             continue
         dtype = dtypes[str(info.dtype)]
-        if matched is None:
+        if matched is None or i in compared:
             t = torch_module().empty(info.shape, dtype=dtype)
             targets[i] = Target(u8_view(t), t, None)
             continue
         t = matched.leaves[matched.pairs[i]].tensor
-        if t is None:
-            where = "/".join(map(str, info.path))
-            raise StateMismatchError(f"into= has a value at {where}, the checkpoint a tensor")
-        if t.dtype != dtype or list(t.shape) != list(info.shape):
-            where = "/".join(map(str, info.path))
-            raise StateMismatchError(
-                f"{where}: into= has {t.dtype} {list(t.shape)}, the checkpoint "
-                f"{info.dtype} {info.shape}"
-            )
+        _fits(info, t, dtypes)
+        assert t is not None
         plain = t.is_contiguous() and not t.is_conj() and not t.is_neg()
         if plain and _staging.needs_staging(t):
             sink = _staging.device_bytes(t)
@@ -263,6 +291,31 @@ def leaf_targets(
             stage = torch_module().empty(info.shape, dtype=dtype)
             targets[i] = Target(u8_view(stage), t, stage)
     return targets, matched
+
+
+def _fits(
+    info: LeafInfo, t: Any, dtypes: dict[str, Any], where: str = "", strict_kind: bool = True
+) -> bool:
+    """Whether ``into=``'s leaf ``t`` (a tensor, or None for a plain value)
+    takes the checkpoint leaf ``info``: the same kind, and for a tensor the
+    same dtype and shape. Raises StateMismatchError naming the leaf (at
+    ``where``, default its own path) when not (False instead with
+    ``strict_kind=False``)."""
+    where = where or describe(info.path)
+    if info.kind == "object" or t is None:
+        if (info.kind == "object") == (t is None):
+            return True
+        if not strict_kind:
+            return False
+        have, want = ("a tensor", "a value") if t is not None else ("a value", "a tensor")
+        raise StateMismatchError(f"into= has {have} at {where}, the checkpoint {want}")
+    if t.dtype == dtypes[str(info.dtype)] and list(t.shape) == list(info.shape):
+        return True
+    if not strict_kind:
+        return False
+    raise StateMismatchError(
+        f"{where}: into= has {t.dtype} {list(t.shape)}, the checkpoint {info.dtype} {info.shape}"
+    )
 
 
 def assign_readers(file_bytes: list[int], readers: int) -> list[int]:
@@ -302,6 +355,9 @@ class ReadPlan:
     mine: list[int] = field(default_factory=list)
     #: This rank.
     rank: int = 0
+    #: Paths of the leaves read that ``keys=`` did not select (another
+    #: path of a tied leaf): left out of the returned tree.
+    hidden: frozenset[tuple[Any, ...]] = frozenset()
 
 
 def plan_reads(
@@ -328,9 +384,16 @@ def plan_reads(
     Every rank checksums every byte it reads from storage; a rank that does
     not read a file gets its bytes copied from the memory in which its
     reader verified them (:mod:`deeppart.integrity`)."""
-    selected = select([lf.path for lf in meta.leaves], keys)
-    selected = [s and i not in elsewhere and i not in meta.skip for i, s in enumerate(selected)]
-    tgts, matched = leaf_targets(meta, into, selected, strict, into_elsewhere, flat)
+    every = meta_leaf_paths(meta)
+    chosen = [
+        ps if i not in elsewhere and i not in meta.skip else []
+        for i, ps in enumerate(select_paths(every, keys))
+    ]
+    tgts, matched = leaf_targets(meta, into, chosen, strict, into_elsewhere, flat)
+    hidden: set[tuple[Any, ...]] = set()
+    for i, ps in enumerate(chosen):
+        if keys is not None and tgts[i] is not None and len(ps) < len(every[i]):
+            hidden.update(set(every[i]) - set(ps))
     raw_per_file = [0] * meta.world_size
     for p in meta.pieces:
         if tgts[p.leaf] is not None:
@@ -363,8 +426,9 @@ def plan_reads(
         f for f in range(meta.world_size) if owner[f] == comm.rank and (by_file[f] or not partial)
     ]
     return ReadPlan(
-        path, meta, tgts, matched, owner, read_all, via_shared, by_file, file_raw, mine, comm.rank
-    )
+        path, meta, tgts, matched, owner, read_all, via_shared, by_file, file_raw, mine,
+        comm.rank, frozenset(hidden),
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------
@@ -1231,12 +1295,14 @@ def assemble(
     into: IntoMatch | None = None,
     pruned: bool = False,
     filled: dict[int, Any] | None = None,
+    hidden: Collection[tuple[Any, ...]] = (),
 ) -> Any:
     """The state from the filled targets: object leaves decoded, staged
     tensors copied into ``into``'s, the containers rebuilt (``into``'s
     when given, its own values kept at its missing leaves; else the
-    checkpoint's, without the leaves not read when ``pruned``). ``filled``:
-    values loaded by another stage, by leaf (the sharded tensors)."""
+    checkpoint's, without the leaves not read, nor the paths in ``hidden``,
+    when ``pruned``). ``filled``: values loaded by another stage, by leaf
+    (the sharded tensors)."""
     values: list[Any] = []
     try:
         for i, info in enumerate(meta.leaves):
@@ -1267,9 +1333,33 @@ def assemble(
             ]
             for i, j in into.pairs.items():
                 mine[j] = values[i]
-            write_back_plain(into.root, into.leaves, into.pairs, values)
+            for i, j in into.copies:
+                mine[j] = _copied(values[i], into.leaves[j].tensor)
+            for i, j, at, by in into.checks:
+                if not same_bytes(values[i], mine[j]):
+                    raise StateMismatchError(
+                        f"{by} and {at}: into= holds one tensor at both (tied weights), the "
+                        "checkpoint two that differ; load into a state whose weights are not "
+                        "tied there, or read one of them (keys=[...])"
+                    )
+            write_back_plain(into.root, into.leaves, [*into.pairs.items(), *into.copies], values)
             return unflatten(into.skeleton, mine)
-        state = unflatten(meta.skeleton, values, absent=ABSENT)
+        skeleton = meta.skeleton
+        if hidden and pruned:
+            skeleton = skeleton_without(skeleton, hidden, len(values))
+            values.append(ABSENT)
+        state = unflatten(skeleton, values, absent=ABSENT)
         return prune(state) if pruned else state
     except ValueError as e:
         raise CorruptCheckpointError(f"{path}: {e}") from e
+
+
+def _copied(value: Any, dst: Any) -> Any:
+    """``value`` (a checkpoint leaf's) copied into ``into=``'s tensor
+    ``dst`` in place (``dst`` returned); a plain value as it is."""
+    if dst is None:
+        return value
+    torch = torch_module()
+    with torch.inference_mode() if dst.is_inference() else torch.no_grad():
+        dst.copy_(value)
+    return dst

@@ -11,12 +11,13 @@ from __future__ import annotations
 import warnings
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from deeppart.errors import NotInPlaceWarning, StateMismatchError
-from deeppart.state import legacy_path, path_key
+from deeppart.state import held_twice, legacy_path, path_key, skeleton_paths
 
 PathLike = tuple[Any, ...]
 
@@ -46,63 +47,139 @@ def _as_path(key: Any) -> PathLike:
     return tuple(path_key(k) for k in keys)
 
 
-def select(paths: Sequence[Sequence[Any]], keys: Sequence[Any] | None) -> list[bool]:
-    """Which leaves (given by path) ``keys`` selects: each key is a
-    top-level key (``"model"``) or a path prefix as a tuple
-    (``("optim", "state")``). Raises StateMismatchError for a key that
-    selects nothing, naming the top-level keys there are."""
+def key_prefixes(keys: Any) -> list[PathLike] | None:
+    """``keys=`` as path prefixes (None: everything). Raises TypeError for
+    a string or anything else that is not a list of keys."""
     if keys is None:
-        return [True] * len(paths)
+        return None
     if isinstance(keys, str | bytes) or not isinstance(keys, Sequence):
         raise TypeError("keys= must be a list of keys or path tuples, e.g. keys=['model']")
-    prefixes = [_as_path(k) for k in keys]
-    chosen = [False] * len(paths)
+    return [_as_path(k) for k in keys]
+
+
+def under(path: Sequence[Any], prefixes: Sequence[PathLike] | None) -> bool:
+    """Whether ``path`` is under one of ``prefixes`` (None: everything)."""
+    return prefixes is None or any(tuple(path[: len(p)]) == p for p in prefixes)
+
+
+def leaf_paths(paths: Sequence[Sequence[Any]], skeleton: Any) -> list[list[PathLike]]:
+    """Per leaf (``paths``: each leaf's own path): its path, then every
+    other path at which ``skeleton`` holds it (tied weights: a tensor saved
+    once, held at several paths). Raises ValueError on a malformed skeleton."""
+    out: list[list[PathLike]] = [[tuple(p)] for p in paths]
+    if not held_twice(skeleton):
+        return out
+    held: dict[int, list[PathLike]] = {}
+    for p, i in skeleton_paths(skeleton):
+        held.setdefault(i, []).append(p)
+    for i, ps in held.items():
+        if len(ps) > 1 and 0 <= i < len(out):
+            own = out[i][0]
+            out[i] += [p for p in ps if p != own and tuple(legacy_path(p)) != own]
+    return out
+
+
+def select_paths(paths: Sequence[Sequence[PathLike]], keys: Any) -> list[list[PathLike]]:
+    """Per leaf (``paths``: every path that holds it, see :func:`leaf_paths`),
+    those that ``keys`` selects (empty: the leaf is not selected). Each key
+    is a top-level key (``"model"``) or a path prefix as a tuple
+    (``("optim", "state")``). Raises StateMismatchError for a key that
+    selects nothing, naming the top-level keys there are."""
+    prefixes = key_prefixes(keys)
+    if prefixes is None:
+        return [list(ps) for ps in paths]
     for prefix in prefixes:
-        n = len(prefix)
-        hits = [i for i, p in enumerate(paths) if tuple(p[:n]) == prefix]
-        if not hits:
-            tops = sorted({str(p[0]) for p in paths if p})
+        if not any(under(p, [prefix]) for ps in paths for p in ps):
+            tops = sorted({str(p[0]) for ps in paths for p in ps if p})
             raise StateMismatchError(
                 f"keys=: the checkpoint has no {describe(prefix)!r} "
                 f"(its top-level keys: {', '.join(tops[:20])})"
             )
-        for i in hits:
-            chosen[i] = True
-    return chosen
+    return [[p for p in ps if under(p, prefixes)] for ps in paths]
+
+
+def select(paths: Sequence[Sequence[Any]], keys: Sequence[Any] | None) -> list[bool]:
+    """Which leaves (given by their one path) ``keys`` selects, as
+    :func:`select_paths`."""
+    return [bool(ps) for ps in select_paths([[tuple(p)] for p in paths], keys)]
+
+
+@dataclass
+class Matching:
+    """How the checkpoint's leaves fill ``into=``'s (by leaf index)."""
+
+    #: checkpoint leaf -> the into= leaf it is read into
+    pairs: dict[int, int]
+    keys: IncompatibleKeys
+    #: (checkpoint leaf, into= leaf): a tied leaf of the checkpoint held by
+    #: another into= leaf too (weights not tied there), copied into it.
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    #: (checkpoint leaf, into= leaf, its path, the path that filled the
+    #: into= leaf): a tied into= leaf held at a path where the checkpoint
+    #: has a leaf of its own, which must equal what filled it.
+    checks: list[tuple[int, int, str, str]] = field(default_factory=list)
 
 
 def match(
-    saved: Sequence[Sequence[Any]],
-    selected: Sequence[bool],
-    wanted: Sequence[Sequence[Any]],
+    saved: Sequence[Sequence[Sequence[Any]]],
+    wanted: Sequence[Sequence[Sequence[Any]]],
     strict: bool,
     elsewhere: Collection[int] = (),
-) -> tuple[dict[int, int], IncompatibleKeys]:
-    """Matches the selected checkpoint leaves (``saved`` paths) with the
-    ``into=`` leaves (``wanted`` paths) by path: returns checkpoint index ->
-    into index, and what did not match (``into=`` leaves in ``elsewhere``
-    are filled by another stage: neither matched nor missing). With
-    ``strict``, any difference raises StateMismatchError naming the first
-    differing leaves and the fix."""
-    where = {tuple(p): j for j, p in enumerate(wanted)}
+) -> Matching:
+    """Matches the checkpoint leaves (``saved``: per leaf, its selected
+    paths, empty when not selected) with the ``into=`` leaves (``wanted``:
+    per leaf, every path that holds it) by path; tied weights on either
+    side hold one leaf at several paths (:func:`leaf_paths`). ``into=``
+    leaves in ``elsewhere`` are filled by another stage: neither matched
+    nor missing. A checkpoint leaf is unexpected when none of its paths
+    fills an ``into=`` leaf, an ``into=`` leaf missing when none of its
+    paths is filled. With ``strict``, any difference raises
+    StateMismatchError naming the first differing leaves and the fix."""
+    where: dict[PathLike, int] = {}
     # A checkpoint written before typed keys spells non-string keys bare.
-    legacy = {tuple(legacy_path(p)): j for j, p in enumerate(wanted)}
-    pairs: dict[int, int] = {}
-    used: set[int] = set(elsewhere)
-    unexpected: list[str] = []
-    for i, p in enumerate(saved):
-        if not selected[i]:
-            continue
+    legacy: dict[PathLike, int] = {}
+    for k, ps in enumerate(wanted):
+        for p in ps:
+            where[tuple(p)] = k
+            legacy[tuple(legacy_path(p))] = k
+    out = Matching({}, IncompatibleKeys([], []))
+    blocked = set(elsewhere)
+    filled: dict[int, int] = {}  # into= leaf -> the checkpoint leaf that fills it
+    via: dict[int, str] = {}  # into= leaf -> the path it is filled through
+    linked: set[int] = set()
+
+    def free(j: int | None) -> bool:
+        return j is not None and j not in blocked and j not in filled
+
+    def at(p: Sequence[Any], i: int) -> int | None:
+        """The into= leaf at the checkpoint path ``p`` (of leaf ``i``)."""
         j = where.get(tuple(p))
-        if j is None or j in used:
-            j = legacy.get(tuple(p))
-        if j is None or j in used:
-            unexpected.append(describe(p))
-        else:
-            pairs[i] = j
-            used.add(j)
-    missing = [describe(wanted[j]) for j in range(len(wanted)) if j not in used]
-    keys = IncompatibleKeys(missing, unexpected)
+        if free(j) or (j is not None and filled.get(j) == i):
+            return j
+        alt = legacy.get(tuple(p))
+        return alt if free(alt) else j
+
+    for i, ps in enumerate(saved):
+        for p in ps:
+            j = at(p, i)
+            if j is None or j in blocked:
+                continue
+            if filled.get(j, i) != i:
+                if len(wanted[j]) > 1:  # tied in into=, not in the checkpoint
+                    out.checks.append((i, j, describe(p), via[j]))
+                    linked.add(i)
+                continue
+            linked.add(i)
+            if j in filled:
+                continue
+            filled[j], via[j] = i, describe(p)
+            if i in out.pairs:
+                out.copies.append((i, j))
+            else:
+                out.pairs[i] = j
+    missing = [describe(wanted[j][0]) for j in range(len(wanted)) if free(j)]
+    unexpected = [describe(ps[0]) for i, ps in enumerate(saved) if ps and i not in linked]
+    out.keys = IncompatibleKeys(missing, unexpected)
     if strict and (missing or unexpected):
         raise StateMismatchError(
             "into= and the checkpoint have different leaves: "
@@ -115,18 +192,17 @@ def match(
                 if names
             )
             + ". "
-            + _value_over_subtree(saved, selected, pairs, wanted, used)
+            + _value_over_subtree(saved, linked, wanted, set(filled) | blocked)
             + "Pass strict=False to fill the leaves both have (the others are reported "
             "by deeppart.last_incompatible_keys()), or keys=[...] to read a part"
         )
-    return pairs, keys
+    return out
 
 
 def _value_over_subtree(
-    saved: Sequence[Sequence[Any]],
-    selected: Sequence[bool],
-    pairs: Mapping[int, int],
-    wanted: Sequence[Sequence[Any]],
+    saved: Sequence[Sequence[Sequence[Any]]],
+    linked: Collection[int],
+    wanted: Sequence[Sequence[Sequence[Any]]],
     used: Collection[int],
 ) -> str:
     """The fix when an ``into=`` leaf stands where the checkpoint has a
@@ -136,19 +212,19 @@ def _value_over_subtree(
     for j in range(len(wanted)):
         if j in used:
             continue
-        w = tuple(wanted[j])
-        under = [
+        w = tuple(wanted[j][0])
+        below = [
             i
-            for i, p in enumerate(saved)
-            if selected[i] and i not in pairs and len(p) > len(w) and tuple(p[: len(w)]) == w
+            for i, ps in enumerate(saved)
+            if ps and i not in linked and len(ps[0]) > len(w) and tuple(ps[0][: len(w)]) == w
         ]
-        if not under:
+        if not below:
             continue
         key = repr(w[0]) if len(w) == 1 else repr(w)
         index = "".join(f"[{k!r}]" for k in w)
         return (
             f"into= holds {describe(w)!r} as one value without tensors, where the checkpoint "
-            f"has {len(under)} leaves under it: a fresh optimizer's state_dict() has no moments "
+            f"has {len(below)} leaves under it: a fresh optimizer's state_dict() has no moments "
             "before its first step. Read that part without into= and hand it over, e.g. "
             f"opt.load_state_dict(deeppart.load(PATH, keys=[{key}]){index}) (strict=False "
             "would leave it as it is, its lr too). "
@@ -280,14 +356,14 @@ def write_back(into: Any, paths: Sequence[Sequence[Any]], values: dict[int, Any]
 
 
 def write_back_plain(
-    root: Any, leaves: Sequence[Any], pairs: dict[int, int], values: Sequence[Any]
+    root: Any, leaves: Sequence[Any], pairs: Iterable[tuple[int, int]], values: Sequence[Any]
 ) -> None:
     """``load(into=root)``'s last step: the checkpoint's plain values
-    (``values``, by checkpoint leaf; ``pairs``: checkpoint leaf -> into
-    leaf among ``leaves``, FlatLeafs of ``root``) set in ``root`` in place
+    (``values``, by checkpoint leaf; ``pairs``: (checkpoint leaf, into
+    leaf among ``leaves``, FlatLeafs of ``root``)) set in ``root`` in place
     (:func:`write_back`); a :class:`NotInPlaceWarning` names those that
     cannot be."""
-    plain = {j: values[i] for i, j in pairs.items() if leaves[j].tensor is None}
+    plain = {j: values[i] for i, j in pairs if leaves[j].tensor is None}
     if root is None or not plain:
         return
     stuck = write_back(root, [lf.path for lf in leaves], plain)

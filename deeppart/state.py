@@ -20,7 +20,7 @@ import json
 import math
 import sys
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -257,9 +257,7 @@ def _alias_key(t: Any) -> tuple[Any, ...] | None:
     )
 
 
-def _walk(
-    value: Any, path: Path, depth: int, leaves: list[FlatLeaf], seen: dict[Any, int]
-) -> Any:
+def _walk(value: Any, path: Path, depth: int, leaves: list[FlatLeaf], seen: dict[Any, int]) -> Any:
     """Appends the leaves under ``value`` and returns its skeleton. A tensor
     that aliases an earlier one (tied weights) becomes a second reference to
     that leaf, so it is stored once and restored as one shared tensor."""
@@ -369,28 +367,74 @@ def iter_paths(state: Any) -> Iterator[Path]:
     return (leaf.path for leaf in leaves)
 
 
+def map_skeleton(skeleton: Any, leaf: Callable[[Path, Any], Any]) -> Any:
+    """A copy of ``skeleton`` whose leaf nodes are ``leaf(path, node)``
+    (``path``: the leaf path the node stands at; a root leaf's is
+    ``("<root>",)``). Raises ValueError on a malformed skeleton."""
+
+    def walk(node: Any, path: Path, depth: int) -> Any:
+        if depth > _MAX_DEPTH or not isinstance(node, dict) or len(node) != 1:
+            raise ValueError("malformed state skeleton")
+        ((kind, body),) = node.items()
+        if kind in ("leaf", "ndarray") and isinstance(body, int):
+            return leaf(path or ("<root>",), node)
+        if kind in ("dict", "odict") and isinstance(body, list):
+            entries = []
+            for pair in body:
+                if not (isinstance(pair, list) and len(pair) == 2):
+                    raise ValueError("malformed dict entry in state skeleton")
+                try:
+                    key = _path_key(_decode(pair[0]), path)
+                except StateError as e:  # a key that is no plain value, e.g. a list
+                    raise ValueError(f"state skeleton: {e}") from e
+                entries.append([pair[0], walk(pair[1], (*path, key), depth + 1)])
+            return {kind: entries}
+        if kind in ("list", "tuple") and isinstance(body, list):
+            return {kind: [walk(v, (*path, i), depth + 1) for i, v in enumerate(body)]}
+        raise ValueError(f"malformed state skeleton node {kind!r}")
+
+    return walk(skeleton, (), 0)
+
+
+def held_twice(skeleton: Any) -> bool:
+    """Whether some leaf of ``skeleton`` is held at two paths (tied
+    weights); cheaper than :func:`skeleton_paths` (no key is decoded).
+    A malformed node is passed over: the skeleton's readers refuse it."""
+    seen: set[int] = set()
+    stack = [skeleton]
+    while stack:
+        node = stack.pop()
+        if not (isinstance(node, dict) and len(node) == 1):
+            continue
+        ((kind, body),) = node.items()
+        if kind in ("leaf", "ndarray") and isinstance(body, int):
+            if body in seen:
+                return True
+            seen.add(body)
+        elif kind in ("dict", "odict") and isinstance(body, list):
+            stack.extend(pair[1] for pair in body if isinstance(pair, list) and len(pair) == 2)
+        elif kind in ("list", "tuple") and isinstance(body, list):
+            stack.extend(body)
+    return False
+
+
 def skeleton_paths(skeleton: Any) -> list[tuple[Path, int]]:
     """Every path of a skeleton that holds a leaf, with the leaf's index, in
     order; a leaf held at several paths (tied weights) appears at each.
     Raises ValueError on a malformed skeleton."""
     out: list[tuple[Path, int]] = []
 
-    def walk(node: Any, path: Path, depth: int) -> None:
-        if depth > _MAX_DEPTH or not isinstance(node, dict) or len(node) != 1:
-            raise ValueError("malformed state skeleton")
-        ((kind, body),) = node.items()
-        if kind in ("leaf", "ndarray") and isinstance(body, int):
-            out.append((path or ("<root>",), body))
-        elif kind in ("dict", "odict") and isinstance(body, list):
-            for pair in body:
-                if not (isinstance(pair, list) and len(pair) == 2):
-                    raise ValueError("malformed dict entry in state skeleton")
-                walk(pair[1], (*path, _path_key(_decode(pair[0]), path)), depth + 1)
-        elif kind in ("list", "tuple") and isinstance(body, list):
-            for i, v in enumerate(body):
-                walk(v, (*path, i), depth + 1)
-        else:
-            raise ValueError(f"malformed state skeleton node {kind!r}")
+    def visit(path: Path, node: Any) -> Any:
+        ((_, index),) = node.items()
+        out.append((path, index))
+        return node
 
-    walk(skeleton, (), 0)
+    map_skeleton(skeleton, visit)
     return out
+
+
+def skeleton_without(skeleton: Any, paths: Collection[Path], index: int) -> Any:
+    """``skeleton`` with the leaf nodes at ``paths`` pointing to leaf
+    ``index`` instead (a slot the caller fills with an absent marker: a
+    tied leaf read for one of its paths only, ``load(keys=...)``)."""
+    return map_skeleton(skeleton, lambda p, node: {"leaf": index} if p in paths else node)

@@ -88,3 +88,13 @@ def readable(t: Any) -> Any:
     if not t.is_contiguous():
         t = t.contiguous()
     return t
+
+
+def same_bytes(a: Any, b: Any) -> bool:
+    """Whether tensors ``a`` and ``b`` hold the same data: dtype, shape and
+    every element's bytes (NaNs compare by their bits, wherever each lies)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    u8 = torch_module().uint8
+    x, y = readable(a).reshape(-1).view(u8), readable(b).reshape(-1).view(u8)
+    return bool(torch_module().equal(x, y))

@@ -297,3 +297,104 @@ def test_a_fresh_optimizer_as_into_says_what_to_do(tmp_path: Path) -> None:
     # The call the message gives works.
     fresh.load_state_dict(deeppart.load(tmp_path / "ck", keys=["optim"])["optim"])
     assert fresh.param_groups[0]["lr"] == 1e-2
+
+
+# ----------------------------------------------------------------------------
+# Tied weights across into= (issue 49, item 7).
+
+
+class _LM(torch.nn.Module):
+    """An embedding and an output head, tied (``head.weight is
+    embed.weight``, as language models tie them) or not."""
+
+    def __init__(self, tied: bool, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = torch.nn.Embedding(11, 6)
+        self.mid = torch.nn.Linear(6, 6)
+        self.head = torch.nn.Linear(6, 11, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+
+
+def test_a_tied_checkpoint_fills_an_untied_model(tmp_path: Path) -> None:
+    """The checkpoint stores the tied weight once; an untied model gets it at
+    both its keys (strict, and strict=False), with nothing reported missing."""
+    tied = _LM(tied=True, seed=0)
+    deeppart.save({"model": tied.state_dict()}, tmp_path / "ck")
+    w = tied.embed.weight.detach()
+    for strict in (True, False):
+        untied = _LM(tied=False, seed=1)
+        assert not torch.equal(untied.head.weight, w)
+        deeppart.load(tmp_path / "ck", into={"model": untied.state_dict()}, strict=strict)
+        assert deeppart.last_incompatible_keys() == deeppart.IncompatibleKeys([], [])
+        assert torch.equal(untied.embed.weight, w) and torch.equal(untied.head.weight, w)
+        assert untied.head.weight is not untied.embed.weight, "it stays untied"
+        assert torch.equal(untied.mid.weight, tied.mid.weight)
+
+
+def test_keys_selects_a_tied_weight_by_either_key(tmp_path: Path) -> None:
+    """keys= on the alias reads the shared leaf and returns it under the
+    key asked for only; into= gets only that key filled."""
+    tied = _LM(tied=True, seed=0)
+    deeppart.save({"model": tied.state_dict(), "step": 3}, tmp_path / "ck")
+    w = tied.embed.weight.detach()
+    for key, other in (("head.weight", "embed.weight"), ("embed.weight", "head.weight")):
+        got = deeppart.load(tmp_path / "ck", keys=[("model", key)])
+        assert list(got["model"]) == [key], (key, list(got["model"]))
+        assert torch.equal(got["model"][key], w)
+        untied = _LM(tied=False, seed=1)
+        before = untied.state_dict()[other].clone()
+        deeppart.load(tmp_path / "ck", keys=[("model", key)], into={"model": untied.state_dict()},
+                      strict=False)  # fmt: skip
+        assert torch.equal(untied.state_dict()[key], w)
+        assert torch.equal(untied.state_dict()[other], before), "not asked for"
+
+
+def test_an_untied_checkpoint_fills_a_tied_model_only_if_both_agree(tmp_path: Path) -> None:
+    """An untied checkpoint into a tied model: where both stored weights are
+    equal the tie is filled; where they differ, an error names both keys
+    (neither is reported absent: the checkpoint holds both)."""
+    untied = _LM(tied=False, seed=0)
+    with torch.no_grad():
+        untied.head.weight.copy_(untied.embed.weight)
+    deeppart.save({"model": untied.state_dict()}, tmp_path / "same")
+    tied = _LM(tied=True, seed=1)
+    deeppart.load(tmp_path / "same", into={"model": tied.state_dict()})
+    assert deeppart.last_incompatible_keys() == deeppart.IncompatibleKeys([], [])
+    assert tied.head.weight is tied.embed.weight
+    assert torch.equal(tied.embed.weight, untied.embed.weight)
+    assert torch.equal(tied.mid.bias, untied.mid.bias)
+
+    deeppart.save({"model": _LM(tied=False, seed=2).state_dict()}, tmp_path / "differ")
+    for strict in (True, False):
+        with pytest.raises(deeppart.StateMismatchError) as e:
+            deeppart.load(tmp_path / "differ", into={"model": tied.state_dict()}, strict=strict)
+        msg = str(e.value)
+        assert "model/embed.weight and model/head.weight" in msg and "tied" in msg, msg
+        assert "missing" not in msg and "not in into=" not in msg, msg
+
+
+def test_a_tied_transformers_model_loads_into_an_untied_one(tmp_path: Path) -> None:
+    """A real GPT-2 with tie_word_embeddings=True, saved, loaded into one
+    without the tie: every key of its state_dict bitwise, lm_head too."""
+    transformers = pytest.importorskip("transformers")
+
+    def gpt2(tie: bool, seed: int) -> Any:
+        torch.manual_seed(seed)
+        config = transformers.GPT2Config(
+            vocab_size=97, n_positions=16, n_embd=32, n_layer=1, n_head=2, tie_word_embeddings=tie
+        )
+        return transformers.GPT2LMHeadModel(config)
+
+    tied = gpt2(True, 0)
+    sd = tied.state_dict()
+    assert sd["lm_head.weight"].data_ptr() == sd["transformer.wte.weight"].data_ptr()
+    deeppart.save({"model": sd}, tmp_path / "ck")
+    untied = gpt2(False, 1)
+    deeppart.load(tmp_path / "ck", into={"model": untied.state_dict()})
+    got = untied.state_dict()
+    assert got["lm_head.weight"].data_ptr() != got["transformer.wte.weight"].data_ptr()
+    assert sorted(got) == sorted(sd)
+    for k, v in sd.items():
+        assert torch.equal(got[k], v), k
