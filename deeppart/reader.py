@@ -62,6 +62,7 @@ from deeppart.restore import (
     leaf_paths,
     match,
     prune,
+    refuse_meta,
     select_paths,
     write_back_plain,
 )
@@ -71,6 +72,7 @@ from deeppart.storage.url import S3URL, Location
 from deeppart.tensors import (
     U8,
     dtype_sizes,
+    on_meta,
     same_bytes,
     torch_dtypes,
     torch_module,
@@ -254,6 +256,8 @@ def leaf_targets(
             chosen, leaf_paths([lf.path for lf in into_leaves], skeleton), strict, into_elsewhere
         )
         matched = IntoMatch(into_leaves, skeleton, m.pairs, m.keys, into, m.copies, m.checks)
+        filled = [*m.pairs.items(), *m.copies]
+        refuse_meta([describe(into_leaves[j].path) for _, j in filled if on_meta(into_leaves[j])])
         for i, j in m.copies:
             _fits(meta.leaves[i], into_leaves[j].tensor, dtypes, describe(into_leaves[j].path))
         for i, j, at, by in m.checks:

@@ -54,10 +54,10 @@ from deeppart.format import (
 from deeppart.progress import Progress
 from deeppart.reader import FirstError, read_file
 from deeppart.regions import DTensorRecord, Region, ShardRecord
-from deeppart.restore import describe, select
+from deeppart.restore import describe, refuse_meta, select
 from deeppart.state import Flat, flatten, is_dtensor
 from deeppart.storage.files import CheckpointDir, check_file_sizes, open_data
-from deeppart.tensors import U8, torch_dtypes, torch_module, u8_view, written_in_place
+from deeppart.tensors import U8, on_meta, torch_dtypes, torch_module, u8_view, written_in_place
 
 __all__ = [
     "ShardReads",
@@ -145,6 +145,7 @@ def shard_targets(
             chosen.append(_record_of_leaf(meta, i))
             out.leaves.add(i)
     where = {tuple(lf.path): j for j, lf in enumerate(into_leaves)}
+    meta_paths: list[str] = []
     dtypes = torch_dtypes()
     torch = torch_module()
     for rec in chosen:
@@ -174,12 +175,15 @@ def shard_targets(
                 "architecture"
             )
         out.into_leaves.add(j)
+        if on_meta(into_leaves[j]):
+            meta_paths.append(describe(path))
         if is_dtensor(t):
             from deeppart.dtensor import local_region
 
             out.needs.append(Need(path, local_region(t, path), t._local_tensor))
         else:
             out.needs.append(Need(path, Region.full(rec.shape), t))
+    refuse_meta(meta_paths)
     return out
 
 

@@ -376,3 +376,18 @@ def write_back_plain(
             NotInPlaceWarning,
             stacklevel=2,
         )
+
+
+def refuse_meta(paths: Sequence[str]) -> None:
+    """Raises StateMismatchError when ``into=`` would be filled at ``paths``
+    (of tensors on the meta device): a meta tensor has no memory to load
+    into, and returning it unfilled would hand back no data at all."""
+    if not paths:
+        return
+    more = f" and {len(paths) - 5} more" if len(paths) > 5 else ""
+    raise StateMismatchError(
+        f"into= holds {len(paths)} meta tensor(s), which have no memory to load into: "
+        f"{', '.join(paths[:5])}{more}. Materialize the model first (e.g. "
+        "model.to_empty(device='cpu'), then load into model.state_dict()), or load without "
+        "into= and pass the result to model.load_state_dict(..., assign=True)"
+    )

@@ -243,10 +243,13 @@ def _alias_key(t: Any) -> tuple[Any, ...] | None:
         return None if local is None else ("dtensor", tuple(t.shape), str(t.placements), local)
     if t.numel() == 0:
         return None
+    storage = t.untyped_storage()
     return (
         t.device.type,
         t.device.index,
-        t.untyped_storage().data_ptr(),
+        # Meta tensors have no memory (every data pointer is 0): their
+        # storage object tells the tied ones apart from the others.
+        storage._cdata if t.device.type == "meta" else storage.data_ptr(),
         t.storage_offset(),
         tuple(t.shape),
         tuple(t.stride()),

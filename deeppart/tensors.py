@@ -98,3 +98,9 @@ def same_bytes(a: Any, b: Any) -> bool:
     u8 = torch_module().uint8
     x, y = readable(a).reshape(-1).view(u8), readable(b).reshape(-1).view(u8)
     return bool(torch_module().equal(x, y))
+
+
+def on_meta(leaf: Any) -> bool:
+    """Whether ``leaf`` (a FlatLeaf) is a tensor on the meta device, or a
+    DTensor whose local shard is: a shape without memory."""
+    return leaf.tensor is not None and leaf.tensor.device.type == "meta"

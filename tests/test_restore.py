@@ -398,3 +398,66 @@ def test_a_tied_transformers_model_loads_into_an_untied_one(tmp_path: Path) -> N
     assert sorted(got) == sorted(sd)
     for k, v in sd.items():
         assert torch.equal(got[k], v), k
+
+
+# ----------------------------------------------------------------------------
+# into= on the meta device (issue 49, item 6).
+
+
+def test_load_into_meta_tensors_names_them(tmp_path: Path) -> None:
+    """A model built under torch.device("meta") has no memory to fill: the
+    load raises naming every meta leaf it would fill (two Linear layers of
+    one shape are two tensors, not one), and says what to do; the
+    materialized model then loads."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    deeppart.save({"model": model.state_dict(), "step": 2}, tmp_path / "ck")
+    with torch.device("meta"):
+        empty = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    assert len(deeppart.Manifest.from_state_dict(empty.state_dict())) == 4
+    with pytest.raises(deeppart.StateMismatchError) as e:
+        deeppart.load(tmp_path / "ck", into={"model": empty.state_dict(), "step": 0})
+    msg = str(e.value)
+    assert "4 meta tensor(s)" in msg, msg
+    for k in ("model/0.weight", "model/0.bias", "model/1.weight", "model/1.bias"):
+        assert k in msg, msg
+    assert "to_empty" in msg and "assign=True" in msg, msg
+    # A part that holds no meta tensor loads.
+    with torch.device("meta"):
+        head = torch.nn.Linear(8, 8)
+    part = {"model": {"0.weight": torch.zeros(8, 8), "0.bias": torch.zeros(8)}}
+    deeppart.load(tmp_path / "ck", keys=[("model", "0.weight"), ("model", "0.bias")], into=part)
+    assert torch.equal(part["model"]["0.weight"], model.state_dict()["0.weight"])
+    with pytest.raises(deeppart.StateMismatchError, match="1 meta tensor"):
+        deeppart.load(tmp_path / "ck", keys=[("model", "1.weight")],
+                      into={"model": {"1.weight": head.weight.detach()}})  # fmt: skip
+    # What the message says works.
+    empty.to_empty(device="cpu")
+    deeppart.load(tmp_path / "ck", into={"model": empty.state_dict(), "step": 0})
+    for a, b in zip(empty.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_load_into_fsdp2_meta_dtensors_names_them(tmp_path: Path) -> None:
+    """FSDP2 fully_shard on a model built on the meta device (one gloo
+    rank): its DTensors' shards are meta; a load into them raises naming
+    them instead of returning them unfilled."""
+    dist = pytest.importorskip("torch.distributed")
+    from torch.distributed.fsdp import fully_shard
+
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("no torch.distributed, or a process group is already initialised")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
+    deeppart.save({"model": model.state_dict()}, tmp_path / "ck")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)  # fmt: skip
+    try:
+        with torch.device("meta"):
+            sharded = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
+        fully_shard(sharded)
+        into = {"model": sharded.state_dict()}
+        assert into["model"]["0.weight"].to_local().device.type == "meta"
+        with pytest.raises(deeppart.StateMismatchError) as e:
+            deeppart.load(tmp_path / "ck", into=into)
+        assert "4 meta tensor(s)" in str(e.value) and "model/1.bias" in str(e.value), e.value
+    finally:
+        dist.destroy_process_group()
