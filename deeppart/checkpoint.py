@@ -555,7 +555,9 @@ def load(
         path, meta, digest = open_checkpoint(parse_location(directory))
         # into='s leaves, once for every stage that matches them.
         flat = flatten(into) if into is not None else None
-        own = own_view(meta, c.rank, c.size, per_rank, into, held_only=group is None, flat=flat)
+        own = own_view(
+            meta, c.rank, c.size, per_rank, into, held_only=group is None, flat=flat, keys=keys
+        )
         meta = own.meta
         st = shard_targets(meta, into, keys, strict, flat)
         rp = plan_reads(

@@ -466,13 +466,21 @@ class Checkpointer:
             self.levels.close()
 
     def load(
-        self, step: int | None = None, *, into: Any = None, keys: Any = None, strict: bool = True
+        self,
+        step: int | None = None,
+        *,
+        into: Any = None,
+        keys: Any = None,
+        strict: bool = True,
+        per_rank: Any = None,
     ) -> Any:
-        """Loads ``step`` (default: the latest); ``keys``/``strict`` as in :func:`load`."""
+        """Loads ``step`` (default: the latest); ``keys``, ``strict`` and
+        ``per_rank`` (each rank's own values at another world size) as in
+        :func:`load`."""
         self.wait()
         if self.levels is not None:
-            if keys is not None or not strict:
-                raise ValueError("keys= and strict=False are not supported with config=")
+            if keys is not None or not strict or per_rank is not None:
+                raise ValueError("keys=, strict=False and per_rank= are not supported with config=")
             state, self.last_recovery = self.levels.load(step, into=into)
             return state
         if step is None:
@@ -489,6 +497,7 @@ class Checkpointer:
             staging_bytes=self.staging_bytes,
             keys=keys,
             strict=strict,
+            per_rank=per_rank,
         )
         # The next save continues from this step (a new line if it is not
         # the newest); a step without a line record starts a fresh one.

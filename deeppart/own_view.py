@@ -28,6 +28,7 @@ from typing import Any
 
 from deeppart.errors import PerRankStateError, StateError
 from deeppart.format import Metadata, VersionRecord
+from deeppart.restore import key_prefixes, under
 from deeppart.state import Flat, flatten, path_key
 from deeppart.union import VERSION_KEY
 
@@ -93,12 +94,16 @@ def own_view(
     into: Any = None,
     held_only: bool = True,
     flat: Flat | None = None,
+    keys: Any = None,
 ) -> OwnView:
     """This rank's view of ``meta`` (unchanged for metadata before version
     3). ``held_only``: at the save's world size, leave out the items this
-    rank did not hold (False for ``load(group=...)``, which names what to read)."""
+    rank did not hold (False for ``load(group=...)``, which names what to
+    read). ``keys``: ``load(keys=...)``; the paths with versions outside
+    them are not read, so ``per_rank=`` has nothing to say about them."""
     if not meta.union:
         return OwnView(meta)
+    prefixes = key_prefixes(keys)
     if per_rank is not None and not (
         (isinstance(per_rank, int) and not isinstance(per_rank, bool))
         or per_rank in ("drop", "all")
@@ -153,7 +158,7 @@ def own_view(
             records[i] = dataclasses.replace(records[i], path=[*v.path, VERSION_KEY, k])
         for i in firsts:
             drop_leaf(i)
-        if not same and not wanted(v.path):
+        if (not same and not wanted(v.path)) or not under(v.path, prefixes):
             continue
         mine = next((k for k, r in enumerate(v.ranks) if rank in r), None)
         if same:
@@ -207,7 +212,11 @@ def own_view(
         )
     skeleton = _relabel(meta.skeleton, relabel) if relabel else meta.skeleton
     view.meta = dataclasses.replace(
-        meta, leaves=leaves, dtensors=records, skeleton=skeleton, skip=frozenset(skip),
+        meta,
+        leaves=leaves,
+        dtensors=records,
+        skeleton=skeleton,
+        skip=frozenset(skip),
         aliases=aliases,
     )
     view.pruned = bool(skip)

@@ -1,6 +1,7 @@
-"""Multi-rank scenarios of typed values, flexible restore and the replica
-check, run as ``mpiexec -n K python tests/mpi_values.py SCENARIO DIR``
-(by tests/test_values_mpi.py); each rank prints ``OK SCENARIO rank r/n``."""
+"""Multi-rank scenarios of typed values, flexible restore, the replica
+check and each rank's own values (``per_rank``), run as ``mpiexec -n K
+python tests/mpi_values.py SCENARIO DIR`` (by tests/test_values_mpi.py);
+each rank prints ``OK SCENARIO rank r/n``."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import argparse
 import random
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -87,13 +89,48 @@ def scenario_values(d: Path) -> None:
     ok("values")
 
 
+def per_rank_state(rank: int, own_tensor: bool = False) -> dict[str, Any]:
+    """A model (the same on every rank) beside each rank's own data-loader
+    position and RNG state bytes; ``own_tensor``: also a buffer of the
+    model's that differs per rank (``model/own``: saved with
+    ``group="auto"``)."""
+    torch.manual_seed(0)
+    model: dict[str, Any] = dict(torch.nn.Linear(5, 3).state_dict())
+    if own_tensor:
+        model["own"] = torch.full((4,), float(rank))
+    return {
+        "model": model,
+        "loader": {"epoch": 2, "batches_seen": 100 + rank},
+        "rng": bytes([rank + 1] * 16),
+    }
+
+
+def scenario_per_rank(d: Path) -> None:
+    """Checkpoints of each rank's own values, for tests/test_values_mpi.py
+    to use model-only at another world size: ``root`` through a
+    Checkpointer (step 5), ``own`` with a per-rank model buffer
+    (``group="auto"``). Each rank loads its own back here."""
+    c = resolve()
+    cp = deeppart.Checkpointer(d / "root")
+    cp.save(5, per_rank_state(c.rank))
+    assert_bitwise_equal(per_rank_state(c.rank), cp.load())
+    deeppart.save(per_rank_state(c.rank, own_tensor=True), d / "own", group="auto")
+    assert_bitwise_equal(per_rank_state(c.rank, own_tensor=True), deeppart.load(d / "own"))
+    ok("per_rank")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("scenario", choices=["replicas", "values"])
+    p.add_argument("scenario", choices=["replicas", "values", "per_rank"])
     p.add_argument("dir", type=Path)
     args = p.parse_args()
     torch.set_num_threads(1)
-    {"replicas": scenario_replicas, "values": scenario_values}[args.scenario](args.dir)
+    scenarios = {
+        "replicas": scenario_replicas,
+        "values": scenario_values,
+        "per_rank": scenario_per_rank,
+    }
+    scenarios[args.scenario](args.dir)
     sys.stdout.flush()
 
 

@@ -15,6 +15,8 @@ from safetensors.torch import load_file
 
 import deeppart
 from deeppart.errors import ExportError
+from deeppart.format import data_file_name
+from deeppart.reader import read_metadata
 from deeppart.tools.export import (
     SAFETENSORS_INDEX,
     SAFETENSORS_SINGLE,
@@ -210,6 +212,32 @@ def test_cli_safetensors_shards_only_over_max_shard_bytes(tmp_path: Path) -> Non
     readme = (ROOT / "README.md").read_text()
     line = next(ln for ln in readme.splitlines() if "--to safetensors hf-model/" in ln)
     assert "--max-shard-bytes" in line, line
+
+
+def test_a_failed_export_removes_only_what_it_made(tmp_path: Path) -> None:
+    """The second shard's load fails (a byte of its tensor flipped on disk):
+    the first shard, already written, is removed, and so are the output
+    directory and its parents where the export made them; a directory that
+    was there keeps itself and its other files (a model's config.json)."""
+    deeppart.save({"model": {"a": torch.randn(1000), "b": torch.randn(1000)}}, tmp_path / "ck")
+    meta, _ = read_metadata(tmp_path / "ck")
+    b = next(i for i, lf in enumerate(meta.leaves) if lf.path == ["model", "b"])
+    piece = next(p for p in meta.pieces if p.leaf == b)
+    data = tmp_path / "ck" / data_file_name(piece.rank)
+    raw = bytearray(data.read_bytes())
+    raw[piece.offset + piece.length // 2] ^= 0x40
+    data.write_bytes(bytes(raw))
+    made = tmp_path / "new" / "hf"
+    with pytest.raises(deeppart.CorruptCheckpointError):
+        export_safetensors(tmp_path / "ck", made, max_shard_bytes=4000)
+    assert not (tmp_path / "new").exists()
+    there = tmp_path / "there"
+    there.mkdir()
+    (there / "config.json").write_text("{}")
+    with pytest.raises(deeppart.CorruptCheckpointError):
+        export_safetensors(tmp_path / "ck", there, max_shard_bytes=4000)
+    assert sorted(p.name for p in there.iterdir()) == ["config.json"]
+    assert (there / "config.json").read_text() == "{}"
 
 
 MPIEXEC = Path(sys.executable).parent / "mpiexec"

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+
+import deeppart
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "mpi_values.py"
@@ -36,3 +40,74 @@ def test_replica_check_names_the_changed_leaf_on_every_rank(tmp_path: Path, n: i
 def test_values_keys_and_strict_on_three_ranks(tmp_path: Path) -> None:
     out = _run(3, "values", str(tmp_path / "ck"))
     assert out.count("OK values") == 3, out
+
+
+def test_model_only_use_of_a_checkpoint_with_per_rank_values(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Checkpoints saved by 2 ranks, each with its own loader position and
+    RNG bytes (and in ``own`` a model buffer of its own), used model-only in
+    this one process (another world size): ``load(keys=["model"])``,
+    ``Checkpointer.load`` with ``keys=`` and ``per_rank=``, and ``deeppart
+    export --key model`` (with ``--per-rank`` where the model itself has
+    per-rank paths; a refused export leaves no directory behind)."""
+    from mpi_checkpoint import assert_bitwise_equal
+    from mpi_values import per_rank_state
+    from safetensors.torch import load_file
+
+    from deeppart.tools.cli import main
+
+    def same(want: dict[str, Any], file: Path) -> None:
+        got = load_file(file)
+        assert_bitwise_equal(dict(sorted(want.items())), dict(sorted(got.items())))
+
+    out = _run(2, "per_rank", str(tmp_path))
+    assert out.count("OK per_rank") == 2, out
+    model = per_rank_state(0)["model"]
+    cp = deeppart.Checkpointer(tmp_path / "root")
+    ck = str(cp.path(5))
+
+    # The per-rank paths lie outside keys=: no per_rank= needed.
+    got = deeppart.load(ck, keys=["model"])
+    assert list(got) == ["model"]
+    assert_bitwise_equal(model, got["model"])
+    assert_bitwise_equal(model, cp.load(keys=["model"])["model"])
+    # A key that selects one still needs it, and the error names only that one.
+    with pytest.raises(deeppart.PerRankStateError) as e:
+        deeppart.load(ck, keys=["model", "loader"])
+    assert "loader" in str(e.value) and "rng" not in str(e.value), e.value
+    # Checkpointer.load takes per_rank=, as that error says.
+    for r in (0, 1):
+        state = cp.load(per_rank=r)
+        assert state["loader"] == {"epoch": 2, "batches_seen": 100 + r}, state["loader"]
+        assert state["rng"] == bytes([r + 1] * 16)
+        assert_bitwise_equal(model, state["model"])
+    assert sorted(cp.load(per_rank="drop")) == ["model"]
+
+    # deeppart export --key model: the loader and RNG states do not matter.
+    assert main(["export", ck, "--to", "safetensors", str(tmp_path / "st"), "--key", "model"]) == 0
+    same(model, tmp_path / "st" / "model.safetensors")
+
+    # model/own has one version per rank: refused without --per-rank,
+    # naming it, and nothing is left behind.
+    own = str(tmp_path / "own")
+    dest = tmp_path / "new" / "st"
+    capsys.readouterr()
+    assert main(["export", own, "--to", "safetensors", str(dest), "--key", "model"]) == 2
+    err = capsys.readouterr().err
+    assert "model/own" in err and "--per-rank" in err, err
+    assert not (tmp_path / "new").exists()
+    for r in (0, 1):
+        args = ["export", own, "--to", "safetensors", str(dest / str(r)), "--key", "model"]
+        assert main([*args, "--per-rank", str(r)]) == 0
+        want = per_rank_state(r, own_tensor=True)["model"]
+        same(want, dest / str(r) / "model.safetensors")
+    assert main(["export", own, "--to", "safetensors", str(dest / "drop"), "--key", "model",
+                 "--per-rank", "drop"]) == 0  # fmt: skip
+    same(model, dest / "drop" / "model.safetensors")
+    # --to torch takes it too (its default: every version).
+    pt = tmp_path / "loader.pt"
+    assert (
+        main(["export", own, "--to", "torch", str(pt), "--key", "loader", "--per-rank", "1"]) == 0
+    )
+    assert torch.load(pt, weights_only=True) == {"epoch": 2, "batches_seen": 101}

@@ -22,9 +22,12 @@ Command line: ``deeppart export CKPT --to safetensors OUT/``,
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +43,8 @@ from deeppart.storage import S3URL, parse_location
 #: Hugging Face's names of the files in a safetensors model directory.
 SAFETENSORS_SINGLE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+#: The safetensors metadata transformers writes (and its loader checks).
+PT = {"format": "pt"}
 #: Default largest shard (transformers' ``save_pretrained`` uses 5 GB too).
 DEFAULT_SHARD_BYTES = 5 * 10**9
 
@@ -52,26 +57,24 @@ _ELEMENT_SIZES = {
 
 
 def _tensor_leaves(
-    directory: Path | S3URL, key: str | None
+    directory: Path | S3URL, key: str | None, per_rank: Any = None
 ) -> tuple[list[tuple[Any, ...]], list[int], dict[int, list[tuple[Any, ...]]]]:
     """The tensor leaves under ``key`` (the whole state when None), from the
     metadata alone: their manifest paths, byte sizes, and every path that
-    holds each (tied weights: more than one)."""
+    holds each (tied weights: more than one). A path with one version per
+    group of saved ranks under ``key`` is refused unless ``per_rank`` is a
+    saved rank (its version is exported) or ``"drop"`` (left out)."""
     meta = decode_metadata(committed_metadata(directory))
     leaves = list(meta.get("manifest", {}).get("leaves", []))
     versioned = [
-        list(v["path"]) for v in meta.get("versions") or []
+        v for v in meta.get("versions") or []
         if isinstance(v, dict) and isinstance(v.get("path"), list)
         and (key is None or v["path"][:1] == [key])
     ]  # fmt: skip
-    if versioned:
-        shown = ", ".join("/".join(map(str, p)) for p in versioned[:5])
-        raise ExportError(
-            f"{directory}: {len(versioned)} paths hold one version per group of saved ranks "
-            f"(per-rank values, pipeline stages that reuse names: {shown}); safetensors names "
-            "one tensor per path: export with --to torch (every version under "
-            '{"ranks:0,1": ...}), or load(..., per_rank=<rank>) and save what you need'
-        )
+    # Per versioned path: the leaf exported there (None: left out).
+    chosen: dict[tuple[Any, ...], int | None] = {}
+    for v in versioned:
+        chosen[tuple(v["path"])] = _version_leaf(directory, v, per_rank, versioned)
     # A sharded tensor (``dtensors`` record) is exported whole: the skeleton
     # names it by its first shard's leaf, which stands here for the record's
     # global tensor (``load`` assembles it from all its shards).
@@ -81,11 +84,16 @@ def _tensor_leaves(
         if isinstance(first, int) and 0 <= first < len(leaves):
             whole = {k: rec.get(k) for k in ("path", "dtype", "shape")}
             leaves[first] = {"kind": "tensor", **whole}
+    # A version is loaded at its path (load(per_rank=...)).
+    for path, i in chosen.items():
+        if i is not None and 0 <= i < len(leaves) and isinstance(leaves[i], dict):
+            leaves[i] = {**leaves[i], "path": list(path)}
     wanted: dict[int, list[tuple[Any, ...]]] = {}
     try:
         for path, index in skeleton_paths(meta.get("skeleton")):
-            if key is None or (path and path[0] == key):
-                wanted.setdefault(index, []).append(path)
+            i = chosen.get(path, index)
+            if i is not None and (key is None or (path and path[0] == key)):
+                wanted.setdefault(i, []).append(path)
     except ValueError as e:
         raise ExportError(f"{directory}: bad skeleton: {e}") from e
     paths: list[tuple[Any, ...]] = []
@@ -105,6 +113,39 @@ def _tensor_leaves(
         if tuple(leaves[i]["path"]) in by_path
     }
     return paths, sizes, aliases
+
+
+def _version_leaf(
+    directory: Path | S3URL, v: dict[str, Any], per_rank: Any, versioned: list[Any]
+) -> int | None:
+    """The leaf of versioned path ``v`` that ``per_rank`` exports (a saved
+    rank: its version; ``"drop"``: None); ExportError otherwise, naming the
+    versioned paths (``versioned``) and what to pass."""
+    if per_rank is None or per_rank == "all":
+        shown = ", ".join("/".join(map(str, u["path"])) for u in versioned[:5])
+        why = (
+            "--per-rank all is for --to torch"
+            if per_rank == "all"
+            else "pass --per-rank RANK (Python: per_rank=RANK) to export the version that saved "
+            "rank wrote, or --per-rank drop to leave them out"
+        )
+        raise ExportError(
+            f"{directory}: {len(versioned)} paths hold one version per group of saved ranks "
+            f"(per-rank values, pipeline stages that reuse names: {shown}); safetensors names "
+            f"one tensor per path: {why}; or export with --to torch (every version under "
+            '{"ranks:0,1": ...})'
+        )
+    if per_rank == "drop":
+        return None
+    where = "/".join(map(str, v["path"]))
+    ranks, firsts = v.get("ranks") or [], v.get("leaves") or []
+    for k, group in enumerate(ranks):
+        if isinstance(group, list) and per_rank in group and k < len(firsts):
+            return int(firsts[k])
+    raise ExportError(
+        f"{directory}: --per-rank {per_rank}: saved rank {per_rank} holds no version of "
+        f"{where} (its versions were saved by ranks {', '.join(map(str, ranks))})"
+    )
 
 
 def _model_key(directory: Path | S3URL, key: str | None) -> str | None:
@@ -130,6 +171,7 @@ def export_safetensors(
     key: str | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     overwrite: bool = False,
+    per_rank: Any = None,
 ) -> list[Path]:
     """Writes the tensors under ``key`` (default ``"model"`` if the
     checkpoint has it, else all) to ``out_dir`` as safetensors: one
@@ -140,13 +182,18 @@ def export_safetensors(
     one (tied weights) are written under every name. Files already in
     ``out_dir`` (a model's ``config.json`` beside the weights) are kept; an
     existing file of a name it writes is refused with :class:`ExportError`
-    before anything is written, unless ``overwrite``. Returns the files."""
-    from safetensors.torch import save_file
-
+    before anything is written, unless ``overwrite``. A failed export
+    removes what it wrote (the files it created, and ``out_dir`` and its
+    parents if it made them), nothing else. ``per_rank``: for paths under
+    ``key`` with one version per group of saved ranks (each rank's own
+    state), a saved rank (export its version) or ``"drop"`` (leave them
+    out); by default they are refused. Paths outside ``key`` never matter.
+    Returns the files."""
     src = parse_location(checkpoint)  # a directory or an s3:// URL
     out = local_path(out_dir)
+    _check_per_rank(per_rank)
     key = _model_key(src, key)
-    paths, sizes, aliases = _tensor_leaves(src, key)
+    paths, sizes, aliases = _tensor_leaves(src, key, per_rank)
     if not paths:
         raise ExportError(f"{src}: no tensors under {key or 'the root'!r} to export")
     skip = 1 if key is not None else 0
@@ -173,12 +220,46 @@ def export_safetensors(
     _refuse_existing([out / n for n in names], overwrite)
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out}: exists and is not a directory: name a directory to export to")
+    existed = {n for n in names if (out / n).exists()}
+    made = _missing_dirs(out)
     out.mkdir(parents=True, exist_ok=True)
     files: list[Path] = []
+    try:
+        _write_shards(src, out, names, shards, paths, aliases, name, per_rank, files)
+    except BaseException:
+        # Only what this export made: its files (a file it replaced with
+        # overwrite=True is gone either way), then its directories if empty.
+        for f in files:
+            if f.name not in existed:
+                f.unlink(missing_ok=True)
+        for d in made:
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        raise
+    return files
+
+
+def _write_shards(
+    src: Path | S3URL,
+    out: Path,
+    names: list[str],
+    shards: list[list[int]],
+    paths: list[tuple[Any, ...]],
+    aliases: dict[int, list[tuple[Any, ...]]],
+    name: Callable[[tuple[Any, ...]], str],
+    per_rank: Any,
+    files: list[Path],
+) -> None:
+    """The safetensors shards ``names`` (and the index when there are
+    several) in ``out``, each read by one load and renamed into place;
+    ``files`` gets each file once it is there."""
+    from safetensors.torch import save_file
+
     weight_map: dict[str, str] = {}
     total = 0
     for fname, shard in zip(names, shards, strict=False):
-        part = load(str(src), keys=[paths[i] for i in shard], comm=SingleComm())
+        keys = [paths[i] for i in shard]
+        part = load(str(src), keys=keys, comm=SingleComm(), per_rank=per_rank)
         tensors: dict[str, Any] = {}
         for i in shard:
             t = _get(part, paths[i]).contiguous()
@@ -188,18 +269,43 @@ def export_safetensors(
                 tensors[name(path)] = t if k == 0 else t.clone()
                 weight_map[name(path)] = fname
                 total += t.numel() * t.element_size()
-        tmp = _temporary(out / fname)
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-        tmp.replace(out / fname)
-        files.append(out / fname)
+        _write_file(out / fname, files, functools.partial(save_file, tensors, metadata=PT))
         del part, tensors
-    if count > 1:
+    if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        tmp = _temporary(out / SAFETENSORS_INDEX)
-        tmp.write_text(json.dumps(index, indent=2) + "\n")
-        tmp.replace(out / SAFETENSORS_INDEX)
-        files.append(out / SAFETENSORS_INDEX)
-    return files
+        text = json.dumps(index, indent=2) + "\n"
+        _write_file(out / SAFETENSORS_INDEX, files, lambda tmp: tmp.write_text(text))
+
+
+def _write_file(path: Path, files: list[Path], write: Callable[[Path], Any]) -> None:
+    """``write`` to a temporary name, renamed to ``path`` (removed if the
+    write fails); ``path`` appended to ``files``."""
+    tmp = _temporary(path)
+    try:
+        write(tmp)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    tmp.replace(path)
+    files.append(path)
+
+
+def _missing_dirs(out: Path) -> list[Path]:
+    """The directories ``out.mkdir(parents=True)`` would make, deepest first."""
+    made: list[Path] = []
+    d = out
+    while not d.exists() and not d.is_symlink() and d != d.parent:
+        made.append(d)
+        d = d.parent
+    return made
+
+
+def _check_per_rank(per_rank: Any) -> None:
+    """ExportError unless ``per_rank`` is None, a saved rank, ``"drop"`` or
+    ``"all"``."""
+    rank = isinstance(per_rank, int) and not isinstance(per_rank, bool) and per_rank >= 0
+    if not (per_rank is None or rank or per_rank in ("drop", "all")):
+        raise ExportError(f'per_rank must be a saved rank, "drop" or "all", not {per_rank!r}')
 
 
 def _refuse_existing(paths: list[Path], overwrite: bool) -> None:
@@ -232,25 +338,28 @@ def export_torch(
     *,
     key: str | None = None,
     overwrite: bool = False,
+    per_rank: Any = "all",
 ) -> Path:
     """Writes the whole state, or with ``key`` only what is under that
     top-level key (only its bytes are read), to one ``torch.save`` file
     (loadable with ``torch.load(..., weights_only=True)`` when the state
     holds tensors and plain Python values). The state is in memory once. A
     path with one version per group of saved ranks (each rank's own state)
-    holds ``{"ranks:0,1": value, ...}``. An existing ``out_file`` is refused
-    (:class:`ExportError`) unless ``overwrite``."""
+    holds ``{"ranks:0,1": value, ...}`` (``per_rank="all"``, the default;
+    or as :func:`deeppart.load` takes it: a saved rank's version, or
+    ``"drop"``). An existing ``out_file`` is refused (:class:`ExportError`)
+    unless ``overwrite``."""
     import torch
 
     parse_location(checkpoint)  # a directory or an s3:// URL; other URLs are refused
     out = local_path(out_file)
+    _check_per_rank(per_rank)
     _refuse_existing([out], overwrite)
 
-    # Per-rank items come as {"ranks:0,1": value, ...} at their path.
     if key is None:
-        state = load(checkpoint, comm=SingleComm(), per_rank="all")
+        state = load(checkpoint, comm=SingleComm(), per_rank=per_rank)
     else:
-        state = load(checkpoint, keys=[key], comm=SingleComm(), per_rank="all")[key]
+        state = load(checkpoint, keys=[key], comm=SingleComm(), per_rank=per_rank)[key]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = _temporary(out)
     torch.save(state, tmp)
@@ -346,10 +455,18 @@ def _cmd_export(args: argparse.Namespace) -> int:
                     key=args.key,
                     max_shard_bytes=args.max_shard_bytes,
                     overwrite=args.overwrite,
+                    per_rank=args.per_rank,
                 )
             else:
+                per_rank = "all" if args.per_rank is None else args.per_rank
                 files = [
-                    export_torch(args.checkpoint, args.out, key=args.key, overwrite=args.overwrite)
+                    export_torch(
+                        args.checkpoint,
+                        args.out,
+                        key=args.key,
+                        overwrite=args.overwrite,
+                        per_rank=per_rank,
+                    )
                 ]
         except BaseException as e:  # agreed first, so that no rank is left waiting
             err = e
@@ -376,6 +493,16 @@ def _cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
+def per_rank_arg(text: str) -> int | str:
+    """An argparse type: ``--per-rank`` as ``load(per_rank=)`` takes it from
+    a command line: a saved rank (an integer from 0), ``drop`` or ``all``."""
+    if text in ("drop", "all"):
+        return text
+    if text.isdigit():
+        return int(text)
+    raise argparse.ArgumentTypeError(f"{text!r} is not a saved rank (0, 1, ...), drop or all")
+
+
 def add_parsers(sub: Any) -> None:
     """Adds ``export`` and ``import`` to the ``deeppart`` command line."""
     p = sub.add_parser("export", help="write a checkpoint as safetensors or one torch.save file")
@@ -398,6 +525,17 @@ def add_parsers(sub: Any) -> None:
         "model.safetensors, a larger one shards with model.safetensors.index.json",
     )
     p.add_argument("--overwrite", action="store_true", help="replace files of the same names")
+    p.add_argument(
+        "--per-rank",
+        type=per_rank_arg,
+        default=None,
+        metavar="RANK|drop|all",
+        help="paths with one version per group of saved ranks (each rank's own state: per-rank "
+        "values, pipeline stages that reuse names), as load(per_rank=): RANK exports the version "
+        "that saved rank wrote, drop leaves them out, all gives {'ranks:0,1': ...} at the path "
+        "(torch only, its default); safetensors refuses them without it. Paths outside --key "
+        "never matter",
+    )
     p.set_defaults(func=_cmd_export)
     p = sub.add_parser("import", help="save a .pt file or safetensors as a DeepPart checkpoint")
     p.add_argument("source", help="a torch.save file, a .safetensors file or a model directory")
