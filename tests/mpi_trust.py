@@ -44,7 +44,7 @@ import deeppart
 import deeppart.checkpoint as checkpoint
 from deeppart import prepare, reader
 from deeppart.comm import Comm, resolve
-from deeppart.errors import ERROR_TYPES, CorruptCheckpointError, StateError
+from deeppart.errors import ERROR_TYPES, CorruptCheckpointError, DeepPartError, StateError
 from deeppart.format import data_file_name
 from deeppart.storage import target as storage_target
 from deeppart.writer import add_fault_hook
