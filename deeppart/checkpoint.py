@@ -396,7 +396,7 @@ def _agree_seen(c: Comm, target: SaveTarget, token: str, save_id: str) -> None:
     seen = False
     try:
         seen = target.sees(token)
-    except Exception as e:
+    except BaseException as e:
         err = e
     try:
         rows = agree(c, err, bytes([seen]), width=1)

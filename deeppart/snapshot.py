@@ -195,7 +195,7 @@ class ShareSnapshot:
             self.copies = streamed.issued()
             if not self._on_device:
                 self.copies.order_after()
-        except Exception as e:
+        except BaseException as e:
             self._issue_error = e
 
     def discard(self) -> None:
