@@ -171,8 +171,20 @@ def prepare(
     manifest = Manifest.from_leaves(ex.descs, ex.groups or None)
     plan = plan_for(manifest)
     digest = save_digest(plan, manifest, skeleton, codec, directory, ex.records)
-    samples = replica_sample(leaves, ex.descs)
+    samples = replica_sample(leaves, ex.descs) | plain_sample(leaves)
     return Prepared(leaves, skeleton, manifest, plan, codec, digest, ex.records, samples)
+
+
+def plain_sample(leaves: list[FlatLeaf]) -> dict[int, bytes]:
+    """Per plain value (a loader position, a step counter): an 8-byte hash
+    of its encoding. :func:`prepare` stores one copy of the state, written by
+    whichever rank its plan names, so ranks holding different values must
+    be refused, not served one rank's (issue 48)."""
+    return {
+        i: hashlib.blake2b(leaf.encoded, digest_size=8).digest()
+        for i, leaf in enumerate(leaves)
+        if leaf.encoded is not None
+    }
 
 
 def save_digest(
@@ -254,6 +266,16 @@ def agree_prepared_flags(
     return prep, flags
 
 
+#: What the multi-level backends (the only users of :func:`prepare`) tell
+#: a user whose ranks hold different values or tensors at one path.
+ONE_COPY = (
+    "The multi-level backends (Checkpointer(config=...)) store one copy of a state "
+    "that every rank holds alike; save per-rank values (a loader position, an RNG "
+    "state) and per-rank tensors with deeppart.Checkpointer without config= or "
+    "deeppart.save, which give each rank its own back"
+)
+
+
 def _replicas_differ(c: Comm, prep: Prepared) -> None:
     """The sampled bytes of leaves every rank holds differ: every rank
     raises ReplicaMismatchError naming the leaves and which ranks hold
@@ -269,7 +291,7 @@ def _replicas_differ(c: Comm, prep: Prepared) -> None:
             by.setdefault(row[8 * k : 8 * k + 8], []).append(r)
         if len(by) > 1:
             differ.append((prep.leaves[i].path, sorted(by.values(), key=lambda g: g[0])))
-    raise replica_error(differ, "sampled bytes")
+    raise replica_error(differ, "sampled tensors, whole values", ONE_COPY, "leaves")
 
 
 def _differing(

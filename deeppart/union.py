@@ -152,18 +152,26 @@ def _versions_text(groups: Sequence[Sequence[int]]) -> str:
 
 
 def replica_error(
-    differ: list[tuple[Sequence[Any], list[list[int]]]], how: str
+    differ: list[tuple[Sequence[Any], list[list[int]]]],
+    how: str,
+    advice: str | None = None,
+    kind: str = "tensor leaves",
 ) -> ReplicaMismatchError:
-    """The error for replicas that differ: each leaf with which ranks hold
-    which version."""
+    """The error for replicas that differ: each leaf (of ``kind``) with
+    which ranks hold which version, and what to do (``advice``, else the
+    advice of ``deeppart.save``)."""
     shown = "; ".join(f"{_where(p)}: {_versions_text(g)}" for p, g in differ[:5])
     more = f" (and {len(differ) - 5} more)" if len(differ) > 5 else ""
+    if advice is None:
+        advice = (
+            "If these ranks hold different tensors on "
+            "purpose (to_local() shards, two models under one key), pass DTensors, or "
+            'group="auto" (each distinct tensor stored as its own version), or give each '
+            "group's leaves their own key prefix"
+        )
     return ReplicaMismatchError(
-        f"{len(differ)} tensor leaves differ between ranks that hold them as replicas ({how}): "
-        f"{shown}{more}; nothing was written. If these ranks hold different tensors on "
-        "purpose (to_local() shards, two models under one key), pass DTensors, or "
-        'group="auto" (each distinct tensor stored as its own version), or give each '
-        "group's leaves their own key prefix"
+        f"{len(differ)} {kind} differ between ranks that hold them as replicas ({how}): "
+        f"{shown}{more}; nothing was written. {advice}"
     )
 
 

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mpi_checkpoint import assert_bitwise_equal, make_state
 from rank_output import print_line
 
-from deeppart.errors import CheckpointError, FTIError
+from deeppart.errors import CheckpointError, FTIError, ReplicaMismatchError
 from deeppart.levels import fti
 from deeppart.levels.config import LevelConfig
 from deeppart.levels.fti import FTIBackend
@@ -117,6 +117,15 @@ def scenario_restore(backend: FTIBackend, level: int) -> None:
 
 def scenario_broken(backend: FTIBackend, level: int) -> None:
     c = backend.comm
+    # A per-rank value: FTI stores one copy, so every rank refuses it
+    # (before: every rank got the value of the rank that wrote it).
+    try:
+        backend.save(STEP, {**state(), "loader_pos": 100 + c.rank}, level=level)
+    except ReplicaMismatchError as e:
+        assert "loader_pos: ranks [0] hold one version" in str(e), e
+        print_line(f"rank {c.rank} PER-RANK REFUSED")
+    else:
+        raise AssertionError(f"rank {c.rank}: a per-rank value was saved through FTI")
     extra = np.zeros(16, dtype=np.uint8)
     if c.rank == c.size - 1:
         backend._protect(EXTRA_ID, extra)

@@ -382,6 +382,34 @@ def s_real_hosts(x: Ctx) -> None:
     assert report.step == 2 and report.levels == [4] * x.comm.size, report
 
 
+def s_per_rank(x: Ctx) -> None:
+    """Ranks holding different plain values (a loader position) or a small
+    per-rank tensor at one path: the levels store one copy, so every rank
+    raises ReplicaMismatchError naming the path and which ranks hold what,
+    and nothing is committed (before: every rank got rank 0's value back,
+    silently). The same values on every rank save and load."""
+    import torch
+
+    from deeppart.errors import ReplicaMismatchError
+
+    be = x.backend("perrank")
+    base = mc.make_state(1)
+    be.save(1, {**base, "loader_pos": 100}, level=1)
+    for name, own in (("loader_pos", 100 + x.comm.rank), ("rng", torch.tensor([x.comm.rank]))):
+        try:
+            be.save(2, {**base, name: own}, level=1)
+        except ReplicaMismatchError as e:
+            said = str(e)
+            assert f"{name}: ranks [0] hold one version" in said, said
+            assert "nothing was written" in said and "without config=" in said, said
+        else:
+            raise AssertionError(f"{name}: per-rank values saved through the levels")
+        assert be.committed_steps() == [1], be.committed_steps()
+    state, report = be.load()
+    assert report.step == 1 and state["loader_pos"] == 100, (report, state["loader_pos"])
+    mc.assert_bitwise_equal(base["model"], state["model"], "per-rank")
+
+
 SCENARIOS: dict[str, Callable[[Ctx], None]] = {
     "none": s_none,
     "l2node": s_l2_node,
@@ -399,6 +427,7 @@ SCENARIOS: dict[str, Callable[[Ctx], None]] = {
     "ioerror": s_io_error,
     "crash": s_crash_save,
     "aftercrash": s_after_crash,
+    "perrank": s_per_rank,
 }
 
 

@@ -381,11 +381,14 @@ def test_real_fti_restart_in_a_new_job(
 @needs_mpiexec
 @pytest.mark.mpi
 def test_real_fti_broken_save_fails_on_every_rank(tmp_path: Path) -> None:
-    """One rank protects an extra FTI dataset: the save fails with the
+    """A per-rank value (a loader position) is refused on every rank, as
+    FTI stores one copy. One rank protects an extra FTI dataset: the save fails with the
     backend's error on every rank, before FTI_Checkpoint, leaving no index;
     a new job then finds nothing to restore (no checkpoint claims to be
     readable)."""
     broken = _mpirun("broken", tmp_path, 2)
+    refused = re.findall(r"rank (\d) PER-RANK REFUSED", broken.stdout)
+    assert sorted(refused) == ["0", "1", "2", "3"], broken.stdout
     errors = re.findall(r"rank (\d) ERROR ranks protect different FTI datasets", broken.stdout)
     assert sorted(errors) == ["0", "1", "2", "3"], broken.stdout
     counts = re.search(r"ids per rank: \[(\d+), \1, \1, (\d+)\]", broken.stdout)

@@ -324,12 +324,15 @@ def test_matrix_4_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     unrecoverable -> the previous one; loss beyond repair -> a clear error;
     the ckpt_lN cadence and keep; Checkpointer(config=...); real hosts
     (no local_test) as one node; an injected I/O error in the L2 transfer
-    and in the L3 coding (every rank raises, no hang, nothing committed).
+    and in the L3 coding (every rank raises, no hang, nothing committed);
+    per-rank values or tensors refused on every rank (the levels store one
+    copy: before, every rank got rank 0's value back).
     Bitwise
     identical state every time (checked in the worker). Then one process
     with another layout reads only the L4 checkpoint."""
     names = ["none", "l2node", "l3node", "l4all", "corrupt", "fallback", "toomuch", "cadence"]
-    lv = launch(4, tmp_path, 2, 2, *names, "checkpointer", "hosts", "ioerror", "l2twice", "l3twice")
+    more = ["checkpointer", "hosts", "ioerror", "l2twice", "l3twice", "perrank"]
+    lv = launch(4, tmp_path, 2, 2, *names, *more)
     assert lv["none"] == [(s, [1] * 4) for s in (1, 2, 3, 4, 4)]
     assert lv["l2node"] == [(7, [1, 1, 2, 2]), (7, [1, 1, 1, 1])]
     assert lv["l3node"] == [(8, [1, 1, 3, 3]), (8, [1, 1, 1, 1])]

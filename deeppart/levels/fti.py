@@ -67,7 +67,7 @@ from deeppart.levels.libfti import (
     load_libfti,
 )
 from deeppart.planning import PlanProvider
-from deeppart.prepare import Prepared, prepare, refuse_sharded
+from deeppart.prepare import Prepared, agree_prepared, prepare, refuse_sharded
 from deeppart.reader import all_leaf_targets, assemble, leaf_infos
 from deeppart.tensors import dtype_sizes, readable, u8_view
 
@@ -521,12 +521,9 @@ class FTIBackend:
             refuse_sharded(prep, "the FTI backend")
         except BaseException as e:
             err = e
-        digests = agree(c, err, prep.digest if prep else b"")
-        assert prep is not None
-        if len(set(digests)) != 1:
-            raise StateMismatchError(
-                "ranks disagree on the state's structure or its plan; nothing was written"
-            )
+        # The same state, plan and values on every rank (the sampled bytes
+        # of tensors, the whole of plain values): FTI stores one copy.
+        prep = agree_prepared(c, err, prep)
 
         # This rank's pieces: views of tensor memory (or encoded values),
         # checksummed, cut into FTI datasets.
