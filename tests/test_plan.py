@@ -629,7 +629,7 @@ def test_grouped_bytes_only_plan_is_at_the_fractional_optimum() -> None:
 
 
 def test_the_readme_balance_figures_of_a_small_transformer() -> None:
-    """README, "Which state the balance column holds on": on a small real
+    """docs/BENCHMARKS.md, "Which state the balance column holds on": on a small real
     transformer's state (20 MB with AdamW, most leaves under 1 MiB) the
     default cost model's plan balances the modelled time, not the bytes
     (1.134 at 4 ranks), and finer pieces give 1.002
@@ -641,7 +641,7 @@ def test_the_readme_balance_figures_of_a_small_transformer() -> None:
     finer, _, _ = transformer_plan_balance(4, finer_cost())
     assert f"{default:.3f}" == "1.134" and gap < 1.01, (default, gap)
     assert f"{finer:.3f}" == "1.002", finer
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "BENCHMARKS.md").read_text()
     claim = readme[readme.index("**Which state the balance column holds on.**"):]
     claim = claim[: claim.index("\n\n", claim.index("--plan-balance 4"))]
     assert "1.134 with the default cost model" in claim and "1.002" in claim, claim
