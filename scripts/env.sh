@@ -27,8 +27,8 @@ ensure_venv() {
 
 ensure_build() {
   local want
-  want="$(hash_of Cargo.toml Cargo.lock pyproject.toml planner/Cargo.toml bindings/Cargo.toml \
-    $(find planner/src bindings/src -name '*.rs' | sort))"
+  want="$(hash_of Cargo.toml Cargo.lock pyproject.toml planner/Cargo.toml io/Cargo.toml bindings/Cargo.toml \
+    $(find planner/src io/src bindings/src -name '*.rs' | sort))"
   if [ "$(cat "$VENV/.build-stamp" 2>/dev/null)" != "$want" ] || ! ls deeppart/_planner*.so >/dev/null 2>&1; then
     log "building the Rust planner extension (maturin develop --release)"
     # maturin's pip lists every optional dependency whose extra is not asked

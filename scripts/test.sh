@@ -15,7 +15,7 @@ if [ "${1:-}" = "--quick" ]; then
 fi
 log "Rust format and tests"
 cargo fmt --all --check
-cargo test -p deeppart-planner --release --quiet
+cargo test -p deeppart-planner -p deeppart-io --release --quiet
 log "ruff"
 ruff check deeppart tests bench
 log "mypy"

@@ -1,5 +1,5 @@
 """deeppart._planner.copy_into: the asynchronous snapshot's streaming copy
-(non-temporal stores from STREAMING_MIN_BYTES on, planner/src/copy.rs)."""
+(non-temporal stores from STREAMING_MIN_BYTES on, io/src/copy.rs)."""
 
 from __future__ import annotations
 

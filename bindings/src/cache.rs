@@ -77,7 +77,7 @@ impl PlanCache {
     fn path(&self) -> Option<String> {
         self.inner
             .directory()
-            .map(|d| core::store::db_path(d).display().to_string())
+            .map(|d| core::cache::store::db_path(d).display().to_string())
     }
 
     #[getter]

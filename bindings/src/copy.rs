@@ -1,7 +1,7 @@
 //! Streaming copies for Python: `copy_into(dst, src)`, over
-//! `deeppart_planner::copy`, with the GIL released.
+//! `deeppart_io::copy`, with the GIL released.
 
-use deeppart_planner::copy;
+use deeppart_io::copy;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
@@ -9,7 +9,7 @@ use crate::erasure::ByteView;
 
 /// Copies the bytes of `src` into `dst` (both C-contiguous buffers of the
 /// same length; `dst` writable, not overlapping `src`), with non-temporal
-/// stores when long (`deeppart_planner::copy`), the GIL released.
+/// stores when long (`deeppart_io::copy`), the GIL released.
 #[pyfunction]
 fn copy_into(py: Python<'_>, dst: &Bound<'_, PyAny>, src: &Bound<'_, PyAny>) -> PyResult<()> {
     let out = ByteView::get_writable(dst, &|| "dst".to_string())?;

@@ -1,5 +1,5 @@
 //! `CostModel` and `Topology`: what writing costs and how ranks sit on
-//! nodes, over `deeppart_planner::cost`.
+//! nodes, over `deeppart_planner::model::cost`.
 
 use deeppart_planner as core;
 use pyo3::prelude::*;

@@ -1,5 +1,5 @@
 //! Reed–Solomon erasure coding for Python: `rs_encode`, `rs_reconstruct`
-//! and `ErasureError`, over `deeppart_planner::erasure`.
+//! and `ErasureError`, over `deeppart_io::erasure`.
 //!
 //! Inputs are any C-contiguous buffers (bytes, bytearray, memoryview, numpy
 //! arrays...), read in place as raw bytes: no copy on the way in. Outputs
@@ -9,7 +9,7 @@
 //! cannot be resized), but a thread writing to one at the same time gets
 //! undefined parity, as with any buffer-consuming C extension.
 
-use deeppart_planner::erasure::{self, ErasureCode};
+use deeppart_io::erasure::{self, ErasureCode};
 use pyo3::buffer::PyUntypedBuffer;
 use pyo3::create_exception;
 use pyo3::exceptions::{PyTypeError, PyValueError};

@@ -1,11 +1,11 @@
 //! `write_hashed(fd, offset, data, chunk, pace)` and `xxh3_64(data)`, over
-//! `deeppart_planner::filewrite`, with the GIL released for the whole call.
+//! `deeppart_io::filewrite`, with the GIL released for the whole call.
 
 use std::fs::File;
 use std::mem::ManuallyDrop;
 use std::os::unix::io::FromRawFd;
 
-use deeppart_planner::filewrite::{self, Pacing};
+use deeppart_io::filewrite::{self, Pacing};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 

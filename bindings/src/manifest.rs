@@ -1,4 +1,4 @@
-//! `Manifest`: the leaves of a state tree, over `deeppart_planner::manifest`.
+//! `Manifest`: the leaves of a state tree, over `deeppart_planner::model::manifest`.
 
 use std::sync::Arc;
 
@@ -55,13 +55,14 @@ impl Manifest {
             Some(g) if g.is_none() => Vec::new(),
             Some(g) => {
                 let value = to_json(g, 0)?;
-                core::manifest::groups_from_json(&value).map_err(manifest_err)?
+                core::model::manifest::groups_from_json(&value).map_err(manifest_err)?
             }
         };
         let mut parsed = Vec::new();
         for (index, item) in leaves.try_iter()?.enumerate() {
             let value = to_json(&item?, 0)?;
-            parsed.push(core::manifest::leaf_from_json(index, &value).map_err(manifest_err)?);
+            parsed
+                .push(core::model::manifest::leaf_from_json(index, &value).map_err(manifest_err)?);
         }
         let m = core::Manifest::with_groups(parsed, groups).map_err(manifest_err)?;
         Ok(Manifest::wrap(Arc::new(m)))
@@ -169,8 +170,11 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Manifest>()?;
     // The holder groups' limits, so that the Python readers of other
     // encodings (metadata.json, the wire's packed arrays) check the same.
-    m.add("MAX_GROUPS", core::manifest::MAX_GROUPS)?;
-    m.add("MAX_GROUP_ENTRIES", core::manifest::MAX_GROUP_ENTRIES)?;
-    m.add("MAX_GROUP_RANK", core::manifest::MAX_GROUP_RANK)?;
+    m.add("MAX_GROUPS", core::model::manifest::MAX_GROUPS)?;
+    m.add(
+        "MAX_GROUP_ENTRIES",
+        core::model::manifest::MAX_GROUP_ENTRIES,
+    )?;
+    m.add("MAX_GROUP_RANK", core::model::manifest::MAX_GROUP_RANK)?;
     Ok(())
 }

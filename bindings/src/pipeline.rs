@@ -1,4 +1,4 @@
-//! The planning entry points, over `deeppart_planner::pipeline`: `plan`
+//! The planning entry points, over `deeppart_planner::planning::pipeline`: `plan`
 //! (with the GIL released, optionally through a `PlanCache`) and
 //! `plan_fingerprint`, and the argument checks they share.
 
@@ -52,7 +52,9 @@ pub(crate) fn plan_fingerprint(
         planning_inputs(world_size, algorithm, cost, topology)?;
     let manifest = manifest.inner.clone();
     Ok(py.detach(move || {
-        core::fingerprint::plan_fingerprint(&manifest, world_size, &topology, &cost, algorithm)
+        core::planning::fingerprint::plan_fingerprint(
+            &manifest, world_size, &topology, &cost, algorithm,
+        )
     }))
 }
 

@@ -211,7 +211,7 @@ impl Plan {
 
     /// Modelled write time of each rank, in seconds.
     fn rank_costs(&self) -> Vec<f64> {
-        core::plan::evaluate(
+        core::planning::plan::evaluate(
             &self.inner.manifest,
             &self.inner.topology,
             &self.inner.cost,
@@ -221,7 +221,7 @@ impl Plan {
     }
 
     /// The planner's modelled time of this plan (the one model,
-    /// `deeppart_planner::plan::model_time`), under `cost` and `topology`
+    /// `deeppart_planner::planning::plan::model_time`), under `cost` and `topology`
     /// (default: the plan's own, so that `makespan` is `stats.makespan`).
     #[pyo3(signature = (cost=None, topology=None))]
     fn modelled_time<'py>(
@@ -234,8 +234,9 @@ impl Plan {
         let topology = topology.map_or(self.inner.topology, |t| t.inner);
         topology.validate(self.inner.world_size).map_err(plan_err)?;
         let inner = self.inner.clone();
-        let eval = py
-            .detach(move || core::plan::evaluate(&inner.manifest, &topology, &cost, &inner.ranks));
+        let eval = py.detach(move || {
+            core::planning::plan::evaluate(&inner.manifest, &topology, &cost, &inner.ranks)
+        });
         evaluation_dict(py, &eval)
     }
 
@@ -314,7 +315,7 @@ impl Plan {
 /// `node_s`, `aggregate_s`, `writers`, `pieces`.
 fn evaluation_dict<'py>(
     py: Python<'py>,
-    eval: &core::plan::Evaluation,
+    eval: &core::planning::plan::Evaluation,
 ) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("makespan", eval.makespan_s)?;
@@ -355,8 +356,9 @@ fn model_time<'py>(
     let topology = topology.map_or(core::Topology::default(), |t| t.inner);
     topology.validate(world_size).map_err(plan_err)?;
     let cost = cost.inner;
-    let eval =
-        py.detach(move || core::plan::model_time(&cost, &topology, &rank_pieces, rank_bytes));
+    let eval = py.detach(move || {
+        core::planning::plan::model_time(&cost, &topology, &rank_pieces, rank_bytes)
+    });
     evaluation_dict(py, &eval)
 }
 

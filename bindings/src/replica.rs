@@ -1,8 +1,8 @@
 //! Replica digests for Python: `replica_digests` and `differing_leaves`,
-//! over `deeppart_planner::replica`. The buffers are read in place, with the
+//! over `deeppart_io::replica`. The buffers are read in place, with the
 //! GIL released while hashing.
 
-use deeppart_planner::replica;
+use deeppart_io::replica;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;

@@ -36,7 +36,7 @@ Ranks = list[list[tuple[int, int, int]]]
 
 
 #: The planner's limit on the keys of one path (``MAX_PATH_DEPTH`` in
-#: planner/src/manifest.rs), checked here before any path is built.
+#: planner/src/model/manifest.rs), checked here before any path is built.
 MAX_PATH_DEPTH = 256
 #: Every path is expanded in full (the planner holds each leaf's own path),
 #: so front coding lets a small message describe huge paths. Their total

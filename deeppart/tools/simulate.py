@@ -3,7 +3,7 @@ planning algorithm, rank-0 ``torch.save``, DCP-style dedup and DeepPart's
 storage levels. The model and its assumptions: docs/SIMULATOR.md.
 
 The prediction for one plan is the planner's own modelled time of it
-(``Plan.modelled_time``, the one model in ``planner/src/plan.rs``), under
+(``Plan.modelled_time``, the one model in ``planner/src/planning/plan.rs``), under
 this machine's cost model for the level written to (``StorageModel.cost_model``):
 a *fluid bottleneck* model in which every resource (a rank's own write
 stream, a node's local storage or network link, the parallel file system)

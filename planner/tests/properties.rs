@@ -8,8 +8,8 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 
-use deeppart_planner::bound::{lower_bound, LoadSummary};
-use deeppart_planner::fingerprint::plan_fingerprint;
+use deeppart_planner::planning::bound::{lower_bound, LoadSummary};
+use deeppart_planner::planning::fingerprint::plan_fingerprint;
 use deeppart_planner::{
     plan, Algorithm, CostModel, DType, Grain, Leaf, LeafKind, Manifest, PathKey, Plan, Topology,
 };

@@ -305,7 +305,7 @@ fn assert_on_holders(m: &Manifest, p: &deeppart_planner::Plan) {
 /// worst 1.0046 (GPT-2 XL under TP = 8 at P = 256). ResNet-50 under PP = 4
 /// at P = 64 was at 1.0167 (26 of the 368 cases above 1.01, all states
 /// under 1.5 GB) before the packed fill of uncuttable leaves and the wider
-/// trades of `planner/src/algorithms/grouped.rs` and `refine.rs`.
+/// trades of `planner/src/planning/algorithms/grouped.rs` and `refine.rs`.
 #[test]
 fn balanced_is_within_one_percent_of_the_bound_on_the_zoo_layouts() {
     layout_gaps(MAX_GAP);

@@ -8,7 +8,7 @@
 
 use std::sync::Arc;
 
-use deeppart_planner::cost::{MAX_SECONDS, MIN_BANDWIDTH};
+use deeppart_planner::model::cost::{MAX_SECONDS, MIN_BANDWIDTH};
 use deeppart_planner::{plan, Algorithm, CostModel, Manifest, Plan, Topology};
 use libfuzzer_sys::fuzz_target;
 

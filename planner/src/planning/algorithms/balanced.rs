@@ -2,7 +2,7 @@
 //!
 //! **Which ranks write.** Candidate writer sets are tried in the order of
 //! their lower bound, and the plan with the least modelled time
-//! ([`crate::plan::model_time`]) wins:
+//! ([`crate::planning::plan::model_time`]) wins:
 //!
 //! - A candidate is `k` writers placed over `n` nodes: every owner, then the
 //!   first `k - owners` other ranks in the spread order of the first `n`
@@ -13,7 +13,7 @@
 //! - `k` runs over a fixed ladder, the same for every world size: every count
 //!   up to 128, then steps of `2^(1/128)` (0.54%), plus the fewest feasible
 //!   writers; at most the world size.
-//! - Each candidate's bound is the bound of [`crate::bound`] with its own
+//! - Each candidate's bound is the bound of [`crate::planning::bound`] with its own
 //!   writer count and the capacity of its nodes. Candidates are filled in
 //!   increasing bound order until the next bound is no lower than the best
 //!   time found, so the winner is the best candidate of the whole family (up
@@ -58,10 +58,10 @@ use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
 use super::{cut, replicated_by_size, Key, SizedLeaf};
-use crate::bound::{writer_capacity, writer_range, Levels, LoadSummary};
-use crate::cost::{CostModel, Topology};
-use crate::manifest::{Leaf, Manifest};
-use crate::plan::{model_time, Piece};
+use crate::model::cost::{CostModel, Topology};
+use crate::model::manifest::{Leaf, Manifest};
+use crate::planning::bound::{writer_capacity, writer_range, Levels, LoadSummary};
+use crate::planning::plan::{model_time, Piece};
 
 /// Relative raises of the level tried after the absolute ones (one and two
 /// piece overheads); beyond the last one the level doubles until everything

@@ -36,10 +36,10 @@
 
 use std::collections::HashMap;
 
-use crate::cost::CostModel;
-use crate::holders::HolderFlow;
-use crate::manifest::{Holders, Manifest};
-use crate::plan::Piece;
+use crate::model::cost::CostModel;
+use crate::model::manifest::{Holders, Manifest};
+use crate::planning::holders::HolderFlow;
+use crate::planning::plan::Piece;
 
 /// How many of a group's least-loaded writers a piece of the slowest
 /// writer is offered to (moved to the first, traded with any) when the two
@@ -422,7 +422,7 @@ fn chain(
     slots: &[Slot],
     rank_slots: &[Vec<usize>],
     cut: &HashMap<u32, Vec<usize>>,
-    leaves: &[crate::manifest::Leaf],
+    leaves: &[crate::model::manifest::Leaf],
     cost: &CostModel,
     load: &[f64],
     r: u32,

@@ -1,5 +1,5 @@
 //! A proven lower bound on the makespan of any legal plan, under the cost
-//! model (see [`crate::cost`] for the model and for what a legal piece is).
+//! model (see [`crate::model::cost`] for the model and for what a legal piece is).
 //!
 //! Let `F = fixed_s`, `s = piece_s`, `β = bandwidth`, `ν = node_bandwidth`,
 //! `α = aggregate_bandwidth` (∞ when unset), `w = writer_s`, and for a leaf
@@ -39,7 +39,7 @@
 //!    leaf's holders, on top of `o_r` (leaves with one holder count as
 //!    owned). So `T - F` is at least the fractional optimum `Φ`: the least
 //!    `t` at which every leaf's `c(l)` can be spread over its holders with
-//!    no rank above `t` ([`crate::holders`]: a max-flow over the leaves
+//!    no rank above `t` ([`crate::planning::holders`]: a max-flow over the leaves
 //!    aggregated by holder set, Hall's condition over unions of groups).
 //!    `T >= F + Φ`, for every `k`.
 //!
@@ -58,9 +58,9 @@
 //! nodes, so the bound never rises with the world size. It is cheap:
 //! `O(leaves + world_size)`.
 
-use crate::cost::{CostModel, Topology};
-use crate::holders::HolderFlow;
-use crate::manifest::{Holders, Manifest};
+use crate::model::cost::{CostModel, Topology};
+use crate::model::manifest::{Holders, Manifest};
+use crate::planning::holders::HolderFlow;
 
 /// The loads that the bound, and the algorithms, start from.
 #[derive(Debug, Clone)]
@@ -362,7 +362,7 @@ pub fn lower_bound(summary: &LoadSummary, cost: &CostModel, world_size: u32) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::manifest::{Leaf, PathKey};
+    use crate::model::manifest::{Leaf, PathKey};
 
     fn obj(name: &str, bytes: u64, owner: Option<u32>) -> Leaf {
         Leaf::object(vec![PathKey::Str(name.into())], bytes, owner).unwrap()
@@ -382,7 +382,7 @@ mod tests {
     #[test]
     fn large_states_use_many_writers() {
         let cost = CostModel::default();
-        let dtype = crate::dtype::DType::Float32;
+        let dtype = crate::model::dtype::DType::Float32;
         let m = Manifest::new(vec![Leaf::tensor(
             vec![PathKey::Str("w".into())],
             dtype,

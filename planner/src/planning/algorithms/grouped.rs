@@ -3,7 +3,7 @@
 //! leaf, the load is spread as evenly as the holder sets allow, and the
 //! writers are chosen by the modelled time.
 //!
-//! 1. **The network** ([`crate::holders`]): leaves aggregated by holder set
+//! 1. **The network** ([`crate::planning::holders`]): leaves aggregated by holder set
 //!    into flow groups, ranks with the same memberships into classes.
 //! 2. **Candidate writer sets.** The fractional optimum over the whole
 //!    world says how much each class carries. A candidate with `k` writers
@@ -14,11 +14,11 @@
 //!    (local rank 0 of every node first), each class starting at another
 //!    node. `k` runs over the ladder of [`super::balanced`].
 //! 3. **The search.** Candidates are taken in the order of their lower
-//!    bound ([`crate::bound`], bound 6 included); each gets its fractional
+//!    bound ([`crate::planning::bound`], bound 6 included); each gets its fractional
 //!    level over its own writers (a bisection on the max-flow), hence an
 //!    estimate of its modelled time; the search stops when no remaining
 //!    bound is below the best estimate. The best few estimates are filled
-//!    and timed with [`crate::plan::model_time`]; the fastest wins.
+//!    and timed with [`crate::planning::plan::model_time`]; the fastest wins.
 //! 4. **The fill of a candidate** at its level `t`: the max-flow's routing
 //!    says how much of each flow group each class takes; a class shares it
 //!    among its writers in turn, up to `t - o_r` each, so each writer gets a
@@ -44,11 +44,11 @@ use std::collections::BinaryHeap;
 
 use super::balanced::ladder;
 use super::Key;
-use crate::bound::{Levels, LoadSummary};
-use crate::cost::{CostModel, Topology};
-use crate::holders::HolderFlow;
-use crate::manifest::{Holders, Leaf, Manifest};
-use crate::plan::{model_time, Piece};
+use crate::model::cost::{CostModel, Topology};
+use crate::model::manifest::{Holders, Leaf, Manifest};
+use crate::planning::bound::{Levels, LoadSummary};
+use crate::planning::holders::HolderFlow;
+use crate::planning::plan::{model_time, Piece};
 
 /// Relative precision of a candidate's fractional level.
 const LEVEL_PRECISION: f64 = 1e-7;

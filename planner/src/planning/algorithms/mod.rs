@@ -1,5 +1,5 @@
 //! The partitioning algorithms. Each returns, per rank, the pieces it writes;
-//! [`crate::pipeline::assemble_plan`] validates and scores the result.
+//! [`crate::planning::pipeline::assemble_plan`] validates and scores the result.
 
 mod balanced;
 mod deeppart;
@@ -10,10 +10,10 @@ mod refine;
 
 use std::cmp::Ordering;
 
-use crate::cost::{CostModel, Topology};
 use crate::error::PlanError;
-use crate::manifest::{Leaf, Manifest};
-use crate::plan::{Algorithm, Piece};
+use crate::model::cost::{CostModel, Topology};
+use crate::model::manifest::{Leaf, Manifest};
+use crate::planning::plan::{Algorithm, Piece};
 
 /// Runs one algorithm. Inputs must already be validated. Fails only for an
 /// algorithm that does not plan leaves held by groups (`deeppart`), given one.

@@ -7,9 +7,9 @@ use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
 use super::{replicated_by_size, sole_holder, whole, Key};
-use crate::cost::CostModel;
-use crate::manifest::{Holders, Manifest};
-use crate::plan::Piece;
+use crate::model::cost::CostModel;
+use crate::model::manifest::{Holders, Manifest};
+use crate::planning::plan::Piece;
 
 pub(super) fn plan(manifest: &Manifest, cost: &CostModel, ranks: &mut [Vec<Piece>]) {
     let leaves = manifest.leaves();

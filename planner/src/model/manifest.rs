@@ -11,8 +11,8 @@ use std::fmt;
 
 use serde_json::{json, Map, Value};
 
-use crate::dtype::DType;
 use crate::error::ManifestError;
+use crate::model::dtype::DType;
 
 /// Version of the JSON interchange form without holder groups; written for
 /// every manifest that has none, so that such manifests read and write as before.

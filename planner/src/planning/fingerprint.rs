@@ -1,9 +1,9 @@
 //! Content fingerprints of planning inputs. Two requests with the same
 //! fingerprint must get the same plan; a new planner version never shares one.
 
-use crate::cost::{CostModel, Topology};
-use crate::manifest::{encode_groups, encode_leaf, Manifest};
-use crate::plan::Algorithm;
+use crate::model::cost::{CostModel, Topology};
+use crate::model::manifest::{encode_groups, encode_leaf, Manifest};
+use crate::planning::plan::Algorithm;
 
 /// Bytes hashed per `blake3` update: the encoding is streamed through a
 /// small buffer instead of being built whole (a 100,000-leaf manifest
@@ -25,7 +25,7 @@ pub fn plan_fingerprint(
     let mut hasher = blake3::Hasher::new();
     let mut buf = Vec::with_capacity(CHUNK + 1024);
     buf.extend_from_slice(b"deeppart-plan-v1\0");
-    buf.extend_from_slice(crate::pipeline::PLANNER_VERSION.as_bytes());
+    buf.extend_from_slice(crate::planning::inputs::PLANNER_VERSION.as_bytes());
     buf.push(0);
     buf.extend_from_slice(algorithm.name().as_bytes());
     buf.push(0);
@@ -49,8 +49,8 @@ pub fn plan_fingerprint(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dtype::DType;
-    use crate::manifest::{Leaf, PathKey};
+    use crate::model::dtype::DType;
+    use crate::model::manifest::{Leaf, PathKey};
 
     /// The definition: one hash over the whole encoding.
     fn reference(
@@ -62,7 +62,7 @@ mod tests {
     ) -> String {
         let mut buf = Vec::new();
         buf.extend_from_slice(b"deeppart-plan-v1\0");
-        buf.extend_from_slice(crate::pipeline::PLANNER_VERSION.as_bytes());
+        buf.extend_from_slice(crate::planning::inputs::PLANNER_VERSION.as_bytes());
         buf.push(0);
         buf.extend_from_slice(a.name().as_bytes());
         buf.push(0);

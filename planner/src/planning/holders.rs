@@ -23,8 +23,8 @@
 
 use std::collections::HashMap;
 
-use crate::cost::CostModel;
-use crate::manifest::{Holders, Manifest};
+use crate::model::cost::CostModel;
+use crate::model::manifest::{Holders, Manifest};
 
 /// The flow network of a manifest's shared leaves over a world.
 #[derive(Debug, Clone)]
@@ -143,7 +143,7 @@ impl HolderFlow {
         })
     }
 
-    /// Bound 7 of [`crate::bound`]: index `k` is the least `t` such that
+    /// Bound 7 of [`crate::planning::bound`]: index `k` is the least `t` such that
     /// `k` writers can give every group of a *packing* (pairwise disjoint
     /// flow groups, chosen greedily largest demand first, the leaves of every
     /// rank excepted) enough writers that none of them carries more than
@@ -470,7 +470,7 @@ impl Dinic {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::manifest::{Leaf, PathKey};
+    use crate::model::manifest::{Leaf, PathKey};
 
     fn obj(name: &str, bytes: u64, holders: Option<u32>) -> Leaf {
         Leaf::object(vec![PathKey::Str(name.into())], bytes, None)

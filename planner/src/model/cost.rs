@@ -37,7 +37,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::PlanError;
-use crate::manifest::{Leaf, LeafKind};
+use crate::model::manifest::{Leaf, LeafKind};
 
 /// Where the planner may cut a tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
@@ -437,9 +437,9 @@ mod tests {
         assert!(edge.validate().is_ok());
     }
 
-    fn tensor(dtype: crate::dtype::DType, shape: Vec<u64>) -> Leaf {
+    fn tensor(dtype: crate::model::dtype::DType, shape: Vec<u64>) -> Leaf {
         Leaf::tensor(
-            vec![crate::manifest::PathKey::Str("t".into())],
+            vec![crate::model::manifest::PathKey::Str("t".into())],
             dtype,
             shape,
             None,
@@ -449,7 +449,7 @@ mod tests {
 
     #[test]
     fn grain_is_aligned_elements_or_rows() {
-        use crate::dtype::DType;
+        use crate::model::dtype::DType;
         let c = CostModel::default();
         // Mixtral's stacked experts: rows of 2 x 14336 x 4096 float32 (470 MB),
         // elements every 4 KiB.
@@ -477,7 +477,7 @@ mod tests {
             2
         );
         let obj = Leaf::object(
-            vec![crate::manifest::PathKey::Str("o".into())],
+            vec![crate::model::manifest::PathKey::Str("o".into())],
             1 << 30,
             None,
         )

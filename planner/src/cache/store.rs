@@ -12,7 +12,7 @@
 //!       leaves INTEGER, world_size INTEGER,
 //!       size INTEGER,                             -- bytes of data
 //!       created_ns INTEGER, last_used_ns INTEGER, -- unix nanoseconds
-//!       data BLOB)                                -- crate::codec form
+//!       data BLOB)                                -- crate::cache::codec form
 //! plans_lru ON plans(last_used_ns, size)
 //! ```
 //!
@@ -208,7 +208,7 @@ impl Store {
                     c.execute_batch(CREATE)?;
                     c.execute(
                         "INSERT OR REPLACE INTO meta VALUES ('schema_version', ?1), ('created_by', ?2)",
-                        params![SCHEMA_VERSION.to_string(), crate::pipeline::PLANNER_VERSION],
+                        params![SCHEMA_VERSION.to_string(), crate::planning::inputs::PLANNER_VERSION],
                     )?;
                     c.pragma_update(None, "user_version", SCHEMA_VERSION)?;
                 } else if again != SCHEMA_VERSION {
@@ -319,7 +319,7 @@ impl Store {
         .execute(params![
             fingerprint,
             planner_version,
-            crate::codec::CODEC_VERSION,
+            crate::cache::codec::CODEC_VERSION,
             leaves as i64,
             world_size,
             data.len() as i64,

@@ -8,8 +8,8 @@ use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
 use super::{sole_holder, whole};
-use crate::manifest::{Holders, Leaf, Manifest};
-use crate::plan::Piece;
+use crate::model::manifest::{Holders, Leaf, Manifest};
+use crate::planning::plan::Piece;
 
 fn dcp_size(leaf: &Leaf) -> u64 {
     if leaf.is_tensor() {

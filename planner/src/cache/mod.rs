@@ -1,9 +1,9 @@
 //! The plan cache: a bounded in-process LRU in front of a persistent SQLite
-//! store ([`crate::store`]) shared by every process on the host.
+//! store ([`crate::cache::store`]) shared by every process on the host.
 //!
-//! Keys are plan fingerprints ([`crate::fingerprint`]), which cover the
+//! Keys are plan fingerprints ([`crate::planning::fingerprint`]), which cover the
 //! manifest structure, world size, topology, cost model, algorithm and
-//! planner version. Entries are stored in the [`crate::codec`] form and are
+//! planner version. Entries are stored in the [`crate::cache::codec`] form and are
 //! rebuilt on the caller's manifest and validated before use; an entry that
 //! fails is deleted and never returned.
 //!
@@ -11,6 +11,9 @@
 //! schema) is rebuilt empty; one that cannot be opened or written (read-only
 //! directory, full disk) is bypassed. Each kind of fault is reported once
 //! per cache through [`PlanCache::take_warnings`].
+
+pub mod codec;
+pub mod store;
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -20,12 +23,11 @@ use std::time::Instant;
 
 use thiserror::Error;
 
-use crate::codec;
-use crate::cost::{CostModel, Topology};
 use crate::error::PlanError;
-use crate::manifest::Manifest;
-use crate::plan::{Algorithm, Plan, PlanSource};
-use crate::store::{self, Store, StoreError};
+use crate::model::cost::{CostModel, Topology};
+use crate::model::manifest::Manifest;
+use crate::planning::plan::{Algorithm, Plan, PlanSource};
+use store::{Store, StoreError};
 
 /// Default number of plans kept in memory.
 pub const DEFAULT_MEMORY_ENTRIES: usize = 64;
@@ -71,7 +73,7 @@ pub struct CacheOptions {
     /// Size cap of the disk store, in bytes of encoded plans.
     pub max_bytes: u64,
     /// Planner version stored with, and required of, every disk entry.
-    /// [`crate::pipeline::PLANNER_VERSION`] except in tests.
+    /// [`crate::planning::inputs::PLANNER_VERSION`] except in tests.
     pub planner_version: String,
 }
 
@@ -81,7 +83,7 @@ impl Default for CacheOptions {
             directory: default_cache_dir(),
             memory_entries: DEFAULT_MEMORY_ENTRIES,
             max_bytes: DEFAULT_MAX_BYTES,
-            planner_version: crate::pipeline::PLANNER_VERSION.to_string(),
+            planner_version: crate::planning::inputs::PLANNER_VERSION.to_string(),
         }
     }
 }
@@ -370,7 +372,8 @@ impl PlanCache {
         cost: CostModel,
         algorithm: Algorithm,
     ) -> Result<Request, PlanError> {
-        let world_size = crate::pipeline::validate_inputs(&manifest, world_size, &topology, &cost)?;
+        let world_size =
+            crate::planning::inputs::validate_inputs(&manifest, world_size, &topology, &cost)?;
         let fingerprint = self.fingerprint_of(&manifest, world_size, &topology, &cost, algorithm);
         Ok(Request {
             manifest,
@@ -408,8 +411,9 @@ impl PlanCache {
                 return fp.clone();
             }
         }
-        let fp =
-            crate::fingerprint::plan_fingerprint(manifest, world_size, topology, cost, algorithm);
+        let fp = crate::planning::fingerprint::plan_fingerprint(
+            manifest, world_size, topology, cost, algorithm,
+        );
         let mut memo = lock(&self.fp_memo);
         if memo.len() >= FP_MEMO_ENTRIES {
             memo.retain(|_, (weak, _)| weak.strong_count() > 0);
@@ -422,7 +426,7 @@ impl PlanCache {
     }
 
     /// Computes a plan, or serves it from memory or disk. Errors only for
-    /// invalid inputs, exactly like [`crate::pipeline::plan`]; never because of the cache.
+    /// invalid inputs, exactly like [`crate::planning::pipeline::plan`]; never because of the cache.
     pub fn plan(
         &self,
         manifest: Arc<Manifest>,
@@ -436,9 +440,14 @@ impl PlanCache {
         if let Some(p) = self.lookup(&req, started) {
             return Ok(p);
         }
-        let ranks =
-            crate::algorithms::run(algorithm, &req.manifest, req.world_size, &topology, &cost)?;
-        let plan = crate::pipeline::assemble_plan_with_fingerprint(
+        let ranks = crate::planning::algorithms::run(
+            algorithm,
+            &req.manifest,
+            req.world_size,
+            &topology,
+            &cost,
+        )?;
+        let plan = crate::planning::pipeline::assemble_plan_with_fingerprint(
             req.manifest,
             req.world_size,
             topology,
@@ -686,8 +695,8 @@ impl PlanCache {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dtype::DType;
-    use crate::manifest::{Leaf, PathKey};
+    use crate::model::dtype::DType;
+    use crate::model::manifest::{Leaf, PathKey};
 
     fn tmpdir(name: &str) -> PathBuf {
         let d = std::env::temp_dir().join(format!(
@@ -782,7 +791,7 @@ mod tests {
         let t = Topology::default();
         let cost = CostModel::default();
         let expect = |m: &Manifest, ws: u32, cost: &CostModel| {
-            crate::fingerprint::plan_fingerprint(m, ws, &t, cost, Algorithm::Balanced)
+            crate::planning::fingerprint::plan_fingerprint(m, ws, &t, cost, Algorithm::Balanced)
         };
         for _ in 0..2 {
             assert_eq!(

@@ -5,84 +5,22 @@
 //! disk or the network is checked like a new one.
 //!
 //! The order of the stages:
-//! 1. [`validate_inputs`]: world size ([`check_world_size`]), topology, cost
+//! 1. [`validate_inputs`] ([`crate::planning::inputs`]): world size, topology, cost
 //!    model, owners and holder groups within the world.
-//! 2. [`crate::algorithms::run`]: the assignment (computed plans only).
-//! 3. [`crate::plan::validate_assignment`]: every unit written exactly once,
+//! 2. [`crate::planning::algorithms::run`]: the assignment (computed plans only).
+//! 3. [`crate::planning::plan::validate_assignment`]: every unit written exactly once,
 //!    every piece by a holder of its leaf.
-//! 4. [`score_plan`]: the modelled time ([`crate::plan::evaluate`]), the
-//!    lower bound ([`crate::bound::lower_bound`]), the gap and the fingerprint.
+//! 4. [`score_plan`]: the modelled time ([`crate::planning::plan::evaluate`]), the
+//!    lower bound ([`crate::planning::bound::lower_bound`]), the gap and the fingerprint.
 
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::cost::{CostModel, Topology};
 use crate::error::PlanError;
-use crate::manifest::Manifest;
-use crate::plan::{Algorithm, Piece, Plan, PlanSource, PlanStats};
-
-/// The version string baked into every fingerprint and cache entry: the crate
-/// version plus an algorithm revision. Bump the `+algN` suffix whenever any
-/// algorithm's output can change, so that no cache ever serves a plan from an
-/// older planner.
-pub const PLANNER_VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), "+alg5");
-
-/// Largest supported world size.
-pub const MAX_WORLD_SIZE: u64 = 1 << 20;
-
-/// Checks a world size and narrows it.
-pub fn check_world_size(world_size: u64) -> Result<u32, PlanError> {
-    if world_size == 0 {
-        return Err(PlanError::WorldSize(world_size));
-    }
-    if world_size > MAX_WORLD_SIZE {
-        return Err(PlanError::WorldSizeTooLarge {
-            world_size,
-            limit: MAX_WORLD_SIZE,
-        });
-    }
-    Ok(world_size as u32)
-}
-
-/// Checks everything a plan needs before any work is done.
-pub fn validate_inputs(
-    manifest: &Manifest,
-    world_size: u64,
-    topology: &Topology,
-    cost: &CostModel,
-) -> Result<u32, PlanError> {
-    let world_size = check_world_size(world_size)?;
-    topology.validate(world_size)?;
-    cost.validate()?;
-    if let Some((index, owner)) = manifest.max_owner() {
-        if owner >= world_size {
-            return Err(PlanError::OwnerOutOfRange {
-                index,
-                path: manifest.leaves()[index].display_path(),
-                owner,
-                world_size,
-            });
-        }
-    }
-    if let Some((group, rank)) = manifest.max_group_rank() {
-        if rank >= world_size {
-            let leaf = manifest
-                .leaves()
-                .iter()
-                .enumerate()
-                .find(|(_, l)| l.holders == Some(group as u32))
-                .map(|(i, l)| format!("leaf {i} ({})", l.display_path()))
-                .unwrap_or_else(|| "none".to_string());
-            return Err(PlanError::HolderOutOfRange {
-                group,
-                rank,
-                world_size,
-                leaf,
-            });
-        }
-    }
-    Ok(world_size)
-}
+use crate::model::cost::{CostModel, Topology};
+use crate::model::manifest::Manifest;
+use crate::planning::inputs::validate_inputs;
+use crate::planning::plan::{Algorithm, Piece, Plan, PlanSource, PlanStats};
 
 /// Computes a plan. Deterministic: the same inputs give the same plan on
 /// every run and machine.
@@ -95,7 +33,8 @@ pub fn plan(
 ) -> Result<Plan, PlanError> {
     let started = Instant::now();
     let world_size = validate_inputs(&manifest, world_size, &topology, &cost)?;
-    let ranks = crate::algorithms::run(algorithm, &manifest, world_size, &topology, &cost)?;
+    let ranks =
+        crate::planning::algorithms::run(algorithm, &manifest, world_size, &topology, &cost)?;
     let plan_ms = started.elapsed().as_secs_f64() * 1e3;
     assemble_plan(
         manifest,
@@ -148,7 +87,7 @@ pub fn assemble_plan_with_fingerprint(
     for list in &mut ranks {
         list.sort_unstable();
     }
-    crate::plan::validate_assignment(&manifest, world_size, &ranks)?;
+    crate::planning::plan::validate_assignment(&manifest, world_size, &ranks)?;
     Ok(score_plan(
         manifest,
         world_size,
@@ -164,7 +103,7 @@ pub fn assemble_plan_with_fingerprint(
 
 /// The second half of [`assemble_plan_with_fingerprint`]: scores and
 /// fingerprints an assignment that is already known to be valid (inputs
-/// checked by [`validate_inputs`], pieces by [`crate::plan::validate_assignment`]
+/// checked by [`validate_inputs`], pieces by [`crate::planning::plan::validate_assignment`]
 /// or a check at least as strict, like the plan codec's).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn score_plan(
@@ -178,9 +117,9 @@ pub(crate) fn score_plan(
     source: PlanSource,
     fingerprint: Option<String>,
 ) -> Plan {
-    let eval = crate::plan::evaluate(&manifest, &topology, &cost, &ranks);
-    let summary = crate::bound::LoadSummary::new(&manifest, world_size, &topology, &cost);
-    let lb = crate::bound::lower_bound(&summary, &cost, world_size);
+    let eval = crate::planning::plan::evaluate(&manifest, &topology, &cost, &ranks);
+    let summary = crate::planning::bound::LoadSummary::new(&manifest, world_size, &topology, &cost);
+    let lb = crate::planning::bound::lower_bound(&summary, &cost, world_size);
     let gap = if lb.makespan_s > 0.0 {
         eval.makespan_s / lb.makespan_s
     } else if eval.makespan_s == 0.0 {
@@ -200,7 +139,9 @@ pub(crate) fn score_plan(
         source,
     };
     let fingerprint = fingerprint.unwrap_or_else(|| {
-        crate::fingerprint::plan_fingerprint(&manifest, world_size, &topology, &cost, algorithm)
+        crate::planning::fingerprint::plan_fingerprint(
+            &manifest, world_size, &topology, &cost, algorithm,
+        )
     });
     Plan {
         manifest,

@@ -10,9 +10,9 @@
 
 use std::collections::HashMap;
 
-use crate::cost::CostModel;
-use crate::manifest::{Manifest, PathKey};
-use crate::plan::Piece;
+use crate::model::cost::CostModel;
+use crate::model::manifest::{Manifest, PathKey};
+use crate::planning::plan::Piece;
 
 /// A node of the path tree of the replicated leaves.
 #[derive(Default)]

@@ -2,7 +2,7 @@
 //!
 //! The manifest is not stored: whoever looks a plan up holds the manifest
 //! (it is part of the key), so decoding rebuilds the [`Plan`] from the
-//! caller's manifest and the stored pieces through [`crate::pipeline::assemble_plan_with_fingerprint`],
+//! caller's manifest and the stored pieces through [`crate::planning::pipeline::assemble_plan_with_fingerprint`],
 //! which validates the assignment like a freshly computed one.
 //!
 //! Layout (integers little-endian, `varint` = unsigned LEB128):
@@ -30,7 +30,7 @@ use std::sync::Arc;
 
 use thiserror::Error;
 
-use crate::cost::{CostModel, Grain, Topology};
+use crate::model::cost::{CostModel, Grain, Topology};
 
 /// A shared bandwidth as stored: +inf (unlimited) is `None`.
 fn finite_or_none(v: f64) -> Option<f64> {
@@ -41,8 +41,8 @@ fn finite_or_none(v: f64) -> Option<f64> {
     }
 }
 use crate::error::PlanError;
-use crate::manifest::Manifest;
-use crate::plan::{
+use crate::model::manifest::Manifest;
+use crate::planning::plan::{
     check_coverage, check_piece, check_rank_count, Algorithm, Covering, Piece, Plan, PlanSource,
 };
 
@@ -403,9 +403,9 @@ pub fn decode(
         return mismatch("manifest length");
     }
     let ranks = decode_pieces(&header, body)?;
-    crate::pipeline::validate_inputs(&manifest, u64::from(world_size), &topology, &cost)?;
+    crate::planning::inputs::validate_inputs(&manifest, u64::from(world_size), &topology, &cost)?;
     validate_decoded(&manifest, world_size, &ranks)?;
-    Ok(crate::pipeline::score_plan(
+    Ok(crate::planning::pipeline::score_plan(
         manifest,
         world_size,
         topology,
@@ -419,7 +419,7 @@ pub fn decode(
 }
 
 /// Checks a decoded assignment: accepts exactly what
-/// [`crate::plan::validate_assignment`] accepts (every unit of every leaf
+/// [`crate::planning::plan::validate_assignment`] accepts (every unit of every leaf
 /// written exactly once, every piece on a holder of its leaf, pieces within bounds,
 /// each rank's pieces strictly ordered), in linear time: a leaf written as
 /// one piece needs no sort, and only the pieces of split leaves are sorted.
@@ -471,8 +471,8 @@ pub fn validate_decoded(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dtype::DType;
-    use crate::manifest::{Leaf, PathKey};
+    use crate::model::dtype::DType;
+    use crate::model::manifest::{Leaf, PathKey};
 
     fn manifest(n: usize) -> Arc<Manifest> {
         let mut leaves = Vec::new();
@@ -504,7 +504,7 @@ mod tests {
     }
 
     fn sample(n: usize, world: u64) -> Plan {
-        crate::pipeline::plan(
+        crate::planning::pipeline::plan(
             manifest(n),
             world,
             Topology::default(),
@@ -686,8 +686,14 @@ mod tests {
         let mut agreed_bad = 0;
         for world in [3u64, 4, 8] {
             for alg in Algorithm::ALL {
-                let p = crate::pipeline::plan(m.clone(), world, Topology::default(), cost, alg)
-                    .unwrap();
+                let p = crate::planning::pipeline::plan(
+                    m.clone(),
+                    world,
+                    Topology::default(),
+                    cost,
+                    alg,
+                )
+                .unwrap();
                 let w = p.world_size;
                 assert!(validate_decoded(&m, w, &p.ranks).is_ok());
                 for _ in 0..300 {
@@ -719,7 +725,7 @@ mod tests {
                             ranks[r].swap(0, last);
                         }
                     }
-                    let a = crate::plan::validate_assignment(&m, w, &ranks).is_ok();
+                    let a = crate::planning::plan::validate_assignment(&m, w, &ranks).is_ok();
                     let b = validate_decoded(&m, w, &ranks).is_ok();
                     assert_eq!(a, b, "disagree on {ranks:?}");
                     agreed_bad += usize::from(!a);
