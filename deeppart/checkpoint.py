@@ -367,6 +367,7 @@ def plan_save(
         replica_dims=o.get("replica_dims"),
         local=local,
         store=store,
+        declared=verify_replicas,
     )
     if verify_replicas:
         check_replicas(c, prep)

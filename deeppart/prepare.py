@@ -431,7 +431,7 @@ def _own_prepare(
         if "owner" in desc or "holders" in desc:
             d["holders"] = holders
         described.descs.append(d)
-    digests, sample, values = digest_held(held)
+    digests, sample, values = digest_held(held, max(1, (os.cpu_count() or 1) // world))
     for rec, ranks in zip(ex.records, ex.ranks, strict=True):
         described.records.append(
             {"path": rec.path, "dtype": rec.dtype, "shape": rec.shape, "ranks": ranks,
@@ -441,22 +441,71 @@ def _own_prepare(
     return _Own(prep, described, digests, sample, values, plan_for, directory)
 
 
-def digest_held(held: Sequence[tuple[int, FlatLeaf, int]]) -> tuple[Digests, bytes, bytes]:
+@dataclass
+class ProofCost:
+    """What this rank's last proof of its shared tensors cost
+    (:func:`digest_held`, in :func:`prepare_save`): the seconds spent
+    digesting and the bytes digested. Read by the benchmarks."""
+
+    seconds: float = 0.0
+    nbytes: int = 0
+    tensors: int = 0
+
+
+#: This rank's last proof (:class:`ProofCost`), replaced by every save.
+last_proof = ProofCost()
+
+
+def tensor_digest(t: Any) -> bytes:
+    """The 16-byte xxh3_128 digest of a tensor's bytes in row-major order
+    (whatever its memory layout or device): copies that hold the same
+    values, bit for bit, digest alike; any differing byte differs."""
+    import xxhash
+
+    return bytes(xxhash.xxh3_128_digest(u8_view(readable(t)).data))
+
+
+def _digest_all(tensors: Sequence[Any], threads: int) -> list[bytes]:
+    """:func:`tensor_digest` of each of ``tensors``, on up to ``threads``
+    threads (xxhash releases the GIL)."""
+    if threads <= 1 or len(tensors) <= 1:
+        return [tensor_digest(t) for t in tensors]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(threads, len(tensors))) as pool:
+        return list(pool.map(tensor_digest, tensors))
+
+
+def digest_held(
+    held: Sequence[tuple[int, FlatLeaf, int]], threads: int = 1
+) -> tuple[Digests, bytes, bytes]:
     """The digests a rank sends in the exchange, of the leaves it holds
     (``(local leaf, leaf, number of holders)``, in leaf order): a hash of
-    each plain value, a sampled hash of each tensor that other ranks hold
-    too; and the 16-byte digests of each kind that the first agreement
-    compares (sampled tensors, plain values)."""
+    each plain value, a digest of the *whole* bytes of each tensor that
+    other ranks hold too (:func:`tensor_digest`: replicas are proved, not
+    sampled, issue 49); and the 16-byte digests of each kind that the first
+    agreement compares (shared tensors, plain values). The time and bytes
+    the tensor digests took are kept in :data:`last_proof`."""
+    import time
+
     digests = Digests()
     h_sample = hashlib.blake2b(digest_size=16)
     h_values = hashlib.blake2b(digest_size=16)
-    for i, leaf, holders in held:
+    shared = [(i, leaf.tensor) for i, leaf, holders in held
+              if leaf.encoded is None and leaf.tensor is not None and holders > 1]  # fmt: skip
+    t0 = time.perf_counter()
+    done = _digest_all([t for _, t in shared], threads)
+    full = dict(zip([i for i, _ in shared], done, strict=True))
+    last_proof.seconds = time.perf_counter() - t0
+    last_proof.nbytes = sum(t.numel() * t.element_size() for _, t in shared)
+    last_proof.tensors = len(shared)
+    for i, leaf, _holders in held:
         if leaf.encoded is not None:
             digests.values[i] = _hex8(leaf.encoded)
             h_values.update(i.to_bytes(8, "little") + leaf.encoded)
-        elif leaf.tensor is not None and holders > 1:
-            digests.samples[i] = _hex8(sample_bytes(leaf.tensor))
-            h_sample.update(i.to_bytes(8, "little") + bytes.fromhex(digests.samples[i]))
+        elif i in full:
+            digests.samples[i] = full[i].hex()
+            h_sample.update(i.to_bytes(8, "little") + full[i])
     return digests, h_sample.digest(), h_values.digest()
 
 
@@ -486,6 +535,7 @@ def prepare_save(
     replica_dims: str | Sequence[str] | None = None,
     local: Callable[[Prepared], int] | None = None,
     store: bytes = b"",
+    declared: bool = False,
 ) -> tuple[Prepared, list[int]]:
     """The prepare stage of :func:`deeppart.save` and its agreement
     (collective over ``c``): each rank passes its own tree (see
@@ -495,14 +545,17 @@ def prepare_save(
     rank addresses, :func:`deeppart.storage.identity.identity_text`; ranks
     whose stores differ raise StoreConfigError naming the settings that
     differ, after one more collective); when
-    all ranks hold the same structure, their shared tensors' samples agree
-    within each replica class and their plain values agree, the plan every
-    rank made of its own tree is the job's. Otherwise the ranks exchange
+    all ranks hold the same structure, the whole-byte digests of their
+    shared tensors agree within each replica class and their plain values
+    agree, the plan every rank made of its own tree is the job's. Otherwise the ranks exchange
     their descriptions (one per distinct structure) and digests, every
     rank builds the union manifest alike, and a second agreement checks
     the plan. ``failed``: this rank's error in an earlier step;
     ``local``: run on this rank's final :class:`Prepared` (an asynchronous
-    save's snapshot), its byte shared with the others (the returned list)."""
+    save's snapshot), its byte shared with the others (the returned list).
+    ``declared``: plain tensors that every rank holds are declared
+    replicas (``verify_replicas=True``): a difference is refused with
+    ReplicaMismatchError instead of stored per rank."""
     from deeppart.groups import AUTO
 
     dims = [replica_dims] if isinstance(replica_dims, str) else list(replica_dims or ())
@@ -533,7 +586,7 @@ def prepare_save(
             return own.prep, flags  # the fast path: every rank planned the job's save
     if own.prep.staged is not None:
         own.prep.staged = None  # the optimistic snapshot: taken again of the union's plan
-    return _union_prepare(c, own, rows, group == AUTO, local)
+    return _union_prepare(c, own, rows, group == AUTO, local, declared)
 
 
 def _payload(own: _Own, rows: list[bytes], rank: int, rep: int) -> bytes:
@@ -556,6 +609,7 @@ def _union_prepare(
     rows: list[bytes],
     auto: bool,
     local: Callable[[Prepared], int] | None,
+    declared: bool = False,
 ) -> tuple[Prepared, list[int]]:
     """The exchange, the union manifest and its agreement (every rank
     raises alike on replicas that differ, or on trees that do not merge)."""
@@ -591,7 +645,7 @@ def _union_prepare(
     prep: Prepared | None = None
     flag = 0
     try:
-        u = build_union(states, classes, digests, whole, auto)
+        u = build_union(states, classes, digests, whole, auto, declared)
         prep = _union_prepared(u, own, c.rank)
         if local is not None:
             flag = local(prep)

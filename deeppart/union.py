@@ -4,7 +4,7 @@ Each rank passes its own tree. A rank describes what it holds (a
 :class:`Described`: its leaves' paths, dtypes and shapes or plain sizes,
 each DTensor shard with the global ranks that hold it, its skeleton) and
 digests what it holds (:class:`Digests`: a hash of each plain value, a
-sampled hash of each tensor it shares with other ranks). Ranks with the
+digest of the whole bytes of each tensor it shares with other ranks). Ranks with the
 same structure form one *class*, and only the lowest rank of a class sends
 its description (:mod:`deeppart.prepare` does the exchange); from the
 descriptions and digests :func:`build_union` computes, alike on every rank,
@@ -14,12 +14,12 @@ Under one path the ranks may hold several *versions*:
 
 - a plain value: ranks whose encodings differ (a data loader's position,
   an RNG state) each keep their own; ranks with equal values share one;
-- a plain tensor: ranks of one class are declared replicas (their sampled
-  bytes must agree, else :class:`ReplicaMismatchError`); classes that hold a
-  tensor of the same dtype and shape are compared by a digest of the whole
-  tensor (:func:`whole_digests_needed`): equal, they share the item,
-  different, each keeps its version (with ``group="auto"`` every holder is
-  compared so);
+- a plain tensor: every holder's copy is compared by the digest of its
+  whole bytes, whatever the ranks' structures (issue 49: replicas are
+  proved, not sampled): ranks with equal copies share one item, a copy
+  that differs anywhere is kept as its ranks' own version (an RNG state,
+  each rank's own tensor). With ``declared`` (``verify_replicas=True``) a
+  difference is refused instead (:class:`ReplicaMismatchError`);
 - a DTensor: its holders come from its own mesh (plus the declared
   ``replica_dims``). Classes holding it with the same holders hold the same
   item; holders from disjoint meshes with the same regions are compared by
@@ -85,7 +85,9 @@ class Digests:
 
     #: Plain values: a hash of the encoding.
     values: dict[int, str] = field(default_factory=dict)
-    #: Tensors (and shards) that other ranks hold too: a sampled hash.
+    #: Tensors (and shards) that other ranks hold too: the xxh3_128 digest
+    #: of their whole bytes (``deeppart.prepare.tensor_digest``; the name
+    #: is kept from when they were sampled).
     samples: dict[int, str] = field(default_factory=dict)
 
 
@@ -241,11 +243,10 @@ def whole_digests_needed(
     states: dict[int, Described], classes: Sequence[int], auto: bool = False
 ) -> list[tuple[int, int]]:
     """The (rank, local leaf) pairs whose whole bytes must be digested
-    before the union can be built (same list on every rank): tensors of one
-    dtype and shape that ranks of different classes hold under one path
-    (one rank per class; every holder with ``auto``), and DTensor shards of
-    equal regions held by ranks of disjoint meshes (the lowest holder)."""
-    members = _class_ranks(classes)
+    before the union can be built (same list on every rank): DTensor shards of
+    equal regions held by ranks of disjoint meshes (the lowest holder).
+    Plain tensors need none: every holder sends the digest of its whole
+    tensor in the exchange (``auto`` changes nothing for them)."""
     need: set[tuple[int, int]] = set()
     for units in _units(states).values():
         by_sig: dict[str, list[_Unit]] = {}
@@ -254,10 +255,8 @@ def whole_digests_needed(
                 by_sig.setdefault(u.signature(), []).append(u)
         for group in by_sig.values():
             if group[0].kind == "tensor":
-                if len(group) > 1 or auto:
-                    for u in group:
-                        for r in members[u.cls] if auto else [u.cls]:
-                            need.add((r, u.leaf))
+                # Every holder's digest of its whole tensor is in the
+                # exchange already (Digests.samples): nothing more to digest.
                 continue
             holder_sets = {json.dumps([s[1] for s in u.shards]) for u in group}
             if len(holder_sets) > 1:
@@ -306,13 +305,17 @@ def build_union(
     digests: Sequence[Digests],
     whole: dict[tuple[int, int], str] | None = None,
     auto: bool = False,
+    declared: bool = False,
 ) -> Union:
     """The job's manifest items from every class's description (``states``,
     by the class's lowest rank), each rank's class (``classes[r]``) and
     digests, and the whole-leaf digests of :func:`whole_digests_needed`.
-    Raises :class:`ReplicaMismatchError` when replicas differ (naming the
-    leaf and which ranks hold which version), StateMismatchError when the
-    ranks' trees cannot be merged."""
+    Raises :class:`ReplicaMismatchError` when declared replicas differ
+    (shards of one DTensor shard that several ranks hold; with
+    ``declared``, plain tensors too), naming the leaf and which ranks hold
+    which version, StateMismatchError when the ranks' trees cannot be
+    merged. Plain tensors that are not declared replicas are grouped by
+    their holders' whole-byte digests: one version per distinct copy."""
     world = len(classes)
     whole = whole or {}
     members = _class_ranks(classes)
@@ -343,21 +346,28 @@ def build_union(
                     match.source[r] = u.leaf
                 continue
             if u.kind == "tensor":
-                same = {r: u.leaf for r in ranks}
-                groups = None if auto else _samples_differ(path, ranks, same.__getitem__, digests)
-                if groups is not None:
-                    differ.append((path, groups))
-                per = [[r] for r in ranks] if auto else [ranks]
-                for rs in per:
-                    content = (u.signature(), whole.get((rs[0], u.leaf), f"class:{u.cls}"))
+                # Each holder's whole-byte digest decides (issue 49): ranks
+                # whose copies are equal share one version, a copy that
+                # differs anywhere is its rank's own (or refused, when the
+                # caller declared the plain tensors replicas), whatever
+                # else the tree holds.
+                if declared and not auto:
+                    same = {r: u.leaf for r in ranks}
+                    groups = _samples_differ(path, ranks, same.__getitem__, digests)
+                    if groups is not None:
+                        differ.append((path, groups))
+                for r in ranks:
+                    full = digests[r].samples.get(u.leaf)
+                    held = full if full is not None else whole.get((r, u.leaf))
+                    content = (u.signature(), held if held is not None else f"class:{u.cls}")
                     match = next(
                         (x for x in found if x.kind == "tensor" and x.content == content), None
                     )
                     if match is None:
                         match = _Version("tensor", u.desc, set(), content=content)
                         found.append(match)
-                    match.ranks.update(rs)
-                    match.source.update({r: u.leaf for r in rs})
+                    match.ranks.add(r)
+                    match.source[r] = u.leaf
                 continue
             # A DTensor.
             holders_key = json.dumps([s[1] for s in u.shards])
@@ -425,7 +435,7 @@ def build_union(
         for u in units:
             canon[(u.cls, u.leaf)] = first_leaf[0]
     if differ:
-        raise replica_error(differ, "sampled bytes")
+        raise replica_error(differ, "whole-tensor digests")
     skeleton: Any = None
     for c in sorted(states):
         st = states[c]

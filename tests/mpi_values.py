@@ -119,9 +119,106 @@ def scenario_per_rank(d: Path) -> None:
     ok("per_rank")
 
 
+#: Elements of the large tensor of ``own_tensors``: 4 MiB of float32.
+BIG = 1 << 20
+
+
+def own_tensor_state(rank: int, loader: int | None, where: str, rng: bool) -> dict[str, Any]:
+    """A model every rank holds alike, a large tensor that differs between
+    the ranks in one element only (``where``: ``"inside"``, an element
+    that no sample reads, a quarter into it; ``"last"``: its last byte),
+    with ``rng`` the CPU RNG state of a per-rank seed (5,056 bytes: small)
+    and, unless ``loader`` is None, a loader position ``loader + rank``."""
+    g = torch.Generator().manual_seed(7)
+    big = torch.randn(BIG, generator=g)
+    if rank == 1:
+        if where == "inside":
+            big[BIG // 4 + 3] += 1.0
+        else:
+            big.view(torch.uint8)[-1] ^= 0x01
+    state: dict[str, Any] = {
+        "model": {"w": torch.randn(256, 64, generator=g), "b": torch.zeros(64)},
+        "big": big,
+    }
+    if rng:
+        torch.manual_seed(1000 + rank)
+        state["rng"] = torch.get_rng_state()
+    if loader is not None:
+        state["loader"] = {"pos": loader + rank}
+    return state
+
+
+def _own_roundtrip(d: Path, cases: list[tuple[int | None, str]], rng: bool) -> None:
+    """Each case saved by deeppart.save and by a Checkpointer (without
+    config=, synchronous and async_=True): every rank gets exactly its own
+    state back, bitwise; only the paths that differ have versions (the
+    model every rank holds alike stays one item)."""
+    import json
+
+    c = resolve()
+    for k, (loader, where) in enumerate(cases):
+        state = own_tensor_state(c.rank, loader, where, rng)
+        name = f"{loader}-{where}"
+        deeppart.save(state, d / name)
+        back = deeppart.load(d / name)
+        assert_bitwise_equal(state, back, name)
+        assert torch.equal(back["big"], state["big"]), name
+        if c.rank == 0:
+            meta = json.loads((d / name / "metadata.json").read_text())
+            kept = sorted(v["path"][0] for v in meta.get("versions", []))
+            want = ["big"] + ["rng"] * rng + ["loader"] * (loader is not None)
+            assert kept == sorted(want), (name, kept)
+        if rng:
+            torch.set_rng_state(back["rng"])
+            got = torch.rand(4)
+            torch.set_rng_state(state["rng"])
+            assert torch.equal(got, torch.rand(4)), name
+        for async_ in (False, True):
+            cp = deeppart.Checkpointer(d / f"cp-{name}-{async_}", async_=async_)
+            h = cp.save(k, state)
+            if async_:
+                assert isinstance(h, deeppart.AsyncSave), h
+                h.wait()
+            assert_bitwise_equal(state, cp.load(), f"{name} Checkpointer(async_={async_})")
+            cp.close()
+        c.barrier()
+
+
+def scenario_own_tensors(d: Path) -> None:
+    """Issue 49, item 4, on 2 ranks: a large tensor that differs in one
+    element that no sample reads is each rank's own, whatever the loader
+    positions (100/101: one structure; 99/100: the encodings' sizes differ;
+    none at all). Declared replicas (verify_replicas=True) refuse the
+    difference instead, naming it."""
+    c = resolve()
+    assert c.size == 2
+    _own_roundtrip(d, [(100, "inside"), (99, "inside"), (None, "inside")], rng=False)
+    state = own_tensor_state(c.rank, 100, "inside", rng=False)
+    try:
+        deeppart.save(state, d / "declared", verify_replicas=True)
+    except deeppart.ReplicaMismatchError as e:
+        msg = str(e)
+        assert "big: ranks [0] hold one version, ranks [1] another" in msg, msg
+        assert "nothing was written" in msg, msg
+    else:
+        raise AssertionError("verify_replicas=True saved replicas that differ")
+    assert not (d / "declared").exists()
+    ok("own_tensors")
+
+
+def scenario_own_rng(d: Path) -> None:
+    """Issue 49, item 5, on 2 ranks: torch.get_rng_state() of a per-rank
+    seed, beside a large tensor that differs in its last byte, with and
+    without per-rank loader positions: each rank gets its own RNG state and
+    tensor back, and torch.set_rng_state takes it."""
+    assert resolve().size == 2
+    _own_roundtrip(d, [(None, "last"), (100, "last"), (99, "last")], rng=True)
+    ok("own_rng")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("scenario", choices=["replicas", "values", "per_rank"])
+    p.add_argument("scenario", choices=["replicas", "values", "per_rank", "own_tensors", "own_rng"])
     p.add_argument("dir", type=Path)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -129,6 +226,8 @@ def main() -> None:
         "replicas": scenario_replicas,
         "values": scenario_values,
         "per_rank": scenario_per_rank,
+        "own_tensors": scenario_own_tensors,
+        "own_rng": scenario_own_rng,
     }
     scenarios[args.scenario](args.dir)
     sys.stdout.flush()

@@ -163,23 +163,50 @@ def test_differing_declared_replicas_name_each_version() -> None:
     assert "majority" not in str(e.value) and "minority" not in str(e.value)
 
 
-def test_plain_tensors_of_one_structure_are_replicas() -> None:
+def test_plain_tensors_that_differ_are_each_ranks_own_or_refused_when_declared() -> None:
+    """Issue 49: a plain tensor's holders are compared by the digests of
+    their whole bytes (Digests.samples), whatever else the tree holds: equal
+    copies share one item, differing ones are each their ranks' version;
+    declared replicas (verify_replicas=True) are refused instead."""
     st = plain([(["emb"], ("float32", [4, 2]))])
     digests = [Digests({}, {0: s}) for s in ("a", "b", "a", "b")]
+    u = build_union({0: st}, [0, 0, 0, 0], digests)
+    assert [it.path for it in u.items] == [["emb", VERSION_KEY, 0], ["emb", VERSION_KEY, 1]]
+    assert [it.holders for it in u.items] == [[0, 2], [1, 3]]
+    assert u.versions[0]["ranks"] == [[0, 2], [1, 3]]
     with pytest.raises(
         ReplicaMismatchError, match=r"ranks \[0, 2\] hold one version, ranks \[1, 3\] another"
     ):
-        build_union({0: st}, [0, 0, 0, 0], digests)
+        build_union({0: st}, [0, 0, 0, 0], digests, declared=True)
+    same = build_union({0: st}, [0, 0, 0, 0], [Digests({}, {0: "a"}) for _ in range(4)])
+    assert [it.holders for it in same.items] == [[0, 1, 2, 3]] and not same.versions
 
 
-def test_auto_compares_whole_tensors_and_keeps_each_groups_version() -> None:
+def test_a_differing_tensor_is_kept_whatever_the_plain_values() -> None:
+    """Issue 49, item 4: loader positions 100/101 (one structure) or 99/100
+    (two: the encodings' sizes differ) give the same outcome for a tensor
+    that differs: each rank's own version."""
+    one = plain([(["w"], ("float32", [1024])), (["pos"], "object")])
+    two = plain([(["w"], ("float32", [1024])), (["pos"], "object")])
+    two.descs[1]["nbytes"] = 4
+    tensors = [Digests({1: "p0"}, {0: "t0"}), Digests({1: "p1"}, {0: "t1"})]
+    for states, classes in (({0: one}, [0, 0]), ({0: one, 1: two}, [0, 1])):
+        assert whole_digests_needed(states, classes) == []
+        u = build_union(states, classes, tensors)
+        by_path = {json_path(it.path): it.holders for it in u.items}
+        assert by_path["w/<version>/0"] == [0] and by_path["w/<version>/1"] == [1], by_path
+
+
+def json_path(path: list[Any]) -> str:
+    return "/".join(map(str, path))
+
+
+def test_auto_keeps_each_groups_version() -> None:
     st = plain([(["emb"], ("float32", [4, 2]))])
     classes = [0, 0, 0, 0]
-    need = whole_digests_needed({0: st}, classes, auto=True)
-    assert need == [(0, 0), (1, 0), (2, 0), (3, 0)]
-    digests = [Digests({}, {0: "same-sample"}) for _ in range(4)]
-    whole = {(0, 0): "g0", (1, 0): "g0", (2, 0): "g1", (3, 0): "g1"}
-    u = build_union({0: st}, classes, digests, whole, auto=True)
+    assert whole_digests_needed({0: st}, classes, auto=True) == []
+    digests = [Digests({}, {0: g}) for g in ("g0", "g0", "g1", "g1")]
+    u = build_union({0: st}, classes, digests, auto=True)
     assert [it.holders for it in u.items] == [[0, 1], [2, 3]]
     assert u.versions[0]["ranks"] == [[0, 1], [2, 3]]
 
@@ -188,12 +215,13 @@ def test_plain_tensors_of_two_structures_compared_whole() -> None:
     a = plain([(["emb"], ("float32", [4, 2])), (["a"], "object")])
     b = plain([(["emb"], ("float32", [4, 2])), (["b"], "object")])
     states, classes = {0: a, 1: b}, [0, 1]
-    assert whole_digests_needed(states, classes) == [(0, 0), (1, 0)]
-    digests = [Digests({1: "v"}, {0: "s"}), Digests({1: "v"}, {0: "s"})]
-    same = build_union(states, classes, digests, {(0, 0): "e", (1, 0): "e"})
+    assert whole_digests_needed(states, classes) == []
+    digests = [Digests({1: "v"}, {0: "e"}), Digests({1: "v"}, {0: "e"})]
+    same = build_union(states, classes, digests)
     assert [it.path for it in same.items] == [["emb"], ["a"], ["b"]]
     assert [it.holders for it in same.items] == [[0, 1], [0], [1]]
-    differ = build_union(states, classes, digests, {(0, 0): "e", (1, 0): "f"})
+    digests[1] = Digests({1: "v"}, {0: "f"})
+    differ = build_union(states, classes, digests)
     assert [it.path for it in differ.items][:2] == [
         ["emb", VERSION_KEY, 0],
         ["emb", VERSION_KEY, 1],
