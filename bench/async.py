@@ -213,6 +213,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, async_save
 
     import deeppart
+    from deeppart.prepare import last_proof
 
     size = MPI.COMM_WORLD.Get_size()
     job = start_worker(
@@ -303,6 +304,9 @@ def worker(args: argparse.Namespace) -> None:
     durables: list[float] = []
     during: list[float] = []
     cpu_writer: list[float] = []
+    # Per timed save: the seconds of the replica proof (whole-tensor digests
+    # of the shared tensors, deeppart.prepare.last_proof), inside the stall.
+    proofs: list[float] = []
     staged = 0
     for i in range(args.saves + 1):
         # The same steps without a save, right before: the reference.
@@ -322,6 +326,7 @@ def worker(args: argparse.Namespace) -> None:
         # Less the reference's CPU per step for as many steps as ran with
         # the save (more than the reference's while it stayed in flight).
         cpu = _cpu_seconds() - cpu0 - cpu_ref * count / args.steps
+        proof = last_proof.seconds if kind == "deeppart" else 0.0
         if kind == "deeppart":
             staged = handle.staged_bytes
         comm.Barrier()
@@ -332,6 +337,7 @@ def worker(args: argparse.Namespace) -> None:
             durables.append(durable)
             during.extend(in_flight)
             cpu_writer.append(cpu)
+            proofs.append(proof)
         if rank == 0 and kind != "deeppart" and i >= 1:
             prefix = "tc" if manager is not None else "dcp"
             shutil.rmtree(base / f"{prefix}-{i - 1}", ignore_errors=True)
@@ -354,6 +360,7 @@ def worker(args: argparse.Namespace) -> None:
             *overheads,
             *durables,
             *cpu_writer,
+            *proofs,
             float(peak - rss0),
             float(child_peak),
             float(np.median(during)) if during else float("nan"),
@@ -366,7 +373,7 @@ def worker(args: argparse.Namespace) -> None:
     )
     rows = np.array(comm.allgather(row))
     if rank == 0:
-        tail = 4 * k
+        tail = 5 * k
         result = {
             "contender": kind,
             "ranks": size,
@@ -383,6 +390,8 @@ def worker(args: argparse.Namespace) -> None:
             # waited for, less those of the reference steps (mean over the
             # ranks): the save's CPU cost.
             "cpu": [float(x) for x in rows[:, 3 * k : 4 * k].mean(axis=0)],
+            # Per timed save, the slowest rank's replica proof (in its stall).
+            "proofs": [float(x) for x in rows[:, 4 * k : 5 * k].max(axis=0)],
             "extra_bytes": float(rows[:, tail].max()),
             "child_peak_bytes": float(rows[:, tail + 1].max()),
             "step_during": float(np.nanmedian(rows[:, tail + 2])),
@@ -477,6 +486,13 @@ def report(
         mem = _median(rounds, "deeppart", n, "memory")
         staged = rounds[0][("deeppart", n)]["staged_bytes"] / any_job["bytes"]
         ok = all(rd[("deeppart", n)]["verified"] for rd in rounds)
+        jobs = [rd[("deeppart", n)] for rd in rounds]
+        proof = [float(np.median(j["proofs"])) for j in jobs]
+        share = [float(np.median(np.array(j["proofs"]) / np.array(j["stalls"]))) for j in jobs]
+        print(
+            f"  {n} rank(s): deeppart replica proof (whole-tensor digests, in the stall) "
+            f"{np.median(proof):.4f} s = {100 * np.median(share):.1f} % of the stall"
+        )
         print(
             f"  {n} rank(s): deeppart extra memory {mem:.2f}x state (staged share "
             f"{staged:.2f}x), step during/without "
