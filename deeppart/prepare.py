@@ -11,6 +11,11 @@ DTensors become shard leaves held by a subset of the ranks
 (:func:`replica_sample`: a few bytes of each, hashed) and the samples
 compared in the same collective: ranks that pass different tensors at one
 path, e.g. DTensor shards converted with ``to_local()``, fail by default.
+That is :func:`prepare`, the multi-level backends' (which store one copy
+and refuse per-rank state). :func:`prepare_save`, ``deeppart.save``'s,
+samples nothing: every tensor that several ranks hold is digested whole
+(:func:`tensor_digest`; issue 49, replicas are proved), and copies that
+differ become each rank's own version (:mod:`deeppart.union`).
 """
 
 from __future__ import annotations
