@@ -213,7 +213,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, async_save
 
     import deeppart
-    from deeppart.prepare import last_proof
+    from deeppart.saving.prepare import last_proof
 
     size = MPI.COMM_WORLD.Get_size()
     job = start_worker(
@@ -305,7 +305,7 @@ def worker(args: argparse.Namespace) -> None:
     during: list[float] = []
     cpu_writer: list[float] = []
     # Per timed save: the seconds of the replica proof (whole-tensor digests
-    # of the shared tensors, deeppart.prepare.last_proof), inside the stall.
+    # of the shared tensors, deeppart.saving.prepare.last_proof), inside the stall.
     proofs: list[float] = []
     staged = 0
     for i in range(args.saves + 1):

@@ -84,7 +84,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.jobs import DTYPES, build_state, job_result, mpi_env, start_worker  # noqa: E402
-from deeppart.writer import WRITE_CHUNK  # noqa: E402
+from deeppart.saving.writer import WRITE_CHUNK  # noqa: E402
 
 CONTENDERS = ("torch", "dcp", "deeppart", "deeppart+{codec}", "raw")
 
@@ -168,7 +168,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     import deeppart
-    from deeppart.prepare import last_proof
+    from deeppart.saving.prepare import last_proof
 
     size = MPI.COMM_WORLD.Get_size()
     job = start_worker(
@@ -260,7 +260,7 @@ def worker(args: argparse.Namespace) -> None:
     ratio = auto_ratio = 1.0
     rounds: dict[str, list[float]] = {}
     # Per round of "save deeppart": the slowest rank's seconds in the proof
-    # of its shared tensors (whole-tensor digests, deeppart.prepare.last_proof).
+    # of its shared tensors (whole-tensor digests, deeppart.saving.prepare.last_proof).
     proof: list[float] = []
     for batch in (saves, loads):
         for round_ in range(args.repeat):

@@ -116,7 +116,7 @@ def worker(args: argparse.Namespace) -> int:
     from torch.distributed.checkpoint.planner import SavePlan
     from torch.distributed.checkpoint.state_dict_saver import save
 
-    from deeppart.dcp import BalancedSavePlanner
+    from deeppart.integrations.dcp import BalancedSavePlanner
 
     class Measuring(DefaultSavePlanner):
         """Measures a planner's CPU time in its two planning steps, the plans

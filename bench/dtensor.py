@@ -28,7 +28,7 @@ or ``parallelize_module``, takes one AdamW step and saves
 data-parallel groups, model A + AdamW on ranks {0,1} and B on {2,3}, plain
 tensors, saved with ``group="auto"``) with each of:
 ``dcp.save`` (``DefaultSavePlanner``), ``dcp.save`` with
-``deeppart.dcp.BalancedSavePlanner``, and ``deeppart.save``; then loads each
+``deeppart.integrations.dcp.BalancedSavePlanner``, and ``deeppart.save``; then loads each
 back into the same layout (``dcp.load``; ``deeppart.load(into=)``).
 Reported per layout and method:
 
@@ -227,7 +227,7 @@ def _save(method: str, state: Any, d: Path, group: str | None = None) -> None:
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     import deeppart
-    from deeppart.dcp import BalancedSavePlanner
+    from deeppart.integrations.dcp import BalancedSavePlanner
 
     if method == "deeppart":
         deeppart.save(state, d, group=group)
@@ -416,9 +416,9 @@ def sample_cost(scale: float, reps: int) -> None:
     over ``reps`` of ``prepare.replica_sample`` against ``deeppart.save``."""
     import deeppart
     from bench.jobs import build_state
-    from deeppart.dtensor import expand
-    from deeppart.prepare import replica_sample
-    from deeppart.state import flatten
+    from deeppart.saving.prepare import replica_sample
+    from deeppart.state.dtensor import expand
+    from deeppart.state.state import flatten
 
     state = build_state(scale)
     leaves, skeleton = flatten(state)

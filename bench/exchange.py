@@ -12,17 +12,17 @@ several GB of memory (over 7 GB once rank 0 merges); ``--bytes-only``
 makes every rank's payload (about 2 CPU minutes, 3 GB) without rank 0's
 merge.
 
-The exchange (:func:`deeppart.prepare.prepare_save`): one agreement of an
+The exchange (:func:`deeppart.saving.prepare.prepare_save`): one agreement of an
 81-byte row per rank (structure digest, sampled-tensor and plain-value
 digests, a flag, the digest of the store the rank addresses); when the
 ranks' structures differ (pipeline stages) one ``allgather_varbytes`` in
 which the lowest rank of each distinct structure sends its description
-(:class:`deeppart.union.Described`, JSON) and every other rank only the
+(:class:`deeppart.state.union.Described`, JSON) and every other rank only the
 digests that differ from that rank's (per-rank plain values, sampled
 shared tensors); every rank then builds the same union manifest and plans
 it, and a last agreement of a 33-byte row checks that.
 A load with DTensor targets exchanges too
-(:func:`deeppart.reshard.plan_shard_reads`: every rank's needed regions).
+(:func:`deeppart.loading.reshard.plan_shard_reads`: every rank's needed regions).
 
 **measured** (``--part measured``): ``mpiexec -n 8`` ranks of this file,
 gloo initialised beside MPI, a torchtitan-like Llama stage per pipeline
@@ -36,7 +36,7 @@ counts each collective (bytes this rank contributes, bytes it gathers from
 the others, seconds), labelled by the DeepPart function that called it.
 
 **computed** (``--part computed``): the same code
-(:func:`~deeppart.prepare.prepare_save` and everything it calls) on one
+(:func:`~deeppart.saving.prepare.prepare_save` and everything it calls) on one
 process for rank 0 of a 4,096-rank job, a Llama-3-70B-like model (80
 layers, hidden 8192, FFN 28672, vocabulary 128256, 64 heads, 8 KV heads;
 fp32 parameters and AdamW's two moments, as torchtitan keeps them) laid
@@ -45,7 +45,7 @@ on a ``fake`` process group (no data: each local shard is a zero-stride
 view). Only the transport is simulated: the other ranks' contributions
 are made by the same code (each stage's lowest rank runs the whole prepare
 of its own tree; every other rank's digests come from
-:func:`deeppart.prepare.digest_held` over the leaves it holds, and its
+:func:`deeppart.saving.prepare.digest_held` over the leaves it holds, and its
 payload from the same ``_payload``). Reported: the bytes each rank sends
 and gathers, the CPU seconds of each local phase on one process (every
 rank does the same work in parallel), and the collectives' time under a
@@ -495,8 +495,8 @@ def synthetic_state(cfg: Llama, mesh: Any, pp: int, stage: int, rank: int) -> di
     import torch
     from torch.distributed.tensor import DTensor
 
-    from deeppart.dtensor import _placement_specs
     from deeppart.regions import placement_region
+    from deeppart.state.dtensor import _placement_specs
 
     sub = mesh["dp", "tp"]
     coord = sub.get_coordinate()
@@ -566,8 +566,8 @@ def _computed(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from deeppart.planning import PlanProvider
-    from deeppart.prepare import (
+    from deeppart.saving.planning import PlanProvider
+    from deeppart.saving.prepare import (
         _Own,
         _own_prepare,
         _payload,
@@ -575,7 +575,7 @@ def _computed(
         digest_held,
         prepare_save,
     )
-    from deeppart.state import FlatLeaf, encode_plain
+    from deeppart.state.state import FlatLeaf, encode_plain
     from deeppart.storage.identity import identity_digest
 
     world = pp * dp * tp

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 import deeppart
-from deeppart.models import (
+from deeppart.tools.models import (
     Named,
     Shape,
     adamw_leaves,

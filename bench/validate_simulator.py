@@ -34,7 +34,7 @@ from bench.jobs import BUFFERED  # noqa: E402
 
 
 def manifest() -> Any:
-    from deeppart.models import adamw_manifest, llama_params
+    from deeppart.tools.models import adamw_manifest, llama_params
 
     return adamw_manifest(
         llama_params(vocab=16000, hidden=512, layers=4, intermediate=1408, kv_hidden=512)

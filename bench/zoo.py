@@ -46,8 +46,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from deeppart._planner import Manifest
-from deeppart.models import adamw_param_groups
-from deeppart.state import encode_plain
+from deeppart.state.state import encode_plain
+from deeppart.tools.models import adamw_param_groups
 
 FIXTURES = Path(__file__).resolve().parent.parent / "planner" / "tests" / "fixtures" / "zoo"
 INDEX = "index.json"

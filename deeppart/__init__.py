@@ -1,8 +1,10 @@
-"""DeepPart: partitioned parallel checkpointing of replicated training state.
+"""DeepPart: partitioned parallel checkpointing of training state.
 
-Every data-parallel rank holds the same model and optimizer state. DeepPart
-plans which rank writes which bytes, so that all ranks write one balanced
-part in parallel instead of rank 0 writing everything.
+Each rank passes its own state: what several ranks hold alike (proved, not
+assumed) is written once, split so that every rank writes one balanced
+part in parallel instead of rank 0 writing everything; shards (DTensors)
+and per-rank values are stored with their holders, and each rank gets back
+exactly what it saved.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -48,9 +50,9 @@ from deeppart.errors import (
     UnsupportedURLError,
 )
 from deeppart.levels import LevelConfig, LevelSaveStats, RecoveryReport, open_backend
-from deeppart.plan_cache import plan
 from deeppart.progress import Stats as CheckpointStats
-from deeppart.restore import IncompatibleKeys
+from deeppart.saving.plan_cache import plan
+from deeppart.state.restore import IncompatibleKeys
 
 if TYPE_CHECKING:
     from deeppart.service import plan_with, resolve_planner

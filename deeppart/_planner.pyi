@@ -119,7 +119,7 @@ class Manifest:
     def from_state_dict(state: Any) -> Manifest:
         """Walks nested dicts, lists and tuples of torch tensors and plain
         values (e.g. a model and an optimizer state_dict) without copying
-        tensor data (``deeppart.state.describe_leaves``, then
+        tensor data (``deeppart.state.state.describe_leaves``, then
         ``from_leaves``). Raises ``ManifestError``."""
     def to_json(self) -> str:
         """The JSON interchange form, what ``from_json``, ``deeppart plan``

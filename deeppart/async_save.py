@@ -8,7 +8,7 @@ memory, write it in a background thread while training goes on.
 2. plans and prepares the save as :func:`deeppart.save` does
    (:func:`deeppart.checkpoint.plan_save`, over the caller's communicator);
 3. copies only the byte ranges this rank will write into one host buffer
-   (:mod:`deeppart.snapshot`: reused by a ``Checkpointer``, sized to the
+   (:mod:`deeppart.saving.snapshot`: reused by a ``Checkpointer``, sized to the
    share, pinned for CUDA tensors), then agrees with one small collective
    that every rank has its snapshot;
 4. returns an :class:`AsyncSave` handle; a background thread writes and
@@ -44,10 +44,10 @@ from typing import Any
 from deeppart.checkpoint import plan_save
 from deeppart.comm import Comm, resolve, writer_comm
 from deeppart.errors import AsyncSaveWarning
-from deeppart.in_flight import add, settle_pending, take_all
-from deeppart.prepare import Prepared
 from deeppart.progress import Stats
-from deeppart.snapshot import ShareSnapshot, share_bytes
+from deeppart.saving.in_flight import add, settle_pending, take_all
+from deeppart.saving.prepare import Prepared
+from deeppart.saving.snapshot import ShareSnapshot, share_bytes
 from deeppart.storage.target import location_name
 from deeppart.storage.url import Location, parse_location
 
@@ -118,7 +118,7 @@ class AsyncSave:
 
 
 # ----------------------------------------------------------------------------
-# Saves in flight (deeppart.in_flight, by the writer's communicator).
+# Saves in flight (deeppart.saving.in_flight, by the writer's communicator).
 
 
 def _report_at_exit() -> None:
@@ -215,7 +215,7 @@ def start(
 
     assert writer is not None and staged is not None
     # The copies from CUDA devices, queued now that the agreement is past
-    # (deeppart.snapshot: the training stream waits for them on the device).
+    # (deeppart.saving.snapshot: the training stream waits for them on the device).
     snap.issue()
     handle.snapshot_seconds = time.perf_counter() - t0
     handle.staged_bytes, handle.staging_capacity = snap.staged_bytes, snap.capacity
@@ -305,7 +305,7 @@ def async_save(
 
     The state may change right after the call returns: the checkpoint holds
     the snapshot (device work queued after the call runs after the copies;
-    :mod:`deeppart.snapshot`, docs/GPU.md). ``snapshot_on_device``: copy
+    :mod:`deeppart.saving.snapshot`, docs/GPU.md). ``snapshot_on_device``: copy
     the share within the device first, on the training stream, so that it
     pauses for a device-to-device copy only (it needs free device memory of
     the share's size until the host copies are done). A second ``async_save`` on the

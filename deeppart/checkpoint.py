@@ -1,7 +1,8 @@
-"""``save`` and ``load``: parallel checkpoints of state replicated on every rank.
+"""``save`` and ``load``: parallel checkpoints of each rank's own state.
 
-Every rank holds the same state. :func:`save` plans (deterministically, on
-every rank) which rank writes which slice of which leaf; each rank writes
+Each rank passes its own tree; what several ranks hold alike is stored once.
+:func:`save` plans (deterministically, on every rank) which rank writes
+which slice of which leaf; each rank writes
 its pieces straight from tensor memory into its own data file, and rank 0
 commits the checkpoint atomically. :func:`load` lets each rank read a
 balanced share of the data files (any number of ranks, whatever number
@@ -30,21 +31,14 @@ from typing import Any, TypedDict, Unpack
 
 import numpy as np
 
-from deeppart import staging as _staging
 from deeppart._planner import Plan
 from deeppart.agreement import agree
 from deeppart.comm import Comm, kept_fits, resolve
-from deeppart.commit import TEMP_NAME_MAX, metadata_json
 from deeppart.errors import StateMismatchError
 from deeppart.format import SAVE_ID_HEX, Metadata, new_save_id
-from deeppart.groups import LoadView, load_view, read_own, selection_digest
 from deeppart.integrity import HOST_ID_BYTES, host_id, one_host
-from deeppart.own_view import OwnView, by_ranks, own_view, resolve_versions, set_at, value_at
-from deeppart.planning import PlanProvider
-from deeppart.prepare import Prepared, prepare_save
-from deeppart.prepare import verify_replicas as check_replicas
-from deeppart.progress import Progress, Stats
-from deeppart.reader import (
+from deeppart.loading.groups import LoadView, load_view, read_own, selection_digest
+from deeppart.loading.reader import (
     ReadPlan,
     assemble,
     exchange_share,
@@ -55,7 +49,7 @@ from deeppart.reader import (
     stream_share,
     window_bytes,
 )
-from deeppart.reshard import (
+from deeppart.loading.reshard import (
     ShardReads,
     ShardTargets,
     exchange_shards,
@@ -64,13 +58,21 @@ from deeppart.reshard import (
     read_shards,
     shard_targets,
 )
-from deeppart.restore import IncompatibleKeys, describe
-from deeppart.state import Flat, encode_plain, flatten
+from deeppart.progress import Progress, Stats
+from deeppart.saving.metadata import metadata_json
+from deeppart.saving.planning import PlanProvider
+from deeppart.saving.prepare import Prepared, prepare_save
+from deeppart.saving.prepare import verify_replicas as check_replicas
+from deeppart.saving.writer import RECORD_FIELDS, write_pieces
+from deeppart.state import staging as _staging
+from deeppart.state.own_view import OwnView, by_ranks, own_view, resolve_versions, set_at, value_at
+from deeppart.state.restore import IncompatibleKeys, describe
+from deeppart.state.state import Flat, encode_plain, flatten
+from deeppart.storage.commit import TEMP_NAME_MAX
 from deeppart.storage.identity import identity_text
 from deeppart.storage.objects import ObjectDir
 from deeppart.storage.target import SaveTarget, save_target
 from deeppart.storage.url import Location, parse_location
-from deeppart.writer import RECORD_FIELDS, write_pieces
 
 __all__ = [
     "PlannedSave",
@@ -153,19 +155,19 @@ def save(
     level (1: fast; ratios on float data barely improve above). ``user``: a plain value
     stored in the metadata. ``staging_bytes``: the host buffer through which
     pieces of device (e.g. CUDA) tensors are copied, in chunks (default
-    :data:`deeppart.staging.DEFAULT_STAGING_BYTES`, 256 MiB). Returns the
+    :data:`deeppart.state.staging.DEFAULT_STAGING_BYTES`, 256 MiB). Returns the
     save's :class:`Stats` (the same on every rank); rank 0 prints its
     summary when ``verbose``. ``verify_replicas``: first check that every
     rank holds the same state (a hash of each leaf on every rank, compared
     in one collective); if not, raise :class:`ReplicaMismatchError` on every
     rank, naming the differing leaves and ranks, and write nothing.
-    Every rank passes its own tree (:mod:`deeppart.union`): the checkpoint
+    Every rank passes its own tree (:mod:`deeppart.state.union`): the checkpoint
     is the union of what the ranks hold (DTensors on any mesh, pipeline
     stages, per-rank values; each rank loads its own back at the same world
     size). ``group``: ``"auto"`` compares every tensor several ranks hold
     under one path by its whole bytes (differing ones become versions, one
     per group); a ProcessGroup or list of global ranks stores this rank's
-    group's tree under ``"ranks:0,1"``... (:mod:`deeppart.groups`).
+    group's tree under ``"ranks:0,1"``... (:mod:`deeppart.loading.groups`).
     ``replica_dims``: root-mesh dimension names (e.g. ``"dp"``) over which
     DTensors on sub-meshes are declared replicas (sampled, a difference
     refused) instead of compared whole.
@@ -524,12 +526,12 @@ def load(
     :func:`last_incompatible_keys` reports the others (as
     ``load_state_dict`` does).
 
-    ``group``: a checkpoint saved with ``group=`` (:mod:`deeppart.groups`):
+    ``group``: a checkpoint saved with ``group=`` (:mod:`deeppart.loading.groups`):
     a group (a ProcessGroup, or the saved ranks of one group as a list)
     loads that group's tree; ``"auto"`` loads ``into=``'s leaves only. Ranks
     that load different leaves each read their own.
 
-    A checkpoint of each rank's own state (:mod:`deeppart.union`: per-rank
+    A checkpoint of each rank's own state (:mod:`deeppart.state.union`: per-rank
     values, pipeline stages, sub-meshes) gives each rank, at the world size
     of the save, exactly the tree it saved. ``per_rank``: what to do with
     paths that hold one version per group of saved ranks where a rank
@@ -704,7 +706,7 @@ def shard_exchange(exchange: str, meta: Metadata, one_host: bool) -> bool:
 def write_back(root: Any, paths: list[tuple[Any, ...]], state: Any) -> None:
     """The values at ``paths`` of ``state`` set in ``root`` (the caller's
     ``into=``) in place where they can be."""
-    from deeppart.restore import write_back as set_values
+    from deeppart.state.restore import write_back as set_values
 
     if root is not None and paths:
         set_values(root, paths, {j: value_at(state, p) for j, p in enumerate(paths)})

@@ -10,22 +10,22 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from deeppart import lineage
 from deeppart.agreement import agree, from_root
 from deeppart.async_save import AsyncCheckpointer, AsyncSave
 from deeppart.checkpoint import compression_level_of, load, save
 from deeppart.comm import resolve
-from deeppart.commit import temp_dir_in_use
 from deeppart.compression import check_codec
 from deeppart.errors import CheckpointError
 from deeppart.format import STEP_PREFIX, is_committed, step_dir_name, step_number
 from deeppart.levels import open_backend
 from deeppart.levels.backend import LevelBackend, LevelSaveStats, RecoveryReport
-from deeppart.object_steps import ObjectSteps
-from deeppart.ownership import foreign_entries, owned_dir, remove_owned, side_name
-from deeppart.planning import PlanProvider
 from deeppart.progress import Stats
+from deeppart.saving.planning import PlanProvider
+from deeppart.steps import lineage
+from deeppart.steps.object_steps import ObjectSteps
 from deeppart.storage import S3URL, open_store, parse_location
+from deeppart.storage.commit import temp_dir_in_use
+from deeppart.storage.ownership import foreign_entries, owned_dir, remove_owned, side_name
 
 __all__ = ["Checkpointer"]
 
@@ -50,11 +50,11 @@ def _step_index(step: Any, state: Any) -> int:
 class Checkpointer:
     """Numbered checkpoints ``ROOT/step-00000100`` in one root directory,
     or under an object store prefix (``Checkpointer("s3://bucket/run")``,
-    :mod:`deeppart.object_steps`: the same lines and ``keep_last``; nothing
+    :mod:`deeppart.steps.object_steps`: the same lines and ``keep_last``; nothing
     is moved aside there, as object storage has no rename).
 
     ``save(step, state)`` reuses the plan while the state's structure stays
-    the same. Steps form a line (:mod:`deeppart.lineage`): each records its
+    the same. Steps form a line (:mod:`deeppart.steps.lineage`): each records its
     parent, the step this Checkpointer last loaded or saved, and its place
     in the commit order. ``latest()`` is the newest committed step by commit
     order (not by number), and a restart resumes from it; after a
@@ -193,8 +193,8 @@ class Checkpointer:
 
     def lines(self) -> lineage.Lines:
         """The committed steps of ``root`` with their line records
-        (:func:`deeppart.lineage.scan`, or for an object store
-        :meth:`deeppart.object_steps.ObjectSteps.lines`)."""
+        (:func:`deeppart.steps.lineage.scan`, or for an object store
+        :meth:`deeppart.steps.object_steps.ObjectSteps.lines`)."""
         if self.objects is not None:
             return self.objects.lines()[0]
         return lineage.scan(self.directory)
@@ -354,13 +354,13 @@ class Checkpointer:
     def _cleanup(self, newest: int, seq: int) -> list[str]:
         """After step ``newest`` committed as ``seq``: removes the steps of
         its line beyond ``keep_last``, retires the steps of the lines it
-        left (:meth:`deeppart.lineage.Lines.abandoned`: removed with
+        left (:meth:`deeppart.steps.lineage.Lines.abandoned`: removed with
         ``keep_last``, else moved aside), and removes leftovers of
         interrupted saves; returns one line per directory it failed to
         remove. Only step directories named ``step-NNNNNNNN`` whose
         committed metadata holds a line record are pruned or retired, and
         only when they hold nothing but DeepPart's files
-        (:func:`deeppart.ownership.owned_dir`): a pruned step that holds
+        (:func:`deeppart.storage.ownership.owned_dir`): a pruned step that holds
         other files too is kept and reported. A committed ``.old-step-N-*``
         stays while it is the only committed copy of step N (unless step N
         itself is pruned)."""

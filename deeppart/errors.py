@@ -108,7 +108,7 @@ class CheckpointError(DeepPartError):
 class ForeignPathError(CheckpointError):
     """A save's target holds something DeepPart did not write (a regular
     file, a symbolic link, a directory with other files): DeepPart replaces
-    and removes only its own checkpoints (:mod:`deeppart.ownership`)."""
+    and removes only its own checkpoints (:mod:`deeppart.storage.ownership`)."""
 
 
 class CommitConflictError(CheckpointError):
@@ -184,7 +184,7 @@ class ExportError(CheckpointError):
 
 class DcpPlanError(DeepPartError, RuntimeError):
     """The ranks' replicated states differ, or a plan does not fit the state
-    (``deeppart.dcp``, the torch.distributed.checkpoint planners)."""
+    (``deeppart.integrations.dcp``, the torch.distributed.checkpoint planners)."""
 
 
 # ----------------------------------------------------------------------------

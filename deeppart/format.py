@@ -37,7 +37,7 @@ FORMAT_VERSION = 1
 #: ``dtensors`` records); the data files keep FORMAT_VERSION.
 METADATA_VERSION_SHARDED = 2
 #: metadata.json's version when the state's items are not all held by every
-#: rank (each rank's own state, :mod:`deeppart.union`): ``dtensors`` records
+#: rank (each rank's own state, :mod:`deeppart.state.union`): ``dtensors`` records
 #: with each one's ``ranks``, and ``versions`` records (docs/FORMAT.md).
 METADATA_VERSION_UNION = 3
 #: The most ranks listed in all ``versions`` and record ``ranks`` together.
@@ -130,7 +130,7 @@ def new_save_id() -> str:
     """A fresh random id for one save (32 hex digits): stored in its
     ``metadata.json`` (``save_id``) and in its data files' headers, so that
     DeepPart tells its own files from others by content
-    (:mod:`deeppart.ownership`)."""
+    (:mod:`deeppart.storage.ownership`)."""
     return secrets.token_hex(SAVE_ID_HEX // 2)
 
 
@@ -336,9 +336,9 @@ class Metadata:
     record_ranks: list[list[int]] = field(default_factory=list)
     #: Version 3: the paths with several versions (:class:`VersionRecord`).
     versions: list[VersionRecord] = field(default_factory=list)
-    #: Version 3: each rank's own state is stored (:mod:`deeppart.union`).
+    #: Version 3: each rank's own state is stored (:mod:`deeppart.state.union`).
     union: bool = False
-    #: A rank's view (:mod:`deeppart.own_view`): leaves it does not read.
+    #: A rank's view (:mod:`deeppart.state.own_view`): leaves it does not read.
     skip: frozenset[int] = frozenset()
     #: A rank's view: a DTensor record's key -> the path it loads at.
     aliases: dict[tuple[Any, ...], tuple[Any, ...]] = field(default_factory=dict)

@@ -9,7 +9,7 @@ ever stands in for a checksum.
 - ``exchange="read"`` (and a rank that reads its own leaves): every rank
   reads every piece it needs into its own tensors and checksums it there.
 - ``exchange="bcast"``: each data file has one reader
-  (:func:`deeppart.reader.assign_readers`), which reads it into its own
+  (:func:`deeppart.loading.reader.assign_readers`), which reads it into its own
   tensors, checksums it there and broadcasts from there; the other ranks
   receive copies of those verified bytes.
 - ``exchange="auto"`` on one host (every rank reports the same host name,

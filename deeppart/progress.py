@@ -82,7 +82,7 @@ class Stats:
     codec: str = "none"
     #: Load of sharded state: per rank, the raw bytes of the stored shard
     #: pieces it read, and the bytes it received from their readers (the
-    #: cooperative exchange, :mod:`deeppart.reshard`); empty otherwise.
+    #: cooperative exchange, :mod:`deeppart.loading.reshard`); empty otherwise.
     rank_shard_read: list[int] = field(default_factory=list)
     rank_received: list[int] = field(default_factory=list)
 

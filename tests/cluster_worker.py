@@ -33,12 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mpi_checkpoint as mc
 
-from deeppart import writer
 from deeppart.checkpointer import Checkpointer
 from deeppart.comm import Comm, resolve
 from deeppart.errors import UnrecoverableError
 from deeppart.levels import LevelConfig, RecoveryReport
 from deeppart.levels.engine import BuiltinBackend
+from deeppart.saving import writer
 
 
 class Ctx:

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rank_output import print_line
 
 from deeppart import CostModel
-from deeppart.dcp import BalancedSavePlanner
+from deeppart.integrations.dcp import BalancedSavePlanner
 
 VOCAB, DIM = 8000, 64
 # Small pieces allowed, so that the small test state is cut.

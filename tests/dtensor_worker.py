@@ -48,8 +48,8 @@ from rank_output import print_line
 
 import deeppart
 from bench.dtensor import build, dcp_balance, deeppart_balance, make_model, sharded_state
-from deeppart import reshard
 from deeppart.checkpoint import last_stats
+from deeppart.loading import reshard
 
 #: ``tpfsdp``: FSDP2 over a TP-parallelized module on a (2,2) mesh, whose
 #: colwise weights torch places as ``_StridedShard`` (saved and loaded by
@@ -219,7 +219,7 @@ def scenario_dcp(d: Path, layouts: list[str]) -> None:
     """Per layout: dcp.save with BalancedSavePlanner and with
     DefaultSavePlanner; stock dcp.load of the balanced one at the same
     layout, (1,4) and (4,1), bitwise against the reference."""
-    from deeppart.dcp import BalancedSavePlanner
+    from deeppart.integrations.dcp import BalancedSavePlanner
 
     for layout in layouts:
         m, opt = build(layout, seed=1)
@@ -271,9 +271,9 @@ def needed_bytes(d: Path, target: Any) -> int:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    from deeppart.reader import open_checkpoint
+    from deeppart.loading.reader import open_checkpoint
     from deeppart.regions import Region
-    from deeppart.state import flatten
+    from deeppart.state.state import flatten
 
     _, meta, _ = open_checkpoint(d)
     records = {tuple(r.path): r for r in meta.dtensors}

@@ -26,7 +26,7 @@ from deeppart.checkpoint import save
 from deeppart.comm import Comm, resolve
 from deeppart.levels import LevelConfig
 from deeppart.levels.engine import BuiltinBackend
-from deeppart.writer import WriteEvent, fault_hook
+from deeppart.saving.writer import WriteEvent, fault_hook
 
 FAILING_RANK = 1
 

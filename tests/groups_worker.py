@@ -43,7 +43,7 @@ from rank_output import print_line
 
 import deeppart
 from bench.dtensor import build, dcp_balance, deeppart_balance, group_state
-from deeppart.dcp import BalancedSavePlanner
+from deeppart.integrations.dcp import BalancedSavePlanner
 
 
 def flat(g: int, dims: tuple[int, int, int]) -> dict[str, torch.Tensor]:

@@ -31,7 +31,10 @@ EDITS = [
         "from deeppart.format import CheckpointError, CorruptCheckpointError\n"
         "from deeppart.state import StateError",
     ),
-    ("import deeppart, deeppart.commit as ck", "import deeppart, deeppart.checkpoint as ck"),
+    (
+        "import deeppart, deeppart.storage.commit as ck",
+        "import deeppart, deeppart.checkpoint as ck",
+    ),
     (
         "from deeppart.compression import MAX_EXPANSION, decompress",
         "from deeppart.compression import CodecError, decompress\nMAX_EXPANSION = 256",

@@ -28,7 +28,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mpi_checkpoint as mc
 
-from deeppart import writer
 from deeppart.checkpointer import Checkpointer
 from deeppart.comm import Comm, resolve
 from deeppart.errors import CheckpointError, LevelConfigError
@@ -36,6 +35,7 @@ from deeppart.format import HEADER_SIZE, data_file_name
 from deeppart.levels import LevelConfig, RecoveryReport
 from deeppart.levels.engine import BuiltinBackend
 from deeppart.levels.layout import step_name
+from deeppart.saving import writer
 
 
 class Ctx:

@@ -25,10 +25,11 @@ import torch
 from rank_output import print_line
 
 import deeppart
-import deeppart.state
-from deeppart import reader, writer
+import deeppart.state.state
 from deeppart.comm import MPIComm, resolve
 from deeppart.format import data_file_name
+from deeppart.loading import reader
+from deeppart.saving import writer
 from deeppart.storage import files as storage_files
 
 
@@ -711,14 +712,14 @@ class WriterGate:
 
 def host_copy(state: Any) -> Any:
     """A deep copy of ``state``'s values (what a checkpoint of it must hold)."""
-    leaves, skeleton = deeppart.state.flatten(state)
+    leaves, skeleton = deeppart.state.state.flatten(state)
     values = [
         lf.tensor.detach().clone()
         if lf.tensor is not None
-        else deeppart.state.decode_plain(lf.encoded or b"")
+        else deeppart.state.state.decode_plain(lf.encoded or b"")
         for lf in leaves
     ]
-    return deeppart.state.unflatten(skeleton, values)
+    return deeppart.state.state.unflatten(skeleton, values)
 
 
 def scenario_async(root: Path, allreduce: Callable[[torch.Tensor], None]) -> None:
@@ -784,7 +785,7 @@ def scenario_async_share(d: Path, codec: str | None) -> None:
         handle = deeppart.async_save(state, d, compression=codec)
         assert gate.started.wait(120), "the writer never started"
         assert not handle.done() and not handle.synchronous
-        leaves, _ = deeppart.state.flatten(state)
+        leaves, _ = deeppart.state.state.flatten(state)
         for lf in leaves:
             t = lf.tensor
             if t is None or not t.numel():
@@ -919,7 +920,7 @@ def main() -> None:
 
         deeppart.comm.MAX_MESSAGE = args.max_message
     if args.exchange_message:
-        from deeppart import reader
+        from deeppart.loading import reader
 
         reader.EXCHANGE_MESSAGE_BYTES = args.exchange_message
         reader.DIRECT_PIECE_BYTES = args.exchange_message // 4
@@ -930,7 +931,7 @@ def main() -> None:
         # The reader thread keeps at most this much compressed data ahead.
         reader.STREAM_HELD_BYTES = args.exchange_message
     if args.stage:
-        from deeppart import staging
+        from deeppart.state import staging
 
         staging.DEFAULT_STAGING_BYTES = args.stage
         staging.needs_staging = lambda t: True

@@ -42,12 +42,13 @@ from rank_output import print_line
 
 import deeppart
 import deeppart.checkpoint as checkpoint
-from deeppart import prepare, reader
 from deeppart.comm import Comm, resolve
 from deeppart.errors import ERROR_TYPES, CorruptCheckpointError, DeepPartError, StateError
 from deeppart.format import data_file_name
+from deeppart.loading import reader
+from deeppart.saving import prepare
+from deeppart.saving.writer import add_fault_hook
 from deeppart.storage import target as storage_target
-from deeppart.writer import add_fault_hook
 
 
 def _outcome(

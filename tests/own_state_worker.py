@@ -495,9 +495,9 @@ EMB_ROWS, EMB_DIM = 500, 16
 
 def unsampled_rows() -> list[int]:
     """Rows 100..399 of the table except those that hold bytes the sampled
-    replica check reads (deeppart.prepare.sample_bytes: blocks at its start,
+    replica check reads (deeppart.saving.prepare.sample_bytes: blocks at its start,
     middle and end)."""
-    from deeppart.prepare import SAMPLE_BLOCKS, SAMPLE_BYTES
+    from deeppart.saving.prepare import SAMPLE_BLOCKS, SAMPLE_BYTES
 
     row = EMB_DIM * 4
     size = EMB_ROWS * row
@@ -529,7 +529,7 @@ def scenario_auto_swap(d: Path, checks: Checks) -> None:
     """Two DP groups ({0,1}, {2,3}) whose embeddings differ only in rows no
     sample reads: with ``group="auto"`` and without ``group=``, each group
     restores its own embedding bitwise, or every rank refuses naming it."""
-    from deeppart.prepare import sample_bytes
+    from deeppart.saving.prepare import sample_bytes
 
     g = dist.get_rank() // 2
     a, b = group_model(0)["emb.weight"], group_model(1)["emb.weight"]

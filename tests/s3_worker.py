@@ -49,14 +49,14 @@ from mpi_checkpoint import abort_on_failure, assert_bitwise_equal, make_state
 from rank_output import print_line
 
 import deeppart
-from deeppart import reader
 from deeppart.checkpoint import last_stats
 from deeppart.comm import Comm, resolve
 from deeppart.errors import CommitConflictError, CorruptCheckpointError
 from deeppart.format import data_file_name
+from deeppart.loading import reader
+from deeppart.saving.writer import WriteEvent, fault_hook
 from deeppart.storage import open_store
 from deeppart.storage.objects import read_marker, save_groups
-from deeppart.writer import WriteEvent, fault_hook
 
 
 def ok(c: Comm, name: str) -> None:

@@ -27,8 +27,8 @@ import deeppart  # noqa: E402
 from deeppart.async_save import AsyncSave  # noqa: E402
 from deeppart.checkpoint import plan_save  # noqa: E402
 from deeppart.comm import SingleComm  # noqa: E402
-from deeppart.snapshot import ShareSnapshot  # noqa: E402
-from deeppart.writer import WriteEvent, fault_hook  # noqa: E402
+from deeppart.saving.snapshot import ShareSnapshot  # noqa: E402
+from deeppart.saving.writer import WriteEvent, fault_hook  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mpi_checkpoint import (  # noqa: E402

@@ -14,7 +14,6 @@ import torch
 
 import deeppart
 from deeppart import checkpoint as ck
-from deeppart import commit
 from deeppart.comm import SingleComm, resolve
 from deeppart.compression import CODECS, check_codec, compress, decompress
 from deeppart.errors import CodecError
@@ -27,8 +26,9 @@ from deeppart.format import (
     is_committed,
     marker_text,
 )
+from deeppart.loading.reader import assign_readers
 from deeppart.progress import Progress, Stats
-from deeppart.reader import assign_readers
+from deeppart.storage import commit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mpi_checkpoint import assert_bitwise_equal, make_state
@@ -449,7 +449,7 @@ def test_interrupted_overwrite_keeps_the_previous_checkpoint(
 
 
 def test_fault_hooks_fire_around_every_data_file_write(tmp_path: Path) -> None:
-    from deeppart.writer import WriteEvent, fault_hook
+    from deeppart.saving.writer import WriteEvent, fault_hook
 
     seen: list[tuple[str, int, str, bool]] = []
 
@@ -468,7 +468,7 @@ def test_fault_hooks_fire_around_every_data_file_write(tmp_path: Path) -> None:
 
 
 def test_a_failing_fault_hook_fails_the_save_and_commits_nothing(tmp_path: Path) -> None:
-    from deeppart.writer import WriteEvent, fault_hook
+    from deeppart.saving.writer import WriteEvent, fault_hook
 
     def disk_full(event: WriteEvent) -> None:
         raise OSError(28, "No space left on device (injected)", str(event.path))
@@ -514,7 +514,7 @@ def test_replica_sample_reads_the_start_middle_and_end(tensor: torch.Tensor) -> 
     start, middle and end in row-major order, whatever its layout (read
     straight from memory when contiguous); a changed byte in any block
     changes the sample, and replicas with other strides sample the same."""
-    from deeppart.prepare import SAMPLE_BLOCKS, SAMPLE_BYTES, sample_bytes
+    from deeppart.saving.prepare import SAMPLE_BLOCKS, SAMPLE_BYTES, sample_bytes
 
     got = sample_bytes(tensor)
     u8 = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()

@@ -53,9 +53,9 @@ from hypothesis.stateful import (
 )
 
 import deeppart
-from deeppart import commit
 from deeppart.format import MARKER, METADATA, is_committed, step_dir_name, write_durable
-from deeppart.writer import WriteEvent, fault_hook
+from deeppart.saving.writer import WriteEvent, fault_hook
+from deeppart.storage import commit
 
 EXAMPLES = int(os.environ.get("DEEPPART_MODEL_EXAMPLES", "50"))
 STEPS = int(os.environ.get("DEEPPART_MODEL_STEPS", "30"))

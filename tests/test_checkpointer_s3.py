@@ -1,5 +1,5 @@
 """``Checkpointer("s3://bucket/run")`` and the tools on an S3 server
-(issue 34; deeppart/object_steps.py, deeppart/checkpoint_source.py),
+(issue 34; deeppart/steps/object_steps.py, deeppart/tools/checkpoint_source.py),
 against moto's S3 server (the ``s3_url`` fixture, tests/s3_server.py):
 ``keep_last`` and a rollback following the live line (2 ranks, with
 background saves, in one mpiexec job: tests/checkpointer_s3_worker.py),
@@ -30,8 +30,8 @@ import torch
 import deeppart
 from deeppart.errors import StoreConfigError
 from deeppart.format import HEADER_SIZE, MARKER, step_dir_name
+from deeppart.saving.writer import WriteEvent, fault_hook
 from deeppart.storage import open_store
-from deeppart.writer import WriteEvent, fault_hook
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -140,7 +140,7 @@ KILLED_SAVE = textwrap.dedent(
     """
     import os, sys, torch
     import deeppart
-    from deeppart.writer import fault_hook
+    from deeppart.saving.writer import fault_hook
 
     def die(event):
         os._exit(17)  # killed once its data file is uploaded, before the metadata

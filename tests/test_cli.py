@@ -212,7 +212,7 @@ def test_manifest_from_safetensors_header(tmp_path: Path) -> None:
 
 
 def test_unknown_model_name_lists_the_built_in_ones() -> None:
-    from deeppart.models import MODELS
+    from deeppart.tools.models import MODELS
 
     proc = run_cli("manifest", "bert-lrge")
     assert proc.returncode == 2

@@ -23,11 +23,11 @@ import numpy as np
 import pytest
 
 import deeppart
-from deeppart import commit
 from deeppart.errors import CommitConflictError, ForeignPathError, UnsupportedURLError
 from deeppart.format import MAGIC, is_committed, step_dir_name
-from deeppart.ownership import foreign_entries, local_path, owned_dir, remove_owned
-from deeppart.writer import WriteEvent, fault_hook
+from deeppart.saving.writer import WriteEvent, fault_hook
+from deeppart.storage import commit
+from deeppart.storage.ownership import foreign_entries, local_path, owned_dir, remove_owned
 
 ROOT = Path(__file__).resolve().parent.parent
 WAIT_S = 120.0
@@ -144,7 +144,7 @@ from pathlib import Path
 import numpy as np
 import deeppart
 from deeppart.errors import CommitConflictError
-from deeppart.writer import add_fault_hook
+from deeppart.saving.writer import add_fault_hook
 me = int(sys.argv[1])
 flags = Path({str(tmp_path)!r})
 def pause(event):
@@ -279,7 +279,7 @@ def test_an_old_checkpoint_keeps_files_of_another_save(tmp_path: Path) -> None:
     a, b = tmp_path / "a", tmp_path / "b"
     deeppart.save(state(1.0), a)
     deeppart.save(state(2.0), b)
-    from deeppart.ownership import metadata_save_id
+    from deeppart.storage.ownership import metadata_save_id
 
     id_a, id_b = metadata_save_id(a), metadata_save_id(b)
     assert id_a and id_b and id_a != id_b
@@ -300,7 +300,7 @@ def test_failed_async_save_at_exit_is_printed_to_stderr(tmp_path: Path) -> None:
 import errno, os
 import numpy as np
 import deeppart
-from deeppart.writer import add_fault_hook
+from deeppart.saving.writer import add_fault_hook
 def full(event):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(event.path))
 deeppart.async_save({{"w": np.ones(100, dtype=np.float32)}}, {str(tmp_path / "a")!r}).wait()

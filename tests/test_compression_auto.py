@@ -13,10 +13,11 @@ import pytest
 import torch
 
 import deeppart
-from deeppart import compression, staging
+from deeppart import compression
 from deeppart.compression import AUTO_MIN_PIECE, AutoPolicy, compress, decompress, rank_bandwidth
 from deeppart.errors import CorruptCheckpointError
 from deeppart.format import data_file_name
+from deeppart.state import staging
 
 #: Storage so slow (10 MB/s) that any real compression pays, and so fast
 #: (1 TB/s) that none does.

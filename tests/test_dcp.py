@@ -273,7 +273,7 @@ def _local_plans(state: dict[str, Any], world: int) -> tuple[Any, list[Any]]:
     import dataclasses
 
     from deeppart import CostModel
-    from deeppart.dcp import BalancedSavePlanner
+    from deeppart.integrations.dcp import BalancedSavePlanner
 
     # Per-file and per-piece costs near 0, so that even this tiny state is cut.
     cost = CostModel(fixed_s=1e-9, piece_s=1e-9, writer_s=1e-9, min_piece_bytes=1024)
@@ -446,7 +446,7 @@ def test_groups_with_different_state_each_write_their_own() -> None:
     b=st.integers(0, 10**4),
 )
 def test_flat_range_boxes_cover_exactly_the_range(shape: list[int], a: int, b: int) -> None:
-    from deeppart.dcp import flat_range_boxes
+    from deeppart.integrations.dcp import flat_range_boxes
 
     n = math.prod(shape)
     start, stop = sorted((a % (n + 1), b % (n + 1)))
@@ -464,7 +464,7 @@ def test_flat_range_boxes_cover_exactly_the_range(shape: list[int], a: int, b: i
 
 
 def test_units_are_trailing_blocks_of_at_most_64_kib() -> None:
-    from deeppart.dcp import UNIT_MAX_BYTES, unit_elements
+    from deeppart.integrations.dcp import UNIT_MAX_BYTES, unit_elements
 
     assert UNIT_MAX_BYTES == 64 * 1024
     assert unit_elements((8, 28672, 4096), 4) == 4096  # a 16 KiB row of the last dim

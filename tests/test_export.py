@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 import deeppart
 from deeppart.errors import ExportError
 from deeppart.format import data_file_name
-from deeppart.reader import read_metadata
+from deeppart.loading.reader import read_metadata
 from deeppart.tools.export import (
     SAFETENSORS_INDEX,
     SAFETENSORS_SINGLE,

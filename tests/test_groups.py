@@ -1,4 +1,4 @@
-"""Plain state held by a subset of the ranks (deeppart.groups): two
+"""Plain state held by a subset of the ranks (deeppart.loading.groups): two
 data-parallel groups in one job (model A on ranks {0,1}, B on {2,3}) and
 TP x DP with plain ``to_local()`` shards, on 4 gloo ranks under torchrun
 (tests/groups_worker.py); loaded back at the same layout, on 2 ranks and in
@@ -18,7 +18,7 @@ dist = pytest.importorskip("torch.distributed")
 from launching import run_ranks  # noqa: E402
 
 import deeppart  # noqa: E402
-from deeppart.groups import group_ranks, load_view, namespace  # noqa: E402
+from deeppart.loading.groups import group_ranks, load_view, namespace  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "groups_worker.py"
 #: The MLP of each group (in, hidden, out): 3.8 MB of float32 parameters,

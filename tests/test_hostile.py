@@ -431,7 +431,7 @@ def _killed_overwrite(root: Path, step: int, at: str) -> None:
     code = f"""
 import os, signal, torch
 from pathlib import Path
-import deeppart, deeppart.commit as ck
+import deeppart, deeppart.storage.commit as ck
 def die(*a, **k):
     os.kill(os.getpid(), signal.SIGKILL)
 if {at!r} == "marker":

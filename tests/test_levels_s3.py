@@ -157,7 +157,7 @@ _KILLED_L4 = """
 import os, sys, torch
 from deeppart.levels.engine import BuiltinBackend
 from deeppart.levels import LevelConfig
-from deeppart.writer import fault_hook
+from deeppart.saving.writer import fault_hook
 c = LevelConfig.from_dict({"ckpt_dir": sys.argv[1] + "/local", "meta_dir": sys.argv[1] + "/meta",
                            "glbl_dir": sys.argv[2], "ckpt_l4": 1, "keep": 1})
 # Killed once its data file is in the object store (after the L1 write).

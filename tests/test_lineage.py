@@ -1,4 +1,4 @@
-"""Steps as a line (issue 31, item 6; deeppart/lineage.py): ``keep_last``
+"""Steps as a line (issue 31, item 6; deeppart/steps/lineage.py): ``keep_last``
 counts only the live line's steps written by a Checkpointer under its own
 naming, a rollback starts a new line whose abandoned steps are retired and
 never resumed, in ``Checkpointer`` and in the multi-level engine."""
@@ -228,7 +228,7 @@ def test_a_cleanup_leaves_a_racing_save_in_flight_alone(tmp_path: Path) -> None:
     not taken for a crash's leftover: the paused save then commits."""
     import threading
 
-    from deeppart import writer
+    from deeppart.saving import writer
 
     root = tmp_path / "ckpt"
     paused, go = threading.Event(), threading.Event()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import deeppart
-from deeppart.state import encode_plain
+from deeppart.state.state import encode_plain
 
 # ----------------------------------------------------------------------------
 # A real model and AdamW state after one step.

@@ -1,4 +1,4 @@
-"""Save owns only what it made (deeppart/ownership.py): a target that holds
+"""Save owns only what it made (deeppart/storage/ownership.py): a target that holds
 something of the user's is refused before anything is written, and
 cleanups remove only DeepPart's own directories. Every test compares the
 user's files, byte for byte, before and after."""

@@ -1,4 +1,4 @@
-"""deeppart.reader.read_file with ``through=``: the reader of a one-host load
+"""deeppart.loading.reader.read_file with ``through=``: the reader of a one-host load
 reads each raw piece into the shared window chunk by chunk, checksums each
 chunk there and copies it on to its own tensor. A piece longer than one
 chunk (with a partial last chunk) arrives whole in both places; a byte
@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import deeppart
-from deeppart import reader
 from deeppart.errors import CorruptCheckpointError
 from deeppart.format import Metadata, Piece, data_file_name
+from deeppart.loading import reader
 from deeppart.progress import Progress
 
 CHUNK = 4096

@@ -1,7 +1,7 @@
 """The O(runs) region arithmetic of sharded tensors (deeppart.regions
 ``placement_region``, ``select_positions``, ``runs_of``, ``_positions``)
 against torch's own per-row shard arithmetic (``_get_shard_size_and_offsets``,
-as ``deeppart.dtensor._region_at`` used it before) over many global shapes,
+as ``deeppart.state.dtensor._region_at`` used it before) over many global shapes,
 mesh sizes and placements: uneven and empty shards, ``_StridedShard`` and
 chains of placements on one dimension. One process, no DeviceMesh."""
 
@@ -22,7 +22,7 @@ from torch.distributed.tensor import Replicate, Shard  # noqa: E402
 from torch.distributed.tensor._utils import _get_shard_size_and_offsets  # noqa: E402
 from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
 
-from deeppart.dtensor import _placement_specs, _region_at  # noqa: E402
+from deeppart.state.dtensor import _placement_specs, _region_at  # noqa: E402
 
 
 def _loop_runs(index: Sequence[int]) -> tuple[tuple[int, int], ...]:

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import deeppart
-from deeppart import reader
 from deeppart.format import HEADER_SIZE
+from deeppart.loading import reader
 from deeppart.storage import files as storage_files
 
 

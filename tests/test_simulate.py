@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from deeppart import _planner
-from deeppart.manifest_source import read_manifest as load_manifest
-from deeppart.models import MODELS
 from deeppart.tools.cli import main
+from deeppart.tools.manifest_source import read_manifest as load_manifest
+from deeppart.tools.models import MODELS
 from deeppart.tools.plotting import plot_plan_load, plot_scaling
 from deeppart.tools.simulate import (
     BASELINES,

@@ -1,4 +1,4 @@
-"""Device <-> host staging in bounded chunks (deeppart.staging), on the CPU.
+"""Device <-> host staging in bounded chunks (deeppart.state.staging), on the CPU.
 
 There is no GPU here, so the tests declare every tensor a "device" tensor
 (``needs_staging`` always true): save and load then take exactly the code
@@ -19,7 +19,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import deeppart  # noqa: E402
-from deeppart import staging, writer  # noqa: E402
+from deeppart.saving import writer  # noqa: E402
+from deeppart.state import staging  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mpi_checkpoint import assert_bitwise_equal, make_state  # noqa: E402

@@ -1,4 +1,4 @@
-"""The union model's building (deeppart.union), single process: synthetic
+"""The union model's building (deeppart.state.union), single process: synthetic
 descriptions of several ranks, as the save's exchange delivers them."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from deeppart.errors import ReplicaMismatchError, StateMismatchError
-from deeppart.union import (
+from deeppart.state.union import (
     VERSION_KEY,
     Described,
     Digests,
@@ -256,7 +256,7 @@ def test_version_3_metadata_is_checked(tmp_path: Any) -> None:
     import deeppart
     from deeppart.errors import CorruptCheckpointError
     from deeppart.format import parse_metadata
-    from deeppart.reader import leaf_infos
+    from deeppart.loading.reader import leaf_infos
 
     torch = pytest.importorskip("torch")
     deeppart.save({"w": torch.ones(2), "x": 1}, tmp_path / "c")

@@ -18,7 +18,6 @@ import pytest
 import torch
 
 import deeppart
-from deeppart import reader
 from deeppart.errors import (
     CheckpointError,
     CommitConflictError,
@@ -28,11 +27,12 @@ from deeppart.errors import (
     UnsupportedURLError,
 )
 from deeppart.format import HEADER_SIZE, MARKER, METADATA, data_file_name
+from deeppart.loading import reader
 from deeppart.progress import Progress
+from deeppart.saving.writer import WriteEvent, fault_hook
 from deeppart.storage import S3URL, ObjectExistsError, ObjectStore, open_store, parse_location, s3
 from deeppart.storage.objects import read_marker, save_groups
 from deeppart.storage.s3 import S3Store
-from deeppart.writer import WriteEvent, fault_hook
 
 ROOT = Path(__file__).resolve().parent.parent
 WAIT_S = 120.0
@@ -392,7 +392,7 @@ def test_failed_save_removes_its_objects(s3_url: str) -> None:
 
 _KILLED_SAVE = """
 import os, sys, torch, deeppart
-from deeppart.writer import fault_hook
+from deeppart.saving.writer import fault_hook
 with fault_hook("after-write", lambda ev: os._exit(17)):
     deeppart.save({"w": torch.ones(100)}, sys.argv[1], overwrite=True)
 """

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import deeppart
-from deeppart import values
 from deeppart.format import METADATA
-from deeppart.state import decode_plain, encode_plain, flatten
+from deeppart.state import values
+from deeppart.state.state import decode_plain, encode_plain, flatten
 
 
 def _same(a: Any, b: Any) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 import deeppart
 from bench import zoo
-from deeppart.state import describe_leaves
+from deeppart.state.state import describe_leaves
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")

@@ -76,7 +76,7 @@ impl Manifest {
     /// or on the command line `deeppart manifest CHECKPOINT|FILE.safetensors|MODEL`.
     #[staticmethod]
     fn from_state_dict(py: Python<'_>, state: &Bound<'_, PyAny>) -> PyResult<Manifest> {
-        let walker = py.import("deeppart.state")?;
+        let walker = py.import("deeppart.state.state")?;
         let leaves = walker.call_method1("describe_leaves", (state,))?;
         Manifest::from_leaves(&leaves, None)
     }

@@ -48,7 +48,7 @@ from deeppart.comm import resolve
 from deeppart.errors import CheckpointError, StateMismatchError
 from deeppart.format import is_committed, remove_tree
 from deeppart.integrations.rng import gather_rng_states, restore_rng_states
-from deeppart.ownership import owned_dir
+from deeppart.storage.ownership import owned_dir
 
 __all__ = ["load_state", "save_state"]
 

@@ -40,7 +40,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from deeppart.checkpoint import load, save
 from deeppart.errors import CheckpointError
 from deeppart.format import remove_tree
-from deeppart.ownership import owned_dir
+from deeppart.storage.ownership import owned_dir
 
 __all__ = ["DeepPartCheckpointIO", "DeepPartDDPStrategy", "DeepPartModelParallelStrategy"]
 
@@ -240,7 +240,7 @@ class DeepPartModelParallelStrategy(ModelParallelStrategy):
             set_optimizer_state_dict,
         )
 
-        from deeppart.reader import open_checkpoint
+        from deeppart.loading.reader import open_checkpoint
 
         path = Path(self.broadcast(checkpoint_path))
         comm = _default_comm(self.comm)

@@ -22,7 +22,7 @@ import numpy as np
 
 from deeppart.comm import Comm
 from deeppart.errors import RngStateWarning
-from deeppart.state import decode_plain, encode_plain
+from deeppart.state.state import decode_plain, encode_plain
 
 __all__ = ["RngStateWarning", "gather_rng_states", "restore_rng_states"]
 

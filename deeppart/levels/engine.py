@@ -18,10 +18,10 @@ data file as :func:`deeppart.save`) into its node's local directory.
   :mod:`deeppart.storage`).
 
 A save (:meth:`BuiltinBackend.save`) runs the package's stages: prepare
-(:mod:`deeppart.prepare`), the L1 write (:mod:`deeppart.writer`), the
+(:mod:`deeppart.saving.prepare`), the L1 write (:mod:`deeppart.saving.writer`), the
 level's extra step (L2 partner copy, L3 parity, or L4 global save), the
 renames, the commit of the metadata with a ``levels`` section
-(:mod:`deeppart.commit`), then the removal of old steps. A restore
+(:mod:`deeppart.storage.commit`), then the removal of old steps. A restore
 (:meth:`BuiltinBackend.load`) runs the steps of
 :mod:`deeppart.levels.recovery`. Where the files are:
 :mod:`deeppart.levels.layout`; file helpers: :mod:`deeppart.levels.files`.
@@ -46,11 +46,9 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from deeppart import lineage
 from deeppart.agreement import agree, from_root
 from deeppart.checkpoint import save
 from deeppart.comm import Comm, resolve
-from deeppart.commit import commit_dir, metadata_json, remove_temp_dir
 from deeppart.errors import (
     CheckpointError,
     LevelConfigError,
@@ -63,21 +61,30 @@ from deeppart.levels.backend import LevelSaveStats, RecoveryReport
 from deeppart.levels.config import LevelConfig
 from deeppart.levels.erasure import STRIPE_BYTES
 from deeppart.levels.layout import Layout, step_name, steps_in
-from deeppart.ownership import check_target, checkpoint_file, level_file, remove_owned, side_name
-from deeppart.planning import PlanProvider
-from deeppart.prepare import Prepared, agree_prepared, prepare, refuse_sharded
+from deeppart.loading.reader import IntoMatch, Target, all_leaf_targets, assemble
 from deeppart.progress import Progress
-from deeppart.reader import IntoMatch, Target, all_leaf_targets, assemble
+from deeppart.saving.metadata import metadata_json
+from deeppart.saving.planning import PlanProvider
+from deeppart.saving.prepare import Prepared, agree_prepared, prepare, refuse_sharded
+from deeppart.saving.writer import RECORD_FIELDS, write_pieces
+from deeppart.steps import lineage
+from deeppart.storage.commit import commit_dir, remove_temp_dir
+from deeppart.storage.ownership import (
+    check_target,
+    checkpoint_file,
+    level_file,
+    remove_owned,
+    side_name,
+)
 from deeppart.storage.target import save_target
 from deeppart.storage.url import Location, location_key
-from deeppart.writer import RECORD_FIELDS, write_pieces
 
 _T = TypeVar("_T")
 
 
 def _remove_owned(path: Path, ours: Callable[[str], bool] = checkpoint_file) -> None:
     """Removes ``path`` if it holds only DeepPart's files (by name and
-    content, :func:`deeppart.ownership.remove_owned`); else leaves it."""
+    content, :func:`deeppart.storage.ownership.remove_owned`); else leaves it."""
     remove_owned(path, ours)
 
 
@@ -143,7 +150,7 @@ class BuiltinBackend:
         )
         self.last_recovery: RecoveryReport | None = None
         #: The line the next save continues (rank 0 writes the records,
-        #: :mod:`deeppart.lineage`): the step last loaded or saved, its run.
+        #: :mod:`deeppart.steps.lineage`): the step last loaded or saved, its run.
         self._parent: lineage.Link | None = None
         self._run: str | None = None
         #: CPU seconds in Reed-Solomon decoding on this rank, and the bytes of
@@ -209,7 +216,7 @@ class BuiltinBackend:
                     # removed after this save commits (see _cleanup).
                     leftovers = objects.leftovers(below=step)
             if user is not None:
-                from deeppart.state import encode_plain
+                from deeppart.state.state import encode_plain
 
                 encode_plain(user, ("<user>",))
             # Every rank checks its node's directory: only DeepPart's files
@@ -317,7 +324,7 @@ class BuiltinBackend:
 
     def _line_record(self, step: int, user: Any) -> tuple[Any, lineage.Link, str]:
         """Rank 0: the user value of a save of ``step`` with its line record
-        (:mod:`deeppart.lineage`), the new step as a parent, and its run."""
+        (:mod:`deeppart.steps.lineage`), the new step as a parent, and its run."""
         lines = self.layout.lines()
         parent, run = self._parent, self._run or lineage.new_run()
         at = lines.nodes.get(step)
@@ -408,7 +415,7 @@ class BuiltinBackend:
     def _cleanup(self, newest: int, seq: int, leftovers: dict[int, set[str]] | None = None) -> None:
         """After step ``newest`` committed as ``seq``: removes, in every
         root, the steps of its line beyond ``keep`` and the steps of the
-        lines it left (:meth:`deeppart.lineage.Lines.abandoned`), uncommitted
+        lines it left (:meth:`deeppart.steps.lineage.Lines.abandoned`), uncommitted
         older ones, and leftovers of interrupted commits: only step
         directories named as DeepPart names them, holding nothing but
         DeepPart's files (a user's directory of such a name stays); a
@@ -418,9 +425,9 @@ class BuiltinBackend:
         With ``glbl_dir`` in an object store, a retired step's L4 copy goes
         if it is that very save (its marker first, then that save's objects
         recognised by save id and content,
-        :meth:`deeppart.object_steps.ObjectSteps.remove_step`), and the
+        :meth:`deeppart.steps.object_steps.ObjectSteps.remove_step`), and the
         ``leftovers`` of interrupted L4 saves that rank 0 listed when this
-        save began (:meth:`~deeppart.object_steps.ObjectSteps.leftovers`)
+        save began (:meth:`~deeppart.steps.object_steps.ObjectSteps.leftovers`)
         are removed the same way; nothing else under the prefix is touched.
         The save has committed: a failure here is a warning."""
         c = self.comm

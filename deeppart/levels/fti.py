@@ -46,7 +46,6 @@ import numpy.typing as npt
 
 from deeppart.agreement import agree
 from deeppart.comm import Comm, MPIComm, SingleComm
-from deeppart.commit import metadata_head
 from deeppart.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -66,10 +65,11 @@ from deeppart.levels.libfti import (
     find_libfti,
     load_libfti,
 )
-from deeppart.planning import PlanProvider
-from deeppart.prepare import Prepared, agree_prepared, prepare, refuse_sharded
-from deeppart.reader import all_leaf_targets, assemble, leaf_infos
-from deeppart.tensors import dtype_sizes, readable, u8_view
+from deeppart.loading.reader import all_leaf_targets, assemble, leaf_infos
+from deeppart.saving.metadata import metadata_head
+from deeppart.saving.planning import PlanProvider
+from deeppart.saving.prepare import Prepared, agree_prepared, prepare, refuse_sharded
+from deeppart.state.tensors import dtype_sizes, readable, u8_view
 
 #: ``find_libfti``, ``load_libfti`` and ``check_same_mpi`` are
 #: :mod:`deeppart.levels.libfti`'s, re-exported here (docs/FTI.md names them

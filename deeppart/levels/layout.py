@@ -16,7 +16,7 @@ things are; it does no I/O beyond listing directories. For one step::
 ``glbl_dir`` may be an object store URL (``s3://bucket/prefix``): then each
 step's L4 copy is a checkpoint at ``s3://bucket/prefix/<exec_id>/step-NNNNNNNN``
 as :func:`deeppart.save` writes one there (:mod:`deeppart.storage.objects`),
-and its steps are listed through :class:`deeppart.object_steps.ObjectSteps`
+and its steps are listed through :class:`deeppart.steps.object_steps.ObjectSteps`
 (:meth:`Layout.global_objects`).
 """
 
@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deeppart import lineage
 from deeppart.format import STEP_PREFIX, data_file_name, is_committed, step_dir_name, step_number
 from deeppart.levels.config import LevelConfig
-from deeppart.object_steps import ObjectSteps
+from deeppart.steps import lineage
+from deeppart.steps.object_steps import ObjectSteps
 from deeppart.storage import open_store
 from deeppart.storage.url import S3URL, Location
 
@@ -162,7 +162,7 @@ class Layout:
         return sorted(steps)
 
     def lines(self) -> lineage.Lines:
-        """The committed steps' line records (:mod:`deeppart.lineage`):
+        """The committed steps' line records (:mod:`deeppart.steps.lineage`):
         ``meta_dir``'s, then ``glbl_dir``'s for steps it alone holds."""
         objects = self.global_objects()
         if objects is None:

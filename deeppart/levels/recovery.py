@@ -19,7 +19,7 @@ is collective over the job's communicator):
 4. :func:`restore_redundancy`: the partner copies and parity shards lost
    with a node are made again;
 5. :func:`distribute`: every rank broadcasts its file and places the pieces
-   it needs (the reader stage's :func:`~deeppart.reader.read_pieces`).
+   it needs (the reader stage's :func:`~deeppart.loading.reader.read_pieces`).
 
 :meth:`~deeppart.levels.engine.BuiltinBackend.latest` uses steps 1 and 2
 with sizes only (no reads).
@@ -46,8 +46,8 @@ from deeppart.levels import erasure, files, partner
 from deeppart.levels.backend import RecoveryReport
 from deeppart.levels.files import EMPTY, U8, BufReader, by_rank, file_ok, read_all, size_is
 from deeppart.levels.layout import Layout, parity_file, partner_file
+from deeppart.loading.reader import Target, open_checkpoint, read_metadata, read_pieces
 from deeppart.progress import Progress
-from deeppart.reader import Target, open_checkpoint, read_metadata, read_pieces
 from deeppart.storage import open_store
 from deeppart.storage.objects import open_committed
 from deeppart.storage.url import Location
@@ -165,7 +165,7 @@ def global_file(where: Location, rank: int, size: int, deep: bool) -> tuple[bool
 
 def candidates(comm: Comm, layout: Layout, step: int | None) -> list[int]:
     """The steps to try, newest first: ``step``, else the live line's
-    committed steps (:mod:`deeppart.lineage`; the same list on every rank,
+    committed steps (:mod:`deeppart.steps.lineage`; the same list on every rank,
     else every rank raises)."""
     if step is not None:
         return [step]

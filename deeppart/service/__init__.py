@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from deeppart._planner import CostModel, Manifest, Plan, Topology
 from deeppart.errors import PlannerServiceError
-from deeppart.plan_cache import plan as plan_in_process
+from deeppart.saving.plan_cache import plan as plan_in_process
 
 if TYPE_CHECKING:
     from deeppart.service.client import PlannerClient

@@ -32,9 +32,9 @@ import grpc
 
 from deeppart._planner import PLANNER_VERSION, CostModel, Manifest, Plan, Topology, plan_fingerprint
 from deeppart.errors import DeepPartError, PlannerServiceError, ServiceUnavailable
-from deeppart.plan_cache import plan as plan_in_process
-from deeppart.plan_cache import resolve_cache
 from deeppart.proto import planner_pb2 as pb
+from deeppart.saving.plan_cache import plan as plan_in_process
+from deeppart.saving.plan_cache import resolve_cache
 from deeppart.service import wire
 from deeppart.service.options import JOB_METADATA_KEY, SERVICE_NAME
 

@@ -49,8 +49,8 @@ from deeppart._planner import (
     plan_fingerprint,
 )
 from deeppart.errors import DeepPartError, ServiceError
-from deeppart.plan_cache import plan as plan_in_process
 from deeppart.proto import planner_pb2 as pb
+from deeppart.saving.plan_cache import plan as plan_in_process
 from deeppart.service import wire
 from deeppart.service.options import (
     DEFAULT_MAX_MESSAGE_BYTES,

@@ -14,7 +14,7 @@
   commit marker put last and conditionally; cleanup by save id and content;
   :func:`open_committed` for loads).
 - :mod:`deeppart.storage.target`: :class:`SaveTarget`, what the save's
-  stages call on a file system (:class:`LocalTarget`, :mod:`deeppart.commit`)
+  stages call on a file system (:class:`LocalTarget`, :mod:`deeppart.storage.commit`)
   or an object store (:class:`ObjectTarget`).
 
 :func:`open_store` gives the store of a path or URL.

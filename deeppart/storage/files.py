@@ -1,7 +1,7 @@
 """A committed checkpoint's files as the load's readers see them, on a
 file system or in an object store.
 
-:data:`CheckpointDir` is what :func:`deeppart.reader.open_checkpoint`
+:data:`CheckpointDir` is what :func:`deeppart.loading.reader.open_checkpoint`
 returns: a directory (:class:`~pathlib.Path`) or the objects of one save
 (:class:`~deeppart.storage.objects.ObjectDir`). Both name a file as
 ``directory / name`` in messages; :func:`open_data` opens one for

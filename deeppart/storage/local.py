@@ -3,11 +3,11 @@
 :class:`LocalStore` is an :class:`~deeppart.storage.base.ObjectStore` over
 a directory: object names are relative paths in it. Objects appear whole
 (written to a temporary name, fsynced, then renamed), ``create=True`` puts
-never replace (:func:`deeppart.commit.rename_noreplace`), and reads refuse
+never replace (:func:`deeppart.storage.commit.rename_noreplace`), and reads refuse
 what is not a regular file (:func:`deeppart.format.open_regular`).
 
 Checkpoints on a file system keep their own commit, with a rename
-(:mod:`deeppart.commit`: the temporary directory, its lock, the commit and
+(:mod:`deeppart.storage.commit`: the temporary directory, its lock, the commit and
 ownership by content): :class:`deeppart.storage.target.LocalTarget` runs
 it. This store serves the tools that treat a file system directory and an
 object store alike, and tests of the interface.
@@ -22,9 +22,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from deeppart.commit import rename_noreplace
 from deeppart.format import fsync_dir, open_regular
 from deeppart.storage.base import ObjectExistsError, ObjectInfo, ObjectStore, ObjectWriter
+from deeppart.storage.commit import rename_noreplace
 
 __all__ = ["LocalStore"]
 

@@ -89,9 +89,9 @@ from deeppart.format import (
     marker_text,
     saving_text,
 )
-from deeppart.ownership import checkpoint_file, head_save_id
 from deeppart.storage.base import ObjectExistsError, ObjectStore, RangeReader
 from deeppart.storage.identity import check_written
+from deeppart.storage.ownership import checkpoint_file, head_save_id
 
 __all__ = [
     "Begun",

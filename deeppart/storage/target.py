@@ -4,7 +4,7 @@ layer.
 :func:`save_target` gives the :class:`SaveTarget` of a location: a
 :class:`LocalTarget` for a file system path (the temporary directory, its
 lock, the rename that cannot replace, ownership by content:
-:mod:`deeppart.commit`, unchanged) or an :class:`ObjectTarget` for an
+:mod:`deeppart.storage.commit`, unchanged) or an :class:`ObjectTarget` for an
 object store (the conditional marker: :mod:`deeppart.storage.objects`).
 The save's stages call the same methods on either
 (:meth:`SaveTarget.check` and :meth:`~SaveTarget.identity` on every rank,
@@ -38,11 +38,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from deeppart.commit import commit_dir, make_temp_dir, remove_temp_dir
 from deeppart.errors import StoreConfigError
 from deeppart.format import data_file_name
-from deeppart.ownership import check_target
 from deeppart.storage.base import ObjectStore
+from deeppart.storage.commit import commit_dir, make_temp_dir, remove_temp_dir
 from deeppart.storage.identity import Identity, check_written, ranks_text
 from deeppart.storage.objects import (
     Begun,
@@ -52,6 +51,7 @@ from deeppart.storage.objects import (
     commit_save,
     data_key,
 )
+from deeppart.storage.ownership import check_target
 from deeppart.storage.s3 import s3_store
 from deeppart.storage.url import S3URL
 
@@ -102,7 +102,7 @@ class SaveTarget(abc.ABC):
         """Rank 0, before anything is written: prepares the save (refusing
         a committed checkpoint unless ``overwrite``); returns what the
         other ranks need to find where to write (sent to them), at most
-        :data:`deeppart.commit.TEMP_NAME_MAX` bytes."""
+        :data:`deeppart.storage.commit.TEMP_NAME_MAX` bytes."""
 
     @abc.abstractmethod
     def data_file(self, token: str, save_id: str, rank: int) -> tuple[Path, Opener | None]:
@@ -120,7 +120,7 @@ class SaveTarget(abc.ABC):
 
 
 class LocalTarget(SaveTarget):
-    """A checkpoint directory on a file system (:mod:`deeppart.commit`)."""
+    """A checkpoint directory on a file system (:mod:`deeppart.storage.commit`)."""
 
     def __init__(self, final: Path) -> None:
         self.final = final

@@ -242,7 +242,7 @@ def _timed_save(state: dict[str, Any], directory: Path) -> tuple[int, float]:
     alone into the new ``directory``."""
     from deeppart.checkpoint import save
     from deeppart.comm import SingleComm
-    from deeppart.planning import PlanProvider
+    from deeppart.saving.planning import PlanProvider
 
     # Repeated saves of a state reuse its plan, as a training run's do; the
     # synthetic plans stay out of the user's on-disk plan cache.

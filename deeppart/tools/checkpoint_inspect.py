@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from deeppart import _planner
-from deeppart.checkpoint_source import LocalFile, StoredFile, open_source, source_location
 from deeppart.errors import CheckpointError, CorruptCheckpointError
 from deeppart.format import (
     HEADER_SIZE,
@@ -39,6 +38,7 @@ from deeppart.progress import Progress, human_bytes
 from deeppart.regions import Region
 from deeppart.storage import S3URL, parse_location
 from deeppart.storage.objects import ObjectDir
+from deeppart.tools.checkpoint_source import LocalFile, StoredFile, open_source, source_location
 
 
 def _load_metadata(directory: Path, *, allow_uncommitted: bool) -> tuple[Metadata, bool]:

@@ -65,7 +65,7 @@ def _human_bytes(n: float) -> str:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from deeppart.errors import CheckpointError
-    from deeppart.manifest_source import read_manifest
+    from deeppart.tools.manifest_source import read_manifest
 
     try:
         manifest = read_manifest(args.manifest)
@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_cache_parser(sub)
 
     # Manifests from checkpoints, safetensors files and built-in models (issue 17).
-    from deeppart.manifest_source import add_parser as add_manifest_parser
+    from deeppart.tools.manifest_source import add_parser as add_manifest_parser
 
     add_manifest_parser(sub)
 

@@ -124,7 +124,7 @@ def _state(model: Any, opt: Any, step: int, losses: list[float]) -> dict[str, An
 def state_digest(state: Any) -> str:
     """sha256 over every leaf: path, dtype, shape and raw bytes of tensors,
     the plain encoding of values. Equal digests mean bitwise-equal states."""
-    from deeppart.state import flatten
+    from deeppart.state.state import flatten
 
     h = hashlib.sha256()
     leaves, skeleton = flatten(state)
@@ -154,9 +154,9 @@ def _fsynced_torch_save(state: Any, path: Path) -> None:
 
 def _arm_crash(rank: int, step: int) -> None:
     """Fault injection for the demo only, through the writer's named hook
-    (:func:`deeppart.writer.add_fault_hook`): this rank's next data-file
+    (:func:`deeppart.saving.writer.add_fault_hook`): this rank's next data-file
     write completes, then the process SIGKILLs itself, mid-save."""
-    from deeppart.writer import WriteEvent, add_fault_hook
+    from deeppart.saving.writer import WriteEvent, add_fault_hook
 
     def dying(event: WriteEvent) -> None:
         print(

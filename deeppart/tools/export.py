@@ -32,13 +32,13 @@ from pathlib import Path
 from typing import Any
 
 from deeppart.checkpoint import load, save
-from deeppart.checkpoint_source import committed_metadata
 from deeppart.comm import SingleComm
 from deeppart.errors import CheckpointError, DeepPartError, ExportError
 from deeppart.format import decode_metadata
-from deeppart.ownership import local_path
-from deeppart.state import skeleton_paths
+from deeppart.state.state import skeleton_paths
 from deeppart.storage import S3URL, parse_location
+from deeppart.storage.ownership import local_path
+from deeppart.tools.checkpoint_source import committed_metadata
 
 #: Hugging Face's names of the files in a safetensors model directory.
 SAFETENSORS_SINGLE = "model.safetensors"

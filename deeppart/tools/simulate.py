@@ -385,7 +385,7 @@ def storage_from_args(args: argparse.Namespace) -> StorageModel:
 
 
 def run(args: argparse.Namespace) -> int:
-    from deeppart.manifest_source import read_manifest as load_manifest
+    from deeppart.tools.manifest_source import read_manifest as load_manifest
 
     try:
         manifest = load_manifest(args.model)

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from deeppart.errors import NotInPlaceWarning, StateMismatchError
-from deeppart.state import held_twice, legacy_path, path_key, skeleton_paths
+from deeppart.state.state import held_twice, legacy_path, path_key, skeleton_paths
 
 PathLike = tuple[Any, ...]
 

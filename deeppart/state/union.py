@@ -6,7 +6,7 @@ each DTensor shard with the global ranks that hold it, its skeleton) and
 digests what it holds (:class:`Digests`: a hash of each plain value, a
 digest of the whole bytes of each tensor it shares with other ranks). Ranks with the
 same structure form one *class*, and only the lowest rank of a class sends
-its description (:mod:`deeppart.prepare` does the exchange); from the
+its description (:mod:`deeppart.saving.prepare` does the exchange); from the
 descriptions and digests :func:`build_union` computes, alike on every rank,
 the job's manifest: each distinct item with the ranks that hold it.
 
@@ -39,8 +39,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from deeppart.dtensor import renumber_skeleton
 from deeppart.errors import ReplicaMismatchError, StateMismatchError
+from deeppart.state.dtensor import renumber_skeleton
 
 __all__ = [
     "VERSION_KEY",
@@ -86,7 +86,7 @@ class Digests:
     #: Plain values: a hash of the encoding.
     values: dict[int, str] = field(default_factory=dict)
     #: Tensors (and shards) that other ranks hold too: the xxh3_128 digest
-    #: of their whole bytes (``deeppart.prepare.tensor_digest``; the name
+    #: of their whole bytes (``deeppart.saving.prepare.tensor_digest``; the name
     #: is kept from when they were sampled).
     samples: dict[int, str] = field(default_factory=dict)
 

@@ -8,7 +8,7 @@
 - a ``.safetensors`` file: only its JSON header is read (names, dtypes,
   shapes; no tensor data), optionally with the AdamW state a training
   checkpoint of that model holds;
-- a built-in model name (``deeppart.models.MODELS``).
+- a built-in model name (``deeppart.tools.models.MODELS``).
 
 From Python: ``Manifest.from_state_dict(state).to_json()``.
 """
@@ -119,7 +119,7 @@ def from_safetensors(path: Path, *, adamw: bool = False) -> Manifest:
         return Manifest.from_leaves(
             [{"path": ["model", name], "dtype": dt, "shape": shape} for name, dt, shape in leaves]
         )
-    from deeppart.models import adamw_leaves
+    from deeppart.tools.models import adamw_leaves
 
     def floating(dtype: str) -> bool:
         return dtype.startswith(("float", "bfloat"))
@@ -140,13 +140,13 @@ def read_manifest(source: str, *, adamw: bool = False) -> Manifest:
     """The manifest ``source`` names: a built-in model, a checkpoint (directory
     or metadata.json, or a committed one at an ``s3://`` URL), a .safetensors
     file or a manifest JSON file."""
-    from deeppart.models import MODELS
     from deeppart.storage import S3URL, is_url, parse_location
+    from deeppart.tools.models import MODELS
 
     if is_url(source):
         where = parse_location(source)  # other URLs: UnsupportedURLError
         if isinstance(where, S3URL):
-            from deeppart.checkpoint_source import committed_metadata
+            from deeppart.tools.checkpoint_source import committed_metadata
 
             return _recorded_manifest(committed_metadata(where), str(where))
 

@@ -9,7 +9,7 @@ it commits). A step counts only while committed (the marker is
 DeepPart's and matches the metadata it names,
 :func:`~deeppart.storage.objects.open_committed`); its line record is
 read from that metadata as on a file system
-(:func:`deeppart.lineage.node_of`).
+(:func:`deeppart.steps.lineage.node_of`).
 
 Object storage has no rename: nothing is moved aside. Without
 ``keep_last`` the steps of a line left by a rollback stay where they are
@@ -37,7 +37,7 @@ from pathlib import Path
 
 from deeppart.errors import CheckpointError, ForeignPathError
 from deeppart.format import MARKER, step_dir_name, step_number
-from deeppart.lineage import Legacy, Lines, Node, node_of
+from deeppart.steps.lineage import Legacy, Lines, Node, node_of
 from deeppart.storage import ObjectStore
 from deeppart.storage.objects import open_committed, read_marker, remove_save
 
@@ -94,7 +94,7 @@ class ObjectSteps:
         return found
 
     def lines(self) -> tuple[Lines, dict[int, StoredStep], dict[int, str]]:
-        """The lines of the committed steps (as :func:`deeppart.lineage.scan`;
+        """The lines of the committed steps (as :func:`deeppart.steps.lineage.scan`;
         a node's ``path`` is the step's name under the root), what each
         step prefix holds, and the save id each committed step's marker
         names."""

@@ -24,19 +24,19 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from deeppart import values as _values
 from deeppart.errors import StateError, ValueEncodeError
+from deeppart.state import values as _values
 
 PathKey = str | int
 Path = tuple[PathKey, ...]
 
 # Tags of the plain encoding. A JSON object is only ever a tag, never a dict.
 # Typed values (numpy, torch dtypes, ordered dicts, sets) have the tags of
-# deeppart.values.
+# deeppart.state.values.
 _DICT, _TUPLE, _BYTES, _FLOAT = "d", "t", "b", "f"
 _MAX_DEPTH = 200
 #: Types encoded here directly; any other type is first offered to
-#: deeppart.values (numpy scalars subclass float, torch.Size tuple, ...).
+#: deeppart.state.values (numpy scalars subclass float, torch.Size tuple, ...).
 _BUILTIN = frozenset({type(None), bool, int, float, str, bytes, bytearray, list, tuple, dict})
 
 

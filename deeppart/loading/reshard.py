@@ -51,13 +51,20 @@ from deeppart.format import (
     check_header,
     data_file_name,
 )
+from deeppart.loading.reader import FirstError, read_file
 from deeppart.progress import Progress
-from deeppart.reader import FirstError, read_file
 from deeppart.regions import DTensorRecord, Region, ShardRecord
-from deeppart.restore import describe, refuse_meta, select
-from deeppart.state import Flat, flatten, is_dtensor
+from deeppart.state.restore import describe, refuse_meta, select
+from deeppart.state.state import Flat, flatten, is_dtensor
+from deeppart.state.tensors import (
+    U8,
+    on_meta,
+    torch_dtypes,
+    torch_module,
+    u8_view,
+    written_in_place,
+)
 from deeppart.storage.files import CheckpointDir, check_file_sizes, open_data
-from deeppart.tensors import U8, on_meta, torch_dtypes, torch_module, u8_view, written_in_place
 
 __all__ = [
     "ShardReads",
@@ -178,7 +185,7 @@ def shard_targets(
         if on_meta(into_leaves[j]):
             meta_paths.append(describe(path))
         if is_dtensor(t):
-            from deeppart.dtensor import local_region
+            from deeppart.state.dtensor import local_region
 
             out.needs.append(Need(path, local_region(t, path), t._local_tensor))
         else:

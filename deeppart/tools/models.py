@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from deeppart._planner import Manifest
-from deeppart.state import encode_plain
+from deeppart.state.state import encode_plain
 
 Shape = tuple[int, ...]
 Named = list[tuple[str, Shape]]

@@ -10,7 +10,7 @@ temporary directory, fsyncs, then one rename that cannot replace anything
 the marker is never loaded; a replaced checkpoint (``overwrite=True``, and
 only a committed DeepPart checkpoint, checked again at commit time) is
 moved aside first, stays committed there until the new one is in place,
-and is then removed file by file (:func:`deeppart.ownership.remove_owned`).
+and is then removed file by file (:func:`deeppart.storage.ownership.remove_owned`).
 
 What a commit may replace (docs/SECURITY.md, "What DeepPart may replace or
 delete"): nothing, if the target is absent or an empty directory (removed
@@ -29,51 +29,33 @@ import contextlib
 import ctypes
 import errno
 import fcntl
-import json
 import os
-import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-import numpy as np
-import numpy.typing as npt
-
-from deeppart.compression import CODECS
 from deeppart.errors import CheckpointError, CommitConflictError
 from deeppart.format import (
-    FORMAT_NAME,
-    FORMAT_VERSION,
-    HEADER_SIZE,
     MARKER,
     METADATA,
-    METADATA_VERSION_SHARDED,
-    METADATA_VERSION_UNION,
-    PIECE_FIELDS,
     fsync_dir,
     is_committed,
     marker_text,
-    new_save_id,
     write_durable,
 )
-from deeppart.ownership import (
+from deeppart.storage.ownership import (
     check_target,
     checkpoint_file,
     foreign_entries,
     metadata_save_id,
     remove_owned,
 )
-from deeppart.prepare import Prepared
-from deeppart.writer import RECORD_FIELDS
 
 __all__ = [
     "TEMP_NAME_MAX",
     "commit_dir",
     "has_renameat2",
     "make_temp_dir",
-    "metadata_head",
-    "metadata_json",
     "remove_temp_dir",
     "rename_noreplace",
 ]
@@ -147,7 +129,7 @@ def rename_noreplace(src: Path, dst: Path) -> None:
 
 def make_temp_dir(final: Path, overwrite: bool) -> str:
     """Rank 0: refuses a ``final`` that holds something DeepPart did not
-    write (:func:`deeppart.ownership.check_target`, again: the ranks checked
+    write (:func:`deeppart.storage.ownership.check_target`, again: the ranks checked
     it before they agreed), and a committed ``final`` unless ``overwrite``;
     makes and returns the name of the temporary directory next to it, in
     which the ranks write."""
@@ -225,77 +207,6 @@ def remove_temp_dir(tmp: Path, save_id: str | None) -> None:
             f"save did not write ({', '.join(left[:5])})",
             stacklevel=2,
         )
-
-
-def metadata_head(prep: Prepared, codec: str, save_id: str | None = None) -> dict[str, Any]:
-    """The keys of ``metadata.json`` that describe the state and its plan;
-    ``save_id``: the save's id (default: a new one), kept near the start,
-    where :func:`deeppart.ownership.metadata_save_id` reads it."""
-    return {
-        "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
-        "save_id": save_id or new_save_id(),
-        "created_unix": time.time(),
-        "world_size": prep.plan.world_size,
-        "algorithm": prep.plan.algorithm,
-        "plan_fingerprint": prep.plan.fingerprint,
-        "manifest_fingerprint": prep.manifest.fingerprint,
-        "manifest": json.loads(prep.manifest.to_json()),
-        "skeleton": prep.skeleton,
-        "compression": codec,
-        "checksum": "xxh3_64",
-        **dtensor_keys(prep),
-    }
-
-
-def dtensor_keys(prep: Prepared) -> dict[str, Any]:
-    """The ``dtensors`` records of a state with sharded tensors, which
-    version 2 of the metadata adds (docs/FORMAT.md); version 3 (items not
-    held by every rank, per-rank values, versions: :mod:`deeppart.union`)
-    adds each record's ``ranks`` and the ``versions`` records; nothing
-    otherwise."""
-    if prep.union is not None:
-        return {"version": METADATA_VERSION_UNION, **prep.union}
-    if not prep.dtensors:
-        return {}
-    return {"version": METADATA_VERSION_SHARDED, "dtensors": [r.to_json() for r in prep.dtensors]}
-
-
-def metadata_json(
-    prep: Prepared,
-    records: npt.NDArray[np.uint64],
-    user: Any,
-    extra: dict[str, Any] | None = None,
-    save_id: str | None = None,
-) -> bytes:
-    world = prep.plan.world_size
-    counts = [len(prep.plan.rank_pieces(r)) for r in range(world)]
-    rows: list[list[Any]] = []
-    file_sizes: list[int] = []
-    pos = 0
-    raw_total = stored_total = 0
-    for r in range(world):
-        block = records[pos : pos + counts[r] * RECORD_FIELDS + 1]
-        pos += counts[r] * RECORD_FIELDS + 1
-        recs = block[:-1].reshape(-1, RECORD_FIELDS)
-        file_sizes.append(int(block[-1]))
-        for (li, start, stop), rec in zip(prep.plan.rank_pieces(r), recs, strict=True):
-            off, length, stored, xxh, ci = (int(x) for x in rec)
-            rows.append([li, start, stop, r, off, length, stored, CODECS[ci], xxh])
-            raw_total += length
-            stored_total += stored
-    meta = {
-        **metadata_head(prep, prep.codec, save_id),
-        "alignment": HEADER_SIZE,
-        "raw_bytes": raw_total,
-        "stored_bytes": stored_total,
-        "file_sizes": file_sizes,
-        "piece_fields": list(PIECE_FIELDS),
-        "pieces": rows,
-        "user": user,
-        **(extra or {}),
-    }
-    return json.dumps(meta, separators=(",", ":"), allow_nan=False).encode()
 
 
 def commit_dir(

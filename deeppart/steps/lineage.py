@@ -168,7 +168,7 @@ def node_of(metadata: bytes, step: int, where: Path) -> Node | Legacy | None:
     """The step that a committed step's ``metadata.json`` bytes describe
     (:func:`parse` of its user value; None if it is not a Checkpointer's
     step ``step``). ``where``: its directory, or for a step in an object
-    store its name under the root (:mod:`deeppart.object_steps`)."""
+    store its name under the root (:mod:`deeppart.steps.object_steps`)."""
     try:
         raw = json.loads(metadata)
     except (ValueError, RecursionError):

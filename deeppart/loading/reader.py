@@ -32,7 +32,6 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from deeppart import staging as _staging
 from deeppart._planner import Manifest, ManifestError, copy_into
 from deeppart.comm import Comm, InFlight, release_node_shared, reused_node_shared
 from deeppart.compression import decompress_into
@@ -55,7 +54,8 @@ from deeppart.format import (
     read_checked_metadata,
 )
 from deeppart.progress import Progress
-from deeppart.restore import (
+from deeppart.state import staging as _staging
+from deeppart.state.restore import (
     ABSENT,
     IncompatibleKeys,
     describe,
@@ -66,10 +66,8 @@ from deeppart.restore import (
     select_paths,
     write_back_plain,
 )
-from deeppart.state import Flat, FlatLeaf, decode_plain, flatten, skeleton_without, unflatten
-from deeppart.storage.files import CheckpointDir, check_file_sizes, committed_metadata, open_data
-from deeppart.storage.url import S3URL, Location
-from deeppart.tensors import (
+from deeppart.state.state import Flat, FlatLeaf, decode_plain, flatten, skeleton_without, unflatten
+from deeppart.state.tensors import (
     U8,
     dtype_sizes,
     on_meta,
@@ -79,6 +77,8 @@ from deeppart.tensors import (
     u8_view,
     written_in_place,
 )
+from deeppart.storage.files import CheckpointDir, check_file_sizes, committed_metadata, open_data
+from deeppart.storage.url import S3URL, Location
 
 __all__ = [
     "EXCHANGES",
@@ -242,7 +242,7 @@ def leaf_targets(
     per leaf, its selected paths (empty: not read; default: every path of
     every leaf, :func:`meta_leaf_paths`). With ``into``, its leaves are
     matched with the checkpoint's by path (except ``into_elsewhere``, which
-    the sharded stages of :mod:`deeppart.reshard` fill). ``flat``:
+    the sharded stages of :mod:`deeppart.loading.reshard` fill). ``flat``:
     ``flatten(into)``, when the caller has it already."""
     if chosen is None:
         chosen = meta_leaf_paths(meta)
@@ -382,7 +382,7 @@ def plan_reads(
     depend only on the metadata, the arguments and ``same_host``: whether
     every rank runs on this host). The checkpoint leaves in ``elsewhere``
     and the ``into=`` leaves in ``into_elsewhere`` are left to
-    :mod:`deeppart.reshard` (sharded tensors). ``flat``: ``flatten(into)``,
+    :mod:`deeppart.loading.reshard` (sharded tensors). ``flat``: ``flatten(into)``,
     when the caller has it already.
 
     Every rank checksums every byte it reads from storage; a rank that does
@@ -536,7 +536,7 @@ def read_pieces(
     fd = _staging.descriptor_of(f)
     if fd is not None and through is None and done is None and stored_into is None:
         # Raw pieces for device tensors from a local file: several readers
-        # at once (deeppart.staging.read_to_device).
+        # at once (deeppart.state.staging.read_to_device).
         to_device = [
             p for p in pieces
             if p.codec == "none" and p.length and isinstance(dest(p), _staging.DeviceSink)
@@ -570,7 +570,7 @@ def _read_to_devices(
     directory: CheckpointDir,
 ) -> int:
     """Reads raw ``pieces`` of the open file ``fd`` into their device sinks
-    (:func:`deeppart.staging.read_to_device`, one device at a time), each
+    (:func:`deeppart.state.staging.read_to_device`, one device at a time), each
     verified on its host copy; returns the bytes read."""
     by_device: dict[Any, list[_staging.DeviceRead]] = {}
     for p in pieces:

@@ -1,7 +1,7 @@
 """``group=`` on :func:`deeppart.save` and :func:`deeppart.load`.
 
 By default every rank passes its own tree and the checkpoint is the union
-of what the ranks hold (:mod:`deeppart.union`): DTensors on any mesh,
+of what the ranks hold (:mod:`deeppart.state.union`): DTensors on any mesh,
 pipeline stages, per-rank values and groups with their own keys need no
 ``group=``. What ``group=`` still adds on save:
 
@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from deeppart.errors import StateError
-from deeppart.reader import ReadPlan
-from deeppart.state import flatten
+from deeppart.loading.reader import ReadPlan
+from deeppart.state.state import flatten
 
 __all__ = [
     "AUTO",

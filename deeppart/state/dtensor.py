@@ -11,7 +11,7 @@ data is hashed). Every rank derives the same leaves and regions, so the
 manifest and the plan stay identical on all ranks; a rank contributes the
 bytes of the shards it holds, and the plan gives each shard's bytes to its
 holders only. The regions go into ``metadata.json``'s ``dtensors`` records
-(:mod:`deeppart.regions`), which :mod:`deeppart.reshard` reads on load.
+(:mod:`deeppart.regions`), which :mod:`deeppart.loading.reshard` reads on load.
 
 torch is only imported when a state holds a DTensor.
 """
@@ -27,7 +27,7 @@ from typing import Any
 
 from deeppart.errors import StateError
 from deeppart.regions import SHARD_KEY, DTensorRecord, Region, ShardRecord, placement_region
-from deeppart.state import FlatLeaf, describe_leaf, is_dtensor
+from deeppart.state.state import FlatLeaf, describe_leaf, is_dtensor
 
 __all__ = [
     "Expanded",
@@ -282,7 +282,7 @@ def _world() -> int:
 def expand(
     leaves: list[FlatLeaf], skeleton: Any, replica_dims: Sequence[str] | None = None
 ) -> Expanded:
-    """``leaves`` and ``skeleton`` (from :func:`deeppart.state.flatten`) with
+    """``leaves`` and ``skeleton`` (from :func:`deeppart.state.state.flatten`) with
     each DTensor leaf replaced by its shard leaves: on this rank a shard leaf
     holds the local tensor where this rank is a holder, else nothing.
 
@@ -290,7 +290,7 @@ def expand(
     rank describes every holder alike; the levels backends' view); a
     sequence (possibly empty): from the DTensor's own mesh, widened by these
     root-mesh dimensions (:func:`holder_regions`; the union model of
-    :mod:`deeppart.union`)."""
+    :mod:`deeppart.state.union`)."""
     if not any(lf.tensor is not None and is_dtensor(lf.tensor) for lf in leaves):
         return Expanded(leaves, [describe_leaf(lf) for lf in leaves], skeleton, [])
     out: list[FlatLeaf] = []

@@ -1,13 +1,13 @@
 """Stage 2 of a save: prepare. Each rank flattens its state into leaves,
 describes them as a :class:`~deeppart.Manifest`, gets the plan
-(:mod:`deeppart.planning`), and digests everything the ranks must agree on.
+(:mod:`deeppart.saving.planning`), and digests everything the ranks must agree on.
 :func:`agree_prepared` then checks, in one collective, that no rank failed
 and that all ranks prepared the same save; :func:`verify_replicas`
 (optional) checks that their copies of the state hold the same bytes.
 Nothing is written before both pass.
 
 DTensors become shard leaves held by a subset of the ranks
-(:mod:`deeppart.dtensor`). Leaves that every rank holds are also sampled
+(:mod:`deeppart.state.dtensor`). Leaves that every rank holds are also sampled
 (:func:`replica_sample`: a few bytes of each, hashed) and the samples
 compared in the same collective: ranks that pass different tensors at one
 path, e.g. DTensor shards converted with ``to_local()``, fail by default.
@@ -15,7 +15,7 @@ That is :func:`prepare`, the multi-level backends' (which store one copy
 and refuse per-rank state). :func:`prepare_save`, ``deeppart.save``'s,
 samples nothing: every tensor that several ranks hold is digested whole
 (:func:`tensor_digest`; issue 49, replicas are proved), and copies that
-differ become each rank's own version (:mod:`deeppart.union`).
+differ become each rank's own version (:mod:`deeppart.state.union`).
 """
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ from deeppart._planner import Manifest, Plan
 from deeppart.agreement import agree
 from deeppart.comm import Comm
 from deeppart.compression import check_codec
-from deeppart.dtensor import HolderGroups, expand
 from deeppart.errors import CheckpointError, StateMismatchError
 from deeppart.regions import DTensorRecord, Region, ShardRecord
-from deeppart.state import FlatLeaf, check_has_data, flatten
+from deeppart.state.dtensor import HolderGroups, expand
+from deeppart.state.state import FlatLeaf, check_has_data, flatten
+from deeppart.state.tensors import U8, readable, u8_view
+from deeppart.state.union import Described, Digests, Union, build_union, whole_digests_needed
 from deeppart.storage.identity import IDENTITY_BYTES, identity_digest, identity_error
 from deeppart.storage.url import Location, location_key
-from deeppart.tensors import U8, readable, u8_view
-from deeppart.union import Described, Digests, Union, build_union, whole_digests_needed
 
 __all__ = [
     "AGREE_WIDTH",
@@ -69,7 +69,7 @@ SAMPLE_BLOCKS = 3
 @dataclass(frozen=True)
 class StagedPiece:
     """The raw bytes of one of this rank's planned pieces, held apart from
-    the live state (an asynchronous save's snapshot, :mod:`deeppart.snapshot`)."""
+    the live state (an asynchronous save's snapshot, :mod:`deeppart.saving.snapshot`)."""
 
     data: memoryview
     itemsize: int
@@ -96,13 +96,13 @@ class Prepared:
     dtensors: list[DTensorRecord] = field(default_factory=list)
     #: Per leaf held by every rank: 8 bytes of the hash of its sampled bytes.
     samples: dict[int, bytes] = field(default_factory=dict)
-    #: An asynchronous save's snapshot of this rank's pieces (:mod:`deeppart.snapshot`).
+    #: An asynchronous save's snapshot of this rank's pieces (:mod:`deeppart.saving.snapshot`).
     staged: list[StagedPiece] | None = None
     #: Waits until ``staged`` holds its bytes (copies from a device still in
     #: flight), raising if they may be torn; the writer calls it first.
     staged_ready: Callable[[], None] | None = None
     #: A union save whose items are not all held by every rank, or have
-    #: versions (:mod:`deeppart.union`): metadata.json's version 3 keys
+    #: versions (:mod:`deeppart.state.union`): metadata.json's version 3 keys
     #: (``dtensors`` with each record's ranks, ``versions``).
     union: dict[str, Any] | None = None
 
@@ -264,7 +264,8 @@ def agree_prepared_flags(
             "holds the values: save the sharded state (the default options; every rank writes "
             "its part), or pass full_state_dict=True without cpu_offload. If groups of ranks "
             "hold different states on purpose (two data-parallel groups, plain tensor-parallel "
-            'shards), pass group=<this rank\'s replica group> or group="auto" (deeppart.groups)'
+            'shards), pass group=<this rank\'s replica group> or group="auto" '
+            "(deeppart.loading.groups)"
         )
     if samples and len({row[32:48] for row in rows}) != 1:
         _replicas_differ(c, prep)
@@ -285,7 +286,7 @@ def _replicas_differ(c: Comm, prep: Prepared) -> None:
     """The sampled bytes of leaves every rank holds differ: every rank
     raises ReplicaMismatchError naming the leaves and which ranks hold
     which version (one more collective)."""
-    from deeppart.union import replica_error
+    from deeppart.state.union import replica_error
 
     mine = b"".join(prep.samples[i] for i in sorted(prep.samples))
     per_rank = c.allgather_varbytes(mine)
@@ -336,7 +337,7 @@ def verify_replicas(c: Comm, prep: Prepared) -> None:
     :class:`ReplicaMismatchError` naming the leaves whose copies differ and
     which ranks hold which version."""
     from deeppart._planner import replica_digests
-    from deeppart.union import replica_error
+    from deeppart.state.union import replica_error
 
     err: BaseException | None = None
     digests = b""
@@ -409,7 +410,7 @@ def _own_prepare(
     rank: int,
     world: int,
 ) -> _Own:
-    from deeppart.groups import AUTO, group_ranks, namespace
+    from deeppart.loading.groups import AUTO, group_ranks, namespace
 
     codec = check_codec(compression)
     kind = "none" if group is None else "auto" if group == AUTO else "explicit"
@@ -544,7 +545,7 @@ def prepare_save(
 ) -> tuple[Prepared, list[int]]:
     """The prepare stage of :func:`deeppart.save` and its agreement
     (collective over ``c``): each rank passes its own tree (see
-    :mod:`deeppart.union`). Fast path: one agreement of an 81-byte row per
+    :mod:`deeppart.state.union`). Fast path: one agreement of an 81-byte row per
     rank (structure and plan digest, sampled tensors, plain values, the
     ``local`` byte, the digest of ``store``: the identity of the store this
     rank addresses, :func:`deeppart.storage.identity.identity_text`; ranks
@@ -561,7 +562,7 @@ def prepare_save(
     ``declared``: plain tensors that every rank holds are declared
     replicas (``verify_replicas=True``): a difference is refused with
     ReplicaMismatchError instead of stored per rank."""
-    from deeppart.groups import AUTO
+    from deeppart.loading.groups import AUTO
 
     dims = [replica_dims] if isinstance(replica_dims, str) else list(replica_dims or ())
     err: BaseException | None = failed

@@ -1,5 +1,5 @@
 """Each rank's own view of a checkpoint of the union model (metadata
-version 3, :mod:`deeppart.union`).
+version 3, :mod:`deeppart.state.union`).
 
 At the world size of the save, a rank loads exactly what it saved: the
 items it held (another pipeline stage's are left out) and, at a path with
@@ -28,9 +28,9 @@ from typing import Any
 
 from deeppart.errors import PerRankStateError, StateError
 from deeppart.format import Metadata, VersionRecord
-from deeppart.restore import key_prefixes, under
-from deeppart.state import Flat, flatten, path_key
-from deeppart.union import VERSION_KEY
+from deeppart.state.restore import key_prefixes, under
+from deeppart.state.state import Flat, flatten, path_key
+from deeppart.state.union import VERSION_KEY
 
 __all__ = ["OwnView", "by_ranks", "own_view", "resolve_versions", "set_at", "value_at"]
 

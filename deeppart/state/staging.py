@@ -23,7 +23,7 @@ CUDA (docs/GPU.md):
   change the training stream had queued, into pinned memory; the training
   stream is not blocked. :class:`CopiesIssued` is what comes back: the
   host can wait for the copies (the writer thread does), and the training
-  stream is ordered after them on the device (:mod:`deeppart.snapshot`).
+  stream is ordered after them on the device (:mod:`deeppart.saving.snapshot`).
 - :func:`read_to_device` loads raw pieces into device tensors from a local
   file with several threads: each reads a chunk into a pinned slot of the
   staging budget (``pread``, the GIL released), issues its host-to-device

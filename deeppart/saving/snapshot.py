@@ -10,7 +10,7 @@ those pieces' byte ranges into one flat host buffer, sized to the share
 copy per piece, on a side stream, below; for CPU tensors a memcpy
 with non-temporal stores, ``deeppart._planner.copy_into``, not
 ``Tensor.copy_``: see :meth:`ShareSnapshot.take`),
-and returns a :class:`~deeppart.prepare.Prepared` whose ``staged`` pieces
+and returns a :class:`~deeppart.saving.prepare.Prepared` whose ``staged`` pieces
 point into that buffer and whose leaves no longer reference the live
 tensors. Plain values are already immutable bytes (their encoding, made
 when the state was flattened); the snapshot keeps only those this rank
@@ -22,7 +22,7 @@ snapshot while a save still writes from the previous one (asynchronous
 saves wait for the previous one first).
 
 Pieces on a CUDA device are copied on DeepPart's side stream
-(:class:`deeppart.staging.DeviceToHost`), after everything the training
+(:class:`deeppart.state.staging.DeviceToHost`), after everything the training
 stream had queued, into the pinned buffer, and :meth:`ShareSnapshot.take`
 queues them once the save's agreement is past (:meth:`ShareSnapshot.issue`)
 and returns: the host does not wait for them. The current stream of each
@@ -44,10 +44,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from deeppart import staging as _staging
 from deeppart._planner import copy_into
-from deeppart.prepare import Prepared, StagedPiece
-from deeppart.state import FlatLeaf
+from deeppart.saving.prepare import Prepared, StagedPiece
+from deeppart.state import staging as _staging
+from deeppart.state.state import FlatLeaf
 
 __all__ = ["ShareSnapshot", "share_bytes"]
 
@@ -177,7 +177,7 @@ class ShareSnapshot:
 
     def issue(self) -> None:
         """Queues the copies of the last snapshot's pieces on CUDA devices
-        (:class:`deeppart.staging.DeviceToHost`, on DeepPart's side
+        (:class:`deeppart.state.staging.DeviceToHost`, on DeepPart's side
         stream), then makes the training stream's next work wait for them on
         the device, unless they read copies made within the device: nothing
         the loop queues from then on can change what they read. Called once

@@ -3,7 +3,7 @@
 The one-line change for DCP users::
 
     import torch.distributed.checkpoint as dcp
-    from deeppart.dcp import BalancedSavePlanner
+    from deeppart.integrations.dcp import BalancedSavePlanner
 
     dcp.save(state, checkpoint_id=path, planner=BalancedSavePlanner())
 
@@ -85,8 +85,8 @@ from torch.distributed.checkpoint.planner import (
 
 from deeppart._planner import CostModel, Manifest, Plan, Topology
 from deeppart.errors import DcpPlanError
-from deeppart.plan_cache import CacheArg
-from deeppart.plan_cache import plan as deeppart_plan
+from deeppart.saving.plan_cache import CacheArg
+from deeppart.saving.plan_cache import plan as deeppart_plan
 
 __all__ = ["BalancedSavePlanner", "DcpPlanError", "split_shard"]
 

@@ -5,7 +5,7 @@ scalars, ``torch.dtype``, ``torch.Size``, ``torch.device``,
 Training frameworks put these in their checkpoints (``np.random.get_state()``
 in Hugging Face ``Trainer``'s and Accelerate's random states, dtypes and
 sizes in configs, ordered dicts everywhere). Each is stored as one tagged
-JSON object ``{TAG: BODY}`` of :func:`deeppart.state.encode_plain` and
+JSON object ``{TAG: BODY}`` of :func:`deeppart.state.state.encode_plain` and
 restored with its type; nothing is pickled, and decoding never imports or
 calls anything named by the data.
 

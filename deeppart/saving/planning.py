@@ -10,7 +10,7 @@ plan comes from, in this order:
 4. in process, through the plan cache (:func:`deeppart.plan`).
 
 Planning is deterministic, so every rank computes the same plan itself;
-:mod:`deeppart.prepare`'s agreement catches any rank that did not.
+:mod:`deeppart.saving.prepare`'s agreement catches any rank that did not.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 from deeppart._planner import Manifest, Plan
 from deeppart.errors import StateMismatchError
-from deeppart.plan_cache import plan as plan_in_process
+from deeppart.saving.plan_cache import plan as plan_in_process
 
 __all__ = ["PlanProvider"]
 

@@ -134,7 +134,7 @@ def metadata_save_id(directory: Path) -> str | None:
 
 def head_save_id(head: bytes) -> str | None:
     """The ``save_id`` in the first bytes ``head`` of a metadata.json, if
-    they begin as DeepPart's metadata does (as :func:`deeppart.commit.
+    they begin as DeepPart's metadata does (as :func:`deeppart.storage.commit.
     metadata_head` writes it); else None."""
     if _META_HEAD.match(head) is None:
         return None

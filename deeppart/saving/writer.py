@@ -2,7 +2,7 @@
 own data file (``rank-NNNNN.bin`` in the save's temporary directory),
 straight from tensor memory, compressing each piece when that makes it
 smaller, and returns the piece records (offset, raw length, stored length,
-xxh3_64, codec) that :mod:`deeppart.commit` puts into ``metadata.json``.
+xxh3_64, codec) that :mod:`deeppart.storage.commit` puts into ``metadata.json``.
 
 Fault injection: :func:`add_fault_hook` (or :func:`fault_hook`) registers a function that runs on a
 named point of every data-file write (``"before-write"``: the file is not
@@ -24,7 +24,6 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from deeppart import staging as _staging
 from deeppart._planner import write_hashed
 from deeppart.compression import AUTO, CODECS, AutoPolicy, compress, rank_bandwidth
 from deeppart.errors import StateError
@@ -36,9 +35,10 @@ from deeppart.format import (
     header_bytes,
     max_expansion,
 )
-from deeppart.prepare import Prepared
 from deeppart.progress import Progress
-from deeppart.tensors import U8, readable, u8_view
+from deeppart.saving.prepare import Prepared
+from deeppart.state import staging as _staging
+from deeppart.state.tensors import U8, readable, u8_view
 
 __all__ = [
     "RECORD_FIELDS",
@@ -195,7 +195,7 @@ def write_pieces(
                     pos = align_up(pos + n)
                     progress.advance(n)
                     continue
-                # A codec needs the whole piece: staged whole (see deeppart.staging).
+                # A codec needs the whole piece: staged whole (see deeppart.state.staging).
                 whole = np.empty((stop - start) * isz, dtype=np.uint8)
                 at = 0
                 for chunk in chunks:
