@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import operator
 import os
+import struct
 import warnings
 from pathlib import Path
 from typing import Any
@@ -15,8 +16,8 @@ from deeppart.async_save import AsyncCheckpointer, AsyncSave
 from deeppart.checkpoint import compression_level_of, load, save
 from deeppart.comm import resolve
 from deeppart.compression import check_codec
-from deeppart.errors import CheckpointError
-from deeppart.format import STEP_PREFIX, is_committed, step_dir_name, step_number
+from deeppart.errors import CheckpointError, StateMismatchError
+from deeppart.format import STEP_PREFIX, damaged, is_committed, step_dir_name, step_number
 from deeppart.levels import open_backend
 from deeppart.levels.backend import LevelBackend, LevelSaveStats, RecoveryReport
 from deeppart.progress import Stats
@@ -209,14 +210,23 @@ class Checkpointer:
         :meth:`latest`; collective, like :meth:`latest`)."""
         if self.levels is not None:
             return self.levels.steps()
-        return self.lines().steps()
+        lines = self.lines()
+        lines.check()
+        return lines.steps()
 
     def latest(self) -> int | None:
         """The newest committed step of the live line: the step a restart
-        resumes from (None if there is none)."""
+        resumes from (None if there is none). A damaged step in the root
+        (its ``COMMITTED`` marker no longer matches its ``metadata.json``)
+        may be the newest: then :class:`CorruptCheckpointError` naming it
+        (as from :meth:`steps` and :meth:`load`), never a silent fallback to
+        an older step; the damaged step is kept as evidence, and no save
+        replaces it, even with ``overwrite=True``."""
         if self.levels is not None:
             return self.levels.latest()
-        return self.lines().latest()
+        lines = self.lines()
+        lines.check()
+        return lines.latest()
 
     def save(
         self, step: int, state: Any, *, user: Any = None, overwrite: bool = False
@@ -405,9 +415,15 @@ class Checkpointer:
             elif side is not None:
                 if (step in gone or self._superseded(child)) and owned_dir(child):
                     doomed.append(child)
-            elif step < newest and not is_committed(child) and owned_dir(child, empty=False):
-                # What a save interrupted between its rename and its marker
-                # left; a user's directory of that name stays.
+            elif (
+                step < newest
+                and not is_committed(child)
+                and owned_dir(child, empty=False)
+                and damaged(child) is None
+            ):
+                # What a save of an earlier version interrupted between its
+                # rename and its marker left; a user's directory of that
+                # name, and a damaged commit (evidence), stay.
                 doomed.append(child)
         for d in doomed:
             try:
@@ -454,6 +470,40 @@ class Checkpointer:
             return True
         return is_committed(child.parent / name[len(".old-") : -13])
 
+    def _agreed_step(self, step: int | None) -> int:
+        """The step every rank of a load reads (one small collective): the
+        ranks must ask for the same one (else :class:`StateMismatchError`
+        on every rank); ``None`` (the latest) is rank 0's :meth:`latest`,
+        so that a step committed between two ranks' calls cannot make them
+        read different steps."""
+        asked, pick, err = -1, -1, None
+        try:
+            if step is not None:
+                asked = _step_index(step, None)
+            elif self.comm.rank == 0:
+                latest = self.latest()
+                pick = -2 if latest is None else latest
+        except BaseException as e:  # a damaged step, an interruption: every rank raises
+            err = e
+        rows = [
+            struct.unpack("<qq", row[:16])
+            for row in agree(self.comm, err, struct.pack("<qq", asked, pick), width=16)
+        ]
+        if len({a for a, _ in rows}) > 1:
+            said = ", ".join(
+                f"rank {r}: {'latest' if a < 0 else a}" for r, (a, _) in enumerate(rows)
+            )
+            raise StateMismatchError(
+                f"{self.root}: the ranks of one load ask for different steps ({said}); "
+                "every rank must load the same step"
+            )
+        if asked >= 0:
+            return asked
+        chosen = int(rows[0][1])
+        if chosen < 0:
+            raise CheckpointError(f"{self.root}: no committed checkpoint")
+        return chosen
+
     def wait(self) -> Stats | None:
         """Waits for the asynchronous save in flight, if any; returns its
         Stats, or raises its error if nobody has seen it yet."""
@@ -474,19 +524,18 @@ class Checkpointer:
         strict: bool = True,
         per_rank: Any = None,
     ) -> Any:
-        """Loads ``step`` (default: the latest); ``keys``, ``strict`` and
-        ``per_rank`` (each rank's own values at another world size) as in
-        :func:`load`."""
+        """Loads ``step`` (default: the latest, as rank 0's :meth:`latest`
+        finds it, for every rank: all ranks of one load read the same step,
+        and ranks that pass different steps get :class:`StateMismatchError`);
+        ``keys``, ``strict`` and ``per_rank`` (each rank's own values at
+        another world size) as in :func:`load`."""
         self.wait()
         if self.levels is not None:
             if keys is not None or not strict or per_rank is not None:
                 raise ValueError("keys=, strict=False and per_rank= are not supported with config=")
             state, self.last_recovery = self.levels.load(step, into=into)
             return state
-        if step is None:
-            step = self.latest()
-            if step is None:
-                raise CheckpointError(f"{self.root}: no committed checkpoint")
+        step = self._agreed_step(step)
         state = load(
             self.location(step),
             comm=self.comm,

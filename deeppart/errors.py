@@ -16,6 +16,7 @@ The hierarchy::
     ├── CodecError (ValueError)           unknown codec, undecodable data
     ├── CheckpointError                   a checkpoint cannot be saved/loaded
     │   ├── CorruptCheckpointError        files do not match their metadata
+    │   ├── NoSpaceError (OSError)        the device is full (ENOSPC, EDQUOT)
     │   ├── StateMismatchError            ranks or ``into=`` disagree
     │   │   └── ReplicaMismatchError      replicas differ (verify_replicas)
     │   ├── LevelConfigError              a multi-level config is wrong
@@ -60,6 +61,7 @@ __all__ = [
     "FTIError",
     "LevelConfigError",
     "ManifestError",
+    "NoSpaceError",
     "ObjectExistsError",
     "PerRankStateError",
     "PlanError",
@@ -144,6 +146,13 @@ class ObjectExistsError(CheckpointError, FileExistsError):
 class CorruptCheckpointError(CheckpointError):
     """A checkpoint's files do not match its metadata (bad checksum,
     truncated file, malformed metadata)."""
+
+
+class NoSpaceError(CheckpointError, OSError):
+    """A save ran out of space (``ENOSPC``, or ``EDQUOT``: a quota) on the
+    device it writes to: nothing was committed, the save's own files were
+    removed, and the checkpoints committed before stay as they are. Also an
+    :class:`OSError`, as the error it replaces was."""
 
 
 class StateMismatchError(CheckpointError):
@@ -257,6 +266,7 @@ ERROR_TYPES: tuple[type[DeepPartError], ...] = (
     UnsupportedURLError,
     ObjectExistsError,
     StoreConfigError,
+    NoSpaceError,
     CheckpointError,
     ValueEncodeError,
     StateError,

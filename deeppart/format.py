@@ -279,6 +279,41 @@ def is_committed(directory: Path) -> bool:
     return marker == marker_text(meta)
 
 
+def damaged(directory: Path) -> str | None:
+    """Why ``directory`` is a damaged commit, else None: its ``COMMITTED``
+    marker is DeepPart's (no save writes a step directory's marker except
+    into its temporary directory, before the rename that commits it) but
+    does not match its ``metadata.json``, or that cannot be read. A
+    directory without a marker (what an interrupted save of an earlier
+    version left) or one that vanishes or is replaced while being read
+    (a concurrent overwrite or removal; read again, the directory's inode
+    changed) is not damaged."""
+    for _ in range(3):
+        try:
+            before = os.stat(directory).st_ino
+            marker = read_regular(directory / MARKER, MAX_MARKER_BYTES)
+        except (OSError, CheckpointError):
+            return None  # no marker (or it went): never committed, or removed
+        if not marker.startswith(MARKER_PREFIX):
+            return None  # not DeepPart's marker
+        why: str | None
+        try:
+            meta = read_regular(directory / METADATA, MAX_METADATA_BYTES)
+            why = None if marker == marker_text(meta) else f"{METADATA} does not match {MARKER}"
+        except FileNotFoundError:
+            why = f"{METADATA} is missing"
+        except (OSError, CheckpointError) as e:
+            why = f"{METADATA} cannot be read ({e})"
+        try:
+            after = os.stat(directory).st_ino
+            again = read_regular(directory / MARKER, MAX_MARKER_BYTES)
+        except (OSError, CheckpointError):
+            return None  # removed meanwhile (a removal unlinks the marker first)
+        if after == before and again == marker:
+            return why
+    return None  # replaced again and again: in use, not damaged
+
+
 # ----------------------------------------------------------------------------
 # Metadata.
 

@@ -22,6 +22,15 @@ every rank), run by tests/test_trust_mpi.py as one job:
   re-raises its own, every other rank raises a DeepPartError naming the
   rank and the interruption (a hang is the job's timeout).
 
+- ``loadstep`` (issue 49, item 10; run alone, ``--scenario loadstep``):
+  an evaluator's ``Checkpointer.load()`` at 2 ranks while a training job
+  (rank 1 alone, in a single-process Checkpointer) commits a newer step
+  after rank 0 looked for the latest and before rank 1 did: both ranks
+  load the step rank 0 picked (before: rank 1 picked the newer one and the
+  load failed, "ranks read different metadata.json files"); then ranks
+  that ask for different steps explicitly get StateMismatchError on every
+  rank, and a load of the latest after that reads the newer step.
+
 Each rank prints ``RESULT <scenario> <case> rank <r> <outcome>`` lines,
 then ``OK <scenario> rank <r>/<size>`` when its checks pass.
 """
@@ -350,12 +359,63 @@ def scenario_interrupts(d: Path) -> None:
     print_line(f"OK interrupts rank {c.rank}/{c.size}")
 
 
+def scenario_loadstep(d: Path) -> None:
+    import time
+
+    from deeppart.checkpointer import Checkpointer
+    from deeppart.comm import SingleComm
+    from deeppart.errors import StateMismatchError
+
+    c = resolve()
+    root = d / "run"
+    picked = d / "rank-0-picked"
+    ck = Checkpointer(root, comm=c)
+    ck.save(1, {"v": torch.full((64,), 1.0), "step": 1})
+    latest = Checkpointer.latest
+
+    def rank0_latest(self: Checkpointer) -> int | None:
+        got = latest(self)
+        picked.write_text(str(got))  # rank 1's training job commits step 2 now
+        return got
+
+    if c.rank == 0:
+        Checkpointer.latest = rank0_latest  # type: ignore[method-assign]
+    else:
+        Checkpointer.latest = latest  # type: ignore[method-assign]
+
+    def evaluate() -> str:
+        if c.rank == 1:
+            deadline = time.monotonic() + 60
+            while not picked.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            trainer = Checkpointer(root, comm=SingleComm())
+            trainer.load(1)
+            trainer.save(2, {"v": torch.full((64,), 2.0), "step": 2})
+        got = ck.load()
+        return f"step{got['step']}"
+
+    try:
+        outcomes = _outcome(c, "loadstep", "latest-raced", evaluate)
+    finally:
+        Checkpointer.latest = latest  # type: ignore[method-assign]
+    assert outcomes == ["step1", "step1"], outcomes
+    outcomes = _outcome(c, "loadstep", "different-steps", lambda: str(ck.load(1 + c.rank)["step"]))
+    assert outcomes == [StateMismatchError.__name__] * c.size, outcomes
+    outcomes = _outcome(c, "loadstep", "latest-after", lambda: f"step{ck.load()['step']}")
+    assert outcomes == ["step2"] * c.size, outcomes
+    print_line(f"OK loadstep rank {c.rank}/{c.size}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("dir", type=Path)
+    p.add_argument("--scenario", default=None, help="run only this scenario (loadstep)")
     args = p.parse_args()
     torch.set_num_threads(1)
     c = resolve()
+    if args.scenario == "loadstep":
+        scenario_loadstep(args.dir / "loadstep")
+        return
     scenario_verified(args.dir / "verified")
     c.barrier()
     scenario_stages(args.dir / "stages")

@@ -9,7 +9,11 @@ KeyboardInterrupt or SystemExit raised in each of those stages on one rank
 DeepPartError naming the rank and the interruption, within the timeout
 (before: the other ranks hung in their next collective). Issue 49,
 item 1: a save to a path that is another directory on each rank fails on
-every rank before anything is written."""
+every rank before anything is written. Item 10 (its own, short job:
+``--scenario loadstep``): all ranks of a ``Checkpointer.load()`` read
+the step rank 0 picked, though a newer one was committed between the
+ranks' calls; different explicit steps are a StateMismatchError on every
+rank."""
 
 from __future__ import annotations
 
@@ -46,3 +50,12 @@ def test_verified_bytes_and_failures_reach_every_rank(tmp_path: Path) -> None:
     cases = {(s, case) for s, case, _, _ in results}
     assert len(cases) == 2 + 14 + 1 + 14 + 2, cases  # every case reported ...
     assert len(results) == len(cases) * RANKS  # ... by every rank
+
+
+def test_all_ranks_of_a_load_read_the_step_rank_0_picked(tmp_path: Path) -> None:
+    cmd = [str(MPIEXEC), "-n", str(RANKS), sys.executable, str(SCRIPT), str(tmp_path)]
+    proc = mpi_checkpoint.launch([*cmd, "--scenario", "loadstep"], TIMEOUT_S, ROOT)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"rc={proc.returncode}\n{out[-8000:]}"
+    oks = set(re.findall(rf"OK loadstep rank \d+/{RANKS}", proc.stdout))
+    assert len(oks) == RANKS, out[-8000:]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import threading
 import warnings
 from collections import deque
@@ -139,8 +140,12 @@ def committed_or_replaced(path: Path) -> Path:
     """``path`` itself, unless it is not committed and a save with
     ``overwrite=True`` that was replacing it died before its commit marker:
     then the previous checkpoint, which that save had moved aside still
-    committed (``.old-NAME-*``), with a warning."""
-    if is_committed(path) or not path.parent.is_dir():
+    committed (``.old-NAME-*``), with a warning. Never when ``path`` holds
+    a ``COMMITTED`` marker that no longer matches (a damaged commit, newer
+    than any copy moved aside): then its own error is raised."""
+    if is_committed(path) or not path.parent.is_dir() or os.path.lexists(path / MARKER):
+        # A marker at ``path`` (a damaged commit): the copy moved aside is
+        # older than that commit and never served in its place.
         return path
     prefix = f".old-{path.name}-"
     olds = [p for p in path.parent.iterdir() if p.name.startswith(prefix) and is_committed(p)]

@@ -52,12 +52,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deeppart.errors import CheckpointError
+from deeppart.errors import CheckpointError, CorruptCheckpointError
 from deeppart.format import (
     MARKER,
     MAX_MARKER_BYTES,
     MAX_METADATA_BYTES,
     METADATA,
+    damaged,
     marker_text,
     read_regular,
     step_dir_name,
@@ -69,6 +70,7 @@ __all__ = [
     "Lines",
     "Link",
     "Node",
+    "damaged",
     "new_run",
     "node_of",
     "read_node",
@@ -223,6 +225,25 @@ class Lines:
 
     nodes: dict[int, Node] = field(default_factory=dict)
     legacy: dict[int, Legacy] = field(default_factory=dict)
+    #: Steps whose commit is damaged (:func:`damaged`: a marker that no
+    #: longer matches its metadata): where (a directory, or a URL), and why. Never part of a line,
+    #: never served, replaced or removed; :meth:`check` reports them.
+    damaged: dict[int, tuple[str, str]] = field(default_factory=dict)
+
+    def check(self) -> None:
+        """Raises :class:`CorruptCheckpointError` naming every damaged step:
+        a damaged step may be the newest, so neither the live line nor the
+        step a restart resumes from is known (never skipped in silence).
+        The damaged copy stays as evidence; the message says how to go on."""
+        if not self.damaged:
+            return
+        where = "; ".join(f"step {n} at {p}: {why}" for n, (p, why) in sorted(self.damaged.items()))
+        raise CorruptCheckpointError(
+            f"damaged checkpoint(s) found: {where}. It is kept as evidence and never "
+            "replaced; it may be the newest step, so the latest step is unknown. Inspect "
+            "it, then move it out of the root (or remove it) to resume from the steps "
+            "that remain"
+        )
 
     def max_seq(self) -> int:
         return max((n.seq for n in self.nodes.values()), default=0)
@@ -324,6 +345,11 @@ def scan(*roots: Path) -> Lines:
                 continue
             for p in paths:
                 committed, node = read_node(p, n)
+                if not committed and p.name == step_dir_name(n):
+                    why = damaged(p)
+                    if why is not None:
+                        lines.damaged[n] = (str(p), why)
+                        break  # a moved-aside older copy is never served in its place
                 if isinstance(node, Node):
                     lines.nodes[n] = node
                 elif isinstance(node, Legacy):

@@ -35,7 +35,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deeppart.errors import CheckpointError, ForeignPathError
+from deeppart.errors import CheckpointError, CorruptCheckpointError, ForeignPathError
 from deeppart.format import MARKER, step_dir_name, step_number
 from deeppart.steps.lineage import Legacy, Lines, Node, node_of
 from deeppart.storage import ObjectStore
@@ -108,7 +108,12 @@ class ObjectSteps:
             if known is None:
                 try:
                     at, meta = open_committed(self.store.child(step_dir_name(n)))
-                except CheckpointError:  # not committed, not DeepPart's marker, or corrupt
+                except CorruptCheckpointError as e:
+                    # DeepPart's marker, but the metadata it names is missing
+                    # or does not match: damaged, never skipped in silence.
+                    lines.damaged[n] = (self.url(n), str(e))
+                    continue
+                except CheckpointError:  # not committed (any more), or not DeepPart's marker
                     continue
                 known = (at.save_id, node_of(meta, n, Path(step_dir_name(n))))
                 if entry.marker_tag:

@@ -34,10 +34,16 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from deeppart.errors import CheckpointError, CommitConflictError
+from deeppart.errors import (
+    CheckpointError,
+    CommitConflictError,
+    CorruptCheckpointError,
+    NoSpaceError,
+)
 from deeppart.format import (
     MARKER,
     METADATA,
+    damaged,
     fsync_dir,
     is_committed,
     marker_text,
@@ -48,7 +54,9 @@ from deeppart.storage.ownership import (
     checkpoint_file,
     foreign_entries,
     metadata_save_id,
+    owned_dir,
     remove_owned,
+    side_name,
 )
 
 __all__ = [
@@ -134,6 +142,7 @@ def make_temp_dir(final: Path, overwrite: bool) -> str:
     makes and returns the name of the temporary directory next to it, in
     which the ranks write."""
     check_target(final)
+    refuse_damaged(final)
     if final.exists() and not overwrite and is_committed(final):
         raise CheckpointError(
             f"{final}: a committed checkpoint exists "
@@ -144,6 +153,20 @@ def make_temp_dir(final: Path, overwrite: bool) -> str:
     (final.parent / name).mkdir()
     hold_temp_dir(final.parent / name)
     return name
+
+
+def refuse_damaged(final: Path) -> None:
+    """:class:`CorruptCheckpointError` if ``final`` is a damaged commit
+    (:func:`deeppart.format.damaged`: its marker no longer matches its
+    metadata): it is the evidence of the damage, and no save replaces it,
+    even with ``overwrite=True``."""
+    why = damaged(final)
+    if why is not None:
+        raise CorruptCheckpointError(
+            f"{final}: a damaged checkpoint ({why}); it is kept as evidence and never "
+            "replaced, even with overwrite=True: inspect it, then move it away (or remove "
+            "it) to save there"
+        )
 
 
 #: The temporary directories of this process's saves in flight, each with
@@ -222,9 +245,22 @@ def commit_dir(
     serves them from there) and removed after the rename, file by file.
     Anything else raises :class:`CommitConflictError` and stays; the caller
     removes ``tmp``. ``save_id``: this save's id (recorded in ``meta``)."""
-    write_durable(tmp / METADATA, meta)
-    write_durable(tmp / MARKER, marker_text(meta))
+    for name, data in ((METADATA, meta), (MARKER, marker_text(meta))):
+        try:
+            write_durable(tmp / name, data)
+        except BaseException as e:
+            _unwrite(tmp)
+            if isinstance(e, OSError) and e.errno in _NO_SPACE:
+                raise NoSpaceError(
+                    e.errno,
+                    f"{final}: no space left to commit ({tmp / name}: {e.strerror}); "
+                    "nothing was committed, this save's files are removed and the "
+                    "checkpoints committed before are intact: free space (or raise the "
+                    "quota) and save again",
+                ) from e
+            raise
     fsync_dir(tmp)
+    stale = _stale_copies(final)
     old = _move_aside(final, overwrite)
     try:
         rename_noreplace(tmp, final)
@@ -241,6 +277,42 @@ def commit_dir(
     fsync_dir(final.parent)
     if old is not None:
         _remove_aside(old)
+    for path in stale:
+        # Older than this commit: never to be served in its place.
+        if owned_dir(path):
+            with contextlib.suppress(OSError):
+                remove_owned(path, save_id=metadata_save_id(path))
+
+
+#: errno values of a full device or quota.
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _unwrite(tmp: Path) -> None:
+    """Removes what a failed :func:`commit_dir` wrote into its own
+    temporary directory ``tmp`` (the marker, then ``metadata.json``, each
+    perhaps partly written: they cannot be recognised by content then, so
+    the caller's removal by content would keep them and the directory)."""
+    for name in (MARKER, METADATA):
+        with contextlib.suppress(OSError):
+            (tmp / name).unlink()
+
+
+def _stale_copies(final: Path) -> list[Path]:
+    """The ``.old-NAME-<12 hex>`` copies next to ``final`` before a commit
+    of it: what overwrites interrupted after moving a checkpoint aside
+    left. Older than the commit about to happen, they go once it is in
+    place (:func:`commit_dir`; only directories of DeepPart's files)."""
+    prefix = f".old-{final.name}-"
+    try:
+        names = [e.name for e in os.scandir(final.parent)]
+    except OSError:
+        return []
+    return [
+        final.parent / n
+        for n in names
+        if n.startswith(prefix) and side_name(n) == ("old", final.name)
+    ]
 
 
 def _move_aside(final: Path, overwrite: bool) -> Path | None:
@@ -257,6 +329,7 @@ def _move_aside(final: Path, overwrite: bool) -> Path | None:
         except OSError as e:
             if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                 raise
+    refuse_damaged(final)
     committed = is_committed(final)
     why = _not_replaceable(final, committed, overwrite)
     if why:

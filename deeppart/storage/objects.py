@@ -235,9 +235,19 @@ class Begun:
 def begin_save(store: ObjectStore, overwrite: bool, save_id: str) -> Begun:
     """Rank 0, before anything is written: the marker now at ``store``
     and the saves found there, after refusing a committed checkpoint unless
-    ``overwrite`` and an object ``COMMITTED`` that is not DeepPart's; then
-    puts ``<save_id>/SAVING``."""
+    ``overwrite``, a damaged one even with it (its evidence is kept), and
+    an object ``COMMITTED`` that is not DeepPart's; then puts ``<save_id>/SAVING``."""
     marker = read_marker(store)
+    if marker is not None:
+        try:
+            open_committed(store)
+        except CorruptCheckpointError as e:
+            raise CorruptCheckpointError(
+                f"{store.url}: a damaged checkpoint ({e}); it is kept as evidence and never "
+                "replaced, even with overwrite=True: inspect it, then remove it to save there"
+            ) from e
+        except CheckpointError:
+            pass  # removed meanwhile: nothing to keep
     if marker is not None and not overwrite:
         raise CheckpointError(
             f"{store.url}: a committed checkpoint exists "
