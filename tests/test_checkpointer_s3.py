@@ -267,6 +267,31 @@ def test_an_existing_step_is_refused_and_overwrite_replaces_it(s3_url: str) -> N
     assert len(groups) == 1, groups
 
 
+def test_a_damaged_newest_step_is_reported_and_kept(s3_url: str) -> None:
+    """Issue 49, item 2, on S3: one bit flipped in the newest step's
+    metadata.json (keep_last=1): latest(), steps() and load() raise
+    CorruptCheckpointError naming it (before: latest() was None, then
+    "a committed checkpoint exists"), and no save replaces it."""
+    root = f"{s3_url}/damaged"
+    ck = deeppart.Checkpointer(root, keep_last=1)
+    ck.save(1, state(1))
+    ck.save(2, state(2))
+    store = open_store(root)
+    meta = next(k for k in keys(root, step_dir_name(2)) if k.endswith("/metadata.json"))
+    data = bytearray(store.get(meta))
+    data[-10] ^= 0x01
+    store.put(meta, bytes(data))
+    evidence = {k: store.get(k) for k in keys(root, step_dir_name(2))}
+    ck = deeppart.Checkpointer(root, keep_last=1)
+    for call in (ck.latest, ck.steps, ck.load):
+        with pytest.raises(deeppart.CorruptCheckpointError, match="step 2"):
+            call()
+    for overwrite in (False, True):
+        with pytest.raises(deeppart.CorruptCheckpointError, match="kept as evidence"):
+            ck.save(2, state(3), overwrite=overwrite)
+    assert {k: store.get(k) for k in keys(root, step_dir_name(2))} == evidence
+
+
 # ----------------------------------------------------------------------------
 # inspect, export, manifest on an s3:// checkpoint.
 
