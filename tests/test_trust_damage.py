@@ -30,10 +30,10 @@ import pytest
 import torch
 
 import deeppart
-from deeppart import commit
 from deeppart.errors import CorruptCheckpointError, NoSpaceError
 from deeppart.format import MARKER, METADATA, step_dir_name, write_durable
-from deeppart.writer import WriteEvent, fault_hook
+from deeppart.saving.writer import WriteEvent, fault_hook
+from deeppart.storage import commit
 
 
 def state(v: int) -> dict[str, Any]:
