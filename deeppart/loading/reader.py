@@ -79,6 +79,7 @@ from deeppart.state.tensors import (
     written_in_place,
 )
 from deeppart.storage.files import CheckpointDir, check_file_sizes, committed_metadata, open_data
+from deeppart.storage.ownership import old_copies
 from deeppart.storage.url import S3URL, Location
 
 __all__ = [
@@ -147,8 +148,7 @@ def committed_or_replaced(path: Path) -> Path:
         # A marker at ``path`` (a damaged commit): the copy moved aside is
         # older than that commit and never served in its place.
         return path
-    prefix = f".old-{path.name}-"
-    olds = [p for p in path.parent.iterdir() if p.name.startswith(prefix) and is_committed(p)]
+    olds = [p for p in old_copies(path) if is_committed(p)]
     if not olds:
         return path
     previous = max(olds, key=lambda p: (p / MARKER).stat().st_mtime)

@@ -54,9 +54,9 @@ from deeppart.storage.ownership import (
     checkpoint_file,
     foreign_entries,
     metadata_save_id,
+    old_copies,
     owned_dir,
     remove_owned,
-    side_name,
 )
 
 __all__ = [
@@ -260,7 +260,9 @@ def commit_dir(
                 ) from e
             raise
     fsync_dir(tmp)
-    stale = _stale_copies(final)
+    # The .old- copies of interrupted overwrites: older than this commit,
+    # they go once it is in place (only directories of DeepPart's files).
+    stale = old_copies(final)
     old = _move_aside(final, overwrite)
     try:
         rename_noreplace(tmp, final)
@@ -296,23 +298,6 @@ def _unwrite(tmp: Path) -> None:
     for name in (MARKER, METADATA):
         with contextlib.suppress(OSError):
             (tmp / name).unlink()
-
-
-def _stale_copies(final: Path) -> list[Path]:
-    """The ``.old-NAME-<12 hex>`` copies next to ``final`` before a commit
-    of it: what overwrites interrupted after moving a checkpoint aside
-    left. Older than the commit about to happen, they go once it is in
-    place (:func:`commit_dir`; only directories of DeepPart's files)."""
-    prefix = f".old-{final.name}-"
-    try:
-        names = [e.name for e in os.scandir(final.parent)]
-    except OSError:
-        return []
-    return [
-        final.parent / n
-        for n in names
-        if n.startswith(prefix) and side_name(n) == ("old", final.name)
-    ]
 
 
 def _move_aside(final: Path, overwrite: bool) -> Path | None:

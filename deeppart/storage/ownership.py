@@ -55,6 +55,7 @@ __all__ = [
     "level_file",
     "local_path",
     "metadata_save_id",
+    "old_copies",
     "owned_dir",
     "owned_file",
     "remove_owned",
@@ -280,6 +281,17 @@ def side_name(name: str) -> tuple[str, str] | None:
     ``.old-NAME-<12 hex>``; else None."""
     m = _SIDE.fullmatch(name)
     return (m.group(1), m.group(2)) if m else None
+
+
+def old_copies(final: Path) -> list[Path]:
+    """The ``.old-NAME-<12 hex>`` directories next to ``final``: checkpoints
+    that overwrites of it moved aside (:func:`side_name`); none when its
+    parent cannot be listed."""
+    try:
+        names = [e.name for e in os.scandir(final.parent)]
+    except OSError:
+        return []
+    return [final.parent / n for n in names if side_name(n) == ("old", final.name)]
 
 
 def _listing(names: list[str]) -> str:
