@@ -470,6 +470,7 @@ def default_cache_dir() -> str | None:
 def rs_encode(shards: Iterable[Buffer], parity: int) -> list[bytes]:
     """``parity`` parity shards of the data ``shards``, encoded with the GIL
     released. Raises ``ErasureError`` for an unsupported shard count."""
+
 def rs_reconstruct(
     original_count: int,
     parity_count: int,
@@ -487,6 +488,7 @@ def rs_reconstruct(
 def replica_digests(buffers: Iterable[Buffer], threads: int = 1) -> bytes:
     """The ``REPLICA_DIGEST_LEN``-byte digests of ``buffers``, concatenated,
     hashed on at most ``threads`` threads with the GIL released."""
+
 def differing_leaves(per_rank: Sequence[bytes], leaves: int) -> list[tuple[int, list[int]]]:
     """The leaves on which the ranks' concatenated digests differ, each with
     the ranks that differ from the majority."""

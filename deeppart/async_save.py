@@ -42,10 +42,10 @@ from collections.abc import Callable
 from typing import Any
 
 from deeppart.checkpoint import plan_save
-from deeppart.comm import Comm, resolve, writer_comm
+from deeppart.comm import Comm, TorchDistComm, resolve, writer_comm
 from deeppart.errors import AsyncSaveWarning
 from deeppart.progress import Stats
-from deeppart.saving.in_flight import add, settle_pending, take_all
+from deeppart.saving.in_flight import add, guard_teardown, settle_pending, take_all
 from deeppart.saving.prepare import Prepared
 from deeppart.saving.snapshot import ShareSnapshot, share_bytes
 from deeppart.storage.target import location_name
@@ -109,6 +109,13 @@ class AsyncSave:
 
     result = wait
 
+    def join(self) -> None:
+        """Waits for the save to finish, leaving its error to whoever asks
+        (``wait``, ``exception``, the next save, the report at exit)."""
+        self._finished.wait()
+        if self._thread is not None:
+            self._thread.join()
+
     def settle(self) -> None:
         """Waits; raises the error only if nobody has seen it yet."""
         seen = self._seen
@@ -170,6 +177,8 @@ def start(
     committed (on the writer thread). ``snapshot_on_device``: see
     :func:`async_save`."""
     writer, why = writer_comm(c)
+    if isinstance(writer, TorchDistComm):
+        guard_teardown()  # destroy_process_group() waits for this save
     settle_pending(c)
 
     t0 = time.perf_counter()

@@ -21,7 +21,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import numpy as np
@@ -269,7 +269,9 @@ class MPIComm(_Ranked):
             recv = np.empty(max(1, sum(counts)), dtype=np.uint64)
             self._collective(
                 "Gatherv",
-                [send, self._MPI.UINT64_T], [recv, counts, displs, self._MPI.UINT64_T], root=root
+                [send, self._MPI.UINT64_T],
+                [recv, counts, displs, self._MPI.UINT64_T],
+                root=root,
             )
             return recv[: sum(counts)]
         self._collective("Gatherv", [send, self._MPI.UINT64_T], None, root=root)
@@ -706,15 +708,18 @@ _WRITERS_LOCK = threading.Lock()
 _SINGLE = SingleComm()
 
 
-def release_writers() -> None:
-    """Frees the cached writer communicators (an MPI ``Dup``, a gloo group).
-    Runs at interpreter exit (before mpi4py finalizes MPI): a gloo group
-    left for the interpreter's teardown can abort the process ("terminate
-    called without an active exception") after the program has finished.
-    Call it yourself before re-initialising MPI or torch.distributed."""
+def release_writers(match: Callable[[Any], bool] | None = None) -> None:
+    """Frees the cached writer communicators (an MPI ``Dup``, a gloo group),
+    or those whose :func:`writer_key` ``match`` accepts. Runs at interpreter
+    exit (before mpi4py finalizes MPI): a gloo group left for the
+    interpreter's teardown can abort the process ("terminate called without
+    an active exception") after the program has finished; and for the groups
+    ``torch.distributed.destroy_process_group`` destroys
+    (:func:`deeppart.saving.in_flight.guard_teardown`). Call it yourself
+    before re-initialising MPI or torch.distributed."""
     with _WRITERS_LOCK:
-        writers = list(_WRITERS.values())
-        _WRITERS.clear()
+        keys = [k for k in _WRITERS if match is None or match(k)]
+        writers = [_WRITERS.pop(k) for k in keys]
     for _, comm in writers:
         with contextlib.suppress(Exception):
             if isinstance(comm, MPIComm):

@@ -108,9 +108,7 @@ class Stats:
             comp = f", {self.codec} ratio {self.ratio:.2f}x ({disk} on disk)"
         ranks = ""
         if len(self.rank_seconds) > 1:
-            ranks = (
-                f" (slowest rank {self.slowest_rank}; fastest {min(self.rank_seconds):.3f} s)"
-            )
+            ranks = f" (slowest rank {self.slowest_rank}; fastest {min(self.rank_seconds):.3f} s)"
         return (
             f"[deeppart] {self.op} {human_bytes(self.raw_bytes)} on {self.world_size} rank(s) "
             f"in {self.seconds:.3f} s{ranks}, {self.gbps:.2f} GB/s{comp} -> {self.directory}"

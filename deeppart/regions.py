@@ -282,8 +282,11 @@ def _parse_region(i: int, raw: Any, shape: list[int], budget: list[int]) -> Regi
         for run in runs:
             ok = isinstance(run, list) and len(run) == 2
             if not ok or not _int(run[0], end, shape[d]) or not _int(run[1], run[0] + 1, shape[d]):
-                raise _bad(i, f"dimension {d}: runs must be sorted, disjoint, non-empty and "
-                           f"within [0, {shape[d]})")
+                raise _bad(
+                    i,
+                    f"dimension {d}: runs must be sorted, disjoint, non-empty and "
+                    f"within [0, {shape[d]})",
+                )
             out.append((run[0], run[1]))
             end = run[1]
         dims.append(tuple(out))
@@ -370,8 +373,10 @@ def parse_records(
         dtype, shape, shards = rec.get("dtype"), rec.get("shape"), rec.get("shards")
         if not isinstance(dtype, str) or not dtype_known(dtype):
             raise _bad(i, f"unknown dtype {dtype!r}")
-        if not isinstance(shape, list) or len(shape) > 64 or not all(
-            _int(n, 0, 1 << 48) for n in shape
+        if (
+            not isinstance(shape, list)
+            or len(shape) > 64
+            or not all(_int(n, 0, 1 << 48) for n in shape)
         ):
             raise _bad(i, "bad global shape")
         if not isinstance(shards, list) or not 1 <= len(shards) <= MAX_SHARDS:
@@ -386,8 +391,10 @@ def parse_records(
                 raise _bad(i, f"leaf {li} is a shard of two records")
             used.add(li)
             region = _parse_region(i, s.get("index"), shape, budget)
-            if info.kind != "tensor" or info.dtype != dtype or list(region.shape) != list(
-                info.shape
+            if (
+                info.kind != "tensor"
+                or info.dtype != dtype
+                or list(region.shape) != list(info.shape)
             ):
                 raise _bad(i, f"leaf {li} is not a {dtype} tensor of its region's shape")
             parsed.append(ShardRecord(li, region))

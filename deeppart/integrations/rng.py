@@ -38,8 +38,13 @@ def _capture() -> dict[str, Any]:
     kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
     state: dict[str, Any] = {
         "python": random.getstate(),
-        "numpy": [kind, np.asarray(keys, dtype=np.uint32).tobytes(), int(pos), int(has_gauss),
-                  float(cached)],
+        "numpy": [
+            kind,
+            np.asarray(keys, dtype=np.uint32).tobytes(),
+            int(pos),
+            int(has_gauss),
+            float(cached),
+        ],
         "torch": bytes(torch.get_rng_state().numpy()),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -59,8 +64,13 @@ def _restore(state: dict[str, Any]) -> None:
     random.setstate((int(version), tuple(int(x) for x in internal), gauss))
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state(
-        (str(kind), np.frombuffer(keys, dtype=np.uint32).copy(), int(pos), int(has_gauss),
-         float(cached))
+        (
+            str(kind),
+            np.frombuffer(keys, dtype=np.uint32).copy(),
+            int(pos),
+            int(has_gauss),
+            float(cached),
+        )
     )
     torch.set_rng_state(torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8))
     cuda = state.get("cuda")

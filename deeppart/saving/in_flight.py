@@ -4,16 +4,24 @@ communicator (:mod:`deeppart.async_save`) first settles the one in flight
 there, so that its error, if nobody has seen it, is raised by it. (A plain
 :func:`deeppart.save` does not: every Checkpointer of one process shares
 the single-process communicator, and one must not wait for another's
-save.)"""
+save.)
+
+A job's teardown waits for them too (:func:`guard_teardown`): a save in
+flight writes through its own process group, which
+``torch.distributed.destroy_process_group()`` would otherwise destroy under
+the writer thread, losing the save (and at times aborting the process)."""
 
 from __future__ import annotations
 
+import functools
 import threading
+import warnings
 from typing import Any, Protocol
 
-from deeppart.comm import Comm, writer_key
+from deeppart.comm import Comm, release_writers, writer_key
+from deeppart.errors import AsyncSaveWarning
 
-__all__ = ["Pending", "add", "settle_pending", "take_all"]
+__all__ = ["Pending", "add", "guard_teardown", "settle_pending", "take_all"]
 
 
 class Pending(Protocol):
@@ -21,6 +29,9 @@ class Pending(Protocol):
 
     def settle(self) -> None:
         """Waits for it; raises its error only if nobody has seen it yet."""
+
+    def join(self) -> None:
+        """Waits for it, leaving its error to whoever asks for it."""
 
 
 _IN_FLIGHT: dict[Any, Pending] = {}
@@ -48,3 +59,66 @@ def take_all() -> list[Pending]:
         handles = list(_IN_FLIGHT.values())
         _IN_FLIGHT.clear()
     return handles
+
+
+# ----------------------------------------------------------------------------
+# The job's teardown: torch.distributed.destroy_process_group.
+
+_GUARDED = False
+
+
+def guard_teardown() -> None:
+    """Makes ``torch.distributed.destroy_process_group`` (once per process,
+    before the first save in flight on a torch.distributed communicator)
+    first wait for DeepPart's saves in flight on the groups it destroys
+    (all of them when it destroys the default group), leaving each save's
+    error to its handle, ``Checkpointer.wait``/``close`` or the report at
+    exit, and then free DeepPart's writer groups of those communicators;
+    then it destroys what it was asked to, as before."""
+    global _GUARDED
+    with _LOCK:
+        if _GUARDED:
+            return
+        _GUARDED = True
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    original = c10d.destroy_process_group
+
+    @functools.wraps(original)
+    def destroy_process_group(group: Any = None) -> None:
+        before_teardown(group)
+        original(group)
+
+    c10d.destroy_process_group = destroy_process_group
+    if dist.destroy_process_group is original:
+        dist.destroy_process_group = destroy_process_group
+
+
+def before_teardown(group: Any) -> None:
+    """Waits for the saves in flight whose communicator ``group`` is (any
+    torch.distributed one when ``group`` is None or the default group) and
+    frees DeepPart's writer groups of those communicators. Never raises an
+    Exception: the teardown goes on (with a warning)."""
+    import torch.distributed as dist
+
+    world = dist.group.WORLD if dist.is_initialized() else None
+    everything = group is None or group is world
+
+    def hit(key: Any) -> bool:
+        if not (isinstance(key, tuple) and key and key[0] == "torch"):
+            return False
+        return bool(key[2] == id(world) if everything else key[1] == id(group))
+
+    with _LOCK:
+        handles = [h for k, h in _IN_FLIGHT.items() if hit(k)]
+    try:
+        for handle in handles:
+            handle.join()
+        release_writers(hit)
+    except Exception as e:
+        warnings.warn(
+            f"settling DeepPart's saves in flight before destroy_process_group: {e}",
+            AsyncSaveWarning,
+            stacklevel=3,
+        )

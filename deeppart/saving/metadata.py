@@ -24,7 +24,7 @@ from deeppart.format import (
 from deeppart.saving.prepare import Prepared
 from deeppart.saving.writer import RECORD_FIELDS
 
-__all__ = ['dtensor_keys', 'metadata_head', 'metadata_json']
+__all__ = ["dtensor_keys", "metadata_head", "metadata_json"]
 
 
 def metadata_head(prep: Prepared, codec: str, save_id: str | None = None) -> dict[str, Any]:

@@ -74,7 +74,9 @@ def parse_target(target: str) -> tuple[str, bool]:
     if target.startswith("grpcs://"):
         return target[len("grpcs://") :], True
     if "://" in target:
-        raise ValueError(f"planner target {target!r}: expected grpc://HOST:PORT or grpcs://HOST:PORT")
+        raise ValueError(
+            f"planner target {target!r}: expected grpc://HOST:PORT or grpcs://HOST:PORT"
+        )
     return target, False
 
 

@@ -207,9 +207,7 @@ def foreign_entries(
     except (FileNotFoundError, NotADirectoryError):
         return []
     return sorted(
-        c.name
-        for c in children
-        if not (ours(c.name) and owned_file(c, save_id, partial=partial))
+        c.name for c in children if not (ours(c.name) and owned_file(c, save_id, partial=partial))
     )
 
 
@@ -268,9 +266,7 @@ def owned_dir(
     try:
         if not path.is_dir() or path.is_symlink():
             return False
-        return not foreign_entries(path, ours, partial=partial) and (
-            empty or any(path.iterdir())
-        )
+        return not foreign_entries(path, ours, partial=partial) and (empty or any(path.iterdir()))
     except OSError:
         return False
 

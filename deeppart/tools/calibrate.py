@@ -423,9 +423,7 @@ def calibrate(
     w, wfit = fit_io(median_samples(writes))
     r, rfit = fit_io(median_samples(reads))
     saves = measure_saves(directory, sizes, pieces, repeats) if save_path else None
-    node_saves = (
-        measure_node_saves(directory, nstreams, max(sizes), repeats) if saves else None
-    )
+    node_saves = measure_node_saves(directory, nstreams, max(sizes), repeats) if saves else None
     storage = {
         "storage_fixed_s": w["fixed_s"],
         "storage_piece_s": w["piece_s"],

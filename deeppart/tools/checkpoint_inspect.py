@@ -447,17 +447,14 @@ def describe(
                 "path": _path_str(r.path),
                 "dtype": r.dtype,
                 "shape": r.shape,
-                "shards": [
-                    {"leaf": sh.leaf, "region": region_str(sh.region)} for sh in r.shards
-                ],
+                "shards": [{"leaf": sh.leaf, "region": region_str(sh.region)} for sh in r.shards],
                 **({"ranks": meta.record_ranks[k]} if meta.record_ranks else {}),
             }
             for k, r in enumerate(meta.dtensors)
         ],
         # Paths with one version per group of saved ranks (metadata version 3).
         "versions": [
-            {"path": _path_str(v.path), "ranks": v.ranks, "leaves": v.leaves}
-            for v in meta.versions
+            {"path": _path_str(v.path), "ranks": v.ranks, "leaves": v.leaves} for v in meta.versions
         ],
     }
 
@@ -551,9 +548,7 @@ def format_text(info: dict[str, Any], *, max_leaves: int, max_ranks: int) -> str
             "stored shard's region)"
         )
         parts.append(
-            title
-            + "\n"
-            + _table(["path", "dtype", "shape", "shards", "regions"], rows, right={3})
+            title + "\n" + _table(["path", "dtype", "shape", "shards", "regions"], rows, right={3})
         )
 
     versions = info.get("versions", [])

@@ -141,9 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
         "manifest", help="manifest JSON file (deeppart manifest makes one), a checkpoint "
         "directory or its metadata.json, a .safetensors file, or a built-in model name"
     )  # fmt: skip
-    p.add_argument(
-        "--world-size", "-p", type=_rank_count, required=True, help="number of ranks"
-    )
+    p.add_argument("--world-size", "-p", type=_rank_count, required=True, help="number of ranks")
     p.add_argument("--algorithm", "-a", default="balanced", choices=_planner.ALGORITHMS)
     p.add_argument("--ranks-per-node", type=_rank_count, default=1)
     p.add_argument("--json", action="store_true", help="print the stats as one JSON object")

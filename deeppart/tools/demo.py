@@ -173,7 +173,6 @@ def _worker(args: argparse.Namespace) -> int:
     import torch
     from mpi4py import MPI
 
-
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -238,7 +237,6 @@ def _compare_timings(state: Any, d: Path, comm: Any) -> None:
     """torch.save on rank 0 vs deeppart.save on all ranks, and torch.load on
     every rank vs deeppart.load, of the same state, each fsynced/fresh."""
     import torch
-
 
     rank = comm.Get_rank()
     d.mkdir(parents=True, exist_ok=True)
@@ -343,8 +341,10 @@ def run(args: argparse.Namespace) -> int:
     _log(f"1/3 reference: {args.steps} uninterrupted steps on {args.ranks} ranks")
     if _launch(args, "reference") != 0:
         raise SystemExit("the reference run failed")
-    _log(f"2/3 crash: checkpoints every {args.every} steps; a rank dies during the save at "
-         f"step {args.crash_at}")
+    _log(
+        f"2/3 crash: checkpoints every {args.every} steps; a rank dies during the save at "
+        f"step {args.crash_at}"
+    )
     _log(f"    a crash is coming, on purpose: rank {args.ranks - 1} will SIGKILL itself during "
          f"that save, and MPICH will then print a \"BAD TERMINATION OF ONE OF YOUR APPLICATION "
          f"PROCESSES ... EXIT CODE: 9\" banner. That banner is expected; the demo goes on "
@@ -368,18 +368,25 @@ def run(args: argparse.Namespace) -> int:
     res = json.loads((args.dir / "resume.json").read_text())
     check(len(ref["losses"]) == len(res["losses"]) == args.steps, "both runs have every loss")
     diff = [i for i, (a, b) in enumerate(zip(ref["losses"], res["losses"], strict=True)) if a != b]
-    check(not diff, f"all {args.steps} losses are exactly equal (first differing step: "
-          f"{diff[0] if diff else 'none'}); last loss {res['losses'][-1]!r}")
-    check(ref["digest"] == res["digest"], f"final model + optimizer state bitwise equal "
-          f"(sha256 {res['digest'][:16]}...)")
+    check(
+        not diff,
+        f"all {args.steps} losses are exactly equal (first differing step: "
+        f"{diff[0] if diff else 'none'}); last loss {res['losses'][-1]!r}",
+    )
+    check(
+        ref["digest"] == res["digest"],
+        f"final model + optimizer state bitwise equal (sha256 {res['digest'][:16]}...)",
+    )
     final = load(cp.path(args.steps))  # elastic: RANKS writers, 1 reader, no MPI
     check(
         state_digest(final) == ref["digest"],
         f"the final checkpoint, written by {args.ranks} ranks, loads in 1 process without MPI "
         "and matches bitwise",
     )
-    _log(f"{'ALL CHECKS PASSED' if ok else 'SOME CHECKS FAILED'} in "
-         f"{time.perf_counter() - t_start:.1f} s (files in {args.dir})")
+    _log(
+        f"{'ALL CHECKS PASSED' if ok else 'SOME CHECKS FAILED'} in "
+        f"{time.perf_counter() - t_start:.1f} s (files in {args.dir})"
+    )
     if owned and ok and not args.keep:
         shutil.rmtree(args.dir)
     return 0 if ok else 1

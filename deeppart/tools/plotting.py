@@ -15,7 +15,6 @@ if TYPE_CHECKING:
     from deeppart import _planner
 
 
-
 class Point(Protocol):
     """One predicted time (a :class:`deeppart.tools.simulate.Prediction`)."""
 
