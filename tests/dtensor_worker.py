@@ -81,8 +81,9 @@ def equal(a: Any, b: Any, where: str = "") -> None:
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor), where
         assert a.dtype == b.dtype and a.shape == b.shape, f"{where}: {a.shape} {b.shape}"
-        assert torch.equal(a.contiguous().view(-1).view(torch.uint8),
-                           b.contiguous().view(-1).view(torch.uint8)), f"{where}: values differ"
+        assert torch.equal(
+            a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)
+        ), f"{where}: values differ"
     elif isinstance(a, dict):
         assert isinstance(b, dict) and sorted(map(str, a)) == sorted(map(str, b)), where
         for k in a:
@@ -224,14 +225,19 @@ def scenario_dcp(d: Path, layouts: list[str]) -> None:
     for layout in layouts:
         m, opt = build(layout, seed=1)
         ref = to_full(sharded_state(m, opt))
-        dcp_save(sharded_state(m, opt), checkpoint_id=str(d / f"{layout}-dcp"),
-                 planner=BalancedSavePlanner())
+        dcp_save(
+            sharded_state(m, opt),
+            checkpoint_id=str(d / f"{layout}-dcp"),
+            planner=BalancedSavePlanner(),
+        )
         dcp_save(sharded_state(m, opt), checkpoint_id=str(d / f"{layout}-dcpdefault"))
         for target in dict.fromkeys([layout, "fsdp", "ddp2d"]):
             dcp_into(target, d / f"{layout}-dcp", ref)
         if dist.get_rank() == 0:
-            print_line(f"DCPBALANCE {layout} balanced {dcp_balance(d / f'{layout}-dcp', 4):.4f} "
-                       f"default {dcp_balance(d / f'{layout}-dcpdefault', 4):.4f}")
+            print_line(
+                f"DCPBALANCE {layout} balanced {dcp_balance(d / f'{layout}-dcp', 4):.4f} "
+                f"default {dcp_balance(d / f'{layout}-dcpdefault', 4):.4f}"
+            )
     ok("dcp")
 
 
@@ -303,13 +309,22 @@ def check_exchange(d: Path, target: Any, stats: Any) -> None:
     r = dist.get_rank()
     need = needed_bytes(d, target)
     assert stats.rank_received[r] + stats.rank_shard_read[r] == need, (
-        r, stats.rank_received[r], stats.rank_shard_read[r], need)
+        r,
+        stats.rank_received[r],
+        stats.rank_shard_read[r],
+        need,
+    )
     total = sum(stats.rank_shard_read)
-    assert all(got < total - mine for got, mine in
-               zip(stats.rank_received, stats.rank_shard_read, strict=True)), stats
+    assert all(
+        got < total - mine
+        for got, mine in zip(stats.rank_received, stats.rank_shard_read, strict=True)
+    ), stats
     if r == 0:
-        print_line(f"EXCHANGE {d.name} received " + " ".join(map(str, stats.rank_received))
-                   + f" of {total}")
+        print_line(
+            f"EXCHANGE {d.name} received "
+            + " ".join(map(str, stats.rank_received))
+            + f" of {total}"
+        )
 
 
 def scenario_eight(d: Path, layouts: list[str]) -> None:
@@ -329,7 +344,8 @@ def scenario_eight(d: Path, layouts: list[str]) -> None:
         own = last_stats("load")
         assert own is not None and not any(own.rank_received), own
         assert own.rank_shard_read[dist.get_rank()] == needed_bytes(
-            d / src, sharded_state(m2, opt2)), own
+            d / src, sharded_state(m2, opt2)
+        ), own
         # Cooperative (exchange="bcast", the default across hosts): each
         # piece read once per job, sent to the other ranks that need it.
         out = deeppart.load(d / src, into=sharded_state(m2, opt2), exchange="bcast")
@@ -470,7 +486,6 @@ def main() -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
 
 
 def mpi_main() -> None:

@@ -37,9 +37,7 @@ def make_error(cls: type[BaseException], what: str) -> BaseException:
     return cls(what)
 
 
-def expect(
-    comm: Comm, cls: type[BaseException], case: str, run: object, log: list[str]
-) -> None:
+def expect(comm: Comm, cls: type[BaseException], case: str, run: object, log: list[str]) -> None:
     """Runs ``run()``; every rank must raise exactly ``cls``, the other
     ranks naming the failed rank and its message."""
     try:

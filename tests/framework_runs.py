@@ -49,8 +49,10 @@ class RunRecord:
         path.write_text(json.dumps(facts))
 
     def final(self, tensors: dict[str, torch.Tensor]) -> None:
-        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()},
-                  str(self._path("final", "safetensors")))
+        save_file(
+            {k: v.detach().cpu().contiguous() for k, v in tensors.items()},
+            str(self._path("final", "safetensors")),
+        )
 
 
 def worker_args() -> argparse.Namespace:
@@ -69,8 +71,12 @@ def mlp(dropout: float = 0.0) -> torch.nn.Sequential:
     """The workers' model: large enough (0.66 MB, 2 MB with AdamW) that
     the planner gives both ranks a part."""
     return torch.nn.Sequential(
-        torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Dropout(dropout),
-        torch.nn.Linear(512, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1),
+        torch.nn.Linear(64, 512),
+        torch.nn.ReLU(),
+        torch.nn.Dropout(dropout),
+        torch.nn.Linear(512, 256),
+        torch.nn.ReLU(),
+        torch.nn.Linear(256, 1),
     )
 
 

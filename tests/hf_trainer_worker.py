@@ -90,8 +90,16 @@ def main() -> None:
     args = worker_args()
     torch.manual_seed(0)
     config = GPT2Config(
-        vocab_size=128, n_positions=32, n_embd=128, n_layer=2, n_head=2,
-        resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=0, eos_token_id=0,
+        vocab_size=128,
+        n_positions=32,
+        n_embd=128,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.1,
+        embd_pdrop=0.1,
+        attn_pdrop=0.1,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     model = GPT2LMHeadModel(config)
     training_args = TrainingArguments(

@@ -50,10 +50,13 @@ def test_the_checker_finds_each_kind_of_problem(tmp_path: Path) -> None:
     findings = check_architecture.check(root)
     assert any(f.startswith("import cycle: deeppart.a -> deeppart.b") for f in findings), findings
     assert any("deeppart.c:1: imports the package itself" in f for f in findings), findings
-    assert any("deeppart.c:3: uses another module's private name deeppart.a._hidden" in f
-               for f in findings), findings
-    assert any("deeppart.d:1: uses another module's private name deeppart.a._private" in f
-               for f in findings), findings
+    assert any(
+        "deeppart.c:3: uses another module's private name deeppart.a._hidden" in f for f in findings
+    ), findings
+    assert any(
+        "deeppart.d:1: uses another module's private name deeppart.a._private" in f
+        for f in findings
+    ), findings
     assert len(findings) == 4, findings
 
 
@@ -87,16 +90,29 @@ def test_the_library_may_not_import_the_command_line_tools(tmp_path: Path) -> No
         },
     )
     findings = check_architecture.check(root)
-    assert any(f.startswith("deeppart.a:2: the library imports the command-line tools "
-                            "(deeppart.tools.export)") for f in findings), findings
-    assert any(f.startswith("deeppart.b:1: the library imports the command-line tools "
-                            "(deeppart.tools.cli)") for f in findings), findings
-    assert any(f.startswith("deeppart.c:1: the library imports the command-line tools "
-                            "(deeppart.tools)") for f in findings), findings
+    assert any(
+        f.startswith(
+            "deeppart.a:2: the library imports the command-line tools (deeppart.tools.export)"
+        )
+        for f in findings
+    ), findings
+    assert any(
+        f.startswith(
+            "deeppart.b:1: the library imports the command-line tools (deeppart.tools.cli)"
+        )
+        for f in findings
+    ), findings
+    assert any(
+        f.startswith("deeppart.c:1: the library imports the command-line tools (deeppart.tools)")
+        for f in findings
+    ), findings
     # a -> tools.export -> a is also a cycle; nothing else is wrong.
     assert len([f for f in findings if "command-line tools" in f]) == 3, findings
-    assert not any(f.startswith(("deeppart.__main__", "deeppart.tools")) for f in findings
-                   if "command-line tools" in f), findings
+    assert not any(
+        f.startswith(("deeppart.__main__", "deeppart.tools"))
+        for f in findings
+        if "command-line tools" in f
+    ), findings
 
 
 def test_the_real_package_keeps_the_tools_apart() -> None:
@@ -104,8 +120,16 @@ def test_the_real_package_keeps_the_tools_apart() -> None:
     are there, none is left at the package's top level, and the checker
     sees the room (the rule above has something to check)."""
     pkg = ROOT / "deeppart"
-    tools = ["cli", "demo", "checkpoint_inspect", "export", "simulate", "calibrate",
-             "plotting", "cache_cli"]
+    tools = [
+        "cli",
+        "demo",
+        "checkpoint_inspect",
+        "export",
+        "simulate",
+        "calibrate",
+        "plotting",
+        "cache_cli",
+    ]
     for name in tools:
         assert (pkg / "tools" / f"{name}.py").is_file(), name
         assert not (pkg / f"{name}.py").exists(), name

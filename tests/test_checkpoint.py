@@ -498,6 +498,40 @@ def test_compression_level_and_its_deprecated_old_name(tmp_path: Path) -> None:
     assert deeppart.Checkpointer(tmp_path / "cp2", compression_level=7).compression_level == 7
 
 
+@pytest.mark.parametrize("chunk", [1, 7, 4096, 1 << 20])
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.arange(1, dtype=torch.float32),
+        torch.arange(5, dtype=torch.int16),
+        torch.arange(1000, dtype=torch.float64),
+        torch.arange(4096, dtype=torch.bfloat16).reshape(64, 64),
+        torch.arange(600, dtype=torch.float32).reshape(20, 30)[:, 5:],  # a strided view
+        torch.randn(33, dtype=torch.complex64).conj(),  # a conjugate view
+        torch.tensor([True, False, True]),
+    ],
+    ids=["one", "short", "f64", "bf16-2d", "strided", "conj", "bool"],
+)
+def test_streamed_digest_is_the_whole_tensor_digest(tensor: torch.Tensor, chunk: int) -> None:
+    """A device tensor's replica proof streams it through two host buffers
+    (deeppart.saving.prepare.streamed_digest, for CUDA) instead of copying it
+    to the host whole; at any chunk size its digest is the one-shot digest
+    of the tensor's row-major bytes (so ranks holding one tensor on
+    different devices agree), and a byte changed in any chunk changes it."""
+    import xxhash
+
+    from deeppart.saving.prepare import streamed_digest, tensor_digest
+
+    whole = tensor.resolve_conj().contiguous().reshape(-1).view(torch.uint8).numpy()
+    expected = bytes(xxhash.xxh3_128_digest(whole.tobytes()))
+    assert streamed_digest(tensor, chunk) == expected == tensor_digest(tensor)
+    for at in sorted({0, whole.size // 2, whole.size - 1}):
+        changed = tensor.resolve_conj().contiguous().clone()
+        view = changed.reshape(-1).view(torch.uint8)
+        view[at] = int(view[at]) ^ 0x01
+        assert streamed_digest(changed, chunk) != expected, at
+
+
 @pytest.mark.parametrize(
     "tensor",
     [

@@ -184,6 +184,7 @@ def test_manifest_from_safetensors_header(tmp_path: Path) -> None:
     save_file(model.state_dict(), str(f))
     proc = run_cli("manifest", str(f))
     assert proc.returncode == 0, proc.stderr
+
     # safetensors does not keep the state_dict's order: compare as sets.
     def leaves(m: deeppart.Manifest, paths: bool = True) -> list[tuple[Any, ...]]:
         return sorted(

@@ -220,3 +220,18 @@ def test_load_into_cuda_with_several_readers(
     with pytest.raises(CorruptCheckpointError, match="checksum mismatch") as info:
         deeppart.load(d, into=into)
     assert f"piece of leaf {leaf} " in str(info.value)
+
+
+def test_replica_proof_of_cuda_tensors_streams_through_the_host() -> None:
+    """The whole-tensor digest of a CUDA tensor (the replica proof of a
+    save's prepare) is computed in chunks through two pinned buffers, and
+    equals the digest of the same bytes on the CPU, across chunk borders."""
+    from deeppart.saving.prepare import streamed_digest, tensor_digest
+
+    t = torch.randn(3 << 20, device="cuda")[::2]  # a strided view, 6 MiB
+    on_host = tensor_digest(t.cpu())
+    assert tensor_digest(t) == on_host
+    assert streamed_digest(t, 1 << 20) == on_host
+    u = t.clone()
+    u[-1] += 1
+    assert streamed_digest(u, 1 << 20) != on_host

@@ -280,9 +280,7 @@ def test_tampered_record_fails_load(saved: Path, tmp_path: Path) -> None:
 
 @pytest.mark.multirank
 @pytest.mark.slow
-def test_inspect_shows_the_sharded_tensors(
-    saved: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_inspect_shows_the_sharded_tensors(saved: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``deeppart inspect`` of a DTensor checkpoint lists each sharded
     tensor with its global shape and each stored shard's region."""
     from deeppart.tools.cli import main as cli_main

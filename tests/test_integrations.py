@@ -36,12 +36,23 @@ def launch(worker: str, *args: str) -> tuple[int, str]:
     kills the whole group and fails the test if it has not finished after
     TIMEOUT_S. Returns the exit status and the output."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS),
-        "--standalone", str(ROOT / "tests" / worker), *args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(RANKS),
+        "--standalone",
+        str(ROOT / "tests" / worker),
+        *args,
     ]
     env = dict(
-        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false",
-        HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(ROOT),
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
     )
     return run_in_session(cmd, env, ROOT, TIMEOUT_S)
 
@@ -322,18 +333,34 @@ def test_hf_trainer_in_one_process_loads_the_best_model(tmp_path: Path) -> None:
     from deeppart.integrations.transformers import SUBDIR, DeepPartTrainer
 
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(
-        vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2,
-        bos_token_id=0, eos_token_id=0,
-    ))
+    model = GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=64,
+            n_positions=16,
+            n_embd=32,
+            n_layer=1,
+            n_head=2,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
     ids = torch.randint(0, 64, (16, 8), generator=torch.Generator().manual_seed(1))
     data = [{"input_ids": row, "labels": row} for row in ids]
     args = TrainingArguments(
-        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=6,
-        eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
-        load_best_model_at_end=True, metric_for_best_model="eval_loss", greater_is_better=True,
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        max_steps=6,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="steps",
+        save_steps=2,
+        load_best_model_at_end=True,
+        metric_for_best_model="eval_loss",
+        greater_is_better=True,
         learning_rate=0.05,
-        report_to=[], use_cpu=True, disable_tqdm=True,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
     )
     trainer = DeepPartTrainer(model=model, args=args, train_dataset=data, eval_dataset=data[:4])
     trainer.train()
@@ -437,8 +464,13 @@ def test_hf_trainer_resume_restores_plain_values_and_exports(tmp_path: Path) -> 
     from deeppart.tools.export import export_safetensors
 
     config = GPT2Config(
-        vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2,
-        bos_token_id=0, eos_token_id=0,
+        vocab_size=64,
+        n_positions=16,
+        n_embd=32,
+        n_layer=1,
+        n_head=2,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     ids = torch.randint(0, 64, (16, 8), generator=torch.Generator().manual_seed(1))
     data = [{"input_ids": row, "labels": row} for row in ids]
@@ -446,9 +478,16 @@ def test_hf_trainer_resume_restores_plain_values_and_exports(tmp_path: Path) -> 
     def make(max_steps: int) -> DeepPartTrainer:
         torch.manual_seed(0)
         args = TrainingArguments(
-            output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=max_steps,
-            save_strategy="steps", save_steps=4, learning_rate=0.05, lr_scheduler_type="linear",
-            report_to=[], use_cpu=True, disable_tqdm=True,
+            output_dir=str(tmp_path / "out"),
+            per_device_train_batch_size=4,
+            max_steps=max_steps,
+            save_strategy="steps",
+            save_steps=4,
+            learning_rate=0.05,
+            lr_scheduler_type="linear",
+            report_to=[],
+            use_cpu=True,
+            disable_tqdm=True,
         )
         return DeepPartTrainer(model=GPT2LMHeadModel(config), args=args, train_dataset=data)
 
@@ -526,9 +565,15 @@ def test_lightning_resume_restores_plain_values(tmp_path: Path) -> None:
     def fit(ckpt_path: str | None, callbacks: list[Any]) -> None:
         torch.manual_seed(0)
         trainer = L.Trainer(
-            max_epochs=2, accelerator="cpu", devices=1, plugins=[DeepPartCheckpointIO()],
-            callbacks=callbacks, default_root_dir=str(tmp_path), logger=False,
-            enable_progress_bar=False, enable_model_summary=False,
+            max_epochs=2,
+            accelerator="cpu",
+            devices=1,
+            plugins=[DeepPartCheckpointIO()],
+            callbacks=callbacks,
+            default_root_dir=str(tmp_path),
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
         )
         loader = torch.utils.data.DataLoader(data, batch_size=4)
         trainer.fit(Net(), loader, ckpt_path=ckpt_path)

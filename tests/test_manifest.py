@@ -505,7 +505,10 @@ def test_cost_model_defaults_and_overrides() -> None:
         grain="row", align_bytes=512, node_bandwidth=2e9, aggregate_bandwidth=8e9
     )
     assert (s.grain, s.align_bytes, s.node_bandwidth, s.aggregate_bandwidth) == (
-        "row", 512, 2e9, 8e9
+        "row",
+        512,
+        2e9,
+        8e9,
     )
     assert deeppart.CostModel(**s.to_dict()) == s
     assert "node_bandwidth=2000000000.0" in repr(s)

@@ -642,6 +642,6 @@ def test_the_readme_balance_figures_of_a_small_transformer() -> None:
     assert f"{default:.3f}" == "1.134" and gap < 1.01, (default, gap)
     assert f"{finer:.3f}" == "1.002", finer
     readme = (Path(__file__).resolve().parents[1] / "docs" / "BENCHMARKS.md").read_text()
-    claim = readme[readme.index("**Which state the balance column holds on.**"):]
+    claim = readme[readme.index("**Which state the balance column holds on.**") :]
     claim = claim[: claim.index("\n\n", claim.index("--plan-balance 4"))]
     assert "1.134 with the default cost model" in claim and "1.002" in claim, claim

@@ -22,7 +22,7 @@ def _concurrent_output(procs: int = 4, lines: int = 400) -> list[str]:
         f"    print_line(f'OK {{os.getpid()}} {{i}} ' + 'x' * 200)\n"
     )
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    shell = " & ".join([f"{sys.executable} -c \"$CODE\""] * procs) + " & wait"
+    shell = " & ".join([f'{sys.executable} -c "$CODE"'] * procs) + " & wait"
     out = subprocess.run(
         ["bash", "-c", shell], env=dict(env, CODE=code), capture_output=True, text=True, check=True
     ).stdout
@@ -35,4 +35,3 @@ def test_print_line_keeps_concurrent_lines_whole() -> None:
     out = _concurrent_output()
     assert len(out) == 4 * 400
     assert all(LINE.match(line) for line in out)
-

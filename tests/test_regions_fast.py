@@ -125,8 +125,12 @@ def test_strided_shard_interleaves_rows() -> None:
 def test_uneven_and_empty_shards() -> None:
     """3 rows on 4 ranks: ranks 0..2 one row each, rank 3 none."""
     got = [placement_region((3, 2), (4,), (i,), ((0, 1),)).runs for i in range(4)]
-    assert got == [(((0, 1),), ((0, 2),)), (((1, 2),), ((0, 2),)),
-                   (((2, 3),), ((0, 2),)), ((), ((0, 2),))]
+    assert got == [
+        (((0, 1),), ((0, 2),)),
+        (((1, 2),), ((0, 2),)),
+        (((2, 3),), ((0, 2),)),
+        ((), ((0, 2),)),
+    ]
 
 
 def test_runs_of_is_the_loop() -> None:
@@ -183,15 +187,20 @@ def test_one_process_load_reads_rows_straight_in_and_checks_them(tmp_path: Any) 
         mesh = init_device_mesh("cpu", (1,))
         w = torch.arange(60, dtype=torch.float32).reshape(12, 5)
         b = torch.arange(7, dtype=torch.bfloat16)
-        state = {"w": distribute_tensor(w, mesh, [Shard(0)]),
-                 "b": distribute_tensor(b, mesh, [Shard(0)]), "step": 3}
+        state = {
+            "w": distribute_tensor(w, mesh, [Shard(0)]),
+            "b": distribute_tensor(b, mesh, [Shard(0)]),
+            "step": 3,
+        }
         d = tmp_path / "ckpt"
         deeppart.save(state, d)
         full = deeppart.load(d)
         assert torch.equal(full["w"], w) and torch.equal(full["b"], b) and full["step"] == 3
-        into = {"w": distribute_tensor(torch.zeros(12, 5), mesh, [Shard(0)]),
-                "b": distribute_tensor(torch.zeros(7, dtype=torch.bfloat16), mesh, [Shard(0)]),
-                "step": 0}
+        into = {
+            "w": distribute_tensor(torch.zeros(12, 5), mesh, [Shard(0)]),
+            "b": distribute_tensor(torch.zeros(7, dtype=torch.bfloat16), mesh, [Shard(0)]),
+            "step": 0,
+        }
         out = deeppart.load(d, into=into)
         assert torch.equal(out["w"].to_local(), w) and torch.equal(out["b"].to_local(), b)
         meta = json.loads((d / "metadata.json").read_text())

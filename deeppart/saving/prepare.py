@@ -38,7 +38,7 @@ from deeppart.errors import CheckpointError, StateMismatchError
 from deeppart.regions import DTensorRecord, Region, ShardRecord
 from deeppart.state.dtensor import HolderGroups, expand
 from deeppart.state.state import FlatLeaf, check_has_data, flatten
-from deeppart.state.tensors import U8, readable, u8_view
+from deeppart.state.tensors import U8, readable, torch_module, u8_view
 from deeppart.state.union import Described, Digests, Union, build_union, whole_digests_needed
 from deeppart.storage.identity import IDENTITY_BYTES, identity_digest, identity_error
 from deeppart.storage.url import Location, location_key
@@ -462,13 +462,69 @@ class ProofCost:
 last_proof = ProofCost()
 
 
+#: The bytes of a device tensor (CUDA) copied to the host at a time for its
+#: digest (:func:`tensor_digest`): two pinned buffers of this size, reused.
+DEVICE_DIGEST_CHUNK = 64 << 20
+
+
 def tensor_digest(t: Any) -> bytes:
     """The 16-byte xxh3_128 digest of a tensor's bytes in row-major order
     (whatever its memory layout or device): copies that hold the same
-    values, bit for bit, digest alike; any differing byte differs."""
+    values, bit for bit, digest alike; any differing byte differs. A tensor
+    on a device is streamed through the host (:func:`streamed_digest`),
+    never copied there whole: the same digest, with two chunks of host
+    memory."""
     import xxhash
 
+    if t.device.type != "cpu":
+        return streamed_digest(t, DEVICE_DIGEST_CHUNK)
     return bytes(xxhash.xxh3_128_digest(u8_view(readable(t)).data))
+
+
+def streamed_digest(t: Any, chunk_bytes: int) -> bytes:
+    """:func:`tensor_digest` of ``t`` (on any device) computed
+    ``chunk_bytes`` at a time: its layout resolved where it lies, each chunk
+    copied into one of two host buffers (pinned, and copied without
+    blocking, for CUDA) while the previous chunk is hashed. xxh3's streaming
+    form gives the one-shot digest, so ranks holding one tensor on
+    different devices still agree."""
+    import xxhash
+
+    torch = torch_module()
+    x = t.detach()
+    if x.is_conj():
+        x = x.resolve_conj()
+    if x.is_neg():
+        x = x.resolve_neg()
+    flat = x.contiguous().reshape(-1)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    n = flat.numel()
+    h = xxhash.xxh3_128()
+    cuda = flat.device.type == "cuda"
+    size = max(1, min(chunk_bytes, n))
+    buffers = [torch.empty(size, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
+    pending: tuple[Any, Any] | None = None  # the chunk copied last, and its event
+    for k, start in enumerate(range(0, n, chunk_bytes)):
+        part = buffers[k % 2][: min(chunk_bytes, n - start)]
+        part.copy_(flat[start : start + part.numel()], non_blocking=cuda)
+        event = None
+        if cuda:
+            event = torch.cuda.Event()
+            event.record()
+        if pending is not None:
+            _hash_arrived(h, *pending)
+        pending = (part, event)
+    if pending is not None:
+        _hash_arrived(h, *pending)
+    return bytes(h.digest())
+
+
+def _hash_arrived(h: Any, part: Any, event: Any) -> None:
+    """Adds ``part`` (a host chunk) to ``h`` once its copy (``event``) is done."""
+    if event is not None:
+        event.synchronize()
+    h.update(part.numpy().data)
 
 
 def _digest_all(tensors: Sequence[Any], threads: int) -> list[bytes]:
