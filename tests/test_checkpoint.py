@@ -498,19 +498,28 @@ def test_compression_level_and_its_deprecated_old_name(tmp_path: Path) -> None:
     assert deeppart.Checkpointer(tmp_path / "cp2", compression_level=7).compression_level == 7
 
 
-@pytest.mark.parametrize("chunk", [1, 7, 4096, 1 << 20])
-@pytest.mark.parametrize(
-    "tensor",
+#: Tensors of several dtypes and layouts, and their ids.
+LAYOUTS = (
     [
         torch.arange(1, dtype=torch.float32),
         torch.arange(5, dtype=torch.int16),
         torch.arange(1000, dtype=torch.float64),
         torch.arange(4096, dtype=torch.bfloat16).reshape(64, 64),
         torch.arange(600, dtype=torch.float32).reshape(20, 30)[:, 5:],  # a strided view
+    ],
+    ["one", "short", "f64", "bf16-2d", "strided"],
+)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 4096, 1 << 20])
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        *LAYOUTS[0],
         torch.randn(33, dtype=torch.complex64).conj(),  # a conjugate view
         torch.tensor([True, False, True]),
     ],
-    ids=["one", "short", "f64", "bf16-2d", "strided", "conj", "bool"],
+    ids=[*LAYOUTS[1], "conj", "bool"],
 )
 def test_streamed_digest_is_the_whole_tensor_digest(tensor: torch.Tensor, chunk: int) -> None:
     """A device tensor's replica proof streams it through two host buffers
@@ -532,17 +541,7 @@ def test_streamed_digest_is_the_whole_tensor_digest(tensor: torch.Tensor, chunk:
         assert streamed_digest(changed, chunk) != expected, at
 
 
-@pytest.mark.parametrize(
-    "tensor",
-    [
-        torch.arange(1, dtype=torch.float32),
-        torch.arange(5, dtype=torch.int16),
-        torch.arange(1000, dtype=torch.float64),
-        torch.arange(4096, dtype=torch.bfloat16).reshape(64, 64),
-        torch.arange(600, dtype=torch.float32).reshape(20, 30)[:, 5:],  # a strided view
-    ],
-    ids=["one", "short", "f64", "bf16-2d", "strided"],
-)
+@pytest.mark.parametrize("tensor", LAYOUTS[0], ids=LAYOUTS[1])
 def test_replica_sample_reads_the_start_middle_and_end(tensor: torch.Tensor) -> None:
     """The sampled replica check's blocks are the bytes at the tensor's
     start, middle and end in row-major order, whatever its layout (read
