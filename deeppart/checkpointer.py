@@ -463,12 +463,12 @@ class Checkpointer:
         go: uncommitted, or NAME is committed again. A committed one whose
         replacement never committed is the only copy of that step
         (:func:`load` serves it) and stays."""
-        name = child.name
-        if not name.startswith(".old-") or len(name) < len(".old--") + 12:
+        side = side_name(child.name)
+        if side is None or side[0] != "old":
             return False
         if not is_committed(child):
             return True
-        return is_committed(child.parent / name[len(".old-") : -13])
+        return is_committed(child.parent / side[1])
 
     def _agreed_step(self, step: int | None) -> int:
         """The step every rank of a load reads (one small collective): the

@@ -35,6 +35,26 @@ def check(ck: Any, v: int, step: int | None = None) -> None:
 # Checkpointer.
 
 
+def test_only_deeppart_named_old_copies_are_cleaned_up(tmp_path: Path) -> None:
+    """A Checkpointer's cleanup removes a superseded ``.old-NAME-<12 hex>``
+    copy (an overwrite's, its step committed again) and keeps a directory
+    that only looks like one (``.old-NAME-`` and 12 characters that are not
+    hex), even when it holds a checkpoint: DeepPart did not write that name."""
+    import shutil
+
+    ck = deeppart.Checkpointer(tmp_path, keep_last=5)
+    ck.save(1, state(1))
+    step1 = ck.path(1)
+    ours = tmp_path / f".old-{step1.name}-0123456789ab"
+    lookalike = tmp_path / f".old-{step1.name}-notAhex12chr"
+    for d in (ours, lookalike):
+        shutil.copytree(step1, d)
+    ck.save(2, state(2))
+    assert not ours.exists()
+    assert lookalike.is_dir() and is_committed(lookalike)
+    check(ck, 1, 1)
+
+
 @pytest.mark.parametrize("name", ["step-500", step_dir_name(500)])
 def test_keep_last_ignores_a_deeppart_save_named_like_a_step(tmp_path: Path, name: str) -> None:
     """A committed ``step-500`` (the README's naming for deeppart.save) or a
