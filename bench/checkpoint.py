@@ -289,10 +289,10 @@ def worker(args: argparse.Namespace) -> None:
                 if name == "save deeppart":
                     proof.append(comm.allreduce(last_proof.seconds, op=MPI.MAX))
                 if name == f"save deeppart+{codec}":
-                    stats = deeppart.checkpoint.last_stats("save")
+                    stats = deeppart.last_stats("save")
                     ratio = stats.ratio if stats else 1.0
                 if name == "save deeppart+auto":
-                    stats = deeppart.checkpoint.last_stats("save")
+                    stats = deeppart.last_stats("save")
                     auto_ratio = stats.ratio if stats else 1.0
                 if rank == 0:
                     print(f"[bench] n={size} {name:<22} {dt:8.3f} s", file=sys.stderr, flush=True)

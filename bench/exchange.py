@@ -296,7 +296,7 @@ def measured_rank(out: Path, reps: int) -> None:
 def _time_prepare_save() -> list[float]:
     """Times each call of the save's prepare stage (with its exchange):
     the returned list gets each call's seconds."""
-    import deeppart.checkpoint as checkpoint
+    import deeppart.saving.save as checkpoint
 
     times: list[float] = []
     inner: Any = checkpoint.__dict__["prepare_save"]

@@ -39,7 +39,7 @@ if str(ROOT) not in sys.path:
 
 from bench.jobs import build_state, mpi_env  # noqa: E402
 
-#: The stages of deeppart.checkpoint.load timed with ``--stages``: the
+#: The stages of deeppart.loading.load.load timed with ``--stages``: the
 #: names it calls, as imported there.
 STAGES = (
     "hosts",  # before the host check went into the first agreement
@@ -62,11 +62,11 @@ def _cpu() -> tuple[float, int]:
 
 
 def _timed_stages(spent: dict[str, float]) -> None:
-    """Wraps the stages of deeppart.checkpoint.load to add their process
+    """Wraps the stages of deeppart.loading.load.load to add their process
     time to ``spent``."""
     import contextlib
 
-    import deeppart.checkpoint as ck
+    import deeppart.loading.load as ck
 
     def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:

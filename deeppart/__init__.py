@@ -28,7 +28,6 @@ from deeppart._planner import (
     plan_fingerprint,
 )
 from deeppart.async_save import AsyncSave, async_save
-from deeppart.checkpoint import last_incompatible_keys, last_stats, load, save
 from deeppart.checkpointer import Checkpointer
 from deeppart.errors import (
     AsyncSaveWarning,
@@ -51,8 +50,11 @@ from deeppart.errors import (
     UnsupportedURLError,
 )
 from deeppart.levels import LevelConfig, LevelSaveStats, RecoveryReport, open_backend
+from deeppart.loading.load import last_incompatible_keys, load
 from deeppart.progress import Stats as CheckpointStats
+from deeppart.progress import last_stats
 from deeppart.saving.plan_cache import plan
+from deeppart.saving.save import save
 from deeppart.state.restore import IncompatibleKeys
 
 if TYPE_CHECKING:

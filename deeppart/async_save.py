@@ -6,7 +6,7 @@ memory, write it in a background thread while training goes on.
 1. waits for this communicator's previous asynchronous save, and raises its
    error if nobody has seen it yet;
 2. plans and prepares the save as :func:`deeppart.save` does
-   (:func:`deeppart.checkpoint.plan_save`, over the caller's communicator);
+   (:func:`deeppart.saving.save.plan_save`, over the caller's communicator);
 3. copies only the byte ranges this rank will write into one host buffer
    (:mod:`deeppart.saving.snapshot`: reused by a ``Checkpointer``, sized to the
    share, pinned for CUDA tensors), then agrees with one small collective
@@ -41,12 +41,12 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from deeppart.checkpoint import plan_save
 from deeppart.comm import Comm, TorchDistComm, resolve, writer_comm
 from deeppart.errors import AsyncSaveWarning
 from deeppart.progress import Stats
 from deeppart.saving.in_flight import add, guard_teardown, settle_pending, take_all
 from deeppart.saving.prepare import Prepared
+from deeppart.saving.save import plan_save
 from deeppart.saving.snapshot import ShareSnapshot, share_bytes
 from deeppart.storage.target import location_name
 from deeppart.storage.url import Location, parse_location

@@ -13,15 +13,16 @@ from typing import Any
 
 from deeppart.agreement import agree, from_root
 from deeppart.async_save import AsyncCheckpointer, AsyncSave
-from deeppart.checkpoint import compression_level_of, load, save
 from deeppart.comm import resolve
-from deeppart.compression import check_codec
+from deeppart.compression import check_codec, compression_level_of
 from deeppart.errors import CheckpointError, StateMismatchError
 from deeppart.format import STEP_PREFIX, damaged, is_committed, step_dir_name, step_number
 from deeppart.levels import open_backend
 from deeppart.levels.backend import LevelBackend, LevelSaveStats, RecoveryReport
+from deeppart.loading.load import load
 from deeppart.progress import Stats
 from deeppart.saving.planning import PlanProvider
+from deeppart.saving.save import save
 from deeppart.steps import lineage
 from deeppart.steps.object_steps import ObjectSteps
 from deeppart.storage import S3URL, open_store, parse_location

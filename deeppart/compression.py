@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import struct
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -336,3 +337,17 @@ def decompress(
     out = np.empty(length, dtype=np.uint8)
     decompress_into(codec, data, out, itemsize, max_expansion)
     return out.tobytes()
+
+
+def compression_level_of(compression_level: int, level: int | None, stacklevel: int = 3) -> int:
+    """The compression level to use: ``level`` (the old name of
+    ``compression_level``, deprecated) when given, with a warning."""
+    if level is None:
+        return compression_level
+    warnings.warn(
+        "level= is deprecated and will be removed in the next release: "
+        "use compression_level= (level now names the storage levels L1-L4)",
+        DeprecationWarning,
+        stacklevel=stacklevel,
+    )
+    return level

@@ -113,3 +113,19 @@ class Stats:
             f"[deeppart] {self.op} {human_bytes(self.raw_bytes)} on {self.world_size} rank(s) "
             f"in {self.seconds:.3f} s{ranks}, {self.gbps:.2f} GB/s{comp} -> {self.directory}"
         )
+
+
+# ----------------------------------------------------------------------------
+# The statistics of this process's latest save and load.
+
+_last_stats: dict[str, Stats] = {}
+
+
+def record_stats(op: str, stats: Stats) -> None:
+    """Keeps ``stats`` as this process's latest ``op`` ("save" or "load")."""
+    _last_stats[op] = stats
+
+
+def last_stats(op: str = "save") -> Stats | None:
+    """The :class:`Stats` of this process's latest ``"save"`` or ``"load"``."""
+    return _last_stats.get(op)

@@ -48,8 +48,8 @@ from rank_output import print_line
 
 import deeppart
 from bench.dtensor import build, dcp_balance, deeppart_balance, make_model, sharded_state
-from deeppart.checkpoint import last_stats
 from deeppart.loading import reshard
+from deeppart.progress import last_stats
 
 #: ``tpfsdp``: FSDP2 over a TP-parallelized module on a (2,2) mesh, whose
 #: colwise weights torch places as ``_StridedShard`` (saved and loaded by

@@ -22,10 +22,10 @@ import numpy as np
 
 from deeppart import errors
 from deeppart.agreement import agree
-from deeppart.checkpoint import save
 from deeppart.comm import Comm, resolve
 from deeppart.levels import LevelConfig
 from deeppart.levels.engine import BuiltinBackend
+from deeppart.saving.save import save
 from deeppart.saving.writer import WriteEvent, fault_hook
 
 FAILING_RANK = 1

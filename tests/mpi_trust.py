@@ -50,7 +50,7 @@ from mpi_checkpoint import abort_on_failure, assert_bitwise_equal, make_state
 from rank_output import print_line
 
 import deeppart
-import deeppart.checkpoint as checkpoint
+import deeppart.loading.load as checkpoint
 from deeppart.comm import Comm, resolve
 from deeppart.errors import ERROR_TYPES, CorruptCheckpointError, DeepPartError, StateError
 from deeppart.format import data_file_name

@@ -49,11 +49,11 @@ from mpi_checkpoint import abort_on_failure, assert_bitwise_equal, make_state
 from rank_output import print_line
 
 import deeppart
-from deeppart.checkpoint import last_stats
 from deeppart.comm import Comm, resolve
 from deeppart.errors import CommitConflictError, CorruptCheckpointError
 from deeppart.format import data_file_name
 from deeppart.loading import reader
+from deeppart.progress import last_stats
 from deeppart.saving.writer import WriteEvent, fault_hook
 from deeppart.storage import open_store
 from deeppart.storage.objects import read_marker, save_groups

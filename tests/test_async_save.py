@@ -25,8 +25,8 @@ import deeppart  # noqa: E402
 
 # (deeppart.async_save is the function; the module is imported by name.)
 from deeppart.async_save import AsyncSave  # noqa: E402
-from deeppart.checkpoint import plan_save  # noqa: E402
 from deeppart.comm import SingleComm  # noqa: E402
+from deeppart.saving.save import plan_save  # noqa: E402
 from deeppart.saving.snapshot import ShareSnapshot  # noqa: E402
 from deeppart.saving.writer import WriteEvent, fault_hook  # noqa: E402
 

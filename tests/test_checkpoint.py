@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import deeppart
-from deeppart import checkpoint as ck
+from deeppart import progress as ck
 from deeppart.comm import SingleComm, resolve
 from deeppart.compression import CODECS, check_codec, compress, decompress
 from deeppart.errors import CodecError

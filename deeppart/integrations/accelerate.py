@@ -43,11 +43,12 @@ from accelerate import Accelerator
 from accelerate.data_loader import SeedableRandomSampler
 from accelerate.utils import DistributedType
 
-from deeppart.checkpoint import load, save
 from deeppart.comm import resolve
 from deeppart.errors import CheckpointError, StateMismatchError
 from deeppart.format import is_committed, remove_tree
 from deeppart.integrations.rng import gather_rng_states, restore_rng_states
+from deeppart.loading.load import load
+from deeppart.saving.save import save
 from deeppart.storage.ownership import owned_dir
 
 __all__ = ["load_state", "save_state"]

@@ -37,9 +37,10 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.utilities import rank_zero_warn
 
-from deeppart.checkpoint import load, save
 from deeppart.errors import CheckpointError
 from deeppart.format import remove_tree
+from deeppart.loading.load import load
+from deeppart.saving.save import save
 from deeppart.storage.ownership import owned_dir
 
 __all__ = ["DeepPartCheckpointIO", "DeepPartDDPStrategy", "DeepPartModelParallelStrategy"]

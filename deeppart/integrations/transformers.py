@@ -36,10 +36,11 @@ import torch.distributed as dist
 from transformers import Trainer
 from transformers.utils.import_utils import is_torch_xla_available
 
-from deeppart.checkpoint import load, save
 from deeppart.comm import Comm, resolve
 from deeppart.errors import CheckpointError
 from deeppart.integrations.rng import gather_rng_states, restore_rng_states
+from deeppart.loading.load import load
+from deeppart.saving.save import save
 
 __all__ = ["SUBDIR", "DeepPartTrainer"]
 

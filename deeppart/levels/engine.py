@@ -47,7 +47,6 @@ import numpy as np
 import numpy.typing as npt
 
 from deeppart.agreement import agree, from_root
-from deeppart.checkpoint import save
 from deeppart.comm import Comm, resolve
 from deeppart.errors import (
     CheckpointError,
@@ -66,6 +65,7 @@ from deeppart.progress import Progress
 from deeppart.saving.metadata import metadata_json
 from deeppart.saving.planning import PlanProvider
 from deeppart.saving.prepare import Prepared, agree_prepared, prepare, refuse_sharded
+from deeppart.saving.save import save
 from deeppart.saving.writer import RECORD_FIELDS, write_pieces
 from deeppart.steps import lineage
 from deeppart.storage.commit import commit_dir, remove_temp_dir

@@ -38,7 +38,6 @@ from typing import Any
 import numpy as np
 
 from deeppart.agreement import agree
-from deeppart.checkpoint import load
 from deeppart.comm import Comm
 from deeppart.errors import CheckpointError, CorruptCheckpointError, UnrecoverableError
 from deeppart.format import Metadata, Piece, checksum, data_file_name, is_committed
@@ -46,6 +45,7 @@ from deeppart.levels import erasure, files, partner
 from deeppart.levels.backend import RecoveryReport
 from deeppart.levels.files import EMPTY, U8, BufReader, by_rank, file_ok, read_all, size_is
 from deeppart.levels.layout import Layout, parity_file, partner_file
+from deeppart.loading.load import load
 from deeppart.loading.reader import Target, open_checkpoint, read_metadata, read_pieces
 from deeppart.progress import Progress
 from deeppart.storage import open_store

@@ -240,9 +240,9 @@ def _synthetic_state(nbytes: int, tensors: int) -> dict[str, Any]:
 def _timed_save(state: dict[str, Any], directory: Path) -> tuple[int, float]:
     """(bytes, seconds) of one ``deeppart.save`` of ``state`` by this process
     alone into the new ``directory``."""
-    from deeppart.checkpoint import save
     from deeppart.comm import SingleComm
     from deeppart.saving.planning import PlanProvider
+    from deeppart.saving.save import save
 
     # Repeated saves of a state reuse its plan, as a training run's do; the
     # synthetic plans stay out of the user's on-disk plan cache.

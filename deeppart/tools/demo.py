@@ -40,9 +40,10 @@ from typing import Any
 import numpy as np
 
 from deeppart._planner import Manifest
-from deeppart.checkpoint import load, save
 from deeppart.checkpointer import Checkpointer
+from deeppart.loading.load import load
 from deeppart.progress import Stats
+from deeppart.saving.save import save
 
 VOCAB, SEQ, BATCH, D_MODEL, LAYERS, FF, HEADS = 512, 32, 8, 128, 2, 512, 4
 

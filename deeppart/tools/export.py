@@ -31,10 +31,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from deeppart.checkpoint import load, save
 from deeppart.comm import SingleComm
 from deeppart.errors import CheckpointError, DeepPartError, ExportError
 from deeppart.format import decode_metadata
+from deeppart.loading.load import load
+from deeppart.saving.save import save
 from deeppart.state.state import skeleton_paths
 from deeppart.storage import S3URL, parse_location
 from deeppart.storage.ownership import local_path

@@ -1,0 +1,387 @@
+"""``save``: a parallel checkpoint of each rank's own state.
+
+Each rank passes its own tree; what several ranks hold alike is stored once.
+:func:`save` plans (deterministically, on every rank) which rank writes
+which slice of which leaf; each rank writes its pieces straight from tensor
+memory into its own data file, and rank 0 commits the checkpoint
+atomically (:func:`plan_save` is the part an asynchronous save shares).
+
+It reads top-down as a sequence of stages, each in its own module
+(docs/ARCHITECTURE.md): planning -> prepare -> (verify replicas) ->
+temporary directory -> write -> commit. Every stage that can fail on some
+ranks only is followed by one agreement collective
+(:mod:`deeppart.agreement`), so a failure anywhere raises on every rank
+instead of leaving the others blocked in a collective.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypedDict, Unpack
+
+import numpy as np
+
+from deeppart._planner import Plan
+from deeppart.agreement import agree
+from deeppart.comm import Comm, resolve
+from deeppart.compression import compression_level_of
+from deeppart.format import SAVE_ID_HEX, new_save_id
+from deeppart.progress import Progress, Stats, record_stats
+from deeppart.saving.metadata import metadata_json
+from deeppart.saving.planning import PlanProvider
+from deeppart.saving.prepare import Prepared, prepare_save
+from deeppart.saving.prepare import verify_replicas as check_replicas
+from deeppart.saving.writer import RECORD_FIELDS, write_pieces
+from deeppart.state import staging as _staging
+from deeppart.state.state import encode_plain
+from deeppart.storage.commit import TEMP_NAME_MAX
+from deeppart.storage.identity import identity_text
+from deeppart.storage.target import SaveTarget, save_target
+from deeppart.storage.url import Location, parse_location
+
+__all__ = ["PlannedSave", "SaveOptions", "plan_save", "save"]
+
+
+def save(
+    state: Any,
+    directory: str | os.PathLike[str],
+    *,
+    comm: Any = None,
+    planner: Any = None,
+    compression: str | None = None,
+    algorithm: str | None = None,
+    plan: Plan | None = None,
+    compression_level: int = 1,
+    cost: Any = None,
+    topology: Any = None,
+    overwrite: bool = False,
+    user: Any = None,
+    progress: bool | None = None,
+    verbose: bool = False,
+    staging_bytes: int | None = None,
+    verify_replicas: bool = False,
+    plan_provider: PlanProvider | None = None,
+    level: int | None = None,
+    group: Any = None,
+    replica_dims: str | Sequence[str] | None = None,
+) -> Stats:
+    """Saves ``state`` (each rank's own) to ``directory``, every rank
+    writing its planned share. Collective: call it on every rank of ``comm``.
+
+    ``planner``: None (plan in process) or the planner service to ask (see
+    :func:`deeppart.resolve_planner`); ``algorithm``, ``cost``, ``topology``:
+    the planning options; ``plan``: a ready :class:`deeppart.Plan` of this
+    state for this world size instead. ``compression``: None,
+    ``"zstd"``, ``"lz4"``, ``"shuffle-zstd"`` or ``"auto"`` (per piece: compressed
+    only when a sample says it pays in the plan's cost model, see
+    :class:`deeppart.compression.AutoPolicy`); ``compression_level``: the Zstandard
+    level (1: fast; ratios on float data barely improve above). ``user``: a plain value
+    stored in the metadata. ``staging_bytes``: the host buffer through which
+    pieces of device (e.g. CUDA) tensors are copied, in chunks (default
+    :data:`deeppart.state.staging.DEFAULT_STAGING_BYTES`, 256 MiB). Returns the
+    save's :class:`Stats` (the same on every rank); rank 0 prints its
+    summary when ``verbose``. ``verify_replicas``: first check that every
+    rank holds the same state (a hash of each leaf on every rank, compared
+    in one collective); if not, raise :class:`ReplicaMismatchError` on every
+    rank, naming the differing leaves and ranks, and write nothing.
+    Every rank passes its own tree (:mod:`deeppart.state.union`): the checkpoint
+    is the union of what the ranks hold (DTensors on any mesh, pipeline
+    stages, per-rank values; each rank loads its own back at the same world
+    size). ``group``: ``"auto"`` compares every tensor several ranks hold
+    under one path by its whole bytes (differing ones become versions, one
+    per group); a ProcessGroup or list of global ranks stores this rank's
+    group's tree under ``"ranks:0,1"``... (:mod:`deeppart.loading.groups`).
+    ``replica_dims``: root-mesh dimension names (e.g. ``"dp"``) over which
+    DTensors on sub-meshes are declared replicas (sampled, a difference
+    refused) instead of compared whole.
+    """
+    c = resolve(comm)
+    t0 = time.perf_counter()
+    planned = plan_save(
+        c,
+        state,
+        directory,
+        planner=planner,
+        compression=compression,
+        algorithm=algorithm,
+        plan=plan,
+        compression_level=compression_level,
+        cost=cost,
+        topology=topology,
+        overwrite=overwrite,
+        user=user,
+        progress=progress,
+        verbose=verbose,
+        staging_bytes=staging_bytes,
+        verify_replicas=verify_replicas,
+        plan_provider=plan_provider,
+        level=level,
+        group=group,
+        replica_dims=replica_dims,
+    )
+    return planned.finish(c, t0)
+
+
+@dataclass
+class PlannedSave:
+    """A save past its planning and prepare stages on every rank (nothing
+    written yet); :meth:`finish` runs the rest. An asynchronous save plans
+    on the caller's thread and finishes on its writer thread, from a
+    snapshot of this rank's pieces (``prep.staged``)."""
+
+    prep: Prepared
+    final: Location
+    zstd_level: int
+    overwrite: bool
+    user: Any
+    progress: bool | None
+    verbose: bool
+    staging_bytes: int | None
+    #: Each rank's byte from ``plan_save(local=...)`` (empty without it).
+    flags: list[int] = field(default_factory=list)
+    #: Where it writes and how it commits (a file system directory or an
+    #: object store: :mod:`deeppart.storage.target`).
+    target: SaveTarget | None = None
+
+    def finish(self, c: Comm, t0: float | None = None) -> Stats:
+        """Temporary directory, write, commit (collective over ``c``);
+        the save's :class:`Stats` count from ``t0`` (default: now)."""
+        t0 = time.perf_counter() if t0 is None else t0
+        prep, final = self.prep, self.final
+        target = self.target if self.target is not None else save_target(final)
+        # Rank 0 makes the save's id and begins it (on a file system: the
+        # temporary directory).
+        err: BaseException | None = None
+        payload = b""
+        if c.rank == 0:
+            try:
+                save_id = new_save_id()
+                payload = save_id.encode() + target.begin(save_id, self.overwrite).encode()
+            except BaseException as e:
+                err = e
+        names = agree(c, err, payload, width=SAVE_ID_HEX + TEMP_NAME_MAX)
+        # Every rank leaves that agreement at about the same moment: a rank's
+        # time in save() is its time before it plus the common time after it.
+        t_sync = time.perf_counter()
+        before_sync = t_sync - t0
+        save_id = names[0][:SAVE_ID_HEX].decode()
+        token = names[0][SAVE_ID_HEX:].rstrip(b"\0").decode()
+        _agree_seen(c, target, token, save_id)
+
+        # Every rank writes its pieces; rank 0 gathers the piece records.
+        gathered = _write(
+            c, prep, target, token, self.zstd_level, self.progress, self.staging_bytes, save_id
+        )
+
+        # Rank 0 commits: metadata, fsyncs, rename, marker.
+        stored_total = 0
+        if c.rank == 0:
+            assert gathered is not None
+            try:
+                meta = metadata_json(prep, gathered, self.user, save_id=save_id)
+                head = json.loads(meta)
+                stored_total = int(head["stored_bytes"])
+                # Nothing is committed that the store does not hold.
+                target.check_written(token, save_id, head["file_sizes"])
+                target.commit(token, save_id, meta, self.overwrite)
+            except BaseException as e:
+                err = e
+                target.abandon(token, save_id)
+        # The time after the first agreement ends in this last one, which
+        # every rank leaves together once the last of them (rank 0, after
+        # gathering everyone's records and committing) has entered it: the
+        # latest entry is that common time. Taken from the agreed rows, it is
+        # the same number on every rank, so are the Stats (on the writer
+        # thread of an asynchronous save too).
+        entered = time.perf_counter() - t_sync
+        rows = agree(c, err, struct.pack("<dQd", before_sync, stored_total, entered), width=24)
+        fields = [struct.unpack("<dQd", row[:24]) for row in rows]
+        after_sync = max(f[2] for f in fields)
+        rank_seconds = [f[0] + after_sync for f in fields]
+        stats = Stats(
+            op="save",
+            directory=str(final),
+            world_size=c.size,
+            raw_bytes=prep.manifest.total_bytes,
+            stored_bytes=fields[0][1],
+            seconds=max(rank_seconds),
+            rank_seconds=rank_seconds,
+            codec=prep.codec,
+        )
+        record_stats("save", stats)
+        if self.verbose and c.rank == 0:
+            print(stats.summary(), flush=True)
+        return stats
+
+
+class SaveOptions(TypedDict, total=False):
+    """The keywords of :func:`save` other than ``comm`` (their defaults are
+    save's)."""
+
+    planner: Any
+    compression: str | None
+    algorithm: str | None
+    plan: Plan | None
+    compression_level: int
+    cost: Any
+    topology: Any
+    overwrite: bool
+    user: Any
+    progress: bool | None
+    verbose: bool
+    staging_bytes: int | None
+    verify_replicas: bool
+    plan_provider: PlanProvider | None
+    level: int | None
+    group: Any
+    replica_dims: str | Sequence[str] | None
+
+
+def plan_save(
+    c: Comm,
+    state: Any,
+    directory: str | os.PathLike[str] | Location,
+    *,
+    local: Callable[[Prepared], int] | None = None,
+    **options: Unpack[SaveOptions],
+) -> PlannedSave:
+    """The planning and prepare stages of :func:`save` (same keywords),
+    with their agreement (and ``verify_replicas``'s check): collective over
+    ``c``; raises on every rank before anything is written.
+
+    ``local``: a step run on this rank once it is prepared (an asynchronous
+    save's snapshot), before the agreement; it returns one byte (0-255)
+    that the same collective shares (``PlannedSave.flags``), and its
+    failure fails the agreement on every rank."""
+    o = options
+    final = parse_location(directory)
+    target = save_target(final)
+    zstd_level = compression_level_of(o.get("compression_level", 1), o.get("level"), 4)
+    plan_provider = o.get("plan_provider")
+    if plan_provider is None:
+        plan_provider = PlanProvider(
+            c.size,
+            o.get("plan"),
+            planner=o.get("planner"),
+            algorithm=o.get("algorithm"),
+            cost=o.get("cost"),
+            topology=o.get("topology"),
+        )
+
+    # Plan and prepare; every rank checks that all prepared the same save.
+    err: BaseException | None = None
+    user = o.get("user")
+    verify_replicas = o.get("verify_replicas", False)
+    store = b""
+    try:
+        if user is not None:
+            encode_plain(user, ("<user>",))
+        target.check()  # on every rank: each may see its own file system
+        # The store this rank addresses, compared in the agreement below.
+        store = identity_text(target.identity())
+    except BaseException as e:
+        err = e
+    prep, flags = prepare_save(
+        c,
+        err,
+        state,
+        o.get("compression"),
+        plan_provider,
+        final,
+        group=o.get("group"),
+        replica_dims=o.get("replica_dims"),
+        local=local,
+        store=store,
+        declared=verify_replicas,
+    )
+    if verify_replicas:
+        check_replicas(c, prep)
+    return PlannedSave(
+        prep,
+        final,
+        zstd_level,
+        o.get("overwrite", False),
+        user,
+        o.get("progress"),
+        o.get("verbose", False),
+        o.get("staging_bytes"),
+        flags,
+        target,
+    )
+
+
+def _agree_seen(c: Comm, target: SaveTarget, token: str, save_id: str) -> None:
+    """Where one path may be a different directory on each node
+    (``target.check_seen``), every rank checks that it sees what rank 0
+    began the save in, and all agree (one 1-byte agreement, before anything
+    is written); if some do not, rank 0 removes it and every rank raises
+    the same StoreConfigError naming them."""
+    if c.size == 1 or not target.check_seen:
+        return
+    err: BaseException | None = None
+    seen = False
+    try:
+        seen = target.sees(token)
+    except BaseException as e:
+        err = e
+    try:
+        rows = agree(c, err, bytes([seen]), width=1)
+        blind = [r for r, row in enumerate(rows) if not row[0]]
+        if blind:
+            raise target.unseen_error(token, blind)
+    except BaseException:
+        if c.rank == 0:
+            target.abandon(token, save_id)
+        raise
+
+
+def _write(
+    c: Comm,
+    prep: Prepared,
+    target: SaveTarget,
+    token: str,
+    zstd_level: int,
+    progress: bool | None,
+    staging_bytes: int | None,
+    save_id: str = "",
+) -> Any:
+    """The write stage with its agreement: this rank's data file where
+    ``target`` puts it (its header carrying ``save_id``); rank 0 returns
+    everyone's piece records (flat, each rank's followed by its file size),
+    the others None. On any failure every rank raises, and rank 0 removes
+    what the save wrote (``target.abandon``)."""
+    err: BaseException | None = None
+    prog = Progress(
+        "save", prep.plan.rank_bytes()[c.rank], enabled=progress if c.rank == 0 else False
+    )
+    local = np.zeros(1, dtype=np.uint64)
+    try:
+        path, opener = target.data_file(token, save_id, c.rank)
+        records, size = write_pieces(
+            path,
+            c.rank,
+            prep,
+            zstd_level,
+            prog,
+            staging=_staging.Staging(staging_bytes),
+            save_id=save_id,
+            opener=opener,
+        )
+        local = np.concatenate([records.reshape(-1), np.array([size], dtype=np.uint64)])
+    except BaseException as e:
+        err = e
+    finally:
+        prog.close()
+    try:
+        agree(c, err)
+    except BaseException:
+        if c.rank == 0:
+            target.abandon(token, save_id)
+        raise
+    counts = [len(prep.plan.rank_pieces(r)) * RECORD_FIELDS + 1 for r in range(c.size)]
+    return c.gatherv_u64(local, counts, root=0)
