@@ -50,7 +50,8 @@ from mpi_checkpoint import abort_on_failure, assert_bitwise_equal, make_state
 from rank_output import print_line
 
 import deeppart
-import deeppart.loading.load as checkpoint
+import deeppart.loading.load as load_module
+import deeppart.saving.save as save_module
 from deeppart.comm import Comm, resolve
 from deeppart.errors import ERROR_TYPES, CorruptCheckpointError, DeepPartError, StateError
 from deeppart.format import data_file_name
@@ -98,7 +99,7 @@ def _flip_during_load(
         os.close(fd)
         mm[pos] = mm[pos]  # the page dirtied once, before the load
     c.barrier()
-    real = getattr(checkpoint, READ_STAGE)
+    real = getattr(load_module, READ_STAGE)
 
     def hooked(*args: Any, **kwargs: Any) -> int:
         if mm is None:
@@ -111,11 +112,11 @@ def _flip_during_load(
         return n
 
     def run() -> str:
-        setattr(checkpoint, READ_STAGE, hooked)
+        setattr(load_module, READ_STAGE, hooked)
         try:
             out = deeppart.load(d)
         finally:
-            setattr(checkpoint, READ_STAGE, real)
+            setattr(load_module, READ_STAGE, real)
         try:
             assert_bitwise_equal(state, out, case)
         except AssertionError:
@@ -184,21 +185,21 @@ def _failing(module: Any, name: str, exc: type[BaseException]) -> Callable[[], N
 #: (case, the stage's function: module and name, the rank it fails on,
 #: the injected type, the operation: "save" or a load's exchange).
 LOAD_STAGES: list[tuple[str, Any, str, int, str]] = [
-    ("load-open", checkpoint, "open_checkpoint", 1, "auto"),
-    ("load-plan", checkpoint, "plan_reads", 1, "auto"),
+    ("load-open", load_module, "open_checkpoint", 1, "auto"),
+    ("load-plan", load_module, "plan_reads", 1, "auto"),
     ("load-read", reader, "read_file", 1, "auto"),
     ("load-read-all", reader, "read_file", 1, "read"),
     ("load-exchange-shared", reader, "_copy_to", 1, "auto"),
     ("load-exchange-bcast", reader, "_copy_to", 1, "bcast"),
     ("load-decode-plain", reader, "decode_plain", 1, "auto"),
-    ("load-assemble", checkpoint, "assemble", 1, "auto"),
+    ("load-assemble", load_module, "assemble", 1, "auto"),
 ]
 SAVE_STAGES: list[tuple[str, Any, str, int]] = [
     ("save-target", storage_target, "check_target", 1),
     ("save-prepare", prepare, "_own_prepare", 1),
     ("save-temp-dir", storage_target, "make_temp_dir", 0),
-    ("save-write", checkpoint, "write_pieces", 1),
-    ("save-metadata", checkpoint, "metadata_json", 0),
+    ("save-write", save_module, "write_pieces", 1),
+    ("save-metadata", save_module, "metadata_json", 0),
     ("save-commit", storage_target, "commit_dir", 0),
 ]
 
