@@ -51,6 +51,7 @@ from deeppart.errors import (
 )
 from deeppart.levels import LevelConfig, LevelSaveStats, RecoveryReport, open_backend
 from deeppart.loading.load import last_incompatible_keys, load
+from deeppart.moved import install as _install_moved
 from deeppart.progress import Stats as CheckpointStats
 from deeppart.progress import last_stats
 from deeppart.saving.plan_cache import plan
@@ -117,6 +118,9 @@ __all__ = [
     "resolve_planner",
     "save",
 ]
+
+
+_install_moved()  # the old names of moved modules (deeppart.moved), for one release
 
 
 def __getattr__(name: str) -> Any:
