@@ -18,6 +18,12 @@ It parses every module of the package (no import is executed) and reports:
   library, never the reverse. ``deeppart/__main__.py`` (``python -m
   deeppart``, the command itself) is the one exception.
 
+* an import that runs up the layers of docs/ARCHITECTURE.md
+  (:data:`LAYERS`, lowest first: a module may import its own layer and
+  those below it), but for the few edges :data:`UPWARD` names with their
+  reason; and, for the package itself, a module or folder placed in no
+  layer.
+
 ``deeppart/__init__.py`` (the package's face), ``deeppart/__main__.py`` and
 generated code (``deeppart/proto/``) are exempt from the last two rules.
 The extension module ``deeppart._planner`` is the Rust core: importing it is
@@ -39,6 +45,66 @@ EXEMPT = {"deeppart", "deeppart.__main__"}
 TOOLS = "deeppart.tools"
 #: The one library-side module that may: ``python -m deeppart`` runs the CLI.
 TOOLS_ENTRY = {"deeppart.__main__"}
+
+
+#: The layers of docs/ARCHITECTURE.md, lowest first: each holds top-level
+#: modules and folders (a folder: every module in it).
+LAYERS: list[set[str]] = [
+    {"_planner", "proto"},  # the Rust core; generated gRPC code
+    {"errors", "regions", "compression", "comm", "agreement", "format", "integrity", "progress"},
+    {"state"},
+    {"storage"},
+    {"loading"},
+    {"saving"},  # prepare reads group selections (loading.groups)
+    {"steps"},
+    {"checkpointer", "async_save", "levels"},  # the roof
+    {"integrations", "service"},  # front ends
+    {"tools"},  # the command-line programs
+    {"__init__", "__main__", "moved"},  # the package's face
+]
+#: Edges that run up the layers on purpose (importer -> imported module or
+#: folder), each with its reason.
+UPWARD = {
+    # The planner service, when one is configured (DEEPPART_PLANNER_SERVICE):
+    # a lazy import, the save's planning asks the service for its plan.
+    ("deeppart.saving.planning", "deeppart.service"),
+}
+
+
+def room(module: str) -> str:
+    """The top-level module or folder of ``module`` (``__init__`` for the
+    package itself)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def layer(module: str) -> int | None:
+    r = room(module)
+    return next((i for i, rooms in enumerate(LAYERS) if r in rooms), None)
+
+
+def upward(importer: str, imported: str) -> bool:
+    """Whether ``importer`` -> ``imported`` runs up the layers (not allowed
+    by :data:`UPWARD`)."""
+    a, b = layer(importer), layer(imported)
+    if a is None or b is None or b <= a:
+        return False
+    return not any(
+        importer == i and (imported == t or imported.startswith(t + ".")) for i, t in UPWARD
+    )
+
+
+def unplaced(root: Path) -> list[str]:
+    """The package's top-level modules and folders that no layer holds."""
+    pkg = root / PACKAGE
+    rooms = {p.stem for p in pkg.glob("*.py")} | {
+        p.name for p in pkg.iterdir() if p.is_dir() and (p / "__init__.py").exists()
+    }
+    placed = set().union(*LAYERS)
+    return [
+        f"deeppart.{r}: in no layer of LAYERS (docs/ARCHITECTURE.md)"
+        for r in sorted(rooms - placed)
+    ]
 
 
 def in_tools(module: str) -> bool:
@@ -113,6 +179,11 @@ class ModuleImports:
     def _dep(self, target: str, line: int) -> None:
         if target != self.name:
             self.deps.add(target)
+            if upward(self.name, target) and self.name not in EXEMPT:
+                self.findings.append(
+                    f"{self.name}:{line}: imports {target}, a higher layer "
+                    f"({room(target)} above {room(self.name)}, docs/ARCHITECTURE.md)"
+                )
         if in_tools(target) and not in_tools(self.name) and self.name not in TOOLS_ENTRY:
             self.findings.append(
                 f"{self.name}:{line}: the library imports the command-line tools ({target}); "
@@ -190,14 +261,15 @@ def check(root: Path) -> list[str]:
 
 def main() -> int:
     root = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parents[1]
-    findings = check(root)
+    findings = check(root) + unplaced(root)
     for line in findings:
         print(line)
     if findings:
         print(f"{len(findings)} finding(s)", file=sys.stderr)
         return 1
     print(
-        "deeppart: no import cycle, no self-import, no private name used across modules, "
+        "deeppart: no import cycle, no import up the layers, no self-import, "
+        "no private name used across modules, "
         f"nothing outside {TOOLS} imports from it"
     )
     return 0

@@ -134,3 +134,41 @@ def test_the_real_package_keeps_the_tools_apart() -> None:
         assert (pkg / "tools" / f"{name}.py").is_file(), name
         assert not (pkg / f"{name}.py").exists(), name
     assert "deeppart.tools.cli:main" in (ROOT / "pyproject.toml").read_text()
+
+
+def test_an_import_up_the_layers_is_found(tmp_path: Path) -> None:
+    """A copy of the real package with one deliberate violation: the
+    storage layer importing the save (lazily, inside a function) is
+    reported with its line; the one allowed upward edge (the save's
+    planning asking the planner service) is not; every top-level module
+    and folder of the package is in a layer, and a new one is not."""
+    import shutil
+
+    shutil.copytree(
+        ROOT / "deeppart",
+        tmp_path / "deeppart",
+        ignore=shutil.ignore_patterns("*.so", "__pycache__"),
+    )
+    assert check_architecture.check(tmp_path) == []
+    assert check_architecture.unplaced(tmp_path) == []
+    commit = tmp_path / "deeppart" / "storage" / "commit.py"
+    lines = commit.read_text().splitlines()
+    lines.append("def _bad() -> None:\n    from deeppart.saving.save import save  # noqa\n")
+    commit.write_text("\n".join(lines) + "\n")
+    (tmp_path / "deeppart" / "newroom.py").write_text("")
+    line = (
+        commit.read_text().splitlines().index("    from deeppart.saving.save import save  # noqa")
+        + 1
+    )
+    findings = check_architecture.check(tmp_path)
+    assert (
+        f"deeppart.storage.commit:{line}: imports deeppart.saving.save, a higher "
+        "layer (saving above storage, docs/ARCHITECTURE.md)"
+    ) in findings, findings
+    # The same edge closes a cycle (the save imports the commit).
+    assert len(findings) == 2 and findings[1].startswith("import cycle:"), findings
+    assert check_architecture.unplaced(tmp_path) == [
+        "deeppart.newroom: in no layer of LAYERS (docs/ARCHITECTURE.md)"
+    ]
+    assert not check_architecture.upward("deeppart.saving.planning", "deeppart.service.client")
+    assert check_architecture.upward("deeppart.saving.prepare", "deeppart.service.client")
