@@ -541,6 +541,44 @@ def test_streamed_digest_is_the_whole_tensor_digest(tensor: torch.Tensor, chunk:
         assert streamed_digest(changed, chunk) != expected, at
 
 
+@pytest.mark.parametrize("leaf", [64, 100, 4096])
+def test_a_large_tensors_digest_is_a_tree_of_its_leaves(
+    monkeypatch: pytest.MonkeyPatch, leaf: int
+) -> None:
+    """A tensor larger than one leaf (DIGEST_LEAF, made small here) is
+    digested leaf by leaf, on threads when there are: the xxh3_128 of a
+    tag, its byte count and its leaves' xxh3_128 digests. Serial, threaded
+    and streamed (any chunk size) digests agree; a byte changed in any leaf
+    changes it; a tensor of one leaf is the plain xxh3_128 of its bytes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import xxhash
+
+    from deeppart.saving import prepare
+
+    monkeypatch.setattr(prepare, "DIGEST_LEAF", leaf)
+    t = torch.arange(3000, dtype=torch.float32).reshape(60, 50)[:, 3:]  # strided
+    raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    leaves = [xxhash.xxh3_128_digest(raw[a : a + leaf]) for a in range(0, len(raw), leaf)]
+    tag = b"deeppart-tree" + len(raw).to_bytes(8, "little")
+    expected = xxhash.xxh3_128_digest(tag + b"".join(leaves))
+    with ThreadPoolExecutor(2) as pool:
+        assert prepare.tensor_digest(t, pool) == expected
+    assert prepare.tensor_digest(t) == expected
+    assert prepare._digest_all([t, t[:1, :2]], threads=2)[0] == expected
+    for chunk in (1, 7, leaf, 3 * leaf + 5, 1 << 20):
+        assert prepare.streamed_digest(t, chunk) == expected, chunk
+    for at in (0, leaf - 1, leaf, len(raw) - 1):
+        changed = t.contiguous().clone()
+        view = changed.reshape(-1).view(torch.uint8)
+        view[at] = int(view[at]) ^ 0x80
+        assert prepare.tensor_digest(changed) != expected, at
+    small = t.reshape(-1)[: leaf // 4]
+    assert prepare.tensor_digest(small) == xxhash.xxh3_128_digest(
+        small.contiguous().numpy().tobytes()
+    )
+
+
 @pytest.mark.parametrize("tensor", LAYOUTS[0], ids=LAYOUTS[1])
 def test_replica_sample_reads_the_start_middle_and_end(tensor: torch.Tensor) -> None:
     """The sampled replica check's blocks are the bytes at the tensor's
