@@ -316,7 +316,7 @@ class Checkpointer:
             # Saving again the step it came from (overwrite=True): the new
             # step takes its place in the line.
             parent = at.parent
-        seq = lines.max_seq() + 1
+        seq = lineage.next_seq(lines, parent)
         value = lineage.record(step, user, run, seq, parent)
         return value, lineage.Link(step, seq), run, replace
 

@@ -278,3 +278,38 @@ def test_a_cleanup_leaves_a_racing_save_in_flight_alone(tmp_path: Path) -> None:
     assert outcome == [None]
     back = deeppart.load(root / step_dir_name(2))
     assert torch.equal(back["w"], torch.full((64,), 2.0))
+
+
+def test_a_save_after_its_parent_left_the_root_is_on_the_line(tmp_path: Path) -> None:
+    """The step a Checkpointer last saved is moved out of the root (a
+    damaged step's evidence, README): its next save's seq is above its
+    parent's, so the step is on the live line and a restart resumes it.
+    Before (issue 49), that save's seq equalled the parent's: a record that
+    is no line record, the step invisible to latest(), steps(), keep_last."""
+    root = tmp_path / "ck"
+    ck = deeppart.Checkpointer(root, keep_last=2)
+    ck.save(1, state(1))
+    ck.save(2, state(2))
+    ck.path(2).rename(tmp_path / "evidence")
+    assert ck.latest() == 1
+    ck.save(3, state(3))
+    assert ck.latest() == 3 and ck.steps() == [3]
+    check(deeppart.Checkpointer(root), 3)
+    ck.save(4, state(4))
+    ck.save(5, state(5))
+    assert ck.steps() == [4, 5] and not ck.path(3).exists()
+
+
+def test_engine_save_after_its_parent_left_the_root_is_on_the_line(tmp_path: Path) -> None:
+    c = engine_config(tmp_path, keep=2)
+    be = BuiltinBackend(c)
+    be.save(10, state(10))
+    be.save(11, state(11))
+    for i, root in enumerate((tmp_path / "meta", tmp_path / "global")):
+        for copy in root.rglob(step_dir_name(11)):
+            copy.rename(tmp_path / f"evidence-{i}")
+    assert be.latest() == 10
+    be.save(12, state(12))
+    assert be.latest() == 12 and be.steps() == [12]
+    got, _ = BuiltinBackend(c).load()
+    assert got["step"] == 12

@@ -331,7 +331,7 @@ class BuiltinBackend:
         if at is not None and parent == at.link and at.parent is not None:
             # Saving again the step it came from: the new one takes its place.
             parent = at.parent
-        seq = lines.max_seq() + 1
+        seq = lineage.next_seq(lines, parent)
         return lineage.record(step, user, run, seq, parent), lineage.Link(step, seq), run
 
     def _phase(self, phases: dict[str, float], name: str, fn: Callable[[], _T]) -> _T:

@@ -9,7 +9,8 @@ part of the committed checkpoint), a line record::
     {"step": N, "user": ..., "line": {"run": "<16 hex>", "seq": S, "parent": [P, PS] | null}}
 
 - ``seq``: one more than the largest ``seq`` of any committed step in the
-  root when the save began: the commit order, whatever the step numbers;
+  root when the save began, and than the parent's (:func:`next_seq`): the
+  commit order, whatever the step numbers;
 - ``parent``: the step (and its ``seq``) that this Checkpointer last loaded
   or saved, null for the first save of a fresh one;
 - ``run``: the line's family: a fresh Checkpointer's first save draws one,
@@ -72,6 +73,7 @@ __all__ = [
     "Node",
     "damaged",
     "new_run",
+    "next_seq",
     "node_of",
     "read_node",
     "record",
@@ -121,6 +123,16 @@ class Legacy:
 def new_run() -> str:
     """A fresh line family id (16 hex digits)."""
     return os.urandom(8).hex()
+
+
+def next_seq(lines: Lines, parent: Link | None) -> int:
+    """The ``seq`` of a new step whose record names ``parent``: one more
+    than the largest ``seq`` committed in the root, and than the parent's.
+    The parent may be gone from the root (moved out as a damaged step's
+    evidence, removed by hand) or unreadable; a ``seq`` not above its
+    parent's is no well-formed record (:func:`parse`), and the step
+    committed with it would be no step of any line."""
+    return max(lines.max_seq(), parent.seq if parent is not None else 0) + 1
 
 
 def record(step: int, user: Any, run: str, seq: int, parent: Link | None) -> dict[str, Any]:
