@@ -751,6 +751,24 @@ def writer_key(c: Comm) -> Any:
     return (type(c).__name__, id(c))
 
 
+def destroyed_with(group: Any) -> Callable[[Any], bool]:
+    """Which :func:`writer_key` s belong to torch.distributed communicators
+    that ``torch.distributed.destroy_process_group(group)`` takes down: every
+    one of the current default group for None (or the default group
+    itself), else those over ``group``."""
+    import torch.distributed as dist
+
+    world = dist.group.WORLD if dist.is_initialized() else None
+    everything = group is None or group is world
+
+    def hit(key: Any) -> bool:
+        if not (isinstance(key, tuple) and key and key[0] == "torch"):
+            return False
+        return bool(key[2] == id(world) if everything else key[1] == id(group))
+
+    return hit
+
+
 def writer_comm(c: Comm) -> tuple[Comm | None, str]:
     """The dedicated communicator of ``c``'s background writer (made once per
     communicator, collectively), or None and the reason why a background

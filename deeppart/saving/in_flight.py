@@ -18,7 +18,7 @@ import threading
 import warnings
 from typing import Any, Protocol
 
-from deeppart.comm import Comm, release_writers, writer_key
+from deeppart.comm import Comm, destroyed_with, release_writers, writer_key
 from deeppart.errors import AsyncSaveWarning
 
 __all__ = ["Pending", "add", "guard_teardown", "settle_pending", "take_all"]
@@ -100,16 +100,7 @@ def before_teardown(group: Any) -> None:
     torch.distributed one when ``group`` is None or the default group) and
     frees DeepPart's writer groups of those communicators. Never raises an
     Exception: the teardown goes on (with a warning)."""
-    import torch.distributed as dist
-
-    world = dist.group.WORLD if dist.is_initialized() else None
-    everything = group is None or group is world
-
-    def hit(key: Any) -> bool:
-        if not (isinstance(key, tuple) and key and key[0] == "torch"):
-            return False
-        return bool(key[2] == id(world) if everything else key[1] == id(group))
-
+    hit = destroyed_with(group)
     with _LOCK:
         handles = [h for k, h in _IN_FLIGHT.items() if hit(k)]
     try:

@@ -38,7 +38,7 @@ from deeppart.errors import CheckpointError, StateMismatchError
 from deeppart.regions import DTensorRecord, Region, ShardRecord
 from deeppart.state.dtensor import HolderGroups, expand
 from deeppart.state.state import FlatLeaf, check_has_data, flatten
-from deeppart.state.tensors import U8, readable, torch_module, u8_view
+from deeppart.state.tensors import U8, readable, resolved, torch_module, u8_view
 from deeppart.state.union import Described, Digests, Union, build_union, whole_digests_needed
 from deeppart.storage.identity import IDENTITY_BYTES, identity_digest, identity_error
 from deeppart.storage.url import Location, location_key
@@ -548,12 +548,7 @@ def streamed_digest(t: Any, chunk_bytes: int) -> bytes:
     not depend on the chunks, so ranks holding one tensor on different
     devices still agree."""
     torch = torch_module()
-    x = t.detach()
-    if x.is_conj():
-        x = x.resolve_conj()
-    if x.is_neg():
-        x = x.resolve_neg()
-    flat = x.contiguous().reshape(-1)
+    flat = resolved(t).reshape(-1)
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)
     n = flat.numel()

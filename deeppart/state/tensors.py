@@ -16,6 +16,7 @@ __all__ = [
     "U8",
     "dtype_sizes",
     "readable",
+    "resolved",
     "torch_dtypes",
     "torch_module",
     "u8_view",
@@ -78,9 +79,15 @@ def written_in_place(t: Any) -> None:
 
 def readable(t: Any) -> Any:
     """``t`` on the CPU, contiguous, conjugation resolved (copies only when needed)."""
-    t = t.detach()
     if t.device.type != "cpu":
-        t = t.cpu()
+        t = t.detach().cpu()
+    return resolved(t)
+
+
+def resolved(t: Any) -> Any:
+    """``t`` where it lies, detached, contiguous, conjugation and negation
+    resolved (copies only when needed)."""
+    t = t.detach()
     if t.is_conj():
         t = t.resolve_conj()
     if t.is_neg():
