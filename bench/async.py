@@ -305,8 +305,13 @@ def worker(args: argparse.Namespace) -> None:
     during: list[float] = []
     cpu_writer: list[float] = []
     # Per timed save: the seconds of the replica proof (whole-tensor digests
-    # of the shared tensors, deeppart.saving.prepare.last_proof), inside the stall.
+    # of the shared tensors) inside the stall (deeppart.saving.prepare.last_proof:
+    # the small tensors), on the writer thread (the large ones,
+    # deeppart.saving.deferred_proof), and the seconds the loop's optimizer
+    # steps waited for the latter (part of the overhead).
     proofs: list[float] = []
+    deferred: list[float] = []
+    held: list[float] = []
     staged = 0
     for i in range(args.saves + 1):
         # The same steps without a save, right before: the reference.
@@ -327,6 +332,9 @@ def worker(args: argparse.Namespace) -> None:
         # the save (more than the reference's while it stayed in flight).
         cpu = _cpu_seconds() - cpu0 - cpu_ref * count / args.steps
         proof = last_proof.seconds if kind == "deeppart" else 0.0
+        pending = handle.proof if kind == "deeppart" else None
+        proof_later = pending.seconds if pending is not None else 0.0
+        proof_held = pending.held_seconds if pending is not None else 0.0
         if kind == "deeppart":
             staged = handle.staged_bytes
         comm.Barrier()
@@ -338,6 +346,8 @@ def worker(args: argparse.Namespace) -> None:
             during.extend(in_flight)
             cpu_writer.append(cpu)
             proofs.append(proof)
+            deferred.append(proof_later)
+            held.append(proof_held)
         if rank == 0 and kind != "deeppart" and i >= 1:
             prefix = "tc" if manager is not None else "dcp"
             shutil.rmtree(base / f"{prefix}-{i - 1}", ignore_errors=True)
@@ -361,6 +371,8 @@ def worker(args: argparse.Namespace) -> None:
             *durables,
             *cpu_writer,
             *proofs,
+            *deferred,
+            *held,
             float(peak - rss0),
             float(child_peak),
             float(np.median(during)) if during else float("nan"),
@@ -373,7 +385,7 @@ def worker(args: argparse.Namespace) -> None:
     )
     rows = np.array(comm.allgather(row))
     if rank == 0:
-        tail = 5 * k
+        tail = 7 * k
         result = {
             "contender": kind,
             "ranks": size,
@@ -392,6 +404,10 @@ def worker(args: argparse.Namespace) -> None:
             "cpu": [float(x) for x in rows[:, 3 * k : 4 * k].mean(axis=0)],
             # Per timed save, the slowest rank's replica proof (in its stall).
             "proofs": [float(x) for x in rows[:, 4 * k : 5 * k].max(axis=0)],
+            # Per timed save, the slowest rank's proof on its writer thread,
+            # and the longest an optimizer step waited for it.
+            "proofs_later": [float(x) for x in rows[:, 5 * k : 6 * k].max(axis=0)],
+            "proofs_held": [float(x) for x in rows[:, 6 * k : 7 * k].max(axis=0)],
             "extra_bytes": float(rows[:, tail].max()),
             "child_peak_bytes": float(rows[:, tail + 1].max()),
             "step_during": float(np.nanmedian(rows[:, tail + 2])),
@@ -489,9 +505,13 @@ def report(
         jobs = [rd[("deeppart", n)] for rd in rounds]
         proof = [float(np.median(j["proofs"])) for j in jobs]
         share = [float(np.median(np.array(j["proofs"]) / np.array(j["stalls"]))) for j in jobs]
+        later = [float(np.median(j["proofs_later"])) for j in jobs]
+        waited = [float(np.median(j["proofs_held"])) for j in jobs]
         print(
-            f"  {n} rank(s): deeppart replica proof (whole-tensor digests, in the stall) "
-            f"{np.median(proof):.4f} s = {100 * np.median(share):.1f} % of the stall"
+            f"  {n} rank(s): deeppart replica proof (whole-tensor digests): in the stall "
+            f"{np.median(proof):.4f} s = {100 * np.median(share):.1f} % of the stall; "
+            f"on the writer thread {np.median(later):.4f} s, optimizer steps waited "
+            f"{np.median(waited):.4f} s"
         )
         print(
             f"  {n} rank(s): deeppart extra memory {mem:.2f}x state (staged share "

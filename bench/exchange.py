@@ -632,7 +632,7 @@ def _computed(
                 for k, v in (("loader", loader_of(r)), ("rng", rng_bytes(r)))
             ]
             held = sorted([*shared, *per_rank.get(r, []), *mine], key=lambda x: x[0])
-            digests, sample, values = digest_held(held)
+            digests, sample, values, _ = digest_held(held)
             # prepare_save below is given no store: the digest of b"".
             rows[r] = own.prep.digest + sample + values + b"\0" + identity_digest(b"")
             if r != reps[s]:

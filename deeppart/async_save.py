@@ -44,9 +44,17 @@ from typing import Any
 from deeppart.comm import Comm, TorchDistComm, resolve, writer_comm
 from deeppart.errors import AsyncSaveWarning
 from deeppart.progress import Stats
+from deeppart.saving.deferred_proof import (
+    PendingProof,
+    check_unchanged,
+    hold,
+    proof_threads,
+    prove,
+    release,
+)
 from deeppart.saving.in_flight import add, guard_teardown, settle_pending, take_all
-from deeppart.saving.prepare import Prepared
-from deeppart.saving.save import plan_save
+from deeppart.saving.prepare import Prepared, replan, replica_classes
+from deeppart.saving.save import PlannedSave, plan_save
 from deeppart.saving.snapshot import ShareSnapshot, share_bytes
 from deeppart.storage.target import location_name
 from deeppart.storage.url import Location, parse_location
@@ -77,6 +85,10 @@ class AsyncSave:
         #: Seconds the copies of this rank's share from CUDA devices took on
         #: the device (None: no device copies, or not done yet).
         self.device_copy_seconds: float | None = None
+        #: The replica proof of its large shared tensors, taken on the
+        #: writer thread (None: none left to it); its ``held_seconds`` are
+        #: what optimizer steps waited for it.
+        self.proof: PendingProof | None = None
         self._finished = threading.Event()
         self._stats: Stats | None = None
         self._error: BaseException | None = None
@@ -204,19 +216,63 @@ def start(
     # Planning and prepare as save() does them, then the snapshot; one
     # agreement: every rank prepared the same save and has its snapshot (or
     # every rank raises), and all take one road.
-    planned = plan_save(c, state, directory, local=take, **save_kwargs)
+    planned = plan_save(c, state, directory, local=take, defer_proof=True, **save_kwargs)
     handle = AsyncSave(directory)
     handle.snapshot_seconds = time.perf_counter() - t0
+    # The large shared tensors' replica proof, left to the writer thread:
+    # optimizer steps wait for it from now on (deeppart.saving.deferred_proof).
+    proof = None
+    live = planned.prep
+    if live.unproved:
+        leaves = live.leaves
+        proof = hold(
+            live.unproved,
+            {i: leaf.tensor for i, leaf in enumerate(leaves) if leaf.tensor is not None},
+            {i: leaf.path for i, leaf in enumerate(leaves)},
+            replica_classes(live.manifest, c.size),
+        )
+        live.unproved = {}
+    handle.proof = proof
+    try:
+        return _go(c, planned, handle, proof, snap, staged, writer, why, after, t0,
+                   snapshot_on_device)  # fmt: skip
+    except BaseException:
+        if proof is not None:
+            release(proof)  # optimizer steps never wait for a proof that will not run
+        raise
 
+
+def _go(
+    c: Comm,
+    planned: PlannedSave,
+    handle: AsyncSave,
+    proof: PendingProof | None,
+    snap: ShareSnapshot,
+    staged: Prepared | None,
+    writer: Comm | None,
+    why: str | None,
+    after: Callable[[], None] | None,
+    t0: float,
+    on_device: bool,
+) -> AsyncSave:
+    """The rest of :func:`start` once every rank planned and took its
+    snapshot: the synchronous road if any rank must take it, else the
+    writer thread (which proves ``proof`` first)."""
+    directory = handle.directory
+    live = planned.prep
     if any(planned.flags):
         snap.discard()
         why = why or "another rank cannot save in the background"
         warnings.warn(
             f"{directory}: saving synchronously: {why}",
             AsyncSaveWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
         handle.synchronous = True
+        if proof is not None:
+            again = _proved(c, proof, live, None)
+            if again is not None:
+                planned = dataclasses.replace(planned, prep=again[0])
         stats = planned.finish(c, t0)
         _after(after, directory)
         handle._finish(stats, None)
@@ -228,19 +284,33 @@ def start(
     snap.issue()
     handle.snapshot_seconds = time.perf_counter() - t0
     handle.staged_bytes, handle.staging_capacity = snap.staged_bytes, snap.capacity
-    # The writer thread sees the snapshot only, never the live state.
+    # The writer thread sees the snapshot only, never the live state (but
+    # the tensors it proves, which optimizer steps leave alone until then).
     background = dataclasses.replace(planned, prep=staged)
-    del planned, state
+    del planned
 
-    copies = snap.copies
+    def take_again(prep: Prepared) -> int:
+        """The snapshot of this rank's share of the save prepared again,
+        taken while optimizer steps still wait; every tensor unchanged."""
+        nonlocal background
+        assert proof is not None
+        background = dataclasses.replace(
+            background, prep=snap.take(prep, c.rank, on_device=on_device)
+        )
+        check_unchanged(proof)
+        return 0
 
     def run() -> None:
-        background_priority()
         try:
+            # At the loop's priority: its next optimizer step waits for it.
+            if proof is not None and _proved(writer, proof, live, take_again) is not None:
+                snap.issue()
+            background_priority()
             stats = background.finish(writer)
         except BaseException as e:  # surfaced by wait() or the next save
             handle._finish(None, e)
             return
+        copies = snap.copies
         if copies is not None:
             handle.device_copy_seconds = copies.seconds()
         _after(after, directory)
@@ -251,6 +321,25 @@ def start(
     add(c, handle)
     thread.start()
     return handle
+
+
+def _proved(
+    comm: Comm,
+    proof: PendingProof,
+    live: Prepared,
+    local: Callable[[Prepared], int] | None,
+) -> tuple[Prepared, list[int]] | None:
+    """Proves ``proof`` (collective over ``comm``): None when the copies
+    agree; else the save prepared again (``deeppart.saving.prepare.replan``,
+    with ``local``: the new snapshot), in which each rank's copy is its own.
+    Optimizer steps are let go at the end, either way."""
+    try:
+        proved = prove(comm, proof, threads=proof_threads(comm))
+        if proved is None:
+            return None
+        return replan(live, comm, proved, local)
+    finally:
+        release(proof)
 
 
 #: The nice value of a writer thread (Linux: per thread; 0-19, higher is

@@ -216,9 +216,98 @@ def scenario_own_rng(d: Path) -> None:
     ok("own_rng")
 
 
+def scenario_deferred_proof(d: Path) -> None:
+    """Issue 49, the async stall: an asynchronous save proves its large
+    shared tensors on its writer thread, not in its call.
+
+    1. Replicas alike: the proof ran after the call returned (held by a
+       patched digest until the main thread let it go); the optimizer step
+       taken right after the save waited for it (the proof was done when
+       the step returned), and the checkpoint holds the state before that
+       step, bitwise.
+    2. A large tensor that differs on rank 1 (one element): the proof finds
+       it and the save is prepared again on the writer thread: each rank
+       gets its own copy back.
+    3. An in-place change outside an optimizer step while the proof runs:
+       every rank's wait() raises StateMismatchError naming the tensor, and
+       the step is not committed."""
+    import threading
+
+    from mpi_checkpoint import host_copy
+
+    from deeppart.saving import digests
+
+    c = resolve()
+    assert c.size == 2
+    proceed = threading.Event()
+    proving = threading.Event()
+    real = digests.digest_all
+
+    def held_digest(tensors: Any, threads: int) -> list[bytes]:
+        proving.set()
+        assert proceed.wait(120), "the main thread never let the proof go"
+        return real(tensors, threads)
+
+    digests.digest_all = held_digest
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 512)  # a 2 MiB weight: proved on the writer thread
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(torch.randn(4, 1024)).sum().backward()
+    cp = deeppart.Checkpointer(d / "cp", async_=True)
+
+    # 1. The proof runs after the call; the next optimizer step waits for it.
+    state = {"model": model.state_dict()}
+    before = host_copy(state)
+    h = cp.save(1, state)
+    assert isinstance(h, deeppart.AsyncSave) and h.proof is not None, h
+    assert proving.wait(120), "no proof on the writer thread"
+    assert not h.proof.done.is_set()
+    releaser = threading.Timer(0.3, proceed.set)
+    releaser.start()
+    opt.step()  # waits for the proof (the hook), which waits for the timer
+    assert h.proof.done.is_set(), "the optimizer step did not wait for the proof"
+    h.wait()
+    assert h.proof.nbytes == 1024 * 512 * 4, h.proof.nbytes
+    assert_bitwise_equal(before, cp.load(1), "the state at the save call")
+
+    # 2. Copies that differ: each rank's own, prepared again in the background.
+    big = torch.randn(1 << 19, generator=torch.Generator().manual_seed(3))
+    if c.rank == 1:
+        big[12345] += 1.0
+    state2 = {"model": model.state_dict(), "big": big}
+    expected = host_copy(state2)
+    h = cp.save(2, state2)
+    assert isinstance(h, deeppart.AsyncSave) and h.proof is not None
+    h.wait()
+    back = cp.load(2)
+    assert_bitwise_equal(expected, back, "each rank's own big")
+
+    # 3. Changed in place outside an optimizer step while proved: refused.
+    proceed.clear()
+    proving.clear()
+    h = cp.save(3, state2)
+    assert isinstance(h, deeppart.AsyncSave)
+    assert proving.wait(120)
+    big.add_(1.0)  # no optimizer step: nothing waits for the proof
+    proceed.set()
+    try:
+        h.wait()
+    except deeppart.StateMismatchError as e:
+        assert "changed in place" in str(e) and "big" in str(e), e
+    else:
+        raise AssertionError("a tensor changed under the proof was saved")
+    cp.close()
+    assert cp.steps() == [1, 2], cp.steps()
+    digests.digest_all = real
+    ok("deferred_proof")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("scenario", choices=["replicas", "values", "per_rank", "own_tensors", "own_rng"])
+    p.add_argument(
+        "scenario",
+        choices=["replicas", "values", "per_rank", "own_tensors", "own_rng", "deferred_proof"],
+    )
     p.add_argument("dir", type=Path)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -228,6 +317,7 @@ def main() -> None:
         "per_rank": scenario_per_rank,
         "own_tensors": scenario_own_tensors,
         "own_rng": scenario_own_rng,
+        "deferred_proof": scenario_deferred_proof,
     }
     scenarios[args.scenario](args.dir)
     sys.stdout.flush()

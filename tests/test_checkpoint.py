@@ -523,13 +523,13 @@ LAYOUTS = (
 )
 def test_streamed_digest_is_the_whole_tensor_digest(tensor: torch.Tensor, chunk: int) -> None:
     """A device tensor's replica proof streams it through two host buffers
-    (deeppart.saving.prepare.streamed_digest, for CUDA) instead of copying it
+    (deeppart.saving.digests.streamed_digest, for CUDA) instead of copying it
     to the host whole; at any chunk size its digest is the one-shot digest
     of the tensor's row-major bytes (so ranks holding one tensor on
     different devices agree), and a byte changed in any chunk changes it."""
     import xxhash
 
-    from deeppart.saving.prepare import streamed_digest, tensor_digest
+    from deeppart.saving.digests import streamed_digest, tensor_digest
 
     whole = tensor.resolve_conj().contiguous().reshape(-1).view(torch.uint8).numpy()
     expected = bytes(xxhash.xxh3_128_digest(whole.tobytes()))
@@ -554,27 +554,27 @@ def test_a_large_tensors_digest_is_a_tree_of_its_leaves(
 
     import xxhash
 
-    from deeppart.saving import prepare
+    from deeppart.saving import digests
 
-    monkeypatch.setattr(prepare, "DIGEST_LEAF", leaf)
+    monkeypatch.setattr(digests, "DIGEST_LEAF", leaf)
     t = torch.arange(3000, dtype=torch.float32).reshape(60, 50)[:, 3:]  # strided
     raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     leaves = [xxhash.xxh3_128_digest(raw[a : a + leaf]) for a in range(0, len(raw), leaf)]
     tag = b"deeppart-tree" + len(raw).to_bytes(8, "little")
     expected = xxhash.xxh3_128_digest(tag + b"".join(leaves))
     with ThreadPoolExecutor(2) as pool:
-        assert prepare.tensor_digest(t, pool) == expected
-    assert prepare.tensor_digest(t) == expected
-    assert prepare._digest_all([t, t[:1, :2]], threads=2)[0] == expected
+        assert digests.tensor_digest(t, pool) == expected
+    assert digests.tensor_digest(t) == expected
+    assert digests.digest_all([t, t[:1, :2]], threads=2)[0] == expected
     for chunk in (1, 7, leaf, 3 * leaf + 5, 1 << 20):
-        assert prepare.streamed_digest(t, chunk) == expected, chunk
+        assert digests.streamed_digest(t, chunk) == expected, chunk
     for at in (0, leaf - 1, leaf, len(raw) - 1):
         changed = t.contiguous().clone()
         view = changed.reshape(-1).view(torch.uint8)
         view[at] = int(view[at]) ^ 0x80
-        assert prepare.tensor_digest(changed) != expected, at
+        assert digests.tensor_digest(changed) != expected, at
     small = t.reshape(-1)[: leaf // 4]
-    assert prepare.tensor_digest(small) == xxhash.xxh3_128_digest(
+    assert digests.tensor_digest(small) == xxhash.xxh3_128_digest(
         small.contiguous().numpy().tobytes()
     )
 

@@ -226,7 +226,7 @@ def test_replica_proof_of_cuda_tensors_streams_through_the_host() -> None:
     """The whole-tensor digest of a CUDA tensor (the replica proof of a
     save's prepare) is computed in chunks through two pinned buffers, and
     equals the digest of the same bytes on the CPU, across chunk borders."""
-    from deeppart.saving.prepare import streamed_digest, tensor_digest
+    from deeppart.saving.digests import streamed_digest, tensor_digest
 
     t = torch.randn(3 << 20, device="cuda")[::2]  # a strided view, 6 MiB
     on_host = tensor_digest(t.cpu())

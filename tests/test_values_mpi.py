@@ -54,6 +54,15 @@ def test_per_rank_rng_states_are_each_ranks_own(tmp_path: Path) -> None:
     assert out.count("OK own_rng") == 2, out
 
 
+def test_async_saves_prove_replicas_on_the_writer_thread(tmp_path: Path) -> None:
+    """Issue 49 (the async stall): large shared tensors are proved after
+    the call returns; the next optimizer step waits for the proof; copies
+    that differ are each rank's own; a tensor changed in place under the
+    proof fails the save on every rank (tests/mpi_values.py)."""
+    out = _run(2, "deferred_proof", str(tmp_path))
+    assert out.count("OK deferred_proof") == 2, out
+
+
 def test_values_keys_and_strict_on_three_ranks(tmp_path: Path) -> None:
     out = _run(3, "values", str(tmp_path / "ck"))
     assert out.count("OK values") == 3, out

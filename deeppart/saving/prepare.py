@@ -14,13 +14,14 @@ path, e.g. DTensor shards converted with ``to_local()``, fail by default.
 That is :func:`prepare`, the multi-level backends' (which store one copy
 and refuse per-rank state). :func:`prepare_save`, ``deeppart.save``'s,
 samples nothing: every tensor that several ranks hold is digested whole
-(:func:`tensor_digest`; issue 49, replicas are proved), and copies that
+(:func:`~deeppart.saving.digests.tensor_digest`; issue 49, replicas are proved), and copies that
 differ become each rank's own version (:mod:`deeppart.state.union`).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import json
 import os
@@ -36,9 +37,10 @@ from deeppart.comm import Comm
 from deeppart.compression import check_codec
 from deeppart.errors import CheckpointError, StateMismatchError
 from deeppart.regions import DTensorRecord, Region, ShardRecord
+from deeppart.saving.digests import digest_all
 from deeppart.state.dtensor import HolderGroups, expand
 from deeppart.state.state import FlatLeaf, check_has_data, flatten
-from deeppart.state.tensors import U8, readable, resolved, torch_module, u8_view
+from deeppart.state.tensors import U8, readable, u8_view
 from deeppart.state.union import Described, Digests, Union, build_union, whole_digests_needed
 from deeppart.storage.identity import IDENTITY_BYTES, identity_digest, identity_error
 from deeppart.storage.url import Location, location_key
@@ -52,6 +54,8 @@ __all__ = [
     "prepare",
     "prepare_save",
     "refuse_sharded",
+    "replan",
+    "replica_classes",
     "replica_sample",
     "sample_bytes",
     "save_digest",
@@ -105,6 +109,13 @@ class Prepared:
     #: versions (:mod:`deeppart.state.union`): metadata.json's version 3 keys
     #: (``dtensors`` with each record's ranks, ``versions``).
     union: dict[str, Any] | None = None
+    #: An asynchronous save's large shared tensors whose replica proof is
+    #: left to its writer thread (:mod:`deeppart.saving.deferred_proof`),
+    #: by local leaf; empty when proved in the call.
+    unproved: dict[int, Any] = field(default_factory=dict)
+    #: With ``unproved``: the save's prepare again, should their proof find
+    #: copies that differ (:func:`replan`).
+    replan: Callable[..., tuple[Prepared, list[int]]] | None = None
 
     @property
     def sample(self) -> bytes:
@@ -386,6 +397,8 @@ class _Own:
     values: bytes
     plan_for: Callable[[Manifest], Plan]
     directory: Location
+    #: Shared tensors not digested yet (``defer_from``), by local leaf.
+    deferred: dict[int, Any] = field(default_factory=dict)
 
 
 def _holders_of(desc: dict[str, Any], groups: list[list[int]], world: int) -> list[int]:
@@ -409,6 +422,7 @@ def _own_prepare(
     replica_dims: Sequence[str],
     rank: int,
     world: int,
+    defer_from: int | None = None,
 ) -> _Own:
     from deeppart.loading.groups import AUTO, group_ranks, namespace
 
@@ -437,14 +451,15 @@ def _own_prepare(
         if "owner" in desc or "holders" in desc:
             d["holders"] = holders
         described.descs.append(d)
-    digests, sample, values = digest_held(held, max(1, (os.cpu_count() or 1) // world))
+    threads = max(1, (os.cpu_count() or 1) // world)
+    digests, sample, values, deferred = digest_held(held, threads, defer_from)
     for rec, ranks in zip(ex.records, ex.ranks, strict=True):
         described.records.append(
             {"path": rec.path, "dtype": rec.dtype, "shape": rec.shape, "ranks": ranks,
              "shards": [[s.leaf, s.region.to_json()] for s in rec.shards]}
         )  # fmt: skip
     prep.samples = {i: bytes.fromhex(v) for i, v in digests.samples.items()}
-    return _Own(prep, described, digests, sample, values, plan_for, directory)
+    return _Own(prep, described, digests, sample, values, plan_for, directory, deferred)
 
 
 @dataclass
@@ -462,154 +477,19 @@ class ProofCost:
 last_proof = ProofCost()
 
 
-#: The bytes of a device tensor (CUDA) copied to the host at a time for its
-#: digest (:func:`tensor_digest`): two pinned buffers of this size, reused.
-DEVICE_DIGEST_CHUNK = 64 << 20
-#: A tensor's bytes are digested in leaves of this size, which threads
-#: digest at once (:func:`tensor_digest`).
-DIGEST_LEAF = 16 << 20
-
-
-class _TreeDigest:
-    """A tensor's digest, fed its row-major bytes in order in pieces of any
-    size: the xxh3_128 of its bytes when they fit one leaf
-    (:data:`DIGEST_LEAF`); else the xxh3_128 of a tag, the byte count and
-    the leaves' xxh3_128 digests in order. Any differing byte changes it."""
-
-    def __init__(self) -> None:
-        import xxhash
-
-        self._new = xxhash.xxh3_128
-        self._leaf = self._new()
-        self._filled = 0
-        self.total = 0
-        self.leaves: list[bytes] = []
-
-    def update(self, data: memoryview) -> None:
-        at = 0
-        while at < len(data):
-            take = min(DIGEST_LEAF - self._filled, len(data) - at)
-            self._leaf.update(data[at : at + take])
-            self._filled += take
-            at += take
-            if self._filled == DIGEST_LEAF:
-                self.leaves.append(self._leaf.digest())
-                self._leaf, self._filled = self._new(), 0
-        self.total += len(data)
-
-    def digest(self) -> bytes:
-        leaves = self.leaves + ([self._leaf.digest()] if self._filled or not self.leaves else [])
-        return tree_digest(leaves, self.total)
-
-
-def tree_digest(leaves: Sequence[bytes], total: int) -> bytes:
-    """The digest of ``total`` bytes whose leaves (of :data:`DIGEST_LEAF`
-    bytes, the last one shorter) have the xxh3_128 digests ``leaves``."""
-    import xxhash
-
-    if len(leaves) == 1:
-        return bytes(leaves[0])
-    return bytes(
-        xxhash.xxh3_128_digest(b"deeppart-tree" + total.to_bytes(8, "little") + b"".join(leaves))
-    )
-
-
-def tensor_digest(t: Any, pool: Any = None) -> bytes:
-    """The 16-byte digest of a tensor's bytes in row-major order (whatever
-    its memory layout or device): copies that hold the same values, bit for
-    bit, digest alike; any differing byte differs (:class:`_TreeDigest`:
-    xxh3_128, of the leaves of a large tensor). On the CPU the leaves are
-    digested on ``pool``'s threads when given (xxhash releases the GIL). A
-    tensor on a device is streamed through the host
-    (:func:`streamed_digest`), never copied there whole: the same digest,
-    with two chunks of host memory."""
-    import xxhash
-
-    if t.device.type != "cpu":
-        return streamed_digest(t, DEVICE_DIGEST_CHUNK)
-    data = u8_view(readable(t)).data
-    n = len(data)
-    if n <= DIGEST_LEAF:
-        return bytes(xxhash.xxh3_128_digest(data))
-    starts = range(0, n, DIGEST_LEAF)
-
-    def leaf(start: int) -> bytes:
-        return bytes(xxhash.xxh3_128_digest(data[start : start + DIGEST_LEAF]))
-
-    leaves = list(pool.map(leaf, starts)) if pool is not None else [leaf(a) for a in starts]
-    return tree_digest(leaves, n)
-
-
-def streamed_digest(t: Any, chunk_bytes: int) -> bytes:
-    """:func:`tensor_digest` of ``t`` (on any device) computed
-    ``chunk_bytes`` at a time: its layout resolved where it lies, each chunk
-    copied into one of two host buffers (pinned, and copied without
-    blocking, for CUDA) while the previous chunk is hashed. The digest does
-    not depend on the chunks, so ranks holding one tensor on different
-    devices still agree."""
-    torch = torch_module()
-    flat = resolved(t).reshape(-1)
-    if flat.dtype != torch.uint8:
-        flat = flat.view(torch.uint8)
-    n = flat.numel()
-    h = _TreeDigest()
-    cuda = flat.device.type == "cuda"
-    size = max(1, min(chunk_bytes, n))
-    buffers = [torch.empty(size, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
-    pending: tuple[Any, Any] | None = None  # the chunk copied last, and its event
-    for k, start in enumerate(range(0, n, chunk_bytes)):
-        part = buffers[k % 2][: min(chunk_bytes, n - start)]
-        part.copy_(flat[start : start + part.numel()], non_blocking=cuda)
-        event = None
-        if cuda:
-            event = torch.cuda.Event()
-            event.record()
-        if pending is not None:
-            _hash_arrived(h, *pending)
-        pending = (part, event)
-    if pending is not None:
-        _hash_arrived(h, *pending)
-    return h.digest()
-
-
-def _hash_arrived(h: _TreeDigest, part: Any, event: Any) -> None:
-    """Adds ``part`` (a host chunk) to ``h`` once its copy (``event``) is done."""
-    if event is not None:
-        event.synchronize()
-    h.update(part.numpy().data)
-
-
-def _digest_all(tensors: Sequence[Any], threads: int) -> list[bytes]:
-    """:func:`tensor_digest` of each of ``tensors``, the leaves of large ones
-    on up to ``threads`` threads."""
-    if threads <= 1:
-        return [tensor_digest(t) for t in tensors]
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max_workers=threads) as pool:
-        # Small tensors one per task; a large one's leaves spread over the pool.
-        small = [i for i, t in enumerate(tensors) if t.numel() * t.element_size() <= DIGEST_LEAF]
-        out: list[bytes] = [b""] * len(tensors)
-        for i, digest in zip(
-            small, pool.map(lambda i: tensor_digest(tensors[i]), small), strict=True
-        ):
-            out[i] = digest
-        for i, t in enumerate(tensors):
-            if not out[i]:
-                out[i] = tensor_digest(t, pool)
-        return out
-
-
 def digest_held(
-    held: Sequence[tuple[int, FlatLeaf, int]], threads: int = 1
-) -> tuple[Digests, bytes, bytes]:
+    held: Sequence[tuple[int, FlatLeaf, int]], threads: int = 1, defer_from: int | None = None
+) -> tuple[Digests, bytes, bytes, dict[int, Any]]:
     """The digests a rank sends in the exchange, of the leaves it holds
     (``(local leaf, leaf, number of holders)``, in leaf order): a hash of
     each plain value, a digest of the *whole* bytes of each tensor that
-    other ranks hold too (:func:`tensor_digest`: replicas are proved, not
+    other ranks hold too (:func:`~deeppart.saving.digests.tensor_digest`: replicas are proved, not
     sampled, issue 49); and the 16-byte digests of each kind that the first
     agreement compares (shared tensors, plain values). The time and bytes
-    the tensor digests took are kept in :data:`last_proof`."""
+    the tensor digests took are kept in :data:`last_proof`. With
+    ``defer_from``, shared tensors of at least that many bytes are not
+    digested: they are returned, by local leaf (an asynchronous save proves
+    them later, :mod:`deeppart.saving.deferred_proof`)."""
     import time
 
     digests = Digests()
@@ -617,8 +497,12 @@ def digest_held(
     h_values = hashlib.blake2b(digest_size=16)
     shared = [(i, leaf.tensor) for i, leaf, holders in held
               if leaf.encoded is None and leaf.tensor is not None and holders > 1]  # fmt: skip
+    deferred: dict[int, Any] = {}
+    if defer_from is not None:
+        deferred = {i: t for i, t in shared if t.numel() * t.element_size() >= defer_from}
+        shared = [(i, t) for i, t in shared if i not in deferred]
     t0 = time.perf_counter()
-    done = _digest_all([t for _, t in shared], threads)
+    done = digest_all([t for _, t in shared], threads)
     full = dict(zip([i for i, _ in shared], done, strict=True))
     last_proof.seconds = time.perf_counter() - t0
     last_proof.nbytes = sum(t.numel() * t.element_size() for _, t in shared)
@@ -630,10 +514,10 @@ def digest_held(
         elif i in full:
             digests.samples[i] = full[i].hex()
             h_sample.update(i.to_bytes(8, "little") + full[i])
-    return digests, h_sample.digest(), h_values.digest()
+    return digests, h_sample.digest(), h_values.digest(), deferred
 
 
-def _replica_classes(manifest: Manifest, world: int) -> list[tuple[int, ...]]:
+def replica_classes(manifest: Manifest, world: int) -> list[tuple[int, ...]]:
     """Per rank: the holder groups (of tensor leaves) it is in. Ranks with
     the same groups hold the same shared tensors, whose samples must agree."""
     groups = manifest.groups
@@ -660,6 +544,7 @@ def prepare_save(
     local: Callable[[Prepared], int] | None = None,
     store: bytes = b"",
     declared: bool = False,
+    defer_proof: bool = False,
 ) -> tuple[Prepared, list[int]]:
     """The prepare stage of :func:`deeppart.save` and its agreement
     (collective over ``c``): each rank passes its own tree (see
@@ -679,9 +564,15 @@ def prepare_save(
     save's snapshot), its byte shared with the others (the returned list).
     ``declared``: plain tensors that every rank holds are declared
     replicas (``verify_replicas=True``): a difference is refused with
-    ReplicaMismatchError instead of stored per rank."""
+    ReplicaMismatchError instead of stored per rank. ``defer_proof`` (an
+    asynchronous save's): on the fast path, the shared tensors of at least
+    :data:`~deeppart.saving.deferred_proof.DEFER_FROM` bytes are left
+    unproved (``Prepared.unproved``) for the writer thread to prove; off
+    it, they are proved here like the others."""
     from deeppart.loading.groups import AUTO
+    from deeppart.saving.deferred_proof import DEFER_FROM
 
+    defer_from = DEFER_FROM if defer_proof and not declared else None
     dims = [replica_dims] if isinstance(replica_dims, str) else list(replica_dims or ())
     err: BaseException | None = failed
     own: _Own | None = None
@@ -689,7 +580,9 @@ def prepare_save(
     try:
         if failed is not None:
             raise failed
-        own = _own_prepare(state, compression, plan_for, directory, group, dims, c.rank, c.size)
+        own = _own_prepare(
+            state, compression, plan_for, directory, group, dims, c.rank, c.size, defer_from
+        )
         if local is not None and group != AUTO:
             flag = local(own.prep)
     except BaseException as e:
@@ -703,26 +596,76 @@ def prepare_save(
     flags = [r[ROW_WIDTH] for r in rows]
     same = len({r[:32] for r in rows}) == 1 and len({r[48:64] for r in rows}) == 1
     if same and group != AUTO:
-        classes = _replica_classes(own.prep.manifest, c.size)
+        classes = replica_classes(own.prep.manifest, c.size)
         first: dict[tuple[int, ...], bytes] = {}
         pairs = zip(classes, rows, strict=True)
         if all(first.setdefault(k, r[32:48]) == r[32:48] for k, r in pairs):
-            return own.prep, flags  # the fast path: every rank planned the job's save
+            # The fast path: every rank planned the job's save.
+            own.prep.unproved = own.deferred
+            if own.deferred:
+                own.prep.replan = functools.partial(_replan, own, rows)
+            return own.prep, flags
     if own.prep.staged is not None:
         own.prep.staged = None  # the optimistic snapshot: taken again of the union's plan
+    _prove_deferred(own, c.size)
     return _union_prepare(c, own, rows, group == AUTO, local, declared)
+
+
+def _replan(
+    own: _Own,
+    rows: list[bytes],
+    c: Comm,
+    proved: dict[int, bytes],
+    local: Callable[[Prepared], int] | None,
+) -> tuple[Prepared, list[int]]:
+    """The prepare of a save whose deferred proof found shared tensors that
+    differ between their holders (``proved``: this rank's digests of the
+    tensors it left unproved, by local leaf): the exchange, the union and
+    its agreement, as a save whose copies differ takes in its call, so
+    that each rank's copy is stored as its own (collective over ``c``)."""
+    for i, d in proved.items():
+        own.digests.samples[i] = d.hex()
+        own.prep.samples[i] = d
+    return _union_prepare(c, own, rows, False, local)
+
+
+def replan(
+    prep: Prepared,
+    c: Comm,
+    proved: dict[int, bytes],
+    local: Callable[[Prepared], int] | None = None,
+) -> tuple[Prepared, list[int]]:
+    """``prep``'s save prepared again over ``c`` once the proof of its
+    ``unproved`` tensors found copies that differ (``proved``: this rank's
+    digests of them): the job's union plan, in which those copies are each
+    rank's own, and the ``local`` flags; every rank calls it alike."""
+    if prep.replan is None:
+        raise RuntimeError("this save left no proof to its caller")
+    return prep.replan(c, proved, local)
+
+
+def _prove_deferred(own: _Own, world: int) -> None:
+    """Digests the shared tensors ``own`` left unproved (the exchange
+    compares every digest); their digests were not in its agreement row."""
+    if not own.deferred:
+        return
+    order = sorted(own.deferred)
+    done = digest_all([own.deferred[i] for i in order], max(1, (os.cpu_count() or 1) // world))
+    for i, d in zip(order, done, strict=True):
+        own.digests.samples[i] = d.hex()
+        own.prep.samples[i] = d
 
 
 def _payload(own: _Own, rows: list[bytes], rank: int, rep: int) -> bytes:
     """What this rank sends in the exchange: its description if it is the
     lowest rank of its structure, its digests where they differ from that
-    rank's."""
+    rank's (all of them if some were proved after its row was sent)."""
     body: dict[str, Any] = {}
     if rep == rank:
         body["state"] = own.described.__dict__
     if rep == rank or rows[rank][48:64] != rows[rep][48:64]:
         body["values"] = own.digests.values
-    if rep == rank or rows[rank][32:48] != rows[rep][32:48]:
+    if rep == rank or rows[rank][32:48] != rows[rep][32:48] or own.deferred:
         body["samples"] = own.digests.samples
     return json.dumps(body, separators=(",", ":")).encode()
 

@@ -248,6 +248,7 @@ def plan_save(
     directory: str | os.PathLike[str] | Location,
     *,
     local: Callable[[Prepared], int] | None = None,
+    defer_proof: bool = False,
     **options: Unpack[SaveOptions],
 ) -> PlannedSave:
     """The planning and prepare stages of :func:`save` (same keywords),
@@ -257,7 +258,10 @@ def plan_save(
     ``local``: a step run on this rank once it is prepared (an asynchronous
     save's snapshot), before the agreement; it returns one byte (0-255)
     that the same collective shares (``PlannedSave.flags``), and its
-    failure fails the agreement on every rank."""
+    failure fails the agreement on every rank. ``defer_proof``: an
+    asynchronous save's; the large shared tensors' replica proof may be
+    left to the caller (``PlannedSave.prep.unproved``,
+    :mod:`deeppart.saving.deferred_proof`)."""
     o = options
     final = parse_location(directory)
     target = save_target(final)
@@ -298,6 +302,7 @@ def plan_save(
         local=local,
         store=store,
         declared=verify_replicas,
+        defer_proof=defer_proof,
     )
     if verify_replicas:
         check_replicas(c, prep)

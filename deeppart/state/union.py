@@ -86,7 +86,7 @@ class Digests:
     #: Plain values: a hash of the encoding.
     values: dict[int, str] = field(default_factory=dict)
     #: Tensors (and shards) that other ranks hold too: the xxh3_128 digest
-    #: of their whole bytes (``deeppart.saving.prepare.tensor_digest``; the name
+    #: of their whole bytes (``deeppart.saving.digests.tensor_digest``; the name
     #: is kept from when they were sampled).
     samples: dict[int, str] = field(default_factory=dict)
 

@@ -1,0 +1,190 @@
+"""The replica proof of an asynchronous save, off the training loop's
+critical path (issue 49: "nothing measurable in the async stall").
+
+A save proves that the ranks holding one tensor hold the same bytes
+(:func:`deeppart.saving.prepare.digest_held`: whole-tensor digests,
+compared before anything is committed). A synchronous save digests in its
+call. An asynchronous save digests the small shared tensors in its stall
+(their bytes are few: biases, norms, buffers, RNG states) and the large
+ones (at least :data:`DEFER_FROM` bytes) on its writer thread, before it
+writes, while the training loop goes on. The tensors must not change until
+their digests are taken, so:
+
+- every ``torch.optim.Optimizer.step`` in the process waits (a global step
+  pre-hook) until the proofs in flight are done: the loop's forward and
+  backward run beside the proof, and the next step waits only if the proof
+  is still running (the seconds it waited are kept in
+  :attr:`PendingProof.held_seconds`);
+- each tensor's version counter (``t._version``, which every in-place
+  operation bumps) is read in the stall and after its digest: a tensor
+  changed in between (an in-place update outside an optimizer step) fails
+  the save on every rank with :class:`StateMismatchError`; nothing is
+  committed. (An update through ``tensor.data`` bumps no counter and is not
+  seen: the proof then reads the updated bytes.)
+
+Ranks whose large shared tensors differ do not fail: the save is prepared
+again on the writer thread (:func:`deeppart.saving.prepare.replan`: the
+exchange and union a synchronous save takes when copies differ), and this
+rank's share of that plan snapshotted, before optimizer steps are let go:
+each rank's copy is stored as its own, as by a synchronous save. Every
+tensor of the save is checked unchanged since the stall (its version
+counter) when that second snapshot is taken.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from deeppart.agreement import agree
+from deeppart.comm import Comm
+from deeppart.errors import StateMismatchError
+from deeppart.saving import digests as tree_digests
+
+__all__ = [
+    "DEFER_FROM",
+    "PendingProof",
+    "check_unchanged",
+    "hold",
+    "proof_threads",
+    "prove",
+    "release",
+]
+
+#: Shared tensors of at least this many bytes are proved on the writer
+#: thread of an asynchronous save; smaller ones in its stall.
+DEFER_FROM = 1 << 20
+
+
+@dataclass
+class PendingProof:
+    """The large shared tensors of one asynchronous save whose digests are
+    still to be taken: by local leaf index, the tensor and its version at
+    the snapshot."""
+
+    tensors: dict[int, Any]
+    versions: dict[int, int]
+    #: Every tensor of the save (by local leaf) and its version at the
+    #: snapshot: checked again should the save be prepared anew.
+    watched: dict[int, tuple[Any, int]]
+    #: Per local leaf: its path (for errors).
+    paths: dict[int, Sequence[Any]]
+    #: This rank's replica class (the holder groups it is in): ranks of one
+    #: class hold the same shared tensors.
+    classes: list[tuple[int, ...]]
+    done: threading.Event = field(default_factory=threading.Event)
+    #: Seconds optimizer steps waited for this proof.
+    held_seconds: float = 0.0
+    #: Seconds the digests took (on the writer thread).
+    seconds: float = 0.0
+    nbytes: int = 0
+
+
+_PENDING: set[int] = set()
+_PROOFS: dict[int, PendingProof] = {}
+_LOCK = threading.Lock()
+_HOOKED = False
+
+
+def _before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """The global optimizer step pre-hook: waits for the proofs in flight."""
+    with _LOCK:
+        proofs = list(_PROOFS.values())
+    for p in proofs:
+        if not p.done.is_set():
+            t0 = time.perf_counter()
+            p.done.wait()
+            p.held_seconds += time.perf_counter() - t0
+
+
+def _hook() -> None:
+    global _HOOKED
+    with _LOCK:
+        if _HOOKED:
+            return
+        _HOOKED = True
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    register_optimizer_step_pre_hook(_before_step)
+
+
+def hold(
+    tensors: dict[int, Any],
+    every: dict[int, Any],
+    paths: dict[int, Sequence[Any]],
+    classes: list[tuple[int, ...]],
+) -> PendingProof:
+    """Registers a proof of ``tensors`` (in the stall; ``every``: all the
+    save's tensors, by local leaf): optimizer steps wait for it from now on,
+    until :func:`release` ends it."""
+    _hook()
+    versions = {i: int(t._version) for i, t in tensors.items()}
+    watched = {i: (t, int(t._version)) for i, t in every.items()}
+    p = PendingProof(dict(tensors), versions, watched, dict(paths), classes)
+    with _LOCK:
+        _PROOFS[id(p)] = p
+    return p
+
+
+def release(p: PendingProof) -> None:
+    """Ends ``p``: optimizer steps no longer wait for it."""
+    p.done.set()
+    with _LOCK:
+        _PROOFS.pop(id(p), None)
+
+
+def proof_threads(c: Comm) -> int:
+    """Threads one rank digests with: its share of this node's CPUs."""
+    import os
+
+    return max(1, (os.cpu_count() or 1) // c.size)
+
+
+def prove(c: Comm, p: PendingProof, threads: int = 1) -> dict[int, bytes] | None:
+    """Digests ``p``'s tensors and compares them across the ranks of one
+    replica class (collective over ``c``, the writer's communicator): None
+    when every class agrees, else this rank's digests (by local leaf), for
+    :func:`deeppart.saving.prepare.replan`; every rank raises alike if any
+    rank's tensors changed since the snapshot. The caller releases ``p``."""
+    err: BaseException | None = None
+    digests: dict[int, bytes] = {}
+    try:
+        t0 = time.perf_counter()
+        order = sorted(p.tensors)
+        done = tree_digests.digest_all([p.tensors[i] for i in order], threads)
+        p.seconds = time.perf_counter() - t0
+        p.nbytes = sum(t.numel() * t.element_size() for t in p.tensors.values())
+        check_unchanged(p, {i: (p.tensors[i], p.versions[i]) for i in order})
+        digests = dict(zip(order, done, strict=True))
+    except BaseException as e:
+        err = e
+    h = hashlib.blake2b(digest_size=16)
+    for i in sorted(digests):
+        h.update(i.to_bytes(8, "little") + digests[i])
+    rows = agree(c, err, h.digest(), width=16)
+    first: dict[tuple[int, ...], bytes] = {}
+    if all(first.setdefault(k, r) == r for k, r in zip(p.classes, rows, strict=True)):
+        return None
+    return digests
+
+
+def check_unchanged(p: PendingProof, tensors: dict[int, tuple[Any, int]] | None = None) -> None:
+    """Raises StateMismatchError if any of ``tensors`` (by default every
+    tensor of the save) changed in place since the stall."""
+    seen = p.watched if tensors is None else tensors
+    changed = [i for i, (t, v) in seen.items() if int(t._version) != v]
+    if changed:
+        names = ", ".join(_path_text(p.paths.get(i, (f"<leaf {i}>",))) for i in changed[:5])
+        raise StateMismatchError(
+            f"{len(changed)} tensor(s) changed in place while the asynchronous save "
+            f"proved its replicas, outside an optimizer step ({names}); nothing was "
+            "committed. Change the state after wait(), or save synchronously"
+        )
+
+
+def _path_text(path: Sequence[Any]) -> str:
+    return "/".join(str(k) for k in path) or "<root>"
