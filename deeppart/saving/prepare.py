@@ -471,6 +471,13 @@ class ProofCost:
     seconds: float = 0.0
     nbytes: int = 0
     tensors: int = 0
+    #: A synchronous save's large shared tensors, digested on a thread
+    #: beside its write (:class:`deeppart.saving.deferred_proof.ProofBesideWrite`):
+    #: the digests' seconds and bytes, and the seconds the save waited for
+    #: them once its own write was done (what the proof added to the save).
+    beside_seconds: float = 0.0
+    beside_nbytes: int = 0
+    waited_seconds: float = 0.0
 
 
 #: This rank's last proof (:class:`ProofCost`), replaced by every save.
@@ -507,6 +514,8 @@ def digest_held(
     last_proof.seconds = time.perf_counter() - t0
     last_proof.nbytes = sum(t.numel() * t.element_size() for _, t in shared)
     last_proof.tensors = len(shared)
+    last_proof.beside_seconds = last_proof.waited_seconds = 0.0
+    last_proof.beside_nbytes = 0
     for i, leaf, _holders in held:
         if leaf.encoded is not None:
             digests.values[i] = _hex8(leaf.encoded)

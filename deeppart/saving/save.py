@@ -16,6 +16,7 @@ instead of leaving the others blocked in a collective.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -32,9 +33,10 @@ from deeppart.comm import Comm, resolve
 from deeppart.compression import compression_level_of
 from deeppart.format import SAVE_ID_HEX, new_save_id
 from deeppart.progress import Progress, Stats, record_stats
+from deeppart.saving.deferred_proof import ProofBesideWrite, pending, proof_threads
 from deeppart.saving.metadata import metadata_json
 from deeppart.saving.planning import PlanProvider
-from deeppart.saving.prepare import Prepared, prepare_save
+from deeppart.saving.prepare import Prepared, last_proof, prepare_save, replan, replica_classes
 from deeppart.saving.prepare import verify_replicas as check_replicas
 from deeppart.saving.writer import RECORD_FIELDS, write_pieces
 from deeppart.state import staging as _staging
@@ -123,6 +125,7 @@ def save(
         level=level,
         group=group,
         replica_dims=replica_dims,
+        defer_proof=True,
     )
     return planned.finish(c, t0)
 
@@ -173,10 +176,36 @@ class PlannedSave:
         token = names[0][SAVE_ID_HEX:].rstrip(b"\0").decode()
         _agree_seen(c, target, token, save_id)
 
+        # The large shared tensors' replica proof, if prepare left it to the
+        # save (plan_save(defer_proof=True)): digested beside the write.
+        proof = _proof_beside_write(c, prep)
         # Every rank writes its pieces; rank 0 gathers the piece records.
-        gathered = _write(
-            c, prep, target, token, self.zstd_level, self.progress, self.staging_bytes, save_id
-        )
+        try:
+            gathered = _write(
+                c, prep, target, token, self.zstd_level, self.progress, self.staging_bytes,
+                save_id,
+            )  # fmt: skip
+        finally:
+            if proof is not None:
+                waited = time.perf_counter()
+                proof.join()
+                last_proof.waited_seconds = time.perf_counter() - waited
+        if proof is not None:
+            last_proof.beside_seconds = proof.proof.seconds
+            last_proof.beside_nbytes = proof.proof.nbytes
+            try:
+                differ = proof.result(c)
+            except BaseException:
+                if c.rank == 0:
+                    target.abandon(token, save_id)
+                raise
+            if differ is not None:
+                # Copies differ: what was written merged them. Abandoned, and
+                # saved again as the union of each rank's own copies.
+                if c.rank == 0:
+                    target.abandon(token, save_id)
+                again, _ = replan(prep, c, differ)
+                return dataclasses.replace(self, prep=again).finish(c, t0)
 
         # Rank 0 commits: metadata, fsyncs, rename, marker.
         stored_total = 0
@@ -343,6 +372,22 @@ def _agree_seen(c: Comm, target: SaveTarget, token: str, save_id: str) -> None:
         if c.rank == 0:
             target.abandon(token, save_id)
         raise
+
+
+def _proof_beside_write(c: Comm, prep: Prepared) -> ProofBesideWrite | None:
+    """Starts digesting ``prep``'s unproved shared tensors on a thread;
+    None when it has none."""
+    if not prep.unproved:
+        return None
+    leaves = prep.leaves
+    p = pending(
+        prep.unproved,
+        {i: leaf.tensor for i, leaf in enumerate(leaves) if leaf.tensor is not None},
+        {i: leaf.path for i, leaf in enumerate(leaves)},
+        replica_classes(prep.manifest, c.size),
+    )
+    prep.unproved = {}
+    return ProofBesideWrite(p, proof_threads(c))
 
 
 def _write(
