@@ -25,9 +25,10 @@ from deeppart.saving.planning import PlanProvider
 from deeppart.saving.save import save
 from deeppart.steps import lineage
 from deeppart.steps.object_steps import ObjectSteps
-from deeppart.storage import S3URL, open_store, parse_location
 from deeppart.storage.commit import temp_dir_in_use
 from deeppart.storage.ownership import foreign_entries, owned_dir, remove_owned, side_name
+from deeppart.storage.source import checkpoint_source
+from deeppart.storage.url import parse_location
 
 __all__ = ["Checkpointer"]
 
@@ -110,18 +111,20 @@ class Checkpointer:
             raise ValueError("keep_last must be at least 1")
         if config is not None and async_:
             raise ValueError("async_=True is not supported with config= (multi-level storage)")
-        where = parse_location(root)  # a path or s3://; other URLs are refused
+        #: Where the steps are read from: a directory or an object store
+        #: prefix (a path or s3://; other URLs are refused).
+        self.source = checkpoint_source(parse_location(root))
+        local = self.source.local_dir()
+        if local is None and config is not None:
+            raise ValueError(
+                "config= (multi-level storage) takes its directories from the config, "
+                f"not from the root {self.source}"
+            )
         #: The steps in an object store (None: ``root`` is a directory).
-        self.objects: ObjectSteps | None = None
-        if isinstance(where, S3URL):
-            if config is not None:
-                raise ValueError(
-                    "config= (multi-level storage) takes its directories from the config, "
-                    f"not from the root {where}"
-                )
-            self.objects = ObjectSteps(open_store(where))
+        store = self.source.object_store()
+        self.objects: ObjectSteps | None = ObjectSteps(store) if store is not None else None
         #: The root directory, or the root's URL (``s3://bucket/run``).
-        self.root: Path | str = str(where) if isinstance(where, S3URL) else where
+        self.root: Path | str = local if local is not None else str(self.source)
         self.comm = resolve(comm)
         self.keep_last = keep_last
         self.compression = check_codec(compression)
@@ -178,9 +181,10 @@ class Checkpointer:
     @property
     def directory(self) -> Path:
         """The root directory (:class:`CheckpointError` for an object store root)."""
-        if isinstance(self.root, str):
+        local = self.source.local_dir()
+        if local is None:
             raise CheckpointError(f"{self.root}: an object store root has no directory")
-        return self.root
+        return local
 
     def path(self, step: int) -> Path:
         """Step ``step``'s directory (a directory root; else see :meth:`location`)."""
@@ -276,7 +280,7 @@ class Checkpointer:
                     self._cleanup_or_warn(step, link.seq, leftovers)
 
             target = self.location(step)
-            where = parse_location(target) if isinstance(target, str) else target
+            where = parse_location(target)
             return self._async.save(where, state, kwargs, after=committed)
         stats = save(state, self.location(step), comm=self.comm, **kwargs)
         self._parent, self._run = link, run

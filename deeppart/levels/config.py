@@ -40,7 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from deeppart.errors import LevelConfigError, UnsupportedURLError
-from deeppart.storage.url import S3URL, Location, is_url, parse_location
+from deeppart.storage.source import checkpoint_source
+from deeppart.storage.url import Location, is_url, parse_location
 
 #: Levels: 1 node-local, 2 partner copy, 3 Reed-Solomon, 4 global.
 LEVELS = (1, 2, 3, 4)
@@ -412,7 +413,7 @@ class LevelConfig:
     @property
     def global_in_object_store(self) -> bool:
         """Whether ``glbl_dir`` is an object store URL (``s3://``)."""
-        return isinstance(self.global_location(), S3URL)
+        return checkpoint_source(self.global_location()).local_dir() is None
 
     def check_fti_global(self) -> None:
         """Refuses (:class:`LevelConfigError`) an ``s3://`` glbl_dir for the

@@ -473,12 +473,11 @@ class BuiltinBackend:
                 doomed.add(s)
         payload = json.dumps(sorted(doomed)).encode()
         objects = self.layout.global_objects()
-        glbl = self.layout.has_global()
         for node in retired:
             # Each root's copy of the step goes if it is that very save.
             roots = [self.meta_step(node.step)]
-            copy_at = self.global_step(node.step) if glbl else None
-            if isinstance(copy_at, Path):
+            copy_at = self.layout.global_dir(node.step)
+            if copy_at is not None:
                 roots.append(copy_at)
             for d in roots:
                 _, got = lineage.read_node(d, node.step)
@@ -493,8 +492,8 @@ class BuiltinBackend:
         for s in sorted(doomed - {n.step for n in retired}):
             # Uncommitted everywhere: what an interrupted save left.
             _remove_owned(self.meta_step(s))
-            copy_at = self.global_step(s) if glbl else None
-            if isinstance(copy_at, Path):
+            copy_at = self.layout.global_dir(s)
+            if copy_at is not None:
                 _remove_owned(copy_at)
         if objects is not None:
             # Interrupted L4 saves (no marker) seen when this save began.

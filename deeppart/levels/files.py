@@ -7,8 +7,9 @@ L2/L3 steps of a save (:mod:`deeppart.levels.partner`,
 :func:`read_own` and write the partner copy or parity shard with
 :func:`write_file` / :class:`Writer`; recovery
 (:mod:`deeppart.levels.recovery`) reads what survives with
-:func:`read_all` / :func:`size_is`, verifies it with :func:`file_ok` and
-hands the restored files to the reader stage through :class:`BufReader`.
+:func:`~deeppart.storage.files.read_all` /
+:func:`~deeppart.storage.files.size_is`, verifies it with :func:`file_ok`
+and hands the restored files to the reader stage through :class:`BufReader`.
 
 The I/O helpers record errors instead of raising where a collective protocol
 must carry on (every rank takes its part in the exchanges, then all agree).
@@ -68,25 +69,6 @@ def replace_file(path: Path, chunks: Sequence[U8 | bytes]) -> None:
                 tmp.unlink()
         raise
     fsync_dir(path.parent)
-
-
-def read_all(path: Path, size: int) -> U8 | None:
-    """The whole file if it exists with exactly ``size`` bytes, else None."""
-    try:
-        if path.stat().st_size != size:
-            return None
-        data: U8 = np.fromfile(path, dtype=np.uint8)
-    except (OSError, ValueError):
-        return None
-    return data if data.size == size else None
-
-
-def size_is(path: Path, size: int) -> bool:
-    """Whether ``path`` exists with exactly ``size`` bytes."""
-    try:
-        return path.stat().st_size == size
-    except OSError:
-        return False
 
 
 def read_own(path: Path, size: int) -> tuple[U8, OSError | None]:

@@ -31,8 +31,8 @@ from deeppart.format import STEP_PREFIX, data_file_name, is_committed, step_dir_
 from deeppart.levels.config import LevelConfig
 from deeppart.steps import lineage
 from deeppart.steps.object_steps import ObjectSteps
-from deeppart.storage import open_store
-from deeppart.storage.url import S3URL, Location
+from deeppart.storage.source import checkpoint_source
+from deeppart.storage.url import Location
 
 #: The step directories' prefix: ``step-`` and eight digits.
 #: The step directories' prefix (format.STEP_PREFIX: one spelling for all).
@@ -142,12 +142,27 @@ class Layout:
     def global_objects(self) -> ObjectSteps | None:
         """The L4 steps when ``glbl_dir`` is an object store URL (None for
         a directory, or without ``glbl_dir``)."""
-        root = self.config.global_root() if self.has_global() else None
-        if not isinstance(root, S3URL):
+        if not self.has_global():
             return None
         if self._objects is None:
-            self._objects = ObjectSteps(open_store(root))
+            store = checkpoint_source(self.config.global_root()).object_store()
+            if store is None:
+                return None
+            self._objects = ObjectSteps(store)
         return self._objects
+
+    def global_dir(self, step: int) -> Path | None:
+        """``step``'s L4 copy when ``glbl_dir`` is a directory (None without
+        ``glbl_dir``, or when it is an object store URL)."""
+        if not self.has_global():
+            return None
+        return checkpoint_source(self.global_step(step)).local_dir()
+
+    def _global_root_dir(self) -> Path:
+        """``glbl_dir`` as a directory (the caller knows it is not a URL)."""
+        root = checkpoint_source(self.config.global_root()).local_dir()
+        assert root is not None
+        return root
 
     def committed_steps(self) -> list[int]:
         """Committed steps (node-local or global), oldest first."""
@@ -156,9 +171,7 @@ class Layout:
         if objects is not None:
             steps |= set(objects.lines()[2])
         elif self.has_global():
-            root = self.config.global_root()
-            assert isinstance(root, Path)
-            steps |= set(steps_in(root, True))
+            steps |= set(steps_in(self._global_root_dir(), True))
         return sorted(steps)
 
     def lines(self) -> lineage.Lines:
@@ -168,9 +181,7 @@ class Layout:
         if objects is None:
             roots = [self.config.meta_root()]
             if self.has_global():
-                root = self.config.global_root()
-                assert isinstance(root, Path)
-                roots.append(root)
+                roots.append(self._global_root_dir())
             return lineage.scan(*roots)
         lines = lineage.scan(self.config.meta_root())
         stored = objects.lines()[0]

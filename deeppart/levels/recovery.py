@@ -40,16 +40,16 @@ import numpy as np
 from deeppart.agreement import agree
 from deeppart.comm import Comm
 from deeppart.errors import CheckpointError, CorruptCheckpointError, UnrecoverableError
-from deeppart.format import Metadata, Piece, checksum, data_file_name, is_committed
+from deeppart.format import Metadata, Piece, checksum, data_file_name
 from deeppart.levels import erasure, files, partner
 from deeppart.levels.backend import RecoveryReport
-from deeppart.levels.files import EMPTY, U8, BufReader, by_rank, file_ok, read_all, size_is
+from deeppart.levels.files import EMPTY, U8, BufReader, by_rank, file_ok
 from deeppart.levels.layout import Layout, parity_file, partner_file
 from deeppart.loading.load import load
 from deeppart.loading.reader import Target, open_checkpoint, read_metadata, read_pieces
 from deeppart.progress import Progress
-from deeppart.storage import open_store
-from deeppart.storage.objects import open_committed
+from deeppart.storage.files import read_all, size_is
+from deeppart.storage.source import checkpoint_source
 from deeppart.storage.url import Location
 
 # Status bits a rank reports for a step during recovery.
@@ -120,13 +120,7 @@ def committed_at(where: Location) -> bool:
     """Whether a committed checkpoint is at ``where`` (a directory, or an
     object store URL: its marker and the metadata it names match); False
     if it cannot be read."""
-    if isinstance(where, Path):
-        return is_committed(where)
-    try:
-        open_committed(open_store(where))
-    except Exception:  # not committed, or the store does not answer
-        return False
-    return True
+    return checkpoint_source(where).is_committed()
 
 
 def global_ok(comm: Comm, layout: Layout, step: int) -> bool:
@@ -142,25 +136,7 @@ def global_file(where: Location, rank: int, size: int, deep: bool) -> tuple[bool
     ``where`` (a directory or an object store URL): whether it is there
     with ``size`` bytes, and when ``deep`` its bytes (None if they cannot
     be read; the caller verifies them)."""
-    name = data_file_name(rank)
-    if isinstance(where, Path):
-        if not is_committed(where):
-            return False, None
-        if not deep:
-            return size_is(where / name, size), None
-        return True, read_all(where / name, size)
-    try:
-        at, _ = open_committed(open_store(where))
-        if at.size(name) != size:
-            return False, None
-        if not deep:
-            return True, None
-        buf = np.empty(size, dtype=np.uint8)
-        with at.open(name) as f:
-            got = f.readinto(buf)
-    except Exception:  # not committed, missing, or the store does not answer
-        return False, None
-    return True, (buf if got == size else None)
+    return checkpoint_source(where).committed_file(data_file_name(rank), size, deep=deep)
 
 
 def candidates(comm: Comm, layout: Layout, step: int | None) -> list[int]:

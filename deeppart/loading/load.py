@@ -51,7 +51,7 @@ from deeppart.state import staging as _staging
 from deeppart.state.own_view import OwnView, by_ranks, own_view, resolve_versions, set_at, value_at
 from deeppart.state.restore import IncompatibleKeys, describe
 from deeppart.state.state import Flat, flatten
-from deeppart.storage.objects import ObjectDir
+from deeppart.storage.source import CheckpointSource, checkpoint_source
 from deeppart.storage.url import parse_location
 
 __all__ = ["last_incompatible_keys", "load"]
@@ -155,10 +155,12 @@ def load(
     st: ShardTargets | None = None
     digest = b""
     own: OwnView | None = None
+    source: CheckpointSource | None = None
     try:
         view = load_view(group, into, keys, c.rank)
         into, keys = view.into, view.keys
-        path, meta, digest = open_checkpoint(parse_location(directory))
+        source = checkpoint_source(parse_location(directory))
+        path, meta, digest = open_checkpoint(source)
         # into='s leaves, once for every stage that matches them.
         flat = flatten(into) if into is not None else None
         own = own_view(
@@ -190,7 +192,7 @@ def load(
     if rp is not None:
         vote += digest + selection_digest(rp)
     rows = agree(c, err, vote, width=HOST_ID_BYTES + 1 + 48)
-    assert view is not None and rp is not None and st is not None
+    assert view is not None and rp is not None and st is not None and source is not None
     at = HOST_ID_BYTES + 1
     if len({row[at : at + 32] for row in rows}) != 1:
         raise StateMismatchError(f"{rp.path}: ranks read different metadata.json files")
@@ -203,8 +205,7 @@ def load(
     if st.active:
         # From an object store each byte is fetched once per job: the
         # cooperative read (no page cache shares a re-read).
-        local = not isinstance(rp.path, ObjectDir)
-        own_reads = shard_exchange(exchange, rp.meta, same_host and local)
+        own_reads = shard_exchange(exchange, rp.meta, same_host and source.rereads_cached)
         sr = plan_shard_reads(c, rp.meta, st, read_own=own_reads)
 
     # Read this rank's share, then exchange it.

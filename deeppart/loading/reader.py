@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import threading
-import warnings
 from collections import deque
 from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,7 +37,6 @@ from deeppart.compression import decompress_into
 from deeppart.errors import CheckpointError, CodecError, CorruptCheckpointError, StateMismatchError
 from deeppart.format import (
     HEADER_SIZE,
-    MARKER,
     OVERLAP_CHECKSUM_BYTES,
     LeafInfo,
     Metadata,
@@ -49,7 +46,6 @@ from deeppart.format import (
     checksum_stream,
     data_file_name,
     decode_metadata,
-    is_committed,
     max_expansion,
     parse_metadata,
     read_checked_metadata,
@@ -78,9 +74,9 @@ from deeppart.state.tensors import (
     u8_view,
     written_in_place,
 )
-from deeppart.storage.files import CheckpointDir, check_file_sizes, committed_metadata, open_data
-from deeppart.storage.ownership import old_copies
-from deeppart.storage.url import S3URL, Location
+from deeppart.storage.files import CheckpointDir, check_file_sizes, open_data
+from deeppart.storage.source import CheckpointSource, checkpoint_source, committed_or_replaced
+from deeppart.storage.url import Location
 
 __all__ = [
     "EXCHANGES",
@@ -137,48 +133,16 @@ def parsed_metadata(text: bytes) -> Metadata:
     return parse_metadata(raw, dtype_sizes(raw["leaves"]))
 
 
-def committed_or_replaced(path: Path) -> Path:
-    """``path`` itself, unless it is not committed and a save with
-    ``overwrite=True`` that was replacing it died before its commit marker:
-    then the previous checkpoint, which that save had moved aside still
-    committed (``.old-NAME-*``), with a warning. Never when ``path`` holds
-    a ``COMMITTED`` marker that no longer matches (a damaged commit, newer
-    than any copy moved aside): then its own error is raised."""
-    if is_committed(path) or not path.parent.is_dir() or os.path.lexists(path / MARKER):
-        # A marker at ``path`` (a damaged commit): the copy moved aside is
-        # older than that commit and never served in its place.
-        return path
-    olds = [p for p in old_copies(path) if is_committed(p)]
-    if not olds:
-        return path
-    previous = max(olds, key=lambda p: (p / MARKER).stat().st_mtime)
-    warnings.warn(
-        f"{path}: not committed (a save replacing it was interrupted); "
-        f"loading the checkpoint it replaced, {previous}",
-        stacklevel=3,
-    )
-    return previous
-
-
-def open_checkpoint(path: Location) -> tuple[CheckpointDir, Metadata, bytes]:
-    """The committed checkpoint at ``path`` (or the copy an interrupted
-    overwrite moved aside, see :func:`committed_or_replaced`): its path, its
-    checked metadata and the digest of ``metadata.json`` that the ranks
-    compare. At an object store URL: the objects of the save its commit
-    marker names (:func:`deeppart.storage.objects.open_committed`)."""
-    if isinstance(path, S3URL):
-        at, text, digest = committed_metadata(path)
-        return at, parsed_metadata(text), digest
-    try:
-        meta, digest = read_metadata(path)
-    except CheckpointError:
-        # Only on failure: the common path reads metadata.json once.
-        previous = committed_or_replaced(path)
-        if previous == path:
-            raise
-        path = previous
-        meta, digest = read_metadata(path)
-    return path, meta, digest
+def open_checkpoint(where: Location | CheckpointSource) -> tuple[CheckpointDir, Metadata, bytes]:
+    """The committed checkpoint at ``where`` (a location, or its source:
+    :mod:`deeppart.storage.source`): its files, its checked metadata and
+    the digest of ``metadata.json`` that the ranks compare. In a directory
+    that is not committed, the copy an interrupted overwrite moved aside
+    (:func:`~deeppart.storage.source.committed_or_replaced`); at an object
+    store URL the objects of the save its commit marker names
+    (:func:`deeppart.storage.objects.open_committed`)."""
+    at, text = checkpoint_source(where).open_for_load()
+    return at, parsed_metadata(text), hashlib.sha256(text).digest()
 
 
 # ----------------------------------------------------------------------------

@@ -20,38 +20,21 @@ from deeppart import _planner
 from deeppart.errors import CheckpointError, CorruptCheckpointError
 from deeppart.format import (
     HEADER_SIZE,
-    MAX_METADATA_BYTES,
-    METADATA,
     Metadata,
     Piece,
     check_header,
     checksum,
     data_file_name,
     decode_metadata,
-    is_committed,
     parse_metadata,
-    read_checked_metadata,
-    read_regular,
     step_dir_name,
 )
 from deeppart.progress import Progress, human_bytes
 from deeppart.regions import Region
-from deeppart.storage import S3URL, parse_location
-from deeppart.storage.objects import ObjectDir
-from deeppart.tools.checkpoint_source import LocalFile, StoredFile, open_source, source_location
-
-
-def _load_metadata(directory: Path, *, allow_uncommitted: bool) -> tuple[Metadata, bool]:
-    """The parsed metadata and whether the commit marker matches it."""
-    committed = is_committed(directory)
-    if committed or not allow_uncommitted:
-        text = read_checked_metadata(directory)
-    else:
-        try:
-            text = read_regular(directory / METADATA, MAX_METADATA_BYTES)
-        except OSError as e:
-            raise CheckpointError(f"{directory / METADATA}: cannot read ({e.strerror})") from e
-    return _parse_metadata(text), committed
+from deeppart.storage.files import CheckpointDir, LocalFile, StoredFile, data_file, local_dir
+from deeppart.storage.source import checkpoint_source
+from deeppart.storage.url import S3URL, parse_location
+from deeppart.tools.checkpoint_source import source_location
 
 
 def _parse_metadata(text: bytes) -> Metadata:
@@ -225,7 +208,7 @@ class LevelFiles:
 
 
 def verify(
-    directory: Path | ObjectDir,
+    directory: CheckpointDir,
     meta: Metadata,
     *,
     progress: bool | None = None,
@@ -246,10 +229,8 @@ def verify(
         by_rank.setdefault(p.rank, []).append((i, p))
     files: list[tuple[int, LocalFile | StoredFile]] = []
     for r in range(meta.world_size):
-        if isinstance(directory, ObjectDir):
-            files.append((r, StoredFile(directory, data_file_name(r))))
-        elif levels is None:
-            files.append((r, LocalFile(directory / data_file_name(r))))
+        if levels is None or local_dir(directory) is None:
+            files.append((r, data_file(directory, data_file_name(r))))
         elif nodes is None or levels.nodes[r] in nodes:
             files.append((r, LocalFile(levels.data_file(r))))
     if levels is not None and levels.level == 2:
@@ -585,7 +566,7 @@ def _ranks_str(ranks: list[int]) -> str:
 
 
 def verify_nodes(
-    directory: Path | ObjectDir,
+    directory: CheckpointDir,
     meta: Metadata,
     levels: LevelFiles | None,
     node: str | None,
@@ -597,10 +578,11 @@ def verify_nodes(
     checks what its node holds (one rank per node suffices), one report on
     rank 0 (:func:`verify_collective`). Otherwise, on real nodes: the
     nodes whose storage is visible from here, naming the others."""
-    if levels is None or isinstance(directory, ObjectDir):
+    local = local_dir(directory)
+    if levels is None or local is None:
         return verify(directory, meta)
     if collective:
-        return verify_collective(directory, meta, levels)
+        return verify_collective(local, meta, levels)
     if node is not None:
         chosen = {levels.node_index(node or socket.gethostname())}
     elif levels.shared:
@@ -683,17 +665,12 @@ def _print_verify(report: VerifyReport, levels: LevelFiles | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    directory: Path | ObjectDir
     try:
         where = source_location(args.checkpoint)
-        if isinstance(where, S3URL):
-            # Only a committed checkpoint can be found in an object store
-            # (the marker names its save's objects).
-            directory, text = open_source(where)
-            meta, committed = _parse_metadata(text), True
-        else:
-            directory = where
-            meta, committed = _load_metadata(directory, allow_uncommitted=True)
+        # What was written, committed or not (in an object store only a
+        # committed checkpoint can be found: the marker names its objects).
+        directory, text, committed = checkpoint_source(where).open_written()
+        meta = _parse_metadata(text)
         levels = LevelFiles.from_metadata(meta.raw, args.ckpt_dir)
     except CheckpointError as e:
         print(f"deeppart: error: {e}", file=sys.stderr)

@@ -140,15 +140,15 @@ def read_manifest(source: str, *, adamw: bool = False) -> Manifest:
     """The manifest ``source`` names: a built-in model, a checkpoint (directory
     or metadata.json, or a committed one at an ``s3://`` URL), a .safetensors
     file or a manifest JSON file."""
-    from deeppart.storage import S3URL, is_url, parse_location
+    from deeppart.storage.source import checkpoint_source
+    from deeppart.storage.url import is_url
     from deeppart.tools.models import MODELS
 
     if is_url(source):
-        where = parse_location(source)  # other URLs: UnsupportedURLError
-        if isinstance(where, S3URL):
-            from deeppart.tools.checkpoint_source import committed_metadata
-
-            return _recorded_manifest(committed_metadata(where), str(where))
+        # A committed checkpoint in an object store (other URLs:
+        # UnsupportedURLError).
+        at = checkpoint_source(source)
+        return _recorded_manifest(at.committed_metadata(), str(at))
 
     key = source.removesuffix("+adamw")
     path = Path(source)
