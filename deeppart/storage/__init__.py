@@ -16,6 +16,10 @@
 - :mod:`deeppart.storage.target`: :class:`SaveTarget`, what the save's
   stages call on a file system (:class:`LocalTarget`, :mod:`deeppart.storage.commit`)
   or an object store (:class:`ObjectTarget`).
+- :mod:`deeppart.storage.source`: :class:`CheckpointSource`, what reads
+  a checkpoint asks (:func:`checkpoint_source`: a :class:`LocalSource`
+  directory or an :class:`ObjectSource` prefix); outside this package no
+  module tells a path from a URL.
 
 :func:`open_store` gives the store of a path or URL.
 """
