@@ -148,10 +148,17 @@ def test_chosen_once_from_the_location() -> None:
 
 
 def storage_kind_checks(source: str) -> list[tuple[int, str]]:
-    """``isinstance``/``issubclass`` calls in ``source`` whose class names a
-    kind of storage (:data:`STORAGE_KINDS`): line and text of each."""
+    """``isinstance``/``issubclass`` calls and ``case`` class patterns in
+    ``source`` whose class names a kind of storage (:data:`STORAGE_KINDS`):
+    line and text of each."""
     found = []
     for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.MatchClass):  # case S3URL(): ...
+            cls = node.cls
+            name = cls.id if isinstance(cls, ast.Name) else getattr(cls, "attr", "")
+            if name in STORAGE_KINDS:
+                found.append((node.lineno, ast.unparse(node)))
+            continue
         if not (
             isinstance(node, ast.Call)
             and isinstance(node.func, ast.Name)
@@ -178,6 +185,8 @@ def test_the_scan_finds_a_planted_check() -> None:
         "    return isinstance(where, storage.url.S3URL)\n"
     )
     assert [line for line, _ in storage_kind_checks(planted)] == [3, 5]
+    matched = "match where:\n    case S3URL(bucket=b):\n        pass\n    case str():\n        pass"
+    assert [line for line, _ in storage_kind_checks(matched)] == [2]
     assert storage_kind_checks("isinstance(x, os.PathLike)\nisinstance(y, int)\n") == []
 
 
