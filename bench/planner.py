@@ -618,7 +618,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def print_zoo_summary(rows: Sequence[Row]) -> None:
     """The zoo's gaps, ours and DCP's, per model at 64, 1024 and 4096 ranks
-    (README's table), and the worst of ours against the 1.01 target."""
+    (docs/BENCHMARKS.md's table), and the worst of ours against the 1.01 target."""
     zoo_rows = [r for r in rows if r.model.startswith("zoo:")]
     if not zoo_rows:
         return

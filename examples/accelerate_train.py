@@ -49,7 +49,7 @@ def main() -> None:
         + ("bitwise equal" if same else "DIFFERENT"),
         flush=True,
     )
-    # As the README says for any torchrun script: a gloo group left to the
+    # As docs/INTEGRATIONS.md says for any torchrun script: a gloo group left to the
     # interpreter's teardown can abort a rank after its work is done.
     accelerator.wait_for_everyone()
     torch.distributed.destroy_process_group()

@@ -196,7 +196,7 @@ def test_cli_torch_export_honours_key(tmp_path: Path, capsys: pytest.CaptureFixt
 
 
 def test_cli_safetensors_shards_only_over_max_shard_bytes(tmp_path: Path) -> None:
-    """What the README says of ``--to safetensors``: one model.safetensors
+    """What docs/CLI.md says of ``--to safetensors``: one model.safetensors
     while the model fits ``--max-shard-bytes`` (5 GB by default), shards and
     model.safetensors.index.json above it."""
     from deeppart.tools.cli import main
@@ -209,8 +209,8 @@ def test_cli_safetensors_shards_only_over_max_shard_bytes(tmp_path: Path) -> Non
     assert main(["export", ck, "--to", "safetensors", out, "--max-shard-bytes", "4000"]) == 0
     names = sorted(p.name for p in (tmp_path / "many").iterdir())
     assert SAFETENSORS_INDEX in names and len(names) == 3, names
-    readme = (ROOT / "README.md").read_text()
-    line = next(ln for ln in readme.splitlines() if "--to safetensors hf-model/" in ln)
+    page = (ROOT / "docs" / "CLI.md").read_text()
+    line = next(ln for ln in page.splitlines() if "--to safetensors hf-model/" in ln)
     assert "--max-shard-bytes" in line, line
 
 

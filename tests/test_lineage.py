@@ -57,7 +57,7 @@ def test_only_deeppart_named_old_copies_are_cleaned_up(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", ["step-500", step_dir_name(500)])
 def test_keep_last_ignores_a_deeppart_save_named_like_a_step(tmp_path: Path, name: str) -> None:
-    """A committed ``step-500`` (the README's naming for deeppart.save) or a
+    """A committed ``step-500`` (docs/CHECKPOINTER.md's naming for deeppart.save) or a
     ``step-00000500`` written by deeppart.save: the Checkpointer's new
     steps are kept, latest() is a step load() finds, the other checkpoint
     is untouched."""
@@ -282,7 +282,7 @@ def test_a_cleanup_leaves_a_racing_save_in_flight_alone(tmp_path: Path) -> None:
 
 def test_a_save_after_its_parent_left_the_root_is_on_the_line(tmp_path: Path) -> None:
     """The step a Checkpointer last saved is moved out of the root (a
-    damaged step's evidence, README): its next save's seq is above its
+    damaged step's evidence, docs/CHECKPOINTER.md): its next save's seq is above its
     parent's, so the step is on the live line and a restart resumes it.
     Before (issue 49), that save's seq equalled the parent's: a record that
     is no line record, the step invisible to latest(), steps(), keep_last."""

@@ -2,7 +2,7 @@
 ratios, the simulator's prediction and the report, which must show a
 contender that could not run as such (never a number). The benchmark
 itself needs root, network namespaces, tc and an S3 server: it is run by
-hand (README, "Object storage")."""
+hand (docs/BENCHMARKS.md, "Object storage")."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""Every ```python and ```bash block of README.md runs, as written, in a
-fresh process, and says what it claims.
+"""Every ```python and ```bash block of README.md and of the docs pages
+behind it (``PAGES``, in that order) runs, as written, in a fresh process,
+and says what it claims; every relative link of README.md and docs/
+resolves.
 
 - A block preceded by the line ``<!-- readme: fragment -->`` is a fragment
   (it names the reader's own objects or paths) and is not run.
@@ -12,9 +14,10 @@ fresh process, and says what it claims.
   ``python``.
 - A bash block runs under ``set -e``; its comment lines that start at the
   beginning of a line (``# rank 0/2: ...``) are output it must print.
-- The blocks run in order, in one working directory (as a reader who
-  follows the README), with ``examples/`` linked from the repository; so
-  later blocks may use what earlier ones wrote (``ckpt/step-100``).
+- The blocks run in order, page by page, in one working directory (as a
+  reader who follows the README, then the pages of docs/index.md), with
+  ``examples/`` linked from the repository; so later blocks may use what
+  earlier ones wrote (``ckpt/step-100``).
 - The first block names the two top commands: the demo is run (what
   ``scripts/demo.sh`` runs after its set-up: ``deeppart demo``), and
   ``scripts/test.sh`` is not, as it runs this test.
@@ -34,6 +37,35 @@ from launching import run_in_session
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+# The pages whose blocks run, in the order they run (README.md, then the
+# reading order of docs/index.md): later pages use what earlier ones wrote.
+PAGES = (
+    "README.md",
+    "docs/CHECKPOINTING.md",
+    "docs/CHECKPOINTER.md",
+    "docs/SHARDED.md",
+    "docs/INTEGRATIONS.md",
+    "docs/OBJECT_STORAGE.md",
+    "docs/SAFETY.md",
+    "docs/PLANNING.md",
+    "docs/CLI.md",
+    "docs/INSTALL.md",
+)
+# Older pages whose blocks are not run yet (they predate this test's reach);
+# a new page with runnable blocks belongs in PAGES.
+NOT_RUN_YET = frozenset(
+    {
+        "docs/ASYNC.md",
+        "docs/CACHE.md",
+        "docs/DCP.md",
+        "docs/ERASURE.md",
+        "docs/FORMAT.md",
+        "docs/FTI.md",
+        "docs/LEVELS.md",
+        "docs/SERVICE.md",
+    }
+)
 FRAGMENT = "<!-- readme: fragment -->"
 FILE = re.compile(r"<!-- readme: file (\S+) -->")
 RUN = ("python", "bash")
@@ -43,6 +75,7 @@ MPIEXEC = Path(sys.executable).parent / "mpiexec"
 
 @dataclass
 class Block:
+    page: str  # relative to the repository root
     line: int  # 1-based line of the opening fence
     lang: str
     text: str
@@ -54,11 +87,12 @@ class Block:
         return self.lang in RUN and not self.fragment and self.file is None
 
     def name(self) -> str:
-        return f"README.md:{self.line} ({self.lang})"
+        return f"{self.page}:{self.line} ({self.lang})"
 
 
-def blocks(text: str) -> list[Block]:
-    """The fenced blocks of ``text`` with what precedes each."""
+def blocks(text: str, page: str = "README.md") -> list[Block]:
+    """The fenced blocks of ``text`` (the page ``page``) with what precedes
+    each."""
     out: list[Block] = []
     lines = text.splitlines()
     i = 0
@@ -74,6 +108,7 @@ def blocks(text: str) -> list[Block]:
         named = FILE.fullmatch(before)
         out.append(
             Block(
+                page=page,
                 line=i + 1,
                 lang=m.group(1),
                 text="\n".join(lines[i + 1 : j]) + "\n",
@@ -149,28 +184,114 @@ def workdir(tmp_path: Path) -> Path:
     return tmp_path
 
 
-ALL = blocks(README.read_text())
+def page_text(page: str) -> str:
+    return (ROOT / page).read_text()
+
+
+README_BLOCKS = blocks(README.read_text())
+ALL = README_BLOCKS + [b for page in PAGES[1:] for b in blocks(page_text(page), page)]
+TOP = README_BLOCKS[0]
 
 
 def test_every_block_is_runnable_or_marked() -> None:
-    """The README's blocks: each python/bash block runs here unless it is
-    marked a fragment, and only that exact marker line marks one."""
+    """The blocks of README.md and its pages: each python/bash block runs
+    here unless it is marked a fragment, and only that exact marker line
+    marks one. README.md begins with the two top commands, and its first
+    Python block is a 2-rank MPI job."""
+    assert PAGES[0] == "README.md" and ALL[: len(README_BLOCKS)] == README_BLOCKS
     assert sum(b.runnable for b in ALL) >= 7, [b.name() for b in ALL if b.runnable]
-    text = README.read_text()
-    for line in text.splitlines():
-        if "readme:" in line and line.strip().startswith("<!--"):
-            assert line.strip() == FRAGMENT or FILE.fullmatch(line.strip()), line
-    assert ALL[0].runnable and "scripts/demo.sh" in ALL[0].text
-    assert "bash scripts/test.sh" in ALL[0].text
-    assert "deeppart demo --ranks 4" in top_commands(ALL[0])
-    assert "test.sh" not in top_commands(ALL[0])
+    for page in PAGES:
+        for line in page_text(page).splitlines():
+            if "readme:" in line and line.strip().startswith("<!--"):
+                assert line.strip() == FRAGMENT or FILE.fullmatch(line.strip()), (page, line)
+    assert TOP.line == 3 and TOP.runnable and "scripts/demo.sh" in TOP.text
+    assert "bash scripts/test.sh" in TOP.text
+    assert "deeppart demo --ranks 4" in top_commands(TOP)
+    assert "test.sh" not in top_commands(TOP)
     demo_sh = (ROOT / "scripts" / "demo.sh").read_text()
     assert "deeppart demo --ranks 4" in demo_sh  # what top_commands runs instead
     for b in ALL:
         if b.lang == "python" and b.runnable:
             compile(b.text, b.name(), "exec")
-    first = next(b for b in ALL if b.runnable and b.lang == "python")
+    first = next(b for b in README_BLOCKS if b.runnable and b.lang == "python")
     assert launch_of(first).startswith("mpiexec -n 2 python")
+
+
+def test_every_page_with_runnable_blocks_is_run() -> None:
+    """A docs page with a python/bash block not marked a fragment is in
+    PAGES (or one of the older pages named in NOT_RUN_YET), and
+    docs/index.md links every docs page."""
+    index = page_text("docs/index.md")
+    for path in sorted(DOCS.glob("*.md")):
+        page = path.relative_to(ROOT).as_posix()
+        if page != "docs/index.md":
+            assert f"]({path.name})" in index, f"docs/index.md does not link {path.name}"
+        if page in PAGES or page in NOT_RUN_YET:
+            continue
+        runnable = [b.name() for b in blocks(path.read_text(), page) if b.runnable]
+        assert not runnable, f"{page} has blocks that no test runs; add it to PAGES: {runnable}"
+
+
+FENCE = re.compile(r"^(```|~~~).*?^\1[ \t]*$", re.M | re.S)
+CODE_SPAN = re.compile(r"`[^`]*`")
+LINK = re.compile(r"\]\(([^()\s]+)(?:\s+\"[^\"]*\")?\)")
+HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$", re.M)
+
+
+def prose(text: str) -> str:
+    """``text`` without its code: fenced blocks and code spans."""
+    return CODE_SPAN.sub("", FENCE.sub("", text))
+
+
+def anchors(text: str) -> set[str]:
+    """The anchors GitHub gives the headings of ``text``: lowercased,
+    punctuation but ``-`` and ``_`` dropped, spaces to ``-``; a repeated
+    one gets ``-1``, ``-2``..."""
+    seen: dict[str, int] = {}
+    out: set[str] = set()
+    for heading in HEADING.findall(FENCE.sub("", text)):
+        words = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)
+        slug = re.sub(r"[^\w\- ]", "", words.lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def relative_links(text: str) -> list[str]:
+    return [
+        t
+        for t in LINK.findall(prose(text))
+        if not re.match(r"[a-z][a-z0-9+.-]*:", t)  # https:, mailto:
+    ]
+
+
+@pytest.mark.parametrize(
+    "page", ["README.md", *sorted(p.relative_to(ROOT).as_posix() for p in DOCS.glob("*.md"))]
+)
+def test_relative_links_resolve(page: str) -> None:
+    """Every relative link of the page names a file of the repository, and
+    its #anchor a heading of that page."""
+    source = ROOT / page
+    broken = []
+    for target in relative_links(source.read_text()):
+        path, _, anchor = target.partition("#")
+        dest = (source.parent / path).resolve() if path else source
+        if not dest.exists():
+            broken.append(f"{target}: no file {dest}")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest.read_text()):
+            broken.append(f"{target}: no heading #{anchor} in {dest.name}")
+    assert not broken, f"{page}:\n" + "\n".join(broken)
+
+
+def test_the_link_check_finds_what_it_must() -> None:
+    """The checker itself: a link in a code block is not a link, a heading's
+    anchor follows GitHub's rule, a missing heading is not an anchor."""
+    text = "# A `b` (c), D\u2013E\n## A b c de\n[x](y.md#z) `[u](v.md)`\n```\n[p](q.md)\n```\n"
+    assert relative_links(text) == ["y.md#z"]
+    assert anchors(text) == {"a-b-c-de", "a-b-c-de-1"}
+    assert "z" not in anchors(text) and "a-b-c-de-2" not in anchors(text)
+    assert relative_links("[s](https://x.org/a) [t](#h)") == ["#h"]
 
 
 def paragraph_before(block: Block, text: str) -> str:
@@ -185,14 +306,13 @@ def paragraph_before(block: Block, text: str) -> str:
 
 
 def test_blocks_that_need_the_repository_say_so() -> None:
-    """The README's blocks run in the reader's directory: one that names a
-    file of the repository (``examples/...``) says, right before it, that it
-    runs from the repository root; ``deeppart plan`` examples use a manifest
-    an earlier line of the same block writes."""
-    text = README.read_text()
+    """The blocks run in the reader's directory: one that names a file of
+    the repository (``examples/...``) says, right before it, that it runs
+    from the repository root; ``deeppart plan`` examples use a manifest an
+    earlier line of the same block writes."""
     for b in ALL:
         if b.runnable and "examples/" in b.text:
-            assert "repository root" in paragraph_before(b, text), b.name()
+            assert "repository root" in paragraph_before(b, page_text(b.page)), b.name()
     cli = next(b for b in ALL if b.runnable and "deeppart plan " in b.text)
     assert "examples/" not in cli.text, cli.name()
     first_plan = cli.text.index("deeppart plan ")
@@ -205,7 +325,9 @@ def test_blocks_that_need_the_repository_say_so() -> None:
 @pytest.mark.skipif(not MPIEXEC.exists(), reason="mpiexec (the mpich wheel) is not installed")
 def test_readme_blocks_run_in_order(tmp_path: Path) -> None:
     cwd = workdir(tmp_path)
-    for b in ALL[1:]:
+    for b in ALL:
+        if b is TOP:
+            continue
         if b.file is not None:
             (cwd / b.file).write_text(b.text)
         elif b.runnable:
@@ -232,7 +354,7 @@ def test_readme_blocks_run_in_order(tmp_path: Path) -> None:
 def test_readme_top_commands(tmp_path: Path) -> None:
     """The first block: the 4-rank demo (checkpoint, crash, recovery,
     bitwise check) passes; scripts/test.sh is this suite, not run again."""
-    script = top_commands(ALL[0])
+    script = top_commands(TOP)
     assert shlex.split(script.splitlines()[0])[:2] == ["deeppart", "demo"]
-    out = run_block(ALL[0], workdir(tmp_path), script=script)
+    out = run_block(TOP, workdir(tmp_path), script=script)
     assert "ALL CHECKS PASSED" in out and "BITWISE IDENTICAL" in out, out[-4000:]

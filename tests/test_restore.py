@@ -241,7 +241,7 @@ def test_exchange_messages_cover_each_byte_once_in_order(
 
 
 def test_last_stats_is_exported_as_the_readme_writes_it(tmp_path: Path) -> None:
-    """README: ``deeppart.last_stats("load").rank_received``."""
+    """docs/SHARDED.md: ``deeppart.last_stats("load").rank_received``."""
     assert "last_stats" in deeppart.__all__
     deeppart.save({"w": torch.ones(4)}, tmp_path / "ck")
     assert deeppart.last_stats("save") is not None

@@ -91,7 +91,7 @@ def load(
     ``exchange="read"``: every rank reads and checksums every piece itself,
     with no bulk MPI traffic (right when the interconnect is the
     bottleneck, e.g. nodes that reach the store through the same link they
-    reach each other by: README, "Object storage").
+    reach each other by: docs/OBJECT_STORAGE.md).
     ``exchange="auto"`` (default): each data file is read and checksummed
     once, by one rank; on one host (MPI) decompressed into memory that all
     its ranks map (a shared window), from which every rank copies, else
