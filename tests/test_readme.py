@@ -38,9 +38,6 @@ from launching import run_in_session
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
-# A page whose blocks are not run: docs/ASYNC.md predates this test's reach,
-# and its blocks (fragments all) carry no marker yet.
-NOT_RUN_YET = frozenset({"docs/ASYNC.md"})
 
 
 def pages_in_reading_order() -> tuple[str, ...]:
@@ -49,7 +46,7 @@ def pages_in_reading_order() -> tuple[str, ...]:
     wrote, as a reader who follows the index)."""
     linked = re.findall(r"\]\(([A-Za-z0-9_]+\.md)[)#]", (DOCS / "index.md").read_text())
     ordered = [f"docs/{name}" for name in dict.fromkeys(linked)]
-    return ("README.md", *(page for page in ordered if page not in NOT_RUN_YET))
+    return ("README.md", *ordered)
 
 
 PAGES = pages_in_reading_order()
@@ -206,14 +203,14 @@ def test_every_block_is_runnable_or_marked() -> None:
 
 def test_every_docs_page_is_in_the_index_and_run() -> None:
     """docs/index.md links every docs page, so each one's blocks run (in
-    PAGES), but the pages named in NOT_RUN_YET."""
+    PAGES)."""
     index = page_text("docs/index.md")
     for path in sorted(DOCS.glob("*.md")):
         page = path.relative_to(ROOT).as_posix()
         if page == "docs/index.md":
             continue
         assert f"]({path.name}" in index, f"docs/index.md does not link {path.name}"
-        assert (page in PAGES) != (page in NOT_RUN_YET), page
+        assert page in PAGES, page
     assert "docs/CLI.md" in PAGES and "docs/ERASURE.md" in PAGES
 
 
