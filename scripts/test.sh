@@ -20,6 +20,8 @@ log "ruff"
 ruff check deeppart tests bench
 log "mypy"
 mypy
+log "docs site (mkdocs build --strict)"
+NO_MKDOCS_2_WARNING=1 mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
 log "pytest"
 # Unbuffered, as CI runners often run Python: the workers' report lines
 # (tests/rank_output.py) must stay whole when every rank prints at once.
