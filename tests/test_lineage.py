@@ -5,6 +5,7 @@ never resumed, in ``Checkpointer`` and in the multi-level engine."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +13,10 @@ import pytest
 import torch
 
 import deeppart
-from deeppart.format import is_committed, step_dir_name
+from deeppart.format import MARKER, METADATA, is_committed, marker_text, step_dir_name
 from deeppart.levels import LevelConfig
 from deeppart.levels.engine import BuiltinBackend
+from deeppart.steps import lineage
 
 
 def state(v: int) -> dict[str, Any]:
@@ -313,3 +315,35 @@ def test_engine_save_after_its_parent_left_the_root_is_on_the_line(tmp_path: Pat
     assert be.latest() == 12 and be.steps() == [12]
     got, _ = BuiltinBackend(c).load()
     assert got["step"] == 12
+
+
+def _rewrite_in_place(path: Path, data: bytes) -> None:
+    """Writes ``data`` over ``path`` (same inode), then puts its old
+    timestamps back: a rewrite within one timestamp tick, as a coarse file
+    system shows it."""
+    st = path.stat()
+    with path.open("r+b") as f:
+        f.write(data)
+        f.truncate()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_a_record_rewritten_within_one_timestamp_tick_is_not_served_stale(
+    tmp_path: Path,
+) -> None:
+    """A step's metadata.json and COMMITTED rewritten in place with the same
+    sizes and mtimes (another job's commit within one tick of a coarse
+    clock): the next scan reads the new record. Before, the record cache
+    was keyed by inode, size and mtime only and served the old record."""
+    root = tmp_path / "ck"
+    ck = deeppart.Checkpointer(root)
+    ck.save(1, state(1))
+    before = lineage.scan(root).nodes[1]
+    meta_path = ck.path(1) / METADATA
+    meta = meta_path.read_bytes()
+    other_run = "f" * 16 if before.run != "f" * 16 else "e" * 16
+    rewritten = meta.replace(before.run.encode(), other_run.encode())
+    assert rewritten != meta and len(rewritten) == len(meta)
+    _rewrite_in_place(meta_path, rewritten)
+    _rewrite_in_place(ck.path(1) / MARKER, marker_text(rewritten))
+    assert lineage.scan(root).nodes[1].run == other_run

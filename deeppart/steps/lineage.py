@@ -39,7 +39,8 @@ never pruned.
 
 Reading a step's record reads its ``COMMITTED`` and ``metadata.json`` (as
 :func:`deeppart.format.is_committed` does); parsed records are cached by
-the files' identity (inode, size, mtime).
+the files' identity (inode, size, mtime, ctime) once they are a few
+seconds old (a rewrite within one timestamp tick is never served stale).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ import json
 import os
 import re
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -193,26 +195,53 @@ def node_of(metadata: bytes, step: int, where: Path) -> Node | Legacy | None:
 _cache: dict[tuple[str, tuple[int, ...]], tuple[bool, Node | Legacy | None]] = {}
 _cache_lock = threading.Lock()
 _CACHE_MAX = 4096
+#: A record whose files changed less than this long ago is read, never
+#: cached: a file system's timestamps are coarse (a tick of several
+#: milliseconds, a second on some), so a file rewritten twice within one
+#: tick can keep its inode, size and timestamps.
+_SETTLE_NS = 3_000_000_000
 
 
 def _identity(directory: Path) -> tuple[int, ...] | None:
+    """The identity of a step's marker and metadata files (inode, size,
+    mtime and ctime of each; ctime also changes when a file is renamed
+    into place or its bytes are written back with an old mtime), or None
+    if either is missing."""
     try:
         a, b = os.stat(directory / MARKER), os.stat(directory / METADATA)
     except OSError:
         return None
-    return (a.st_ino, a.st_size, a.st_mtime_ns, b.st_ino, b.st_size, b.st_mtime_ns)
+    return (
+        a.st_ino,
+        a.st_size,
+        a.st_mtime_ns,
+        a.st_ctime_ns,
+        b.st_ino,
+        b.st_size,
+        b.st_mtime_ns,
+        b.st_ctime_ns,
+    )
+
+
+def _settled(ident: tuple[int, ...]) -> bool:
+    """Whether the files of ``ident`` last changed long enough ago that a
+    change now would show in their identity (see :data:`_SETTLE_NS`)."""
+    newest = max(ident[2], ident[3], ident[6], ident[7])
+    return time.time_ns() - newest > _SETTLE_NS
 
 
 def read_node(directory: Path, step: int) -> tuple[bool, Node | Legacy | None]:
     """Whether ``directory`` is committed (its marker matches its
     metadata), and if so the step :func:`parse` reads from its user value
-    (None: committed, but not a Checkpointer's step ``step``)."""
+    (None: committed, but not a Checkpointer's step ``step``). Cached by
+    the files' identity once they have settled (:func:`_settled`)."""
     ident = _identity(directory)
     if ident is None:
         return False, None
     key = (str(directory), ident)
+    cacheable = _settled(ident)
     with _cache_lock:
-        if key in _cache:
+        if cacheable and key in _cache:
             return _cache[key]
     out: tuple[bool, Node | Legacy | None] = (False, None)
     try:
@@ -223,10 +252,11 @@ def read_node(directory: Path, step: int) -> tuple[bool, Node | Legacy | None]:
             out = (True, parse(raw.get("user"), step, directory) if isinstance(raw, dict) else None)
     except (OSError, CheckpointError, ValueError, RecursionError):
         out = (False, None)
-    with _cache_lock:
-        if len(_cache) >= _CACHE_MAX:
-            _cache.clear()
-        _cache[key] = out
+    if cacheable:
+        with _cache_lock:
+            if len(_cache) >= _CACHE_MAX:
+                _cache.clear()
+            _cache[key] = out
     return out
 
 
