@@ -7,6 +7,7 @@ from __future__ import annotations
 import operator
 import os
 import struct
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -22,10 +23,10 @@ from deeppart.levels.backend import LevelBackend, LevelSaveStats, RecoveryReport
 from deeppart.loading.load import load
 from deeppart.progress import Stats
 from deeppart.saving.planning import PlanProvider
-from deeppart.saving.save import save
+from deeppart.saving.save import plan_save
 from deeppart.steps import lineage
 from deeppart.steps.object_steps import ObjectSteps
-from deeppart.storage.commit import temp_dir_in_use
+from deeppart.storage.commit import KeepAside, temp_dir_in_use
 from deeppart.storage.ownership import foreign_entries, owned_dir, remove_owned, side_name
 from deeppart.storage.source import checkpoint_source
 from deeppart.storage.url import parse_location
@@ -249,6 +250,7 @@ class Checkpointer:
             self._async.wait()  # the line continues from the save in flight
         value: Any = {"step": step, "user": user}
         link, run = lineage.Link(step, 0), self._run or ""
+        keep: KeepAside | None = None
         err: BaseException | None = None
         #: In an object store: what interrupted saves left below this step
         #: when it began (removed after its commit).
@@ -257,7 +259,7 @@ class Checkpointer:
             try:
                 if self.objects is not None:
                     leftovers = self.objects.leftovers(below=step)
-                value, link, run, replace = self._line_record(step, user)
+                value, link, run, replace, keep = self._line_record(step, user)
                 overwrite = overwrite or replace
             except BaseException as e:  # one rank's error (an interruption too)
                 err = e
@@ -271,6 +273,7 @@ class Checkpointer:
             "verbose": self.verbose,
             "staging_bytes": self.staging_bytes,
             "plan_provider": self.plans,
+            "keep": keep,
         }
         if self._async is not None:
 
@@ -282,7 +285,10 @@ class Checkpointer:
             target = self.location(step)
             where = parse_location(target)
             return self._async.save(where, state, kwargs, after=committed)
-        stats = save(state, self.location(step), comm=self.comm, **kwargs)
+        t0 = time.perf_counter()
+        stats = plan_save(
+            self.comm, state, self.location(step), defer_proof=True, **kwargs
+        ).finish(self.comm, t0)
         self._parent, self._run = link, run
         # The save succeeded everywhere: a failed cleanup is a warning on
         # every rank (one small collective), never one rank's exception.
@@ -293,13 +299,17 @@ class Checkpointer:
             warnings.warn(message, stacklevel=2)
         return stats
 
-    def _line_record(self, step: int, user: Any) -> tuple[Any, lineage.Link, str, bool]:
+    def _line_record(
+        self, step: int, user: Any
+    ) -> tuple[Any, lineage.Link, str, bool, KeepAside | None]:
         """Rank 0: the user value of a save of ``step`` (with its line
-        record), the new step as a parent, its run, and whether the save
+        record), the new step as a parent, its run, whether the save
         may replace what is at ``path(step)``: a committed step of a line
         that this save leaves (a rollback that saves again a step number
-        the left line has; with ``keep_last=None`` it is moved aside here
-        first)."""
+        the left line has), and, with ``keep_last=None``, that step's
+        copy for the commit to move aside to ``.abandoned-step-N-<hex>``
+        once the new step is in place (never before: a save that fails
+        leaves it where it was, on its line)."""
         lines = self.lines()
         parent, run = self._parent, self._run or lineage.new_run()
         at = lines.nodes.get(step)
@@ -307,22 +317,27 @@ class Checkpointer:
         base = lines.nodes.get(parent.step) if parent is not None else None
         ours = lines.ancestry(base) if base is not None and parent == base.link else []
         replace = False
+        keep: KeepAside | None = None
         if at is not None and lines.left_by(ours, at):
-            # Without keep_last it is moved aside now; else (or if it cannot
-            # move, or in an object store) this save replaces it, as
-            # overwrite=True would.
-            if self.objects is not None:
-                replace = True
-            else:
-                moved = self.keep_last is None and self._retire_aside(at.path, step)
-                replace = not moved and at.path == self.path(step)
+            # This save replaces it, as overwrite=True would; without
+            # keep_last its commit moves it aside instead of removing it
+            # (only a directory of DeepPart's files; in an object store it
+            # is replaced).
+            replace = self.objects is not None or at.path == self.path(step)
+            if self.objects is None and self.keep_last is None and owned_dir(at.path):
+                keep = KeepAside(at.path.name, self._abandoned_name(step))
         if at is not None and parent == at.link and at.parent is not None:
             # Saving again the step it came from (overwrite=True): the new
             # step takes its place in the line.
             parent = at.parent
         seq = lineage.next_seq(lines, parent)
         value = lineage.record(step, user, run, seq, parent)
-        return value, lineage.Link(step, seq), run, replace
+        return value, lineage.Link(step, seq), run, replace, keep
+
+    def _abandoned_name(self, step: int) -> str:
+        """A fresh name for a retired step moved aside:
+        ``.abandoned-step-N-<12 hex>``."""
+        return f"{self.ABANDONED}{step_dir_name(step)}-{os.urandom(6).hex()}"
 
     def _retire_aside(self, path: Path, step: int) -> bool:
         """Moves step ``step``'s committed copy ``path`` (``step-N``, or the
@@ -331,9 +346,8 @@ class Checkpointer:
         whether it did (only a directory of DeepPart's files moves)."""
         if not owned_dir(path):
             return False
-        name = f"{self.ABANDONED}{step_dir_name(step)}-{os.urandom(6).hex()}"
         try:
-            path.rename(path.parent / name)
+            path.rename(path.parent / self._abandoned_name(step))
         except OSError:
             return False
         return True

@@ -285,9 +285,6 @@ class CheckpointerModel(RuleBasedStateMachine):
         assert self.ck is not None
         outcome, retire = self.plan_save(step, overwrite)
         v = self.next_value()
-        if retire and self.keep_last is None:
-            self.aside += 1  # moved aside before the save
-            del self.nodes[step]
         try:
             settle(self.ck.save(step, make_state(v), overwrite=overwrite))
         except deeppart.ForeignPathError:
@@ -297,6 +294,8 @@ class CheckpointerModel(RuleBasedStateMachine):
             assert outcome == "exists", f"save({step}): {e}"
             return
         assert outcome == "ok", f"save({step}) should have been refused ({outcome})"
+        if retire and self.keep_last is None:
+            self.aside += 1  # moved aside by the commit
         self.committed(step, v)
 
     @rule(step=STEP, overwrite=st.sampled_from([False, False, False, True]))
@@ -381,10 +380,7 @@ class CheckpointerModel(RuleBasedStateMachine):
     def crash(self, step: int, point: str, overwrite: bool) -> None:
         """A save that dies at ``point``; then a restart."""
         assert self.ck is not None
-        outcome, retire = self.plan_save(step, overwrite)
-        if retire and self.keep_last is None:
-            self.aside += 1
-            del self.nodes[step]
+        outcome, _ = self.plan_save(step, overwrite)  # a left step stays where it was
         with crash_at(point):
             try:
                 settle(self.ck.save(step, make_state(self.next_value()), overwrite=overwrite))

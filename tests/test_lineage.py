@@ -16,6 +16,7 @@ import deeppart
 from deeppart.format import MARKER, METADATA, is_committed, marker_text, step_dir_name
 from deeppart.levels import LevelConfig
 from deeppart.levels.engine import BuiltinBackend
+from deeppart.saving.writer import WriteEvent, fault_hook
 from deeppart.steps import lineage
 
 
@@ -347,3 +348,38 @@ def test_a_record_rewritten_within_one_timestamp_tick_is_not_served_stale(
     _rewrite_in_place(meta_path, rewritten)
     _rewrite_in_place(ck.path(1) / MARKER, marker_text(rewritten))
     assert lineage.scan(root).nodes[1].run == other_run
+
+
+@pytest.mark.parametrize("async_", [False, True])
+def test_a_failed_rollback_save_keeps_the_left_step_in_place(
+    tmp_path: Path, async_: bool
+) -> None:
+    """Without keep_last, back to 20 and a save of step 30 (a step the left
+    line holds) that fails while writing: step 30 of the left line stays
+    where it was, still the newest step (nothing new committed); the next
+    save of 30 that commits moves it aside. Before (issue 49, model test),
+    the left step was moved aside when the save began, so the failed save
+    lost it from the root's line: latest() fell back to 20."""
+    root = tmp_path / "ck"
+    ck = deeppart.Checkpointer(root, async_=async_)
+    for step in (10, 20, 30):
+        ck.save(step, state(step))
+    ck.wait()
+    check(ck, 20, 20)
+
+    def fail(_event: WriteEvent) -> None:
+        raise OSError("the write failed")
+
+    with fault_hook("after-write", fail), pytest.raises(OSError, match="the write failed"):
+        ck.save(30, state(31))
+        ck.wait()
+    assert not [p for p in root.iterdir() if p.name.startswith(".abandoned-")]
+    assert ck.latest() == 30 and ck.steps() == [10, 20, 30]
+    check(deeppart.Checkpointer(root), 30)
+    check(ck, 20, 20)
+    ck.save(30, state(31))
+    ck.wait()
+    assert ck.steps() == [10, 20, 30]
+    check(ck, 31, 30)
+    aside = [p for p in root.iterdir() if p.name.startswith(".abandoned-")]
+    assert len(aside) == 1 and deeppart.load(aside[0])["step"] == 30

@@ -41,7 +41,7 @@ from deeppart.saving.prepare import verify_replicas as check_replicas
 from deeppart.saving.writer import RECORD_FIELDS, write_pieces
 from deeppart.state import staging as _staging
 from deeppart.state.state import encode_plain
-from deeppart.storage.commit import TEMP_NAME_MAX
+from deeppart.storage.commit import TEMP_NAME_MAX, KeepAside
 from deeppart.storage.identity import identity_text
 from deeppart.storage.target import SaveTarget, save_target
 from deeppart.storage.url import Location, parse_location
@@ -150,6 +150,9 @@ class PlannedSave:
     #: Where it writes and how it commits (a file system directory or an
     #: object store: :mod:`deeppart.storage.target`).
     target: SaveTarget | None = None
+    #: A replaced checkpoint the commit keeps under another name (rank 0's;
+    #: :class:`deeppart.storage.commit.KeepAside`).
+    keep: KeepAside | None = None
 
     def finish(self, c: Comm, t0: float | None = None) -> Stats:
         """Temporary directory, write, commit (collective over ``c``);
@@ -217,7 +220,7 @@ class PlannedSave:
                 stored_total = int(head["stored_bytes"])
                 # Nothing is committed that the store does not hold.
                 target.check_written(token, save_id, head["file_sizes"])
-                target.commit(token, save_id, meta, self.overwrite)
+                target.commit(token, save_id, meta, self.overwrite, self.keep)
             except BaseException as e:
                 err = e
                 target.abandon(token, save_id)
@@ -269,6 +272,9 @@ class SaveOptions(TypedDict, total=False):
     level: int | None
     group: Any
     replica_dims: str | Sequence[str] | None
+    #: Not a keyword of :func:`save`: what a Checkpointer's commit keeps
+    #: aside (:class:`deeppart.storage.commit.KeepAside`).
+    keep: KeepAside | None
 
 
 def plan_save(
@@ -346,6 +352,7 @@ def plan_save(
         o.get("staging_bytes"),
         flags,
         target,
+        o.get("keep"),
     )
 
 

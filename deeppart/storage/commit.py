@@ -32,6 +32,7 @@ import fcntl
 import os
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from deeppart.errors import (
@@ -61,6 +62,7 @@ from deeppart.storage.ownership import (
 
 __all__ = [
     "TEMP_NAME_MAX",
+    "KeepAside",
     "commit_dir",
     "has_renameat2",
     "make_temp_dir",
@@ -232,8 +234,28 @@ def remove_temp_dir(tmp: Path, save_id: str | None) -> None:
         )
 
 
+@dataclass(frozen=True)
+class KeepAside:
+    """A committed checkpoint that a commit replaces and keeps instead of
+    removing it (a Checkpointer's step of a line left behind, without
+    ``keep_last``): ``name``, the directory next to the target that holds
+    it (the target's own name, or an interrupted overwrite's
+    ``.old-NAME-*`` copy), is renamed to ``keep_as`` once the new
+    checkpoint is in place, never before (a save that fails keeps it
+    where it was)."""
+
+    name: str
+    keep_as: str
+
+
 def commit_dir(
-    tmp: Path, final: Path, meta: bytes, *, overwrite: bool = False, save_id: str | None = None
+    tmp: Path,
+    final: Path,
+    meta: bytes,
+    *,
+    overwrite: bool = False,
+    save_id: str | None = None,
+    keep: KeepAside | None = None,
 ) -> None:
     """Rank 0's commit of a written temporary directory ``tmp`` as ``final``:
     metadata.json and the COMMITTED marker into ``tmp``, fsyncs, then
@@ -244,7 +266,9 @@ def commit_dir(
     Those are moved aside (still committed: if this save dies now, load()
     serves them from there) and removed after the rename, file by file.
     Anything else raises :class:`CommitConflictError` and stays; the caller
-    removes ``tmp``. ``save_id``: this save's id (recorded in ``meta``)."""
+    removes ``tmp``. ``save_id``: this save's id (recorded in ``meta``).
+    ``keep``: the replaced checkpoint to keep under another name (see
+    :class:`KeepAside`) instead of removing it."""
     for name, data in ((METADATA, meta), (MARKER, marker_text(meta))):
         try:
             write_durable(tmp / name, data)
@@ -277,11 +301,15 @@ def commit_dir(
             f"{'' if old is None else f' (the replaced checkpoint is at {old} if not back)'}"
         ) from e
     fsync_dir(final.parent)
-    if old is not None:
+    kept = None
+    if keep is not None:
+        kept = old if keep.name == final.name else final.parent / keep.name
+        _keep_aside(kept, final.parent / keep.keep_as)
+    if old is not None and old != kept:
         _remove_aside(old)
     for path in stale:
         # Older than this commit: never to be served in its place.
-        if owned_dir(path):
+        if path != kept and owned_dir(path):
             with contextlib.suppress(OSError):
                 remove_owned(path, save_id=metadata_save_id(path))
 
@@ -359,6 +387,23 @@ def _not_replaceable(
             "overwrite=True to replace it, or save to another directory"
         )
     return ""
+
+
+def _keep_aside(copy: Path | None, keep_as: Path) -> None:
+    """Renames ``copy`` (a replaced committed checkpoint, see
+    :class:`KeepAside`) to ``keep_as``; where that fails it stays where it
+    is, with a warning (it is never removed instead)."""
+    if copy is None or not os.path.lexists(copy):
+        return
+    try:
+        rename_noreplace(copy, keep_as)
+        fsync_dir(keep_as.parent)
+    except OSError as e:
+        warnings.warn(
+            f"{copy}: the replaced checkpoint stays here, it could not be moved to "
+            f"{keep_as.name} ({e.strerror or e})",
+            stacklevel=3,
+        )
 
 
 def _remove_aside(old: Path) -> None:

@@ -41,7 +41,7 @@ from typing import Any
 from deeppart.errors import StoreConfigError
 from deeppart.format import data_file_name
 from deeppart.storage.base import ObjectStore
-from deeppart.storage.commit import commit_dir, make_temp_dir, remove_temp_dir
+from deeppart.storage.commit import KeepAside, commit_dir, make_temp_dir, remove_temp_dir
 from deeppart.storage.identity import Identity, check_written, ranks_text
 from deeppart.storage.objects import (
     Begun,
@@ -111,8 +111,12 @@ class SaveTarget(abc.ABC):
         the file system, written and fsynced)."""
 
     @abc.abstractmethod
-    def commit(self, token: str, save_id: str, meta: bytes, overwrite: bool) -> None:
-        """Rank 0, once every data file is written: commits the save."""
+    def commit(
+        self, token: str, save_id: str, meta: bytes, overwrite: bool, keep: KeepAside | None = None
+    ) -> None:
+        """Rank 0, once every data file is written: commits the save;
+        ``keep``: a replaced checkpoint to keep under another name
+        (:class:`deeppart.storage.commit.KeepAside`; a file system only)."""
 
     @abc.abstractmethod
     def abandon(self, token: str, save_id: str) -> None:
@@ -169,8 +173,12 @@ class LocalTarget(SaveTarget):
     def data_file(self, token: str, save_id: str, rank: int) -> tuple[Path, Opener | None]:
         return self._tmp(token) / data_file_name(rank), None
 
-    def commit(self, token: str, save_id: str, meta: bytes, overwrite: bool) -> None:
-        commit_dir(self._tmp(token), self.final, meta, overwrite=overwrite, save_id=save_id)
+    def commit(
+        self, token: str, save_id: str, meta: bytes, overwrite: bool, keep: KeepAside | None = None
+    ) -> None:
+        commit_dir(
+            self._tmp(token), self.final, meta, overwrite=overwrite, save_id=save_id, keep=keep
+        )
 
     def abandon(self, token: str, save_id: str) -> None:
         remove_temp_dir(self._tmp(token), save_id)
@@ -264,7 +272,11 @@ class ObjectTarget(SaveTarget):
         key = data_key(save_id, rank)
         return Path(self.store.describe(key)), lambda: _upload(self.store, key)
 
-    def commit(self, token: str, save_id: str, meta: bytes, overwrite: bool) -> None:
+    def commit(
+        self, token: str, save_id: str, meta: bytes, overwrite: bool, keep: KeepAside | None = None
+    ) -> None:
+        if keep is not None:
+            raise ValueError(f"{self.shown}: an object store has no rename to keep a step aside")
         commit_save(self.store, save_id, meta, self.begun, overwrite)
 
     def abandon(self, token: str, save_id: str) -> None:
