@@ -154,6 +154,12 @@ class Checkpointer:
         #: step last loaded or saved, and its run; None before either.
         self._parent: lineage.Link | None = None
         self._run: str | None = None
+        #: The largest seq committed in the root when this Checkpointer last
+        #: loaded a step (rank 0's; 0 before a load): only steps committed
+        #: by then can be steps of a line it left by that load
+        #: (:meth:`deeppart.steps.lineage.Lines.left_by`); later ones are
+        #: another job's beside it, never retired.
+        self._seen = 0
         self._async: AsyncCheckpointer | None = None
         if async_:
             self._async = AsyncCheckpointer(self.comm, max_staging_bytes, snapshot_on_device)
@@ -318,7 +324,7 @@ class Checkpointer:
         ours = lines.ancestry(base) if base is not None and parent == base.link else []
         replace = False
         keep: KeepAside | None = None
-        if at is not None and lines.left_by(ours, at):
+        if at is not None and lines.left_by(ours, at, self._seen):
             # This save replaces it, as overwrite=True would; without
             # keep_last its commit moves it aside instead of removing it
             # (only a directory of DeepPart's files; in an object store it
@@ -396,7 +402,7 @@ class Checkpointer:
         lines = self.lines()
         line = lines.line_of(newest, seq)
         pruned = line[self.keep_last :] if self.keep_last is not None else []
-        left = lines.abandoned(line)
+        left = lines.abandoned(line, self._seen)
         doomed: list[Path] = []
         failures: list[str] = []
         for node in pruned + (left if self.keep_last is not None else []):
@@ -471,7 +477,7 @@ class Checkpointer:
         if not line:
             return []  # replaced meanwhile: a newer commit's cleanup decides
         pruned = line[self.keep_last :] if self.keep_last is not None else []
-        left = lines.abandoned(line) if self.keep_last is not None else []
+        left = lines.abandoned(line, self._seen) if self.keep_last is not None else []
         failures: list[str] = []
         for node in pruned + left:
             failures += objects.remove_step(node.step, committed[node.step])
@@ -489,18 +495,25 @@ class Checkpointer:
             return True
         return is_committed(child.parent / side[1])
 
-    def _agreed_step(self, step: int | None) -> int:
+    def _agreed_step(self, step: int | None) -> tuple[int, lineage.Lines]:
         """The step every rank of a load reads (one small collective): the
         ranks must ask for the same one (else :class:`StateMismatchError`
         on every rank); ``None`` (the latest) is rank 0's :meth:`latest`,
         so that a step committed between two ranks' calls cannot make them
-        read different steps."""
+        read different steps. Also the root's lines as rank 0 read them
+        before the load (empty on the other ranks): a step another job
+        commits while the load runs is none this Checkpointer saw
+        (``_seen``)."""
         asked, pick, err = -1, -1, None
+        lines = lineage.Lines()
         try:
             if step is not None:
                 asked = _step_index(step, None)
-            elif self.comm.rank == 0:
-                latest = self.latest()
+            if self.comm.rank == 0:
+                lines = self.lines()
+            if step is None and self.comm.rank == 0:
+                lines.check()
+                latest = lines.latest()
                 pick = -2 if latest is None else latest
         except BaseException as e:  # a damaged step, an interruption: every rank raises
             err = e
@@ -517,11 +530,11 @@ class Checkpointer:
                 "every rank must load the same step"
             )
         if asked >= 0:
-            return asked
+            return asked, lines
         chosen = int(rows[0][1])
         if chosen < 0:
             raise CheckpointError(f"{self.root}: no committed checkpoint")
-        return chosen
+        return chosen, lines
 
     def wait(self) -> Stats | None:
         """Waits for the asynchronous save in flight, if any; returns its
@@ -554,7 +567,7 @@ class Checkpointer:
                 raise ValueError("keys=, strict=False and per_rank= are not supported with config=")
             state, self.last_recovery = self.levels.load(step, into=into)
             return state
-        step = self._agreed_step(step)
+        step, lines = self._agreed_step(step)
         state = load(
             self.location(step),
             comm=self.comm,
@@ -569,7 +582,8 @@ class Checkpointer:
         )
         # The next save continues from this step (a new line if it is not
         # the newest); a step without a line record starts a fresh one.
-        node = self.lines().nodes.get(step) if self.comm.rank == 0 else None
+        node = lines.nodes.get(step)
         self._parent = node.link if node is not None else None
         self._run = node.run if node is not None else None
+        self._seen = lines.max_seq()
         return state

@@ -157,6 +157,9 @@ class CheckpointerModel(RuleBasedStateMachine):
         self.foreign_steps: set[int] = set()
         self.parent: tuple[int, int] | None = None
         self.run: int | None = None
+        #: The largest seq committed when the Checkpointer last loaded a
+        #: step (0 before): only steps committed by then can be left by it.
+        self.seen = 0
         self.runs = 0
         self.aside = 0
 
@@ -197,6 +200,7 @@ class CheckpointerModel(RuleBasedStateMachine):
         node = self.nodes.get(step)
         self.parent = (node.step, node.seq) if node is not None else None
         self.run = node.run if node is not None else None
+        self.seen = self.max_seq()
 
     def restart(self) -> None:
         """A new process: a fresh Checkpointer on the same root."""
@@ -204,7 +208,7 @@ class CheckpointerModel(RuleBasedStateMachine):
             with contextlib.suppress(Crash):
                 self.ck.close()
         self.ck = deeppart.Checkpointer(self.root, keep_last=self.keep_last, async_=self.async_)
-        self.parent, self.run = None, None
+        self.parent, self.run, self.seen = None, None, 0
 
     def plan_save(self, step: int, overwrite: bool) -> tuple[str, bool]:
         """What a save of ``step`` by the Checkpointer must do: "foreign"
@@ -217,7 +221,7 @@ class CheckpointerModel(RuleBasedStateMachine):
             base = self.nodes.get(self.parent[0])
             ours = self.ancestry(base) if base is not None and base.seq == self.parent[1] else []
             since = ours[-1].parent[1] if ours and ours[-1].parent else ours[-1].seq if ours else 0
-            if ours and at.seq > since and all(n.step != step for n in ours):
+            if ours and since < at.seq <= self.seen and all(n.step != step for n in ours):
                 event("a rollback saves a step of the line it leaves")
                 return "ok", True
         if self.taken(step) and not overwrite:
@@ -261,7 +265,7 @@ class CheckpointerModel(RuleBasedStateMachine):
         left = [
             n
             for n in self.nodes.values()
-            if n.run == newest.run and n.step not in on and n.seq > since
+            if n.run == newest.run and n.step not in on and since < n.seq <= self.seen
         ]
         if left:
             event("a rollback retires steps")

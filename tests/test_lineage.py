@@ -383,3 +383,37 @@ def test_a_failed_rollback_save_keeps_the_left_step_in_place(
     check(ck, 31, 30)
     aside = [p for p in root.iterdir() if p.name.startswith(".abandoned-")]
     assert len(aside) == 1 and deeppart.load(aside[0])["step"] == 30
+
+
+@pytest.mark.parametrize("keep_last", [None, 3])
+def test_a_zombie_beside_its_requeued_job_retires_none_of_its_steps(
+    tmp_path: Path, keep_last: int | None
+) -> None:
+    """A requeued job and its zombie both resume from step 2 in one root
+    and save in turns: neither retires the other's steps (each left no
+    line: the other's were committed after its load), the head is the
+    newest commit, and the live job's line keeps every step it committed.
+    Before (issue 49, model test), the zombie's save retired the live job's
+    step 3 as a step of a line it left (removed with keep_last), which
+    also cut the live job's line at its next save."""
+    root = tmp_path / "ck"
+    deeppart.Checkpointer(root).save(1, state(1))
+    first = deeppart.Checkpointer(root)
+    first.load()
+    first.save(2, state(2))
+    live = deeppart.Checkpointer(root, keep_last=keep_last)
+    zombie = deeppart.Checkpointer(root, keep_last=keep_last)
+    check(live, 2)
+    check(zombie, 2)
+    live.save(3, state(3))
+    zombie.save(4, state(4))
+    assert live.latest() == 4 and live.steps() == [1, 2, 4]
+    assert deeppart.load(live.path(3))["step"] == 3  # still there (read off the line)
+    live.save(5, state(5))
+    assert live.steps() == [1, 2, 3, 5][-(keep_last or 4) :]
+    assert live.path(3).is_dir() and live.path(4).is_dir()
+    # A step number the other job holds is refused, not replaced.
+    with pytest.raises(deeppart.CheckpointError, match="a committed checkpoint exists"):
+        zombie.save(5, state(0))
+    check(deeppart.Checkpointer(root), 5)
+    assert not [p for p in root.iterdir() if p.name.startswith(".abandoned-")]

@@ -22,7 +22,10 @@ while the step it names is committed with that ``seq`` (a replaced or
 removed parent ends the line). ``latest()`` is the head, a restart resumes
 from it, and ``keep_last`` counts the live line only. A step of the line's
 ``run`` that is not on it but was committed after the parent of the line's
-oldest step belongs to a line abandoned by a rollback: it is retired.
+oldest step belongs to a line abandoned by a rollback: it is retired, if
+it was committed when the Checkpointer loaded the step it went back to (a
+step of the run committed after that is another job's, resumed from the
+same step: a requeued job beside its zombie; it stays).
 A save of the very step it came from (``overwrite=True``) takes that
 step's place: its parent is the replaced step's parent (or, if that had
 none, the replaced step itself, which ends the line there).
@@ -328,22 +331,28 @@ class Lines:
         return steps[-1] if steps else None
 
     @staticmethod
-    def left_by(line: list[Node], node: Node) -> bool:
+    def left_by(line: list[Node], node: Node, seen: int | None = None) -> bool:
         """Whether ``node`` is a step of a line that ``line`` (newest first,
         as :meth:`live`) left: of its run, not on it, and committed after
         the parent of its oldest step (after that step itself if it has no
         parent), so that it cannot be one of its ancestors. Older steps
-        (beyond a removed or unreadable one) are left alone."""
+        (beyond a removed or unreadable one) are left alone. ``seen``: the
+        largest ``seq`` committed when the line's writer loaded the step
+        it continues (None: any): a step committed after that was no step
+        the writer left, but another job's beside it (a requeued job and
+        its zombie, resumed from the same step), and is never retired."""
         if not line or node.run != line[0].run or node in line:
+            return False
+        if seen is not None and node.seq > seen:
             return False
         oldest = line[-1]
         return node.seq > (oldest.parent.seq if oldest.parent is not None else oldest.seq)
 
-    def abandoned(self, line: list[Node]) -> list[Node]:
-        """The steps of the lines that ``line`` left (:meth:`left_by`), by
-        step number: what a rollback retires."""
+    def abandoned(self, line: list[Node], seen: int | None = None) -> list[Node]:
+        """The steps of the lines that ``line`` left (:meth:`left_by`, with
+        ``seen``), by step number: what a rollback retires."""
         return sorted(
-            (n for n in self.nodes.values() if self.left_by(line, n)), key=lambda n: n.step
+            (n for n in self.nodes.values() if self.left_by(line, n, seen)), key=lambda n: n.step
         )
 
 
