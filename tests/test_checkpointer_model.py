@@ -15,6 +15,21 @@ each stage of a save: the writer's fault hooks (``before-write``,
 after it: the ``COMMITTED`` marker). A crash is followed by a restart (a
 new Checkpointer on the same root), as a real one would be.
 
+The faults of issue 49, each checked by the oracle too: a split store (one
+rank of a two-rank job addressing another store, or a data file the store
+does not hold at commit time: every rank fails, nothing committed or
+pruned); a damaged newest step (a bit flipped in its ``metadata.json`` or
+its data file: reported by ``latest()``/``load()`` as
+CorruptCheckpointError, never replaced, never an older step served in its
+place; then moved out of the root as evidence); a ``KeyboardInterrupt``
+on one rank of a two-rank save (every rank gets an error); ENOSPC half
+through a data file, at ``metadata.json`` and at ``COMMITTED`` (the
+temporary directory goes without a word, older commits stay); a commit by
+the training job while the two ranks of an evaluator load the latest step
+(both read the same one); and a requeued job beside its zombie, both
+resumed from one step (neither retires the other's steps). Several ranks
+are threads of this process (tests/thread_comm.py).
+
 The oracle keeps every step the Checkpointer committed (its value, its
 commit order, its parent, its line family) and computes the live line as
 docs/FORMAT.md states it. After every rule: ``latest()`` is the newest
@@ -23,19 +38,20 @@ committed step the oracle holds is on disk; no foreign file or other
 writer's checkpoint was removed or changed. Every load returns exactly
 what was saved.
 
-CI runs a few dozen examples (about a minute); ``DEEPPART_MODEL_EXAMPLES``
+CI runs 50 examples (about 10 s); ``DEEPPART_MODEL_EXAMPLES``
 (and ``DEEPPART_MODEL_STEPS``, the rules per example) ask for more.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,11 +67,21 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+from thread_comm import run_ranks, thread_comms
 
 import deeppart
-from deeppart.format import MARKER, METADATA, is_committed, step_dir_name, write_durable
+from deeppart.format import (
+    MARKER,
+    METADATA,
+    data_file_name,
+    is_committed,
+    step_dir_name,
+    write_durable,
+)
+from deeppart.saving import writer
 from deeppart.saving.writer import WriteEvent, fault_hook
 from deeppart.storage import commit
+from deeppart.storage.target import LocalTarget
 
 EXAMPLES = int(os.environ.get("DEEPPART_MODEL_EXAMPLES", "50"))
 STEPS = int(os.environ.get("DEEPPART_MODEL_STEPS", "30"))
@@ -75,6 +101,14 @@ BASE = os.environ.get("DEEPPART_MODEL_DIR") or (
 
 class Crash(Exception):
     """An injected failure (a crash at a stage of a save)."""
+
+
+class Interrupt(KeyboardInterrupt):
+    """An injected interruption of one rank (not an Exception)."""
+
+
+def no_space() -> OSError:
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
 def make_state(v: int) -> dict[str, Any]:
@@ -98,13 +132,16 @@ class Node:
 
 
 @contextlib.contextmanager
-def commit_crash(name: str) -> Iterator[None]:
-    """Fails the commit when it writes ``name`` (``metadata.json``: before
-    the rename; ``COMMITTED``: after it, before the marker)."""
+def commit_crash(
+    name: str, error: Callable[[], BaseException] = lambda: Crash("crash writing")
+) -> Iterator[None]:
+    """Fails the commit with ``error()`` when it writes ``name``
+    (``metadata.json`` or the ``COMMITTED`` marker, into the save's
+    temporary directory before the rename)."""
 
     def failing(path: Path, data: bytes) -> None:
         if path.name == name:
-            raise Crash(f"crash writing {name}")
+            raise error()
         write_durable(path, data)
 
     setattr(commit, "write_durable", failing)  # noqa: B010  (commit_dir's name for it)
@@ -126,6 +163,64 @@ def crash_at(point: str) -> Iterator[None]:
     else:
         with commit_crash(METADATA if point == "commit-metadata" else MARKER):
             yield
+
+
+@contextlib.contextmanager
+def data_write_fails(error: Callable[[], BaseException]) -> Iterator[None]:
+    """Fails the writes of the data files with ``error()`` once half of a
+    piece is written (a device that fills up: the file is left partly
+    written), on the synchronous path and the asynchronous one."""
+    sync_write = getattr(writer, "_write_chunked")  # noqa: B009  (writer's name for it)
+    hashed_write = getattr(writer, "write_hashed")  # noqa: B009
+
+    def half_then_fail(f: Any, data: bytes | memoryview) -> None:
+        view = memoryview(data)
+        f.write(view[: len(view) // 2])
+        f.flush()
+        raise error()
+
+    def hashed_half_then_fail(fd: int, pos: int, data: Any, chunk: int, pace: bool) -> int:
+        view = memoryview(data)
+        os.pwrite(fd, view[: len(view) // 2], pos)
+        raise error()
+
+    setattr(writer, "_write_chunked", half_then_fail)  # noqa: B010
+    setattr(writer, "write_hashed", hashed_half_then_fail)  # noqa: B010
+    try:
+        yield
+    finally:
+        setattr(writer, "_write_chunked", sync_write)  # noqa: B010
+        setattr(writer, "write_hashed", hashed_write)  # noqa: B010
+
+
+@contextlib.contextmanager
+def another_store(thread_name: str) -> Iterator[None]:
+    """The rank running on thread ``thread_name`` addresses another store
+    than the others (a node with another configuration): its save
+    target's identity names another directory."""
+    original = LocalTarget.identity
+
+    def identity(self: LocalTarget) -> Any:
+        got = original(self)
+        if threading.current_thread().name == thread_name:
+            return {"directory": f"{got['directory']}-on-another-node"}
+        return got
+
+    setattr(LocalTarget, "identity", identity)  # noqa: B010
+    try:
+        yield
+    finally:
+        setattr(LocalTarget, "identity", original)  # noqa: B010
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    """Every file under ``root`` with its bytes."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def saving(ck: deeppart.Checkpointer, step: int, v: int) -> Callable[[], Any]:
+    """One rank's part of a save of ``step`` (value ``v``) by ``ck``."""
+    return lambda: ck.save(step, make_state(v))
 
 
 def settle(result: Any) -> Any:
@@ -162,11 +257,20 @@ class CheckpointerModel(RuleBasedStateMachine):
         self.seen = 0
         self.runs = 0
         self.aside = 0
+        #: A job requeued while it still runs: the old Checkpointer (the
+        #: zombie) and its line state (parent, run, seen) for the oracle;
+        #: the largest seq when it was requeued.
+        self.zombie: deeppart.Checkpointer | None = None
+        self.zombie_line: tuple[tuple[int, int] | None, int | None, int] = (None, None, 0)
+        self.requeued_at = 0
+        #: Damaged steps moved out of the root (their evidence, kept).
+        self.evidence: dict[Path, dict[str, bytes]] = {}
 
     def teardown(self) -> None:
-        if self.ck is not None:
-            with contextlib.suppress(Exception):
-                self.ck.close()
+        for ck in (self.ck, self.zombie):
+            if ck is not None:
+                with contextlib.suppress(Exception):
+                    ck.close()
         shutil.rmtree(self.root.parent, ignore_errors=True)
 
     # ------------------------------------------------------------------
@@ -246,7 +350,8 @@ class CheckpointerModel(RuleBasedStateMachine):
             at = self.nodes.get(step)
             if at is not None and at.seq == parent[1] and at.parent is not None:
                 parent = at.parent  # takes the replaced step's place
-        node = Node(step, self.max_seq() + 1, run, parent, value)
+        seq = max(self.max_seq(), parent[1] if parent is not None else 0) + 1
+        node = Node(step, seq, run, parent, value)
         self.nodes[step] = node
         self.others.pop(step, None)
         self.parent, self.run = (step, node.seq), run
@@ -285,12 +390,15 @@ class CheckpointerModel(RuleBasedStateMachine):
         self.keep_last, self.async_ = keep_last, async_
         self.restart()
 
-    def do_save(self, step: int, overwrite: bool = False) -> None:
-        assert self.ck is not None
+    def do_save(
+        self, step: int, overwrite: bool = False, ck: deeppart.Checkpointer | None = None
+    ) -> None:
+        ck = ck or self.ck
+        assert ck is not None
         outcome, retire = self.plan_save(step, overwrite)
         v = self.next_value()
         try:
-            settle(self.ck.save(step, make_state(v), overwrite=overwrite))
+            settle(ck.save(step, make_state(v), overwrite=overwrite))
         except deeppart.ForeignPathError:
             assert outcome == "foreign", f"save({step}) refused as foreign"
             return
@@ -540,6 +648,276 @@ class CheckpointerModel(RuleBasedStateMachine):
             self.foreign[where] = payload
             self.pinned.add(step)
             self.foreign_steps.add(step)
+
+    # ------------------------------------------------------------------
+    # Faults of issue 49: a split store, a damaged step, an interruption
+    # of one rank, a full device, a commit during a load, a zombie job.
+
+    def temp_dirs(self) -> set[str]:
+        """The temporary directories of saves under the root (not the user's)."""
+        theirs = {rel.split("/")[0] for rel in self.foreign}
+        names = {p.name for p in self.root.iterdir()}
+        return {n for n in names if n.startswith(".tmp-") and n not in theirs}
+
+    def job(self) -> list[deeppart.Checkpointer]:
+        """A job of two ranks (threads ``job-0``, ``job-1``) on the root,
+        with this example's ``keep_last``, resumed from the latest step
+        (if any): its next save would continue the live line (and prune)."""
+        cks = [
+            deeppart.Checkpointer(self.root, comm=c, keep_last=self.keep_last)
+            for c in thread_comms(2)
+        ]
+        steps = self.expected_steps()
+        if steps:
+            for got, err in run_ranks([ck.load for ck in cks], names="job"):
+                assert err is None, err
+                self.check_value(steps[-1], got)
+        return cks
+
+    def failed_everywhere(self, outcomes: list[tuple[Any, BaseException | None]]) -> None:
+        """Every rank of a save got an error, and it committed nothing (the
+        invariants check that no step is gone and none was added)."""
+        assert all(err is not None for _, err in outcomes), outcomes
+
+    @rule(step=STEP, kind=st.sampled_from(["a rank on another store", "a data file not stored"]))
+    def split_store(self, step: int, kind: str) -> None:
+        """A save whose ranks address different stores (one node
+        configured otherwise), or whose metadata would name a data file
+        that the store does not hold: it fails on every rank, commits
+        nothing, prunes nothing, and leaves no temporary directory."""
+        before = self.temp_dirs()
+        v = self.next_value()
+        if kind == "a rank on another store":
+            cks = self.job()
+            with another_store("job-1"):
+                outcomes = run_ranks([saving(ck, step, v) for ck in cks], names="job")
+            self.failed_everywhere(outcomes)
+            assert all(isinstance(e, deeppart.CheckpointError) for _, e in outcomes), outcomes
+            event("a split store fails every rank")
+        else:
+            assert self.ck is not None
+
+            def lose(event: WriteEvent) -> None:
+                event.path.unlink()  # written, but not in the store at commit time
+
+            with fault_hook("after-write", lose), pytest.raises(deeppart.CheckpointError):
+                settle(self.ck.save(step, make_state(v)))
+            event("a data file not stored fails the save")
+        assert self.temp_dirs() <= before
+
+    @rule(
+        step=STEP,
+        rank=st.integers(0, 1),
+        point=st.sampled_from(["before-write", "after-write", "commit"]),
+    )
+    def interrupt_one_rank(self, step: int, rank: int, point: str) -> None:
+        """A BaseException (a KeyboardInterrupt) on one rank of a
+        two-rank save, before or after it writes its data file, or on
+        rank 0 while it commits: every rank gets an error (none hangs),
+        nothing is committed, no temporary directory is left."""
+        before = self.temp_dirs()
+        cks = self.job()
+        v = self.next_value()
+
+        def interrupt(event: WriteEvent) -> None:
+            if event.rank == rank:
+                raise Interrupt(f"rank {rank} interrupted at {event.point}")
+
+        hook = (
+            commit_crash(METADATA, lambda: Interrupt("rank 0 interrupted while committing"))
+            if point == "commit"
+            else fault_hook(point, interrupt)  # type: ignore[arg-type]
+        )
+        with hook:
+            outcomes = run_ranks([saving(ck, step, v) for ck in cks], names="job")
+        self.failed_everywhere(outcomes)
+        hit = outcomes[0 if point == "commit" else rank][1]
+        refused = isinstance(outcomes[0][1], deeppart.CheckpointError)
+        assert refused or isinstance(hit, Interrupt), outcomes
+        if not refused:
+            event(f"an interrupt of one rank at {point} reaches every rank")
+        assert self.temp_dirs() <= before
+
+    @rule(step=STEP, at=st.sampled_from(["data file", METADATA, MARKER]), overwrite=st.booleans())
+    def no_space(self, step: int, at: str, overwrite: bool) -> None:
+        """ENOSPC at each write of a save (half through a data file, the
+        commit's metadata.json, its COMMITTED marker): the save raises it,
+        its temporary directory is removed without a word, and every
+        checkpoint committed before is intact (the invariants)."""
+        assert self.ck is not None
+        outcome, _ = self.plan_save(step, overwrite)
+        before = self.temp_dirs()
+        full = data_write_fails(no_space) if at == "data file" else commit_crash(at, no_space)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with full:
+                try:
+                    settle(self.ck.save(step, make_state(self.next_value()), overwrite=overwrite))
+                except deeppart.ForeignPathError:
+                    assert outcome == "foreign"
+                except OSError as e:
+                    assert outcome == "ok" and e.errno == errno.ENOSPC, (outcome, e)
+                    event(f"ENOSPC at {at}")
+                except deeppart.CheckpointError as e:
+                    assert outcome == "exists", f"save({step}): {e}"
+                else:
+                    raise AssertionError(f"save({step}) survived ENOSPC at {at}")
+        kept = [str(w.message) for w in caught if "temporary directory is kept" in str(w.message)]
+        assert not kept, kept
+        assert self.temp_dirs() <= before
+
+    @rule(kind=st.sampled_from(["metadata", "data"]), restart=st.booleans())
+    def damaged_newest_step(self, kind: str, restart: bool) -> None:
+        """One bit flipped in the newest step's metadata.json or data file.
+        Metadata: latest(), steps() and load() raise CorruptCheckpointError
+        (in a new process too), and no save replaces it, even with
+        overwrite=True. Data: load() raises CorruptCheckpointError (never
+        an older step served instead) and a save without overwrite is
+        refused. Either way the damaged copy stays byte for byte; then the
+        operator moves it out of the root, as the error says, and the job
+        goes on (restarted, or not: its parent has left the root)."""
+        assert self.ck is not None
+        self.ck.wait()
+        head = self.head()
+        if head is None or head.step in self.pinned:
+            return
+        path = self.root / step_dir_name(head.step)
+        if not is_committed(path):
+            return  # served from an interrupted overwrite's copy
+        damaged = path / (METADATA if kind == "metadata" else data_file_name(0))
+        data = bytearray(damaged.read_bytes())
+        data[len(data) // 2 if kind == "metadata" else len(data) - 1] ^= 0x01
+        damaged.write_bytes(bytes(data))
+        evidence = tree(path)
+        if kind == "metadata":
+            fresh = deeppart.Checkpointer(self.root)
+            for ask in (self.ck.latest, self.ck.steps, self.ck.load, fresh.latest, fresh.load):
+                with pytest.raises(deeppart.CorruptCheckpointError):
+                    ask()
+            with pytest.raises(deeppart.CorruptCheckpointError):
+                settle(self.ck.save(head.step, make_state(self.next_value()), overwrite=True))
+        else:
+            assert self.ck.latest() == head.step  # its marker still matches its metadata
+            with pytest.raises(deeppart.CorruptCheckpointError):
+                self.ck.load()
+            if self.plan_save(head.step, False) == ("exists", False):
+                with pytest.raises(deeppart.CheckpointError, match="committed checkpoint exists"):
+                    settle(self.ck.save(head.step, make_state(self.next_value())))
+        assert tree(path) == evidence, "the damaged step changed"
+        out = self.root.parent / f"evidence-{len(self.evidence)}"
+        path.rename(out)
+        self.evidence[out] = evidence
+        del self.nodes[head.step]
+        event(f"a damaged newest step ({kind})")
+        if restart:
+            self.restart()
+
+    @rule(step=STEP)
+    def load_while_committing(self, step: int) -> None:
+        """Two ranks of an evaluator load the latest step while the
+        training job commits a newer one between rank 0's choice and rank
+        1's call: both read the step rank 0 chose (or, if the commit
+        pruned it meanwhile, both fail), never two different steps."""
+        steps = self.expected_steps()
+        if not steps:
+            return
+        picked = steps[-1]
+        want = self.nodes[picked].value if picked in self.nodes else self.others[picked][0]
+        readers = [deeppart.Checkpointer(self.root, comm=c) for c in thread_comms(2)]
+        chose, committed = threading.Event(), threading.Event()
+        scan = readers[0].lines
+
+        def scan_then_signal() -> Any:
+            lines = scan()
+            chose.set()
+            return lines
+
+        setattr(readers[0], "lines", scan_then_signal)  # noqa: B010
+
+        def second_rank() -> Any:
+            assert committed.wait(60)
+            return readers[1].load()
+
+        outcomes: list[tuple[Any, BaseException | None]] = []
+        loading = threading.Thread(
+            target=lambda: outcomes.extend(run_ranks([readers[0].load, second_rank], names="eval"))
+        )
+        loading.start()
+        try:
+            assert chose.wait(60), "rank 0 never chose a step"
+            self.do_save(step)
+        finally:
+            committed.set()
+            loading.join(180)
+        assert len(outcomes) == 2, "the load hangs"
+        errors = [err for _, err in outcomes]
+        if any(errors):
+            assert all(isinstance(e, deeppart.CheckpointError) for e in errors), outcomes
+            assert picked not in self.nodes and picked not in self.others, outcomes
+            event("the load's step was pruned by the commit")
+            return
+        # The step rank 0 chose, or, if the commit replaced that step
+        # number (a rollback's save of a step of the line it left), the
+        # checkpoint now under it: the same for both ranks.
+        now = self.nodes.get(picked)
+        assert outcomes[0][0]["v"] == outcomes[1][0]["v"], "the ranks read different steps"
+        assert outcomes[0][0]["v"] in (want, now.value if now is not None else want)
+        for got, _ in outcomes:
+            assert_state(got, got["v"])
+        event("a load during a commit")
+
+    @contextlib.contextmanager
+    def as_zombie(self) -> Iterator[None]:
+        """The oracle's line state is the zombie's within the block."""
+        mine = (self.parent, self.run, self.seen)
+        self.parent, self.run, self.seen = self.zombie_line
+        try:
+            yield
+        finally:
+            self.zombie_line = (self.parent, self.run, self.seen)
+            self.parent, self.run, self.seen = mine
+
+    @precondition(lambda self: self.zombie is None)
+    @rule()
+    def requeue(self) -> None:
+        """The job is requeued while it still runs: a new Checkpointer
+        (the live job) and the old one (its zombie) both resume from the
+        latest step, and both go on saving."""
+        assert self.ck is not None
+        self.ck.wait()
+        self.zombie, self.zombie_line = self.ck, (self.parent, self.run, self.seen)
+        self.ck = None
+        self.restart()
+        steps = self.expected_steps()
+        if steps:
+            self.load_latest()
+            with self.as_zombie():
+                self.check_value(steps[-1], self.zombie.load())
+                self.resume_from(steps[-1])
+        self.requeued_at = self.max_seq()
+
+    @precondition(lambda self: self.zombie is not None)
+    @rule(mine=STEP, step=STEP, dies=st.booleans())
+    def zombie_saves(self, mine: int, step: int, dies: bool) -> None:
+        """The live job saves ``mine``, then the zombie saves ``step`` (then
+        perhaps dies): the zombie's step becomes the head (the newest
+        commit), and it retires none of the steps that the live job
+        committed since the requeue; a step number the live job holds is
+        refused."""
+        assert self.zombie is not None
+        before = self.nodes.get(mine)
+        self.do_save(mine)
+        live = self.nodes.get(mine)
+        with self.as_zombie():
+            self.do_save(step, ck=self.zombie)
+        if live is not None and live is not before:
+            # The live job's fresh step: on no line the zombie left.
+            assert self.nodes.get(mine) is live, f"the zombie retired the live job's step {mine}"
+            event("a zombie saves beside the live job's step")
+        if dies:
+            with contextlib.suppress(Exception):
+                self.zombie.close()
+            self.zombie = None
 
     # ------------------------------------------------------------------
     # Invariants.

@@ -351,9 +351,7 @@ def test_a_record_rewritten_within_one_timestamp_tick_is_not_served_stale(
 
 
 @pytest.mark.parametrize("async_", [False, True])
-def test_a_failed_rollback_save_keeps_the_left_step_in_place(
-    tmp_path: Path, async_: bool
-) -> None:
+def test_a_failed_rollback_save_keeps_the_left_step_in_place(tmp_path: Path, async_: bool) -> None:
     """Without keep_last, back to 20 and a save of step 30 (a step the left
     line holds) that fails while writing: step 30 of the left line stays
     where it was, still the newest step (nothing new committed); the next
