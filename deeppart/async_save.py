@@ -48,13 +48,13 @@ from deeppart.saving.deferred_proof import (
     PendingProof,
     check_unchanged,
     hold,
-    proof_threads,
     prove,
     release,
 )
+from deeppart.saving.digests import digest_threads
 from deeppart.saving.in_flight import add, guard_teardown, settle_pending, take_all
-from deeppart.saving.prepare import Prepared, replan, replica_classes
-from deeppart.saving.save import PlannedSave, plan_save
+from deeppart.saving.prepare import Prepared, replan
+from deeppart.saving.save import PlannedSave, plan_save, take_unproved
 from deeppart.saving.snapshot import ShareSnapshot, share_bytes
 from deeppart.storage.target import location_name
 from deeppart.storage.url import Location, parse_location
@@ -221,17 +221,9 @@ def start(
     handle.snapshot_seconds = time.perf_counter() - t0
     # The large shared tensors' replica proof, left to the writer thread:
     # optimizer steps wait for it from now on (deeppart.saving.deferred_proof).
-    proof = None
     live = planned.prep
-    if live.unproved:
-        leaves = live.leaves
-        proof = hold(
-            live.unproved,
-            {i: leaf.tensor for i, leaf in enumerate(leaves) if leaf.tensor is not None},
-            {i: leaf.path for i, leaf in enumerate(leaves)},
-            replica_classes(live.manifest, c.size),
-        )
-        live.unproved = {}
+    unproved = take_unproved(c, live)
+    proof = None if unproved is None else hold(unproved)
     handle.proof = proof
     try:
         return _go(c, planned, handle, proof, snap, staged, writer, why, after, t0,
@@ -334,7 +326,7 @@ def _proved(
     with ``local``: the new snapshot), in which each rank's copy is its own.
     Optimizer steps are let go at the end, either way."""
     try:
-        proved = prove(comm, proof, threads=proof_threads(comm))
+        proved = prove(comm, proof, threads=digest_threads(comm.size))
         if proved is None:
             return None
         return replan(live, comm, proved, local)

@@ -59,7 +59,6 @@ __all__ = [
     "check_unchanged",
     "hold",
     "pending",
-    "proof_threads",
     "prove",
     "release",
 ]
@@ -134,17 +133,10 @@ def pending(
     return PendingProof(dict(tensors), versions, watched, dict(paths), classes)
 
 
-def hold(
-    tensors: dict[int, Any],
-    every: dict[int, Any],
-    paths: dict[int, Sequence[Any]],
-    classes: list[tuple[int, ...]],
-) -> PendingProof:
-    """Registers a proof of ``tensors`` (in the stall; ``every``: all the
-    save's tensors, by local leaf): optimizer steps wait for it from now on,
-    until :func:`release` ends it."""
+def hold(p: PendingProof) -> PendingProof:
+    """Registers ``p`` (in the stall): optimizer steps wait for it from now
+    on, until :func:`release` ends it."""
     _hook()
-    p = pending(tensors, every, paths, classes)
     with _LOCK:
         _PROOFS[id(p)] = p
     return p
@@ -155,13 +147,6 @@ def release(p: PendingProof) -> None:
     p.done.set()
     with _LOCK:
         _PROOFS.pop(id(p), None)
-
-
-def proof_threads(c: Comm) -> int:
-    """Threads one rank digests with: its share of this node's CPUs."""
-    import os
-
-    return max(1, (os.cpu_count() or 1) // c.size)
 
 
 def prove(c: Comm, p: PendingProof, threads: int = 1) -> dict[int, bytes] | None:

@@ -138,6 +138,14 @@ def _hash_arrived(h: _TreeDigest, part: Any, event: Any) -> None:
     h.update(part.numpy().data)
 
 
+def digest_threads(world: int) -> int:
+    """Threads one rank digests with: its share of this machine's CPUs
+    when ``world`` ranks digest at once."""
+    import os
+
+    return max(1, (os.cpu_count() or 1) // world)
+
+
 def digest_all(tensors: Sequence[Any], threads: int) -> list[bytes]:
     """:func:`tensor_digest` of each of ``tensors``, the leaves of large ones
     on up to ``threads`` threads."""

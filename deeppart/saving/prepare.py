@@ -24,7 +24,6 @@ import ctypes
 import functools
 import hashlib
 import json
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +36,7 @@ from deeppart.comm import Comm
 from deeppart.compression import check_codec
 from deeppart.errors import CheckpointError, StateMismatchError
 from deeppart.regions import DTensorRecord, Region, ShardRecord
-from deeppart.saving.digests import digest_all
+from deeppart.saving.digests import digest_all, digest_threads
 from deeppart.state.dtensor import HolderGroups, expand
 from deeppart.state.state import FlatLeaf, check_has_data, flatten
 from deeppart.state.tensors import U8, readable, u8_view
@@ -109,9 +108,10 @@ class Prepared:
     #: versions (:mod:`deeppart.state.union`): metadata.json's version 3 keys
     #: (``dtensors`` with each record's ranks, ``versions``).
     union: dict[str, Any] | None = None
-    #: An asynchronous save's large shared tensors whose replica proof is
-    #: left to its writer thread (:mod:`deeppart.saving.deferred_proof`),
-    #: by local leaf; empty when proved in the call.
+    #: The large shared tensors whose replica proof is left to the caller
+    #: (``defer_proof``: beside a synchronous save's write, on an asynchronous
+    #: save's writer thread; :mod:`deeppart.saving.deferred_proof`), by local
+    #: leaf; empty when proved in the prepare.
     unproved: dict[int, Any] = field(default_factory=dict)
     #: With ``unproved``: the save's prepare again, should their proof find
     #: copies that differ (:func:`replan`).
@@ -355,7 +355,7 @@ def verify_replicas(c: Comm, prep: Prepared) -> None:
     try:
         views = [_leaf_buffer(leaf) for leaf in prep.leaves]
         buffers = [v.data if isinstance(v, np.ndarray) else v for v in views]
-        digests = replica_digests(buffers, max(1, (os.cpu_count() or 1) // c.size))
+        digests = replica_digests(buffers, digest_threads(c.size))
     except BaseException as e:
         err = e
     summary = hashlib.blake2b(digests, digest_size=16).digest()
@@ -451,8 +451,7 @@ def _own_prepare(
         if "owner" in desc or "holders" in desc:
             d["holders"] = holders
         described.descs.append(d)
-    threads = max(1, (os.cpu_count() or 1) // world)
-    digests, sample, values, deferred = digest_held(held, threads, defer_from)
+    digests, sample, values, deferred = digest_held(held, digest_threads(world), defer_from)
     for rec, ranks in zip(ex.records, ex.ranks, strict=True):
         described.records.append(
             {"path": rec.path, "dtype": rec.dtype, "shape": rec.shape, "ranks": ranks,
@@ -495,8 +494,8 @@ def digest_held(
     agreement compares (shared tensors, plain values). The time and bytes
     the tensor digests took are kept in :data:`last_proof`. With
     ``defer_from``, shared tensors of at least that many bytes are not
-    digested: they are returned, by local leaf (an asynchronous save proves
-    them later, :mod:`deeppart.saving.deferred_proof`)."""
+    digested: they are returned, by local leaf (the save proves them later,
+    :mod:`deeppart.saving.deferred_proof`)."""
     import time
 
     digests = Digests()
@@ -573,11 +572,11 @@ def prepare_save(
     save's snapshot), its byte shared with the others (the returned list).
     ``declared``: plain tensors that every rank holds are declared
     replicas (``verify_replicas=True``): a difference is refused with
-    ReplicaMismatchError instead of stored per rank. ``defer_proof`` (an
-    asynchronous save's): on the fast path, the shared tensors of at least
+    ReplicaMismatchError instead of stored per rank. ``defer_proof``: on
+    the fast path, the shared tensors of at least
     :data:`~deeppart.saving.deferred_proof.DEFER_FROM` bytes are left
-    unproved (``Prepared.unproved``) for the writer thread to prove; off
-    it, they are proved here like the others."""
+    unproved (``Prepared.unproved``) for the caller to prove; off it, they
+    are proved here like the others."""
     from deeppart.loading.groups import AUTO
     from deeppart.saving.deferred_proof import DEFER_FROM
 
@@ -632,9 +631,7 @@ def _replan(
     tensors it left unproved, by local leaf): the exchange, the union and
     its agreement, as a save whose copies differ takes in its call, so
     that each rank's copy is stored as its own (collective over ``c``)."""
-    for i, d in proved.items():
-        own.digests.samples[i] = d.hex()
-        own.prep.samples[i] = d
+    _record_proved(own, proved)
     return _union_prepare(c, own, rows, False, local)
 
 
@@ -659,8 +656,14 @@ def _prove_deferred(own: _Own, world: int) -> None:
     if not own.deferred:
         return
     order = sorted(own.deferred)
-    done = digest_all([own.deferred[i] for i in order], max(1, (os.cpu_count() or 1) // world))
-    for i, d in zip(order, done, strict=True):
+    done = digest_all([own.deferred[i] for i in order], digest_threads(world))
+    _record_proved(own, dict(zip(order, done, strict=True)))
+
+
+def _record_proved(own: _Own, proved: dict[int, bytes]) -> None:
+    """Adds the digests of shared tensors proved after the prepare's first
+    agreement (by local leaf) to what the exchange sends."""
+    for i, d in proved.items():
         own.digests.samples[i] = d.hex()
         own.prep.samples[i] = d
 
@@ -711,7 +714,7 @@ def _union_prepare(
         mine = [leaf for r, leaf in need if r == c.rank]
         views = [_leaf_buffer(own.prep.leaves[i]) for i in mine]
         buffers = [v.data if isinstance(v, np.ndarray) else v for v in views]
-        data = replica_digests(buffers, max(1, (os.cpu_count() or 1) // c.size)) if mine else b""
+        data = replica_digests(buffers, digest_threads(c.size)) if mine else b""
         per_rank = c.allgather_varbytes(data)
         at = [0] * c.size
         for r, leaf in need:

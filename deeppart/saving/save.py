@@ -33,7 +33,12 @@ from deeppart.comm import Comm, resolve
 from deeppart.compression import compression_level_of
 from deeppart.format import SAVE_ID_HEX, new_save_id
 from deeppart.progress import Progress, Stats, record_stats
-from deeppart.saving.deferred_proof import ProofBesideWrite, pending, proof_threads
+from deeppart.saving.deferred_proof import (
+    PendingProof,
+    ProofBesideWrite,
+    pending,
+)
+from deeppart.saving.digests import digest_threads
 from deeppart.saving.metadata import metadata_json
 from deeppart.saving.planning import PlanProvider
 from deeppart.saving.prepare import Prepared, last_proof, prepare_save, replan, replica_classes
@@ -46,7 +51,7 @@ from deeppart.storage.identity import identity_text
 from deeppart.storage.target import SaveTarget, save_target
 from deeppart.storage.url import Location, parse_location
 
-__all__ = ["PlannedSave", "SaveOptions", "plan_save", "save"]
+__all__ = ["PlannedSave", "SaveOptions", "plan_save", "save", "take_unproved"]
 
 
 def save(
@@ -293,10 +298,12 @@ def plan_save(
     ``local``: a step run on this rank once it is prepared (an asynchronous
     save's snapshot), before the agreement; it returns one byte (0-255)
     that the same collective shares (``PlannedSave.flags``), and its
-    failure fails the agreement on every rank. ``defer_proof``: an
-    asynchronous save's; the large shared tensors' replica proof may be
-    left to the caller (``PlannedSave.prep.unproved``,
-    :mod:`deeppart.saving.deferred_proof`)."""
+    failure fails the agreement on every rank. ``defer_proof``: the
+    large shared tensors' replica proof may be left to the caller
+    (``PlannedSave.prep.unproved``, :mod:`deeppart.saving.deferred_proof`):
+    :meth:`PlannedSave.finish` digests them beside its write; an
+    asynchronous save takes them first (:func:`take_unproved`) for its
+    writer thread."""
     o = options
     final = parse_location(directory)
     target = save_target(final)
@@ -381,9 +388,10 @@ def _agree_seen(c: Comm, target: SaveTarget, token: str, save_id: str) -> None:
         raise
 
 
-def _proof_beside_write(c: Comm, prep: Prepared) -> ProofBesideWrite | None:
-    """Starts digesting ``prep``'s unproved shared tensors on a thread;
-    None when it has none."""
+def take_unproved(c: Comm, prep: Prepared) -> PendingProof | None:
+    """The proof ``prep`` left to its caller (``prep.unproved``, now
+    emptied: taken once), its tensors' versions read now; None when it
+    left none."""
     if not prep.unproved:
         return None
     leaves = prep.leaves
@@ -394,7 +402,14 @@ def _proof_beside_write(c: Comm, prep: Prepared) -> ProofBesideWrite | None:
         replica_classes(prep.manifest, c.size),
     )
     prep.unproved = {}
-    return ProofBesideWrite(p, proof_threads(c))
+    return p
+
+
+def _proof_beside_write(c: Comm, prep: Prepared) -> ProofBesideWrite | None:
+    """Starts digesting ``prep``'s unproved shared tensors on a thread;
+    None when it has none."""
+    p = take_unproved(c, prep)
+    return None if p is None else ProofBesideWrite(p, digest_threads(c.size))
 
 
 def _write(
