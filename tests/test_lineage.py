@@ -415,3 +415,33 @@ def test_a_zombie_beside_its_requeued_job_retires_none_of_its_steps(
         zombie.save(5, state(0))
     check(deeppart.Checkpointer(root), 5)
     assert not [p for p in root.iterdir() if p.name.startswith(".abandoned-")]
+
+
+def test_engine_zombie_beside_its_requeued_job_retires_none_of_its_steps(
+    tmp_path: Path,
+) -> None:
+    """The multi-level engine's line, as the Checkpointer's above: a
+    requeued job and its zombie both resume from step 2; the zombie's save
+    of step 4 must not retire the live job's step 3 (committed after the
+    zombie loaded: another job's step, not one of a line it left), in the
+    metadata root, the global copies or the node-local files."""
+    c = engine_config(tmp_path, keep=4)
+    first = BuiltinBackend(c)
+    first.save(1, state(1))
+    first.save(2, state(2))
+    live, zombie = BuiltinBackend(c), BuiltinBackend(c)
+    for job in (live, zombie):
+        got, report = job.load()
+        assert report.step == 2 and got["step"] == 2
+    live.save(3, state(3))
+    zombie.save(4, state(4))
+    meta, local = tmp_path / "meta" / "deeppart", tmp_path / "local" / "node0" / "deeppart"
+    for root in (meta, local):
+        assert (root / step_dir_name(3)).is_dir(), f"the zombie's save retired step 3 in {root}"
+    got, report = BuiltinBackend(c).load(3)
+    assert report.step == 3 and got["step"] == 3
+    live.save(5, state(5))
+    for root in (meta, local):
+        assert (root / step_dir_name(4)).is_dir(), f"the live job's save retired step 4 in {root}"
+    got, report = BuiltinBackend(c).load()
+    assert report.step == 5 and got["step"] == 5

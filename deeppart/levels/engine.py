@@ -153,6 +153,11 @@ class BuiltinBackend:
         #: :mod:`deeppart.steps.lineage`): the step last loaded or saved, its run.
         self._parent: lineage.Link | None = None
         self._run: str | None = None
+        #: Rank 0: the largest ``seq`` committed when this engine last
+        #: loaded a step (0 before): a save retires only steps of a line it
+        #: left that were committed by then, never those of another job
+        #: beside it (a requeued job and its zombie resumed from one step).
+        self._seen = 0
         #: CPU seconds in Reed-Solomon decoding on this rank, and the bytes of
         #: data (all members' stripe chunks) it decoded, since creation.
         self.decode_seconds = 0.0
@@ -464,7 +469,7 @@ class BuiltinBackend:
         ``glbl_dir``; returns the steps whose node-local files go (JSON)."""
         lines = self.layout.lines()
         line = lines.line_of(newest, seq)
-        retired = line[self.keep :] + lines.abandoned(line)
+        retired = line[self.keep :] + lines.abandoned(line, self._seen)
         doomed = {n.step for n in retired}
         committed = self.committed_steps()
         meta_root = self.config.meta_root()
@@ -545,9 +550,11 @@ class BuiltinBackend:
             self.last_recovery = result[1]
             # The next save continues from this step (a new line if it is
             # not the newest; a step without a record starts a fresh one).
-            node = self.layout.lines().nodes.get(s) if self.rank == 0 else None
+            lines = self.layout.lines() if self.rank == 0 else None
+            node = lines.nodes.get(s) if lines is not None else None
             self._parent = node.link if node is not None else None
             self._run = node.run if node is not None else None
+            self._seen = lines.max_seq() if lines is not None else 0
             if self.verbose and self.rank == 0:
                 print(f"deeppart levels: {result[1].summary()}", flush=True)
             return result
