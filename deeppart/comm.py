@@ -21,7 +21,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 import numpy as np
@@ -29,6 +29,10 @@ import numpy.typing as npt
 
 #: Largest single MPI message, in bytes (well under 2 GiB).
 MAX_MESSAGE = 1 << 30
+
+#: Longest wait for a torch.distributed backend to drop a finished
+#: collective's tensors (:meth:`TorchDistComm._settle`), in seconds.
+_SETTLE_S = 2.0
 
 #: First MPI tag of :meth:`MPIComm.sendrecv_u8`'s chunks.
 _TAG = 7100
@@ -400,6 +404,28 @@ class TorchDistComm(_Ranked):
         t = self._torch.from_numpy(arr)
         return t if self._device.type == "cpu" else t.to(self._device)
 
+    def _settle(self, tensors: Iterable[Any]) -> None:
+        """Waits until the backend's threads have dropped their references to
+        ``tensors`` (a finished collective's), so that this thread drops the
+        last one, with the GIL. A gloo worker keeps a finished work, and its
+        tensors, for a moment after ``wait()`` returns (one collective in
+        20 here); when it drops them last it takes the GIL to free their
+        Python objects, and after the interpreter began its exit that ends
+        the worker thread inside C++ and aborts the process ("terminate
+        called without an active exception", after the job finished). CPU
+        (gloo) only; microseconds when it waits at all; bounded."""
+        if self._device.type != "cpu":
+            return
+        deadline = None
+        for t in tensors:
+            while t._use_count() > 1:
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + _SETTLE_S
+                elif now > deadline:
+                    return  # a backend that keeps them longer: as before
+                time.sleep(0)
+
     def _back(self, t: Any, arr: npt.NDArray[Any]) -> None:
         """Copies device tensor ``t`` back into ``arr`` (no-op on the CPU)."""
         if self._device.type != "cpu":
@@ -411,7 +437,9 @@ class TorchDistComm(_Ranked):
         if send.size == 0:
             return recv
         out = [self._dev(recv[r]) for r in range(self._size)]
-        self._dist.all_gather(out, self._dev(send), group=self.group)
+        mine = self._dev(send)
+        self._dist.all_gather(out, mine, group=self.group)
+        self._settle([mine, *out])
         for r in range(self._size):
             self._back(out[r], recv[r])
         return recv
@@ -449,18 +477,23 @@ class TorchDistComm(_Ranked):
         if self._rank == root:
             recv = np.empty((self._size, width), dtype=np.int64)
             out = [self._dev(recv[r]) for r in range(self._size)]
-            self._dist.gather(self._dev(as_i64), out, dst=self._global(root), group=self.group)
+            mine = self._dev(as_i64)
+            self._dist.gather(mine, out, dst=self._global(root), group=self.group)
+            self._settle([mine, *out])
             for r in range(self._size):
                 self._back(out[r], recv[r])
             rows = recv.view(np.uint64)
             return np.concatenate([rows[r, : counts[r]] for r in range(self._size)])
-        self._dist.gather(self._dev(as_i64), None, dst=self._global(root), group=self.group)
+        mine = self._dev(as_i64)
+        self._dist.gather(mine, None, dst=self._global(root), group=self.group)
+        self._settle([mine])
         return None
 
     def bcast_u8(self, buf: U8, root: int) -> None:
         for chunk in _chunks(buf, "bcast_u8"):
             t = self._dev(chunk)
             self._dist.broadcast(t, src=self._global(root), group=self.group)
+            self._settle([t])
             self._back(t, chunk)
 
     def start_bcast_u8(self, buf: U8, root: int) -> InFlight:
@@ -468,13 +501,12 @@ class TorchDistComm(_Ranked):
             # Staged through the device one chunk at a time: not in flight.
             self.bcast_u8(buf, root)
             return Complete()
+        tensors = [self._dev(chunk) for chunk in _chunks(buf, "bcast_u8")]
         works = [
-            self._dist.broadcast(
-                self._dev(chunk), src=self._global(root), group=self.group, async_op=True
-            )
-            for chunk in _chunks(buf, "bcast_u8")
+            self._dist.broadcast(t, src=self._global(root), group=self.group, async_op=True)
+            for t in tensors
         ]
-        return _TorchInFlight(works)
+        return _TorchInFlight(works, tensors, self._settle)
 
     def sendrecv_u8(self, send: U8, dest: int, recv: U8, source: int) -> None:
         for buf in (send, recv):
@@ -501,8 +533,10 @@ class TorchDistComm(_Ranked):
             if part.size:
                 s_t = self._dev(part)
                 ops.append(dist.P2POp(dist.isend, s_t, self._global(dest), self.group, _TAG + k))
-            for req in dist.batch_isend_irecv(ops):
-                req.wait()
+            reqs = list(dist.batch_isend_irecv(ops))
+            while reqs:  # dropped once done: the works hold the tensors
+                reqs.pop().wait()
+            self._settle(op.tensor for op in ops)
             if r_t is not None:
                 self._back(r_t, got)
 
@@ -517,8 +551,10 @@ class _TorchInFlight:
     """torch.distributed works of one broadcast (their tensors share the
     numpy buffer's memory; each work keeps its tensor)."""
 
-    def __init__(self, works: list[Any]) -> None:
-        self.works = works
+    def __init__(
+        self, works: list[Any], tensors: list[Any], settle: Callable[[Iterable[Any]], None]
+    ) -> None:
+        self.works, self._tensors, self._settle = works, tensors, settle
 
     def done(self) -> bool:
         return all(w.is_completed() for w in self.works)
@@ -526,6 +562,8 @@ class _TorchInFlight:
     def wait(self) -> None:
         for w in self.works:
             w.wait()
+        self.works = []
+        self._settle(self._tensors)  # TorchDistComm._settle
 
 
 class NodeShared:

@@ -68,6 +68,25 @@ def scenario_comm() -> None:
     c.sendrecv_u8(send, r, same, r)
     assert np.array_equal(same, send)
     c.barrier()
+    # Every collective returns only once gloo's workers dropped its tensors:
+    # freed by a worker after the job's last collective, a tensor's Python
+    # object took the GIL from a C++ thread during the interpreter's exit
+    # (an abort after the job finished: tests/test_teardown.py). Without
+    # _settle, about one broadcast in 20 returned with the tensor still held.
+    handed: list[torch.Tensor] = []
+    to_backend = c._dev
+    c._dev = lambda arr: handed.append(to_backend(arr)) or handed[-1]  # type: ignore[method-assign]
+    held = 0
+    for i in range(600):
+        handed.clear()
+        small = np.full(16, i % 251 if r == 0 else 0, dtype=np.uint8)
+        c.bcast_u8(small, root=0)
+        assert (small == i % 251).all()
+        c.allgather_bytes(b"x", 4)
+        c.start_bcast_u8(small, root=0).wait()
+        held += sum(t._use_count() > 1 for t in handed)
+    c._dev = to_backend  # type: ignore[method-assign]
+    assert held == 0, f"{held} tensors still held by the backend after their collective"
     # resolve() forms: a ProcessGroup, "torch", an existing TorchDistComm.
     assert isinstance(resolve(dist.group.WORLD), TorchDistComm)
     assert resolve("torch").size == n and resolve(c) is c
