@@ -9,10 +9,10 @@ its module (docs/ARCHITECTURE.md): open, select this rank's view and plan
 the reads (:func:`_open`) -> agree (:func:`_agree_opened`) -> read
 (:func:`_read`) -> exchange (:func:`_exchange`) -> assemble
 (:func:`_assemble`, :func:`_pick_deferred`) -> report (:func:`_report`);
-:class:`_Load` carries what they share. Every stage that can fail on some ranks only is followed by one
-agreement collective (:mod:`deeppart.agreement`), so a failure anywhere
-raises on every rank instead of leaving the others blocked in a
-collective.
+:class:`_Load` carries what they share. Every stage that can fail on
+some ranks only is followed by one agreement collective
+(:mod:`deeppart.agreement`), so a failure anywhere raises on every rank
+instead of leaving the others blocked in a collective.
 """
 
 from __future__ import annotations
