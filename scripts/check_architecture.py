@@ -24,6 +24,12 @@ It parses every module of the package (no import is executed) and reports:
   reason; and, for the package itself, a module or folder placed in no
   layer.
 
+* a front door (:data:`FRONT_DOORS`: ``load`` and ``save``, the functions
+  a user calls) longer than :data:`FRONT_DOOR_LINES` lines, from its
+  ``def`` to its last line, docstring included: each reads as its stages
+  in order, delegating to named stage functions; and a front door that is
+  no longer where :data:`FRONT_DOORS` says.
+
 ``deeppart/__init__.py`` (the package's face), ``deeppart/__main__.py`` and
 generated code (``deeppart/proto/``) are exempt from the last two rules.
 The extension module ``deeppart._planner`` is the Rust core: importing it is
@@ -70,6 +76,17 @@ UPWARD = {
     ("deeppart.saving.planning", "deeppart.service"),
 }
 
+#: The front doors: the module (a path under the repository root) and the
+#: top-level function the user calls, which reads as its stages in order
+#: (docs/ARCHITECTURE.md, "The save sequence", "The load sequence").
+FRONT_DOORS = {
+    "deeppart/loading/load.py": "load",
+    "deeppart/saving/save.py": "save",
+}
+#: The most lines a front door may have (under 80), from its ``def`` to its
+#: last line, docstring included.
+FRONT_DOOR_LINES = 79
+
 
 def room(module: str) -> str:
     """The top-level module or folder of ``module`` (``__init__`` for the
@@ -105,6 +122,39 @@ def unplaced(root: Path) -> list[str]:
         f"deeppart.{r}: in no layer of LAYERS (docs/ARCHITECTURE.md)"
         for r in sorted(rooms - placed)
     ]
+
+
+def long_front_doors(root: Path) -> list[str]:
+    """The front doors (:data:`FRONT_DOORS`) of the package under ``root``
+    longer than :data:`FRONT_DOOR_LINES` lines, and those missing (a moved
+    front door would leave its budget unchecked)."""
+    findings = []
+    for rel, name in FRONT_DOORS.items():
+        path = root / rel
+        module = module_name(root, path)
+        if not path.is_file():
+            findings.append(f"{module}: missing, the module of the front door {name} (FRONT_DOORS)")
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        fn = next(
+            (
+                node
+                for node in tree.body
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name
+            ),
+            None,
+        )
+        if fn is None or fn.end_lineno is None:
+            findings.append(f"{module}: no top-level function {name}, a front door (FRONT_DOORS)")
+            continue
+        lines = fn.end_lineno - fn.lineno + 1
+        if lines > FRONT_DOOR_LINES:
+            findings.append(
+                f"{module}:{fn.lineno}: {name} is {lines} lines long, over the front doors' "
+                f"budget of {FRONT_DOOR_LINES}: delegate to named stage functions "
+                "(as deeppart/saving/save.py does)"
+            )
+    return findings
 
 
 def in_tools(module: str) -> bool:
@@ -261,7 +311,7 @@ def check(root: Path) -> list[str]:
 
 def main() -> int:
     root = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parents[1]
-    findings = check(root) + unplaced(root)
+    findings = check(root) + unplaced(root) + long_front_doors(root)
     for line in findings:
         print(line)
     if findings:
@@ -270,7 +320,8 @@ def main() -> int:
     print(
         "deeppart: no import cycle, no import up the layers, no self-import, "
         "no private name used across modules, "
-        f"nothing outside {TOOLS} imports from it"
+        f"nothing outside {TOOLS} imports from it, "
+        f"no front door over {FRONT_DOOR_LINES} lines"
     )
     return 0
 

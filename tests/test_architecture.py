@@ -1,6 +1,7 @@
 """The package's import structure (docs/ARCHITECTURE.md), checked by
 scripts/check_architecture.py: no import cycle, no module importing the
-package itself, no module using another module's underscore names."""
+package itself, no module using another module's underscore names; and
+the front doors (load, save) within their length budget."""
 
 from __future__ import annotations
 
@@ -172,3 +173,69 @@ def test_an_import_up_the_layers_is_found(tmp_path: Path) -> None:
     ]
     assert not check_architecture.upward("deeppart.saving.planning", "deeppart.service.client")
     assert check_architecture.upward("deeppart.saving.prepare", "deeppart.service.client")
+
+
+def _function(name: str, body_lines: int) -> str:
+    """A function ``name`` of ``body_lines + 2`` lines (its def, a
+    docstring, then ``body_lines`` statements)."""
+    body = "".join(f"    x{i} = {i}\n" for i in range(body_lines))
+    return f'def {name}() -> None:\n    """A front door."""\n{body}'
+
+
+def test_a_long_front_door_is_reported(tmp_path: Path) -> None:
+    """The front doors (load and save) read as their stages: in a small
+    package tree, a load and a save of exactly the budget pass (a long
+    function beside a front door and the lines above it do not count); a
+    load one line longer is reported with its module, line and length."""
+    budget = check_architecture.FRONT_DOOR_LINES
+    assert budget == 79
+    root = _package(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "loading/__init__.py": "",
+            "loading/load.py": "import os\n\n\n" + _function("load", budget - 2),
+            "saving/__init__.py": "",
+            "saving/save.py": _function("helper", 200) + "\n\n" + _function("save", budget - 2),
+        },
+    )
+    # Both within the budget: nothing to report.
+    assert check_architecture.long_front_doors(root) == []
+    (root / "deeppart" / "loading" / "load.py").write_text(
+        "import os\n\n\n" + _function("load", budget - 2) + "    y = 0\n"
+    )
+    assert check_architecture.long_front_doors(root) == [
+        f"deeppart.loading.load:4: load is {budget + 1} lines long, over the front doors' "
+        f"budget of {budget}: delegate to named stage functions "
+        "(as deeppart/saving/save.py does)"
+    ]
+    # The command reports it too, and fails.
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "check_architecture.py"), str(root)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"deeppart.loading.load:4: load is {budget + 1} lines long" in proc.stdout
+
+
+def test_a_missing_front_door_is_reported(tmp_path: Path) -> None:
+    """A front door renamed or moved would leave its budget unchecked: the
+    checker names it."""
+    root = _package(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "loading/__init__.py": "",
+            "loading/load.py": _function("load_checkpoint", 3),
+        },
+    )
+    assert check_architecture.long_front_doors(root) == [
+        "deeppart.loading.load: no top-level function load, a front door (FRONT_DOORS)",
+        "deeppart.saving.save: missing, the module of the front door save (FRONT_DOORS)",
+    ]
+
+
+def test_the_real_front_doors_are_within_their_budget() -> None:
+    assert check_architecture.long_front_doors(ROOT) == []

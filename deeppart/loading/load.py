@@ -4,18 +4,22 @@
 number of ranks, whatever number wrote them), verifies every piece's
 checksum, and exchanges the raw bytes with buffer collectives.
 
-It reads top-down as a sequence of stages, each in its own module
-(docs/ARCHITECTURE.md): open -> plan reads -> read -> exchange ->
-assemble. Every stage that can fail on some ranks only is followed by one
-agreement collective (:mod:`deeppart.agreement`), so a failure anywhere
-raises on every rank instead of leaving the others blocked in a
-collective.
+It reads top-down as a sequence of stages, each a function here driving
+its module (docs/ARCHITECTURE.md): open, select this rank's view and plan
+the reads (:func:`_open`) -> agree (:func:`_agree_opened`) -> read
+(:func:`_read`) -> exchange (:func:`_exchange`) -> assemble
+(:func:`_assemble`, :func:`_pick_deferred`) -> report (:func:`_report`);
+:class:`_Load` carries what they share. Every stage that can fail on
+some ranks only is followed by one agreement collective
+(:mod:`deeppart.agreement`), so a failure anywhere raises on every rank
+instead of leaving the others blocked in a collective.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,6 +31,7 @@ from deeppart.format import Metadata
 from deeppart.integrity import HOST_ID_BYTES, host_id, one_host
 from deeppart.loading.groups import LoadView, load_view, read_own, selection_digest
 from deeppart.loading.reader import (
+    ReadBuffers,
     ReadPlan,
     assemble,
     exchange_share,
@@ -81,217 +86,267 @@ def load(
     per_rank: Any = None,
 ) -> Any:
     """Loads a committed checkpoint on every rank of ``comm`` (any number of
-    ranks, also one process without MPI). Collective.
+    ranks, whatever number saved it; also one process without MPI) and
+    returns this rank's tree. Collective.
 
-    ``exchange="bcast"``: each rank reads a balanced share of the data files
-    and broadcasts it, each message as soon as its pieces are verified,
-    while its read goes on (the storage serves each byte once: right for a
-    parallel file system or an object store under many nodes). A load that
-    raises may have filled part of ``into=``.
-    ``exchange="read"``: every rank reads and checksums every piece itself,
-    with no bulk MPI traffic (right when the interconnect is the
-    bottleneck, e.g. nodes that reach the store through the same link they
-    reach each other by: docs/OBJECT_STORAGE.md).
-    ``exchange="auto"`` (default): each data file is read and checksummed
-    once, by one rank; on one host (MPI) decompressed into memory that all
-    its ranks map (a shared window), from which every rank copies, else
-    broadcast from the reader's tensors (``"bcast"``: a compressed piece as
-    stored, checked and decoded by every rank); all ranks take the same
-    decision. Whatever a rank returns was checksummed where it lies or
-    copied from memory where it was (docs/FORMAT.md). The shards of sharded
-    state (the checkpoint or ``into=`` holds DTensors): with ``"read"``, and
-    with ``"auto"`` on one host when no piece is compressed, each rank reads
-    and checksums the stored pieces its shards need itself (the page cache
-    serves them); otherwise the load is cooperative (each needed piece read
-    by one of the ranks that need it, then sent to the others), so storage
-    serves each byte about once, not once per replica.
-
-    With ``into`` (a state of the same structure, e.g. ``model.state_dict()``),
-    tensors are filled in place (``copy_`` semantics, no second full copy)
-    and the returned tree holds those same tensor objects; plain values are
-    written back into ``into``'s dicts and lists (as ``dcp.load`` does; one
-    that cannot be, in a tuple or at the root, is only in the returned tree,
-    with a :class:`NotInPlaceWarning`). Raises :class:`CheckpointError` (no commit marker,
-    missing directory), :class:`CorruptCheckpointError` (bad checksum,
-    truncated file, naming the file and piece) or
-    :class:`StateMismatchError` (``into`` differs), on every rank.
-    ``into`` tensors on a device (e.g. CUDA) are filled through a host
-    buffer of ``staging_bytes`` (default 256 MiB), in chunks (from a local
-    file: by several reader threads, each chunk checksummed on the host
-    and copied on the thread's own stream; docs/GPU.md).
-
-    ``keys``: read only these parts, e.g. ``keys=["model"]`` or
-    ``keys=[("optim", "state")]`` (top-level keys or path prefixes): only
-    their bytes are read, and the returned tree holds only them.
-    ``into`` is matched with the checkpoint by leaf path: with ``strict``
-    (default) any missing or extra leaf raises StateMismatchError naming
-    them; with ``strict=False`` the common leaves are filled, and
-    :func:`last_incompatible_keys` reports the others (as
-    ``load_state_dict`` does).
-
-    ``group``: a checkpoint saved with ``group=`` (:mod:`deeppart.loading.groups`):
-    a group (a ProcessGroup, or the saved ranks of one group as a list)
-    loads that group's tree; ``"auto"`` loads ``into=``'s leaves only. Ranks
-    that load different leaves each read their own.
-
-    A checkpoint of each rank's own state (:mod:`deeppart.state.union`: per-rank
-    values, pipeline stages, sub-meshes) gives each rank, at the world size
-    of the save, exactly the tree it saved. ``per_rank``: what to do with
-    paths that hold one version per group of saved ranks where a rank
-    cannot get its own (another world size, one process): None raises
-    :class:`PerRankStateError` naming them; a saved rank ``r`` takes the
-    version ``r`` saved; ``"drop"`` leaves them out (``into=`` keeps its
-    values; :func:`last_incompatible_keys` lists them as missing);
-    ``"all"`` puts ``{"ranks:0,2": value, ...}`` at the path (no ``into=``);
-    a function gets ``(path, {saved ranks: value})`` and returns the value.
+    ``exchange``: ``"auto"`` (default: each data file read and checksummed
+    once, by one rank, then shared through a node-shared window on one
+    host, else broadcast), ``"bcast"`` (each rank reads a balanced share and
+    broadcasts it as it is verified: many nodes on one store) or ``"read"``
+    (every rank reads and checksums every piece itself: no bulk traffic);
+    DTensor shards follow the same rule (docs/FORMAT.md "Who verifies which
+    bytes", docs/SHARDED.md). ``into``: a state of the same structure (e.g.
+    ``model.state_dict()``): its tensors filled in place, its plain values
+    written back where they can be (else a :class:`NotInPlaceWarning`); on a
+    device through a host buffer of ``staging_bytes`` (default 256 MiB,
+    docs/GPU.md). A load that raises may have filled part of ``into``.
+    ``keys``: only these parts (top-level keys or path prefixes) are read
+    and returned. ``strict``: an ``into`` leaf missing on either side raises,
+    else :func:`last_incompatible_keys` lists it (docs/FORMAT.md "Partial
+    restore"). ``group``: a group's tree of a checkpoint saved with
+    ``group=``; ``"auto"``: ``into``'s leaves only. ``per_rank``: the paths
+    saved in one version per group of ranks, where a rank cannot get its own
+    (another world size): None raises :class:`PerRankStateError`, a saved
+    rank ``r`` takes its version, ``"drop"`` leaves them out, ``"all"``
+    returns every version, a function ``(path, {saved ranks: value})`` picks
+    (docs/SHARDED.md). Raises :class:`CheckpointError` (no commit marker),
+    :class:`CorruptCheckpointError` (naming the file and piece) or
+    :class:`StateMismatchError` (``into`` differs) on every rank.
+    ``verbose``: rank 0 prints the load's :class:`Stats`.
     """
     c = resolve(comm)
     t0 = time.perf_counter()
-    # Open the checkpoint and plan the reads; every rank checks that all
-    # read the same metadata.
+    # Open, select this rank's view, plan the reads; then the first agreement.
+    opened: _Load | None = None
     err: BaseException | None = None
-    view: LoadView | None = None
-    rp: ReadPlan | None = None
-    st: ShardTargets | None = None
-    digest = b""
-    own: OwnView | None = None
-    source: CheckpointSource | None = None
     try:
-        view = load_view(group, into, keys, c.rank)
-        into, keys = view.into, view.keys
-        source = checkpoint_source(parse_location(directory))
-        path, meta, digest = open_checkpoint(source)
-        # into='s leaves, once for every stage that matches them.
-        flat = flatten(into) if into is not None else None
-        own = own_view(
-            meta, c.rank, c.size, per_rank, into, held_only=group is None, flat=flat, keys=keys
-        )
-        meta = own.meta
-        st = shard_targets(meta, into, keys, strict, flat)
-        rp = plan_reads(
-            c,
-            path,
-            meta,
-            into=into,
-            keys=keys,
-            strict=strict,
-            exchange=exchange,
-            # Narrowed after the agreement below, which compares the hosts.
-            same_host=True,
-            elsewhere=st.leaves,
-            into_elsewhere=st.into_leaves | dropped_into(into, own.dropped + own.deferred, flat),
-            flat=flat,
-        )
+        opened = _open(c, directory, into, keys, strict, exchange, group, per_rank)
     except BaseException as e:
         err = e
-    # The agreement also carries what the exchange needs from every rank
-    # (no collective of its own): its host (one host: a shared window) and
-    # whether the window kept by the last load holds its share.
-    fits = rp is not None and kept_fits(c, window_bytes(rp))
-    vote = host_id() + bytes([fits])
-    if rp is not None:
-        vote += digest + selection_digest(rp)
-    rows = agree(c, err, vote, width=HOST_ID_BYTES + 1 + 48)
-    assert view is not None and rp is not None and st is not None and source is not None
-    at = HOST_ID_BYTES + 1
-    if len({row[at : at + 32] for row in rows}) != 1:
-        raise StateMismatchError(f"{rp.path}: ranks read different metadata.json files")
-    if len({row[at + 32 :] for row in rows}) != 1:
-        rp = read_own(rp, c.rank)  # the ranks load different leaves
-    same_host = exchange == "bcast" or one_host([row[:HOST_ID_BYTES] for row in rows])
-    rp.via_shared = rp.via_shared and same_host
-    reuse = all(row[HOST_ID_BYTES] == 1 for row in rows)
-    sr = None
-    if st.active:
-        # From an object store each byte is fetched once per job: the
-        # cooperative read (no page cache shares a re-read).
-        own_reads = shard_exchange(exchange, rp.meta, same_host and source.rereads_cached)
-        sr = plan_shard_reads(c, rp.meta, st, read_own=own_reads)
-
-    # Read this rank's share, then exchange it.
-    prog = Progress(
-        "load", sum(rp.file_raw[f] for f in rp.mine), enabled=progress if c.rank == 0 else False
-    )
+    run = _agree_opened(c, opened, err, exchange)
+    prog = Progress("load", run.share_bytes(), enabled=progress if c.rank == 0 else False)
     stage = _staging.Staging(staging_bytes)
-    nread = 0
-    with shared_buffers(c, rp, reuse) as buffers:
+    with shared_buffers(c, run.rp, run.reuse) as buffers:
         # A broadcast (between hosts, or exchange="bcast") reads and
-        # exchanges at once: each reader sends what it has verified while
-        # its read goes on. It runs every broadcast even after a local
-        # failure (reader.FirstError), so it runs on every rank.
-        streamed = not rp.read_all and not buffers.shared
-        try:
-            if streamed:
-                nread = stream_share(c, rp, prog, stage)
-            else:
-                nread = read_share(rp, buffers, prog, stage)
-        except BaseException as e:
-            err = e
-        try:
-            if sr is not None and err is None:
-                nread += read_shards(rp.path, rp.meta, sr, prog)
-        except BaseException as e:
-            err = e
-        finally:
-            prog.close()
+        # exchanges at once (stream_share).
+        streamed = not run.rp.read_all and not buffers.shared
+        nread, err = _read(run, buffers, streamed, prog, stage)
         # Also: every reader has filled (and verified) its shared segment.
         agree(c, err)
-        # The exchanges run all their collectives even after a local
-        # failure (reader.FirstError), so both run on every rank; then one
-        # agreement.
-        try:
-            if not streamed:
-                exchange_share(c, rp, buffers, stage)
-        except BaseException as e:
-            err = e
-        if sr is not None:
-            try:
-                exchange_shards(c, sr, rp.meta)
-            except BaseException as e:
-                err = err or e
-        # Decoding the plain values and rebuilding the tree can fail too (a
-        # value that does not decode), from this rank's own filled targets
-        # only: agreed together with the exchange (one agreement after both,
-        # which also tells every reader that nobody still copies out of its
-        # segment of the window).
+        err = _exchange(run, buffers, streamed, stage)
         state: Any = None
-        assert own is not None
         if err is None:
-            try:
-                filled = fill_shards(rp.meta, sr) if sr is not None else None
-                pruned = keys is not None or own.pruned
-                state = assemble(
-                    rp.meta, rp.targets, rp.path, rp.matched, pruned, filled, rp.hidden
-                )
-                if own.calls:
-                    state = resolve_versions(state, own.calls, per_rank)
-            except BaseException as e:
-                err = e
-        # With what the load's statistics need from every rank (no collective
-        # of their own).
-        shared_stats = agree(c, err, _stats_row(time.perf_counter() - t0, nread, sr), width=32)
-    elsewhere = c.size != rp.meta.world_size
-    if callable(per_rank) and into is not None and rp.meta.versions and elsewhere:
-        # Every rank alike: the versions of its deferred paths (a collective
-        # load, agreed in itself), then the callable's picks.
-        versions = load(
-            directory, comm=c, keys=list(own.deferred), per_rank="all", exchange=exchange
+            state, err = _assemble(run, per_rank)
+        # One agreement after the exchange and the assembly (which also tells
+        # every reader that nobody still copies out of its segment), with
+        # what the load's statistics need from every rank.
+        shared_stats = agree(c, err, _stats_row(time.perf_counter() - t0, nread, run.sr), width=32)
+    if run.picks_deferred(per_rank):
+        state = _pick_deferred(run, directory, state, per_rank, exchange)
+    return _report(run, state, shared_stats, verbose)
+
+
+@dataclass
+class _Load:
+    """What the stages of one :func:`load` share on this rank, from the
+    open stage on (``sr`` and ``reuse`` set by the first agreement)."""
+
+    c: Comm
+    #: ``group=`` as a selection: the ``into=`` and ``keys=`` the load uses.
+    view: LoadView
+    source: CheckpointSource
+    #: The metadata's digest, compared between the ranks.
+    digest: bytes
+    own: OwnView
+    st: ShardTargets
+    rp: ReadPlan
+    sr: ShardReads | None = None
+    #: Every rank's segment of the window kept by the last load holds its share.
+    reuse: bool = False
+
+    def picks_deferred(self, per_rank: Any) -> bool:
+        """Whether a callable ``per_rank`` picks the versions of this rank's
+        deferred paths (with ``into=``, at another world size than the
+        save's): what follows is collective, so every rank must agree."""
+        return (
+            callable(per_rank)
+            and self.view.into is not None
+            and bool(self.rp.meta.versions)
+            and self.c.size != self.rp.meta.world_size
         )
+
+    def share_bytes(self) -> int:
+        """The raw bytes of the data files this rank reads."""
+        return sum(self.rp.file_raw[f] for f in self.rp.mine)
+
+
+def _open(
+    c: Comm,
+    directory: str | os.PathLike[str],
+    into: Any,
+    keys: Any,
+    strict: bool,
+    exchange: str,
+    group: Any,
+    per_rank: Any,
+) -> _Load:
+    """Open -> select/view -> plan reads, on this rank alone (no
+    collective): ``group=`` as a selection, the checked metadata, this
+    rank's own view of it, the shard targets and the read plan."""
+    view = load_view(group, into, keys, c.rank)
+    into, keys = view.into, view.keys
+    source = checkpoint_source(parse_location(directory))
+    path, meta, digest = open_checkpoint(source)
+    # into='s leaves, once for every stage that matches them.
+    flat = flatten(into) if into is not None else None
+    own = own_view(
+        meta, c.rank, c.size, per_rank, into, held_only=group is None, flat=flat, keys=keys
+    )
+    meta = own.meta
+    st = shard_targets(meta, into, keys, strict, flat)
+    rp = plan_reads(
+        c,
+        path,
+        meta,
+        into=into,
+        keys=keys,
+        strict=strict,
+        exchange=exchange,
+        # Narrowed after the first agreement, which compares the hosts.
+        same_host=True,
+        elsewhere=st.leaves,
+        into_elsewhere=st.into_leaves | dropped_into(into, own.dropped + own.deferred, flat),
+        flat=flat,
+    )
+    return _Load(c, view, source, digest, own, st, rp)
+
+
+def _agree_opened(c: Comm, opened: _Load | None, err: BaseException | None, exchange: str) -> _Load:
+    """The first agreement (every rank): a failure to open anywhere raises
+    on every rank, and every rank checks that all read the same metadata.
+    It also carries what the exchange needs from every rank (no collective
+    of its own): its host (one host: a shared window) and whether the
+    window kept by the last load holds its share. Then the shard reads are
+    planned (a collective, on every rank alike)."""
+    fits = opened is not None and kept_fits(c, window_bytes(opened.rp))
+    vote = host_id() + bytes([fits])
+    if opened is not None:
+        vote += opened.digest + selection_digest(opened.rp)
+    rows = agree(c, err, vote, width=HOST_ID_BYTES + 1 + 48)
+    assert opened is not None
+    run = opened
+    at = HOST_ID_BYTES + 1
+    if len({row[at : at + 32] for row in rows}) != 1:
+        raise StateMismatchError(f"{run.rp.path}: ranks read different metadata.json files")
+    if len({row[at + 32 :] for row in rows}) != 1:
+        run.rp = read_own(run.rp, c.rank)  # the ranks load different leaves
+    same_host = exchange == "bcast" or one_host([row[:HOST_ID_BYTES] for row in rows])
+    run.rp.via_shared = run.rp.via_shared and same_host
+    run.reuse = all(row[HOST_ID_BYTES] == 1 for row in rows)
+    if run.st.active:
+        # From an object store each byte is fetched once per job: the
+        # cooperative read (no page cache shares a re-read).
+        own_reads = shard_exchange(exchange, run.rp.meta, same_host and run.source.rereads_cached)
+        run.sr = plan_shard_reads(c, run.rp.meta, run.st, read_own=own_reads)
+    return run
+
+
+def _read(
+    run: _Load, buffers: ReadBuffers, streamed: bool, prog: Progress, stage: _staging.Staging
+) -> tuple[int, BaseException | None]:
+    """This rank's share of the data files, then the stored shard pieces
+    it reads: the bytes read from storage, and the stage's error (kept for
+    the agreement that follows). A streamed read broadcasts as it goes and
+    runs every broadcast even after a local failure (reader.FirstError), so
+    it runs on every rank."""
+    nread = 0
+    err: BaseException | None = None
+    try:
+        if streamed:
+            nread = stream_share(run.c, run.rp, prog, stage)
+        else:
+            nread = read_share(run.rp, buffers, prog, stage)
+    except BaseException as e:
+        err = e
+    try:
+        if run.sr is not None and err is None:
+            nread += read_shards(run.rp.path, run.rp.meta, run.sr, prog)
+    except BaseException as e:
+        err = e
+    finally:
+        prog.close()
+    return nread, err
+
+
+def _exchange(
+    run: _Load, buffers: ReadBuffers, streamed: bool, stage: _staging.Staging
+) -> BaseException | None:
+    """The plain leaves' exchange (unless the read streamed it), then the
+    shards'; both run all their collectives even after a local failure
+    (reader.FirstError), so both run on every rank. The first error."""
+    err: BaseException | None = None
+    try:
+        if not streamed:
+            exchange_share(run.c, run.rp, buffers, stage)
+    except BaseException as e:
+        err = e
+    if run.sr is not None:
         try:
-            for p in own.deferred:
-                state = set_at(state, p, per_rank(p, by_ranks(value_at(versions, p))))
-            write_back(rp.matched.root if rp.matched else None, own.deferred, state)
+            exchange_shards(run.c, run.sr, run.rp.meta)
         except BaseException as e:
-            err = e
-        agree(c, err)
-    if view.unwrap is not None:
-        state = state[view.unwrap]
-    if rp.matched is not None:
-        rp.matched.keys.missing_keys.extend(describe(p) for p in own.dropped)
-        _last_keys[:] = [rp.matched.keys]
-    stats = _load_stats(c, rp, shared_stats, sr)
+            err = err or e
+    return err
+
+
+def _assemble(run: _Load, per_rank: Any) -> tuple[Any, BaseException | None]:
+    """The shards copied into their targets, the plain values decoded, the
+    tree rebuilt and this rank's versions resolved, from this rank's own
+    filled targets only (no collective): the tree, or the error (a value
+    that does not decode), agreed together with the exchange's."""
+    try:
+        filled = fill_shards(run.rp.meta, run.sr) if run.sr is not None else None
+        pruned = run.view.keys is not None or run.own.pruned
+        rp = run.rp
+        state = assemble(rp.meta, rp.targets, rp.path, rp.matched, pruned, filled, rp.hidden)
+        if run.own.calls:
+            state = resolve_versions(state, run.own.calls, per_rank)
+    except BaseException as e:
+        return None, e
+    return state, None
+
+
+def _pick_deferred(
+    run: _Load, directory: str | os.PathLike[str], state: Any, per_rank: Any, exchange: str
+) -> Any:
+    """A callable ``per_rank`` at another world size, every rank alike: the
+    versions of this rank's deferred paths (a collective load, agreed in
+    itself), then the callable's picks set in ``state`` and written back
+    into ``into=``, then one agreement."""
+    err: BaseException | None = None
+    deferred = run.own.deferred
+    versions = load(directory, comm=run.c, keys=list(deferred), per_rank="all", exchange=exchange)
+    try:
+        for p in deferred:
+            state = set_at(state, p, per_rank(p, by_ranks(value_at(versions, p))))
+        write_back(run.rp.matched.root if run.rp.matched else None, deferred, state)
+    except BaseException as e:
+        err = e
+    agree(run.c, err)
+    return state
+
+
+def _report(run: _Load, state: Any, shared_stats: list[bytes], verbose: bool) -> Any:
+    """The tree unwrapped from its group, the incompatible keys kept for
+    :func:`last_incompatible_keys`, the load's :class:`Stats` recorded (and
+    printed by rank 0 when ``verbose``); returns the tree."""
+    if run.view.unwrap is not None:
+        state = state[run.view.unwrap]
+    if run.rp.matched is not None:
+        run.rp.matched.keys.missing_keys.extend(describe(p) for p in run.own.dropped)
+        _last_keys[:] = [run.rp.matched.keys]
+    stats = _load_stats(run.c, run.rp, shared_stats, run.sr)
     record_stats("load", stats)
-    if verbose and c.rank == 0:
+    if verbose and run.c.rank == 0:
         print(stats.summary(), flush=True)
     return state
 
