@@ -24,6 +24,10 @@ level that allows it, or with a communicator of another kind, or when a
 rank's share exceeds ``max_staging_bytes``, the save runs synchronously
 instead, after a warning, and the handle returned is already done. See
 docs/ASYNC.md.
+
+:class:`AsyncSave` is a :class:`SaveHandle`, the one type
+:meth:`deeppart.Checkpointer.save` returns in every mode (a synchronous or
+level save's is already done).
 """
 
 from __future__ import annotations
@@ -104,6 +108,7 @@ class SaveHandle:
         self._finished.set()
 
     def done(self) -> bool:
+        """Whether the save finished (committed, or failed)."""
         return self._finished.is_set()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
