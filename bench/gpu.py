@@ -316,14 +316,9 @@ class DeepPart(Contender):
         )
 
     def save(self, i: int, state: dict[str, Any]) -> Any:
+        # A SaveHandle (already done for the synchronous save): Contender's
+        # done() and wait() serve both.
         return self.checkpointer.save(i, state)
-
-    def done(self, handle: Any) -> bool:
-        return not self.background or bool(handle.done())
-
-    def wait(self, handle: Any) -> None:
-        if self.background:
-            handle.wait()
 
     def load(self, i: int, into: dict[str, Any]) -> None:
         self.checkpointer.load(i, into=into)

@@ -27,7 +27,7 @@ from deeppart._planner import (
     default_cache_dir,
     plan_fingerprint,
 )
-from deeppart.async_save import AsyncSave, async_save
+from deeppart.async_save import AsyncSave, SaveHandle, async_save
 from deeppart.checkpointer import Checkpointer
 from deeppart.errors import (
     AsyncSaveWarning,
@@ -99,6 +99,7 @@ __all__ = [
     "PlannerServiceError",
     "RecoveryReport",
     "ReplicaMismatchError",
+    "SaveHandle",
     "StateError",
     "StateMismatchError",
     "Topology",

@@ -24,6 +24,10 @@ level that allows it, or with a communicator of another kind, or when a
 rank's share exceeds ``max_staging_bytes``, the save runs synchronously
 instead, after a warning, and the handle returned is already done. See
 docs/ASYNC.md.
+
+:class:`AsyncSave` is a :class:`SaveHandle`, the one type
+:meth:`deeppart.Checkpointer.save` returns in every mode (a synchronous or
+level save's is already done).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from deeppart.comm import Comm, TorchDistComm, resolve, writer_comm
 from deeppart.errors import AsyncSaveWarning
@@ -60,8 +64,106 @@ from deeppart.storage.target import location_name
 from deeppart.storage.url import Location, parse_location
 
 
-class AsyncSave:
-    """The handle of one asynchronous save (the same on every rank).
+class SaveHandle:
+    """What :meth:`deeppart.Checkpointer.save` returns, in every mode: the
+    handle of one save (the same on every rank).
+
+    ``wait()`` / ``result()`` block until the save is committed and return
+    its :class:`Stats` (with ``config=``, a :class:`deeppart.LevelSaveStats`),
+    or raise its error (every time they are called); ``done()`` says whether
+    it finished; ``stats`` is its Stats once it succeeded (None before, or
+    if it failed), without waiting. A synchronous save, and a save through
+    the levels, returns a handle that is already done; a save in the
+    background (``async_=True``) returns an :class:`AsyncSave`, the handle
+    of a save in flight.
+
+    For one release, a finished synchronous or level save's handle also
+    answers its Stats' attributes (``ckpt.save(...).seconds``, what
+    ``save`` returned before), with a :class:`DeprecationWarning`: use
+    ``ckpt.save(...).wait().seconds``.
+    """
+
+    def __init__(self, step: int | None = None) -> None:
+        #: The step saved (None: a save that is no Checkpointer step, as
+        #: :func:`async_save`'s).
+        self.step = step
+        self._finished = threading.Event()
+        self._stats: Stats | None = None
+        self._error: BaseException | None = None
+        self._seen = False
+        #: Whether reading a Stats attribute on the handle gives the Stats'
+        #: (deprecated; only handles of saves that returned their Stats).
+        self._answers_for_stats = False
+
+    @classmethod
+    def finished(cls, step: int | None, stats: Stats) -> SaveHandle:
+        """The handle of a save that finished before it was returned."""
+        handle = cls(step)
+        handle._finish(stats, None)
+        handle._answers_for_stats = True
+        return handle
+
+    def _finish(self, stats: Stats | None, error: BaseException | None) -> None:
+        self._stats, self._error = stats, error
+        self._finished.set()
+
+    def done(self) -> bool:
+        """Whether the save finished (committed, or failed)."""
+        return self._finished.is_set()
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The save's error (None if it succeeded), after waiting for it."""
+        if not self._finished.wait(timeout):
+            raise TimeoutError(f"the save of step {self.step} is still running")
+        self._seen = True
+        return self._error
+
+    def wait(self, timeout: float | None = None) -> Stats:
+        """Waits for the save; returns its :class:`Stats` or raises its error."""
+        error = self.exception(timeout)
+        if error is not None:
+            raise error
+        assert self._stats is not None
+        return self._stats
+
+    def result(self, timeout: float | None = None) -> Stats:
+        """:meth:`wait`."""
+        return self.wait(timeout)
+
+    @property
+    def stats(self) -> Stats | None:
+        """The save's :class:`Stats` once it succeeded; None while it runs,
+        or if it failed (:meth:`wait` raises its error). Never waits."""
+        return self._stats if self.done() else None
+
+    def __repr__(self) -> str:
+        state = "running" if not self.done() else "failed" if self._error else "done"
+        return f"<{type(self).__name__} step={self.step} {state}>"
+
+    if not TYPE_CHECKING:  # type checkers point at the new way: .wait()
+
+        def __getattr__(self, name: str) -> Any:
+            # Only for attributes the handle lacks: a Stats attribute of a
+            # finished synchronous or level save, for one release.
+            stats = self.__dict__.get("_stats")
+            if (
+                name.startswith("_")
+                or not self.__dict__.get("_answers_for_stats")
+                or not hasattr(stats, name)
+            ):
+                raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+            warnings.warn(
+                f"Checkpointer.save returns a SaveHandle: reading .{name} on it is "
+                f"deprecated, use ckpt.save(...).wait().{name}",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            return getattr(stats, name)
+
+
+class AsyncSave(SaveHandle):
+    """The handle of one asynchronous save in flight (the same on every
+    rank): a :class:`SaveHandle`.
 
     ``wait()`` / ``result()`` block until the save is committed and return
     its :class:`Stats`, or raise its error (every time they are called);
@@ -71,7 +173,8 @@ class AsyncSave:
     load or close).
     """
 
-    def __init__(self, directory: Location) -> None:
+    def __init__(self, directory: Location, step: int | None = None) -> None:
+        super().__init__(step)
         self.directory = directory
         #: Seconds the main thread spent on the snapshot (the training stall).
         self.snapshot_seconds = 0.0
@@ -89,18 +192,7 @@ class AsyncSave:
         #: writer thread (None: none left to it); its ``held_seconds`` are
         #: what optimizer steps waited for it.
         self.proof: PendingProof | None = None
-        self._finished = threading.Event()
-        self._stats: Stats | None = None
-        self._error: BaseException | None = None
-        self._seen = False
         self._thread: threading.Thread | None = None
-
-    def _finish(self, stats: Stats | None, error: BaseException | None) -> None:
-        self._stats, self._error = stats, error
-        self._finished.set()
-
-    def done(self) -> bool:
-        return self._finished.is_set()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The save's error (None if it succeeded), after waiting for it."""
@@ -110,16 +202,6 @@ class AsyncSave:
             self._thread.join()
         self._seen = True
         return self._error
-
-    def wait(self, timeout: float | None = None) -> Stats:
-        """Waits for the save; returns its :class:`Stats` or raises its error."""
-        error = self.exception(timeout)
-        if error is not None:
-            raise error
-        assert self._stats is not None
-        return self._stats
-
-    result = wait
 
     def join(self) -> None:
         """Waits for the save to finish, leaving its error to whoever asks
@@ -183,11 +265,12 @@ def start(
     snapshot: ShareSnapshot | None = None,
     after: Callable[[], None] | None = None,
     snapshot_on_device: bool = False,
+    step: int | None = None,
 ) -> AsyncSave:
     """Plans the save, snapshots this rank's share of ``state`` and starts
     writing it (collective over ``c``); ``after`` runs once the save is
     committed (on the writer thread). ``snapshot_on_device``: see
-    :func:`async_save`."""
+    :func:`async_save`; ``step``: the handle's step."""
     writer, why = writer_comm(c)
     if isinstance(writer, TorchDistComm):
         guard_teardown()  # destroy_process_group() waits for this save
@@ -217,7 +300,7 @@ def start(
     # agreement: every rank prepared the same save and has its snapshot (or
     # every rank raises), and all take one road.
     planned = plan_save(c, state, directory, local=take, defer_proof=True, **save_kwargs)
-    handle = AsyncSave(directory)
+    handle = AsyncSave(directory, step)
     handle.snapshot_seconds = time.perf_counter() - t0
     # The large shared tensors' replica proof, left to the writer thread:
     # optimizer steps wait for it from now on (deeppart.saving.deferred_proof).
@@ -442,10 +525,11 @@ class AsyncCheckpointer:
         state: Any,
         kwargs: dict[str, Any],
         after: Callable[[], None] | None = None,
+        step: int | None = None,
     ) -> AsyncSave:
         """Waits for the save in flight, then starts saving ``state`` to
         ``directory`` (a path or an ``s3://`` location; ``kwargs``:
-        :func:`deeppart.save`'s); ``after`` runs
+        :func:`deeppart.save`'s) as ``step``; ``after`` runs
         once it is committed."""
         self.wait()
         self.pending = start(
@@ -457,5 +541,6 @@ class AsyncCheckpointer:
             snapshot=self._snapshot,
             after=after,
             snapshot_on_device=self.snapshot_on_device,
+            step=step,
         )
         return self.pending

@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from deeppart.agreement import agree, from_root
-from deeppart.async_save import AsyncCheckpointer, AsyncSave
+from deeppart.async_save import AsyncCheckpointer, SaveHandle
 from deeppart.comm import resolve
 from deeppart.compression import check_codec, compression_level_of
 from deeppart.errors import CheckpointError, StateMismatchError
 from deeppart.format import STEP_PREFIX, damaged, is_committed, step_dir_name, step_number
 from deeppart.levels import open_backend
-from deeppart.levels.backend import LevelBackend, LevelSaveStats, RecoveryReport
+from deeppart.levels.backend import LevelBackend, RecoveryReport
 from deeppart.loading.load import load
 from deeppart.progress import Stats
 from deeppart.saving.planning import PlanProvider
@@ -70,7 +70,8 @@ class Checkpointer:
     committed); nothing that is not a DeepPart checkpoint written by a
     Checkpointer under its own naming is counted or touched. ``load(step)``.
 
-    With ``async_=True``, ``save`` returns an :class:`deeppart.AsyncSave`
+    ``save`` returns a :class:`deeppart.SaveHandle` (``.wait()``: the
+    save's Stats). With ``async_=True``, it returns an :class:`deeppart.AsyncSave`
     as soon as this rank's planned share of the state is copied to host
     memory (at most ``max_staging_bytes`` of tensors, else it saves
     synchronously with a warning) and writes it in a background thread; the next ``save``,
@@ -242,8 +243,14 @@ class Checkpointer:
 
     def save(
         self, step: int, state: Any, *, user: Any = None, overwrite: bool = False
-    ) -> Stats | AsyncSave | LevelSaveStats:
-        """Saves ``state`` as ``step`` (collective). A step that is already
+    ) -> SaveHandle:
+        """Saves ``state`` as ``step`` (collective); returns its
+        :class:`deeppart.SaveHandle`, whose ``wait()`` gives the save's
+        :class:`Stats` (with ``config=``, a :class:`deeppart.LevelSaveStats`)
+        or raises its error. Synchronous saves and saves through the levels
+        return a handle that is already done; with ``async_=True`` it is an
+        :class:`deeppart.AsyncSave`, done once the background write commits.
+        A step that is already
         committed is refused with :class:`CheckpointError`, as
         :func:`deeppart.save` refuses an existing checkpoint, unless
         ``overwrite=True`` (the old one stays loadable until the new one
@@ -251,7 +258,7 @@ class Checkpointer:
         does."""
         step = _step_index(step, state)
         if self.levels is not None:
-            return self.levels.save(step, state)
+            return SaveHandle.finished(step, self.levels.save(step, state))
         if self._async is not None:
             self._async.wait()  # the line continues from the save in flight
         value: Any = {"step": step, "user": user}
@@ -290,11 +297,11 @@ class Checkpointer:
 
             target = self.location(step)
             where = parse_location(target)
-            return self._async.save(where, state, kwargs, after=committed)
+            return self._async.save(where, state, kwargs, after=committed, step=step)
         t0 = time.perf_counter()
-        stats = plan_save(
-            self.comm, state, self.location(step), defer_proof=True, **kwargs
-        ).finish(self.comm, t0)
+        stats = plan_save(self.comm, state, self.location(step), defer_proof=True, **kwargs).finish(
+            self.comm, t0
+        )
         self._parent, self._run = link, run
         # The save succeeded everywhere: a failed cleanup is a warning on
         # every rank (one small collective), never one rank's exception.
@@ -303,7 +310,7 @@ class Checkpointer:
         ).decode()
         if message:
             warnings.warn(message, stacklevel=2)
-        return stats
+        return SaveHandle.finished(step, stats)
 
     def _line_record(
         self, step: int, user: Any

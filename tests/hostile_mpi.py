@@ -31,7 +31,7 @@ def scenario_cleanup(root: Path) -> None:
     setattr(ck, "remove_owned", undeletable)  # noqa: B010  (rank 0 is the one that removes)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        stats = cp.save(2, state)
+        stats = cp.save(2, state).wait()
     assert isinstance(stats, deeppart.CheckpointStats) and stats.op == "save", stats
     messages = [str(w.message) for w in caught]
     assert messages, f"rank {comm.rank}: no warning"

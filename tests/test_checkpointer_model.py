@@ -223,11 +223,9 @@ def saving(ck: deeppart.Checkpointer, step: int, v: int) -> Callable[[], Any]:
     return lambda: ck.save(step, make_state(v))
 
 
-def settle(result: Any) -> Any:
-    """Waits for an asynchronous save's handle (raises its error)."""
-    if isinstance(result, deeppart.AsyncSave):
-        return result.wait()
-    return result
+def settle(handle: deeppart.SaveHandle) -> deeppart.CheckpointStats:
+    """Waits for a save's handle (raises its error); asynchronous or not."""
+    return handle.wait()
 
 
 class CheckpointerModel(RuleBasedStateMachine):

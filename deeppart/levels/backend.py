@@ -16,16 +16,25 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from deeppart.progress import Stats
 
-@dataclass(frozen=True)
-class LevelSaveStats:
-    """What one checkpoint through the levels did (the same on every rank)."""
+
+@dataclass(frozen=True, kw_only=True)
+class LevelSaveStats(Stats):
+    """What one checkpoint through the levels did: a save's :class:`Stats`
+    (the same on every rank: ``directory`` holds the step's metadata, the
+    built-in engine's step directory under ``meta_dir`` or FTI's meta
+    root with its index; ``stored_bytes``: the bytes of the ranks' own
+    data files, the engine's L1 files (not the partner copies, parity or
+    L4 copy) or the state's bytes handed to FTI; ``seconds``: the slowest
+    rank's, ``rank_seconds`` every rank's), and the step, its level and
+    this rank's seconds per phase. :meth:`deeppart.Checkpointer.save`'s
+    handle gives it from ``wait()``."""
 
     step: int
     level: int
-    raw_bytes: int
-    seconds: float
-    #: Seconds per phase, e.g. {"l1": 0.3, "l2": 0.2} or {"l3_encode": 0.1}.
+    #: This rank's seconds per phase, e.g. {"l1": 0.3, "l2": 0.2} or
+    #: {"l3_encode": 0.1}.
     phases: dict[str, float] = field(default_factory=dict)
 
 

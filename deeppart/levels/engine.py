@@ -321,10 +321,27 @@ class BuiltinBackend:
         t = time.perf_counter()
         self._cleanup(step, link.seq, leftovers)
         phases["cleanup"] = time.perf_counter() - t
-        seconds = time.perf_counter() - t0
-        stats = LevelSaveStats(step, lv, prep.manifest.total_bytes, seconds, phases)
+        # Every rank's time, so that the stats are the same on every rank.
+        mine_seconds = np.array([time.perf_counter() - t0], dtype=np.float64)
+        rank_seconds = [float(x) for x in c.allgather_f64(mine_seconds)[:, 0]]
+        stats = LevelSaveStats(
+            op="save",
+            directory=str(self.meta_step(step)),
+            world_size=c.size,
+            raw_bytes=prep.manifest.total_bytes,
+            stored_bytes=sum(sizes),
+            seconds=max(rank_seconds),
+            rank_seconds=rank_seconds,
+            codec=prep.codec,
+            step=step,
+            level=lv,
+            phases=phases,
+        )
         if self.verbose and c.rank == 0:
-            print(f"deeppart levels: step {step} at L{lv} in {seconds:.2f} s {phases}", flush=True)
+            print(
+                f"deeppart levels: step {step} at L{lv} in {stats.seconds:.2f} s {phases}",
+                flush=True,
+            )
         return stats
 
     def _line_record(self, step: int, user: Any) -> tuple[Any, lineage.Link, str]:

@@ -533,6 +533,7 @@ class FTIBackend:
         header = np.zeros(_HEADER_BYTES, dtype=np.uint8)
         blobs: list[tuple[_Blob, U8]] = []
         sums: list[int] = []
+        piece_bytes = 0  # this rank's bytes of the state, stored by FTI
         try:
             pieces = prep.plan.rank_pieces(c.rank)
             views: list[U8] = []
@@ -553,6 +554,7 @@ class FTIBackend:
             starts = [0]
             for v in views:
                 starts.append(starts[-1] + int(v.size))
+            piece_bytes = starts[-1]
             for blob in _blobs([int(v.size) for v in views]):
                 buf = _fill(blob, views, starts)
                 keep.append(buf)
@@ -601,11 +603,20 @@ class FTIBackend:
         self._last_step = step
         self._last_level = lv
         t4 = time.perf_counter()
+        # Every rank's time and bytes, so that the stats are the same on every rank.
+        rows = c.allgather_f64(np.array([t4 - t0, float(piece_bytes)], dtype=np.float64))
+        rank_seconds = [float(x) for x in rows[:, 0]]
         return LevelSaveStats(
+            op="save",
+            directory=str(self._dir),
+            world_size=c.size,
+            raw_bytes=prep.manifest.total_bytes,
+            stored_bytes=int(rows[:, 1].sum()),
+            seconds=max(rank_seconds),
+            rank_seconds=rank_seconds,
+            codec=prep.codec,
             step=step,
             level=lv,
-            raw_bytes=prep.manifest.total_bytes,
-            seconds=t4 - t0,
             phases={
                 "plan": t1 - t0,
                 "protect": t2 - t1,

@@ -42,7 +42,6 @@ import numpy as np
 from deeppart._planner import Manifest
 from deeppart.checkpointer import Checkpointer
 from deeppart.loading.load import load
-from deeppart.progress import Stats
 from deeppart.saving.save import save
 
 VOCAB, SEQ, BATCH, D_MODEL, LAYERS, FF, HEADS = 512, 32, 8, 128, 2, 512, 4
@@ -218,8 +217,7 @@ def _worker(args: argparse.Namespace) -> int:
             if args.worker == "crash" and done == args.crash_at and rank == size - 1:
                 _arm_crash(rank, done)
             digest = state_digest(state)
-            stats = cp.save(done, state)
-            assert isinstance(stats, Stats)  # not async_
+            stats = cp.save(done, state).wait()
             if rank == 0:
                 (out / "digests").mkdir(exist_ok=True)
                 (out / "digests" / f"{done}.txt").write_text(json.dumps(digest))
