@@ -560,9 +560,8 @@ class _TorchInFlight:
         return all(w.is_completed() for w in self.works)
 
     def wait(self) -> None:
-        for w in self.works:
-            w.wait()
-        self.works = []
+        while self.works:  # dropped once done: the works hold the tensors
+            self.works.pop(0).wait()
         self._settle(self._tensors)  # TorchDistComm._settle
 
 
