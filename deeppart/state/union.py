@@ -35,12 +35,14 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from deeppart.errors import ReplicaMismatchError, StateMismatchError
-from deeppart.state.dtensor import renumber_skeleton
+from deeppart.regions import SHARD_KEY
+from deeppart.state.dtensor import Layout, layout_regions, renumber_skeleton
 
 __all__ = [
     "VERSION_KEY",
@@ -49,7 +51,9 @@ __all__ = [
     "Union",
     "UnionItem",
     "build_union",
+    "decode_described",
     "describe_versions",
+    "encode_described",
     "merge_skeletons",
     "whole_digests_needed",
 ]
@@ -77,6 +81,106 @@ class Described:
     #: Digest of the codec, the directory and the kind of ``group=`` (all
     #: ranks must agree).
     common: str = ""
+
+
+def encode_described(described: Described, layouts: Sequence[Layout | None]) -> dict[str, Any]:
+    """``described`` as it travels in the exchange: its DTensors by what
+    determines their shards (global shape, dtype, the mesh's ranks, which
+    mesh dimensions the placements run over, the placements: ``layouts``,
+    one per record), not by their shards, so that its size grows with the
+    DTensors, not with the ranks. :func:`decode_described` gives back the
+    same description (the shards, their regions and holders derived from
+    each layout, cached per layout)."""
+    meshes: dict[tuple[Any, ...], int] = {}
+    kinds: dict[tuple[Any, ...], int] = {}
+    records: list[list[Any]] = []
+    shard_leaves: set[int] = set()
+    for rec, layout in zip(described.records, layouts, strict=True):
+        if layout is None:
+            raise ValueError("a record without its layout cannot be sent by layout")
+        key_ranks, _ranks, dims, specs, _shape = layout
+        mesh = meshes.setdefault(key_ranks, len(meshes))
+        kind = kinds.setdefault((mesh, tuple(dims), specs), len(kinds))
+        leaves = [leaf for leaf, _ in rec["shards"]]
+        first = leaves[0]
+        if leaves != list(range(first, first + len(leaves))):
+            raise ValueError("a DTensor's shard leaves are not consecutive")
+        shard_leaves.update(leaves)
+        records.append([rec["path"], rec["dtype"], rec["shape"], first, kind])
+    return {
+        "descs": [d for i, d in enumerate(described.descs) if i not in shard_leaves],
+        "skeleton": described.skeleton,
+        "records": records,
+        "layouts": [[m, list(dims), [list(p) if p else None for p in specs]]
+                    for (m, dims, specs) in kinds],
+        "meshes": [[list(shape), list(flat)] for shape, flat in meshes],
+        "common": described.common,
+    }  # fmt: skip
+
+
+#: Per layout: its shards as a description lists them (region JSON, region
+#: shape, holders), shared by every class and save that decodes it.
+_SHARDS: OrderedDict[tuple[Any, ...], list[tuple[Any, list[int], list[int]]]] = OrderedDict()
+_SHARDS_CACHE = 4096
+
+
+def _layout_shards(layout: Layout) -> list[tuple[Any, list[int], list[int]]]:
+    key_ranks, _ranks, dims, specs, shape = layout
+    key = (key_ranks, tuple(dims), specs, shape)
+    hit = _SHARDS.get(key)
+    if hit is not None:
+        _SHARDS.move_to_end(key)
+        return hit
+    out = [(r.to_json(), list(r.shape), h) for r, h in layout_regions(*layout)]
+    _SHARDS[key] = out
+    if len(_SHARDS) > _SHARDS_CACHE:
+        _SHARDS.popitem(last=False)
+    return out
+
+
+def decode_described(wire: dict[str, Any]) -> Described:
+    """The :class:`Described` that :func:`encode_described` sent."""
+    import numpy as np
+
+    meshes: list[tuple[tuple[Any, ...], Any, list[int]]] = []
+    for shape, flat in wire["meshes"]:
+        key = (tuple(int(n) for n in shape), tuple(int(r) for r in flat))
+        arr = np.asarray(key[1], dtype=np.int64).reshape(key[0])
+        meshes.append((key, arr, sorted(key[1])))
+    kinds = [
+        (int(m), [int(d) for d in dims], tuple((int(p[0]), int(p[1])) if p else None for p in sp))
+        for m, dims, sp in wire["layouts"]
+    ]
+    plain: list[dict[str, Any]] = wire["descs"]
+    order = sorted(wire["records"], key=lambda r: int(r[3]))
+    descs: list[dict[str, Any]] = []
+    records: list[dict[str, Any]] = []
+    by_first: dict[int, dict[str, Any]] = {}
+    at = 0
+    for path, dtype, shape, first, kind in order:
+        mesh, dims, specs = kinds[int(kind)]
+        key_ranks, arr, members = meshes[mesh]
+        gshape = tuple(int(n) for n in shape)
+        shards = _layout_shards((key_ranks, arr, dims, specs, gshape))
+        first = int(first)
+        before = first - len(descs)  # plain leaves before this record's shards
+        if before < 0 or at + before > len(plain):
+            raise StateMismatchError("a description's DTensor records overlap (a bug)")
+        descs.extend(plain[at : at + before])
+        at += before
+        leaves = []
+        for k, (region, rshape, holders) in enumerate(shards):
+            leaves.append([len(descs), region])
+            descs.append(
+                {"path": [*path, SHARD_KEY, k], "dtype": dtype, "shape": rshape, "holders": holders}
+            )
+        rec = {"path": path, "dtype": dtype, "shape": shape, "ranks": members, "shards": leaves}
+        records.append(rec)
+        by_first[first] = rec
+    descs.extend(plain[at:])
+    # Records in the order the rank described them.
+    ordered = [by_first[int(r[3])] for r in wire["records"]]
+    return Described(descs, wire["skeleton"], ordered, wire["common"])
 
 
 @dataclass
