@@ -20,12 +20,14 @@ differ become each rank's own version (:mod:`deeppart.state.union`).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
+import gc
 import hashlib
 import json
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -219,8 +221,12 @@ def save_digest(
     codec: str,
     directory: Location,
     records: list[DTensorRecord],
+    records_json: list[dict[str, Any]] | None = None,
 ) -> bytes:
-    """The digest of what all ranks of one save must agree on."""
+    """The digest of what all ranks of one save must agree on
+    (``records_json``: ``records``' JSON, when the caller has it)."""
+    if records_json is None:
+        records_json = [r.to_json() for r in records]
     h = hashlib.sha256()
     h.update(plan.fingerprint.encode())
     h.update(plan.assignment_digest().encode())
@@ -228,7 +234,7 @@ def save_digest(
     h.update(json.dumps(skeleton, separators=(",", ":")).encode())
     h.update(codec.encode())
     h.update(location_key(directory).encode())
-    h.update(json.dumps([r.to_json() for r in records], separators=(",", ":")).encode())
+    h.update(json.dumps(records_json, separators=(",", ":")).encode())
     return h.digest()
 
 
@@ -892,6 +898,21 @@ def _read_second(per_rank: list[bytes], ex: _Exchanged) -> dict[tuple[int, int],
     return whole
 
 
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    """Python's cyclic garbage collector paused: building the union makes
+    hundreds of thousands of small containers (no cycles), and each
+    collection of the young generations triggered on the way would walk
+    them all again."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _union_prepare(
     c: Comm,
     own: _Own,
@@ -904,7 +925,8 @@ def _union_prepare(
     raises alike on replicas that differ, or on trees that do not merge)."""
     classes = _classes_of(rows)
     got = c.allgather_varbytes(_payload(own, rows, c.rank, classes[c.rank]))
-    ex = _read_exchange(got, rows, auto)
+    with _no_gc():
+        ex = _read_exchange(got, rows, auto)
     whole: dict[tuple[int, int], str] = {}
     if ex.second_round:
         whole = _read_second(c.allgather_varbytes(_second_payload(own, c.rank, ex)), ex)
@@ -913,8 +935,9 @@ def _union_prepare(
     prep: Prepared | None = None
     flag = 0
     try:
-        u = build_union(states, classes, digests, whole, auto, declared)
-        prep = _union_prepared(u, own, c.rank)
+        with _no_gc():
+            u = build_union(states, classes, digests, whole, auto, declared)
+            prep = _union_prepared(u, own, c.rank)
         if local is not None:
             flag = local(prep)
     except BaseException as e:
@@ -941,14 +964,30 @@ def _union_prepared(u: Union, own: _Own, rank: int) -> Prepared:
         else FlatLeaf(tuple(it.path), own.prep.leaves[i].tensor, own.prep.leaves[i].encoded)
         for it in u.items
     ]  # fmt: skip
+    regions: dict[int, tuple[Any, Region]] = {}
+
+    def region(raw: Any) -> Region:
+        # Decoded layouts share their regions' JSON: each converted once.
+        hit = regions.get(id(raw))
+        if hit is None or hit[0] is not raw:
+            hit = (raw, _region(raw))
+            regions[id(raw)] = hit
+        return hit[1]
+
     records = [
         DTensorRecord(
             r["path"], r["dtype"], r["shape"],
-            [ShardRecord(s["leaf"], _region(s["index"])) for s in r["shards"]],
+            [ShardRecord(s["leaf"], region(s["index"])) for s in r["shards"]],
         )
         for r in u.records
     ]  # fmt: skip
-    digest = save_digest(plan, manifest, u.skeleton, own.prep.codec, own.directory, records)
+    as_json = [
+        {"path": r["path"], "dtype": r["dtype"], "shape": r["shape"], "shards": r["shards"]}
+        for r in u.records
+    ]
+    digest = save_digest(
+        plan, manifest, u.skeleton, own.prep.codec, own.directory, records, as_json
+    )
     union = {"dtensors": u.records, "versions": u.versions} if u.per_rank else None
     return Prepared(
         leaves, u.skeleton, manifest, plan, own.prep.codec, digest, records, union=union

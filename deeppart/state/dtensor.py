@@ -279,11 +279,12 @@ class HolderGroups:
         self.world = world
         self.groups: list[list[int]] = []
         self._index: dict[tuple[int, ...], int] = {}
+        self._every = list(range(world))
 
     def field(self, holders: list[int]) -> dict[str, Any]:
         """How a leaf held by ``holders`` is described to the planner:
         nothing (every rank), ``owner`` (one rank) or ``holders`` (a group)."""
-        if holders == list(range(self.world)):
+        if len(holders) == self.world and holders == self._every:
             return {}
         if len(holders) == 1:
             return {"owner": holders[0]}

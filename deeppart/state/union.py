@@ -294,14 +294,33 @@ class _Unit:
     #: A DTensor: (region json, holders, local leaf) per shard.
     shards: list[tuple[Any, list[int], int]] = field(default_factory=list)
     ranks: list[int] = field(default_factory=list)  # a DTensor's mesh ranks
+    _signature: str | None = None
 
-    def signature(self) -> str:
+    def signature(self, memo: dict[tuple[Any, ...], str] | None = None) -> str:
+        """What units that may hold the same item have alike: ``"object"``,
+        or the dtype, shape (and a DTensor's regions) as JSON. ``memo``:
+        signatures by dtype, shape and the identities of the regions, valid
+        while those regions live (decoded layouts share their regions)."""
+        if self._signature is not None:
+            return self._signature
         if self.kind == "object":
-            return "object"
+            self._signature = "object"
+            return self._signature
+        key: tuple[Any, ...] | None = None
+        if memo is not None:
+            key = (self.desc["dtype"], json.dumps(self.desc["shape"]))
+            key += tuple(id(s[0]) for s in self.shards)
+            hit = memo.get(key)
+            if hit is not None:
+                self._signature = hit
+                return hit
         d = {"dtype": self.desc["dtype"], "shape": self.desc["shape"]}
         if self.kind == "dtensor":
             d["regions"] = [s[0] for s in self.shards]
-        return json.dumps(d, sort_keys=True)
+        self._signature = json.dumps(d, sort_keys=True)
+        if key is not None and memo is not None:
+            memo[key] = self._signature
+        return self._signature
 
 
 def _units(states: dict[int, Described]) -> dict[str, list[_Unit]]:
@@ -333,6 +352,10 @@ def _units(states: dict[int, Described]) -> dict[str, list[_Unit]]:
                 shards, list(rec["ranks"]),
             )  # fmt: skip
             out.setdefault(_key(rec["path"]), []).append(unit)
+    memo: dict[tuple[Any, ...], str] = {}
+    for units in out.values():
+        for u in units:
+            u.signature(memo)  # while every region of the descriptions lives
     return out
 
 
@@ -434,6 +457,16 @@ def build_union(
     versions: list[dict[str, Any]] = []
     # (class, local leaf) -> the union leaf that the skeleton names there.
     canon: dict[tuple[int, int], int] = {}
+    shapes: dict[int, tuple[Any, list[int]]] = {}
+
+    def shape_of(region: Any) -> list[int]:
+        # Decoded layouts share their regions: each one's shape once.
+        hit = shapes.get(id(region))
+        if hit is None or hit[0] is not region:
+            hit = (region, _region_shape(region))
+            shapes[id(region)] = hit
+        return list(hit[1])
+
     for units in _units(states).values():
         path = list(units[0].desc["path"])
         found: list[_Version] = []
@@ -519,7 +552,7 @@ def build_union(
                 items.append(
                     UnionItem(
                         [*base, _SHARD_KEY, j],
-                        {"dtype": x.desc["dtype"], "shape": _region_shape(region)},
+                        {"dtype": x.desc["dtype"], "shape": shape_of(region)},
                         sorted(hs), dict(src),
                     )
                 )  # fmt: skip
