@@ -50,6 +50,7 @@ from deeppart.state.union import (
     build_union,
     decode_described,
     encode_described,
+    units_of,
     whole_digests_needed,
 )
 from deeppart.storage.identity import IDENTITY_BYTES, identity_digest, identity_error
@@ -779,6 +780,8 @@ class _Exchanged:
     values_differ: list[int]
     #: The (rank, local leaf) pairs of :func:`whole_digests_needed`.
     need: list[tuple[int, int]]
+    #: What each class holds under each path (:func:`~deeppart.state.union.units_of`).
+    units: dict[str, list[Any]]
 
     @property
     def second_round(self) -> bool:
@@ -844,8 +847,9 @@ def _read_exchange(got: list[bytes], rows: list[bytes], auto: bool) -> _Exchange
         digests[r].values = dict(values[c])
         if rows[r][48:64] != rows[c][48:64]:
             values_differ.append(r)
-    need = whole_digests_needed(states, classes, auto)
-    return _Exchanged(classes, states, digests, unmatched, values_differ, need)
+    units = units_of(states)
+    need = whole_digests_needed(states, classes, auto, units)
+    return _Exchanged(classes, states, digests, unmatched, values_differ, need, units)
 
 
 def _second_payload(own: _Own, rank: int, ex: _Exchanged) -> bytes:
@@ -936,7 +940,7 @@ def _union_prepare(
     flag = 0
     try:
         with _no_gc():
-            u = build_union(states, classes, digests, whole, auto, declared)
+            u = build_union(states, classes, digests, whole, auto, declared, ex.units)
             prep = _union_prepared(u, own, c.rank)
         if local is not None:
             flag = local(prep)

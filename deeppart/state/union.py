@@ -55,6 +55,7 @@ __all__ = [
     "describe_versions",
     "encode_described",
     "merge_skeletons",
+    "units_of",
     "whole_digests_needed",
 ]
 
@@ -366,8 +367,18 @@ def _class_ranks(classes: Sequence[int]) -> dict[int, list[int]]:
     return out
 
 
+def units_of(states: dict[int, Described]) -> dict[str, list[_Unit]]:
+    """What each class holds under each user path, for
+    :func:`whole_digests_needed` and :func:`build_union` (``units=``) to
+    share instead of each finding it again."""
+    return _units(states)
+
+
 def whole_digests_needed(
-    states: dict[int, Described], classes: Sequence[int], auto: bool = False
+    states: dict[int, Described],
+    classes: Sequence[int],
+    auto: bool = False,
+    units: dict[str, list[_Unit]] | None = None,
 ) -> list[tuple[int, int]]:
     """The (rank, local leaf) pairs whose whole bytes must be digested
     before the union can be built (same list on every rank): DTensor shards of
@@ -375,9 +386,9 @@ def whole_digests_needed(
     Plain tensors need none: every holder sends the digest of its whole
     tensor in the exchange (``auto`` changes nothing for them)."""
     need: set[tuple[int, int]] = set()
-    for units in _units(states).values():
+    for found in (units if units is not None else _units(states)).values():
         by_sig: dict[str, list[_Unit]] = {}
-        for u in units:
+        for u in found:
             if u.kind != "object":
                 by_sig.setdefault(u.signature(), []).append(u)
         for group in by_sig.values():
@@ -433,6 +444,7 @@ def build_union(
     whole: dict[tuple[int, int], str] | None = None,
     auto: bool = False,
     declared: bool = False,
+    units: dict[str, list[_Unit]] | None = None,
 ) -> Union:
     """The job's manifest items from every class's description (``states``,
     by the class's lowest rank), each rank's class (``classes[r]``) and
@@ -467,18 +479,22 @@ def build_union(
             shapes[id(region)] = hit
         return list(hit[1])
 
-    for units in _units(states).values():
-        path = list(units[0].desc["path"])
+    by_path = units if units is not None else _units(states)
+    for path_units in by_path.values():
+        path = list(path_units[0].desc["path"])
         found: list[_Version] = []
-        for u in units:
+        # The plain versions by (kind, content), as found holds them.
+        index: dict[tuple[str, Any], _Version] = {}
+        for u in path_units:
             ranks = members[u.cls]
             if u.kind == "object":
                 for r in ranks:
                     v = digests[r].values.get(u.leaf)
-                    match = next((x for x in found if x.kind == "object" and x.content == v), None)
+                    match = index.get(("object", v))
                     if match is None:
                         match = _Version("object", u.desc, set(), content=v)
                         found.append(match)
+                        index[("object", v)] = match
                     match.ranks.add(r)
                     match.source[r] = u.leaf
                 continue
@@ -497,12 +513,11 @@ def build_union(
                     full = digests[r].samples.get(u.leaf)
                     held = full if full is not None else whole.get((r, u.leaf))
                     content = (u.signature(), held if held is not None else f"class:{u.cls}")
-                    match = next(
-                        (x for x in found if x.kind == "tensor" and x.content == content), None
-                    )
+                    match = index.get(("tensor", content))
                     if match is None:
                         match = _Version("tensor", u.desc, set(), content=content)
                         found.append(match)
+                        index[("tensor", content)] = match
                     match.ranks.add(r)
                     match.source[r] = u.leaf
                 continue
@@ -569,7 +584,7 @@ def build_union(
                 rec["records"] = list(range(n - len(dts), n)) if len(dts) == len(found) else []
             rec["leaves"] = first_leaf
             versions.append(rec)
-        for u in units:
+        for u in path_units:
             canon[(u.cls, u.leaf)] = first_leaf[0]
     if differ:
         raise replica_error(differ, "whole-tensor digests")
