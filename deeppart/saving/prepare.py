@@ -844,9 +844,13 @@ def _read_exchange(got: list[bytes], rows: list[bytes], auto: bool) -> _Exchange
             digests[r].samples = samples
     values_differ: list[int] = []
     for r, c in enumerate(classes):
-        digests[r].values = dict(values[c])
+        # Ranks whose values are their class's lowest rank's share its
+        # dict (build_union takes them together); the others get a copy
+        # that the second round updates.
+        digests[r].values = values[c]
         if rows[r][48:64] != rows[c][48:64]:
             values_differ.append(r)
+            digests[r].values = dict(values[c])
     units = units_of(states)
     need = whole_digests_needed(states, classes, auto, units)
     return _Exchanged(classes, states, digests, unmatched, values_differ, need, units)

@@ -396,7 +396,7 @@ def whole_digests_needed(
                 # Every holder's digest of its whole tensor is in the
                 # exchange already (Digests.samples): nothing more to digest.
                 continue
-            holder_sets = {json.dumps([s[1] for s in u.shards]) for u in group}
+            holder_sets = {tuple(tuple(s[1]) for s in u.shards) for u in group}
             if len(holder_sets) > 1:
                 for u in group:
                     for _, holders, leaf in u.shards:
@@ -479,6 +479,20 @@ def build_union(
             shapes[id(region)] = hit
         return list(hit[1])
 
+    # Per class, by local leaf: its ranks whose plain value differs from
+    # the class's lowest rank's (most ranks hold most values alike).
+    value_diffs: dict[int, dict[int, list[int]]] = {}
+    for c, class_ranks in members.items():
+        lowest = digests[c].values
+        per_leaf: dict[int, list[int]] = {}
+        for r in class_ranks:
+            theirs = digests[r].values
+            if theirs is lowest:
+                continue
+            changed = {k for k, _ in theirs.items() - lowest.items()}
+            for leaf in changed | (lowest.keys() - theirs.keys()):
+                per_leaf.setdefault(leaf, []).append(r)
+        value_diffs[c] = per_leaf
     by_path = units if units is not None else _units(states)
     for path_units in by_path.values():
         path = list(path_units[0].desc["path"])
@@ -488,15 +502,25 @@ def build_union(
         for u in path_units:
             ranks = members[u.cls]
             if u.kind == "object":
-                for r in ranks:
-                    v = digests[r].values.get(u.leaf)
+                # The class's ranks whose value is its lowest rank's at
+                # once, the others one by one.
+                odd = value_diffs[u.cls].get(u.leaf, [])
+                if odd:
+                    oddset = set(odd)
+                    alike = [r for r in ranks if r not in oddset]
+                else:
+                    alike = ranks
+                for group in [alike, *([r] for r in odd)]:
+                    if not group:
+                        continue
+                    v = digests[group[0]].values.get(u.leaf)
                     match = index.get(("object", v))
                     if match is None:
                         match = _Version("object", u.desc, set(), content=v)
                         found.append(match)
                         index[("object", v)] = match
-                    match.ranks.add(r)
-                    match.source[r] = u.leaf
+                    match.ranks.update(group)
+                    match.source.update(dict.fromkeys(group, u.leaf))
                 continue
             if u.kind == "tensor":
                 # Each holder's whole-byte digest decides (issue 49): ranks
@@ -522,7 +546,7 @@ def build_union(
                     match.source[r] = u.leaf
                 continue
             # A DTensor.
-            holders_key = json.dumps([s[1] for s in u.shards])
+            holders_key = tuple(tuple(s[1]) for s in u.shards)
             shard_digests = [whole.get((min(h), leaf)) for _, h, leaf in u.shards]
             merged = None
             for x in found:
@@ -549,6 +573,8 @@ def build_union(
         # Replicas of DTensor shards (same mesh, or merged): their samples agree.
         for x in found:
             for _region, _h, src in x.shards:
+                if len(src) < 2:
+                    continue  # one holder: nothing to compare
                 groups = _samples_differ(path, sorted(src), src.__getitem__, digests)
                 if groups is not None:
                     differ.append((path, groups))
