@@ -17,10 +17,13 @@ The exchange (:func:`deeppart.saving.prepare.prepare_save`): one agreement of an
 digests, a flag, the digest of the store the rank addresses); when the
 ranks' structures differ (pipeline stages) one ``allgather_varbytes`` in
 which the lowest rank of each distinct structure sends its description
-(:class:`deeppart.state.union.Described`, JSON) and every other rank only the
-digests that differ from that rank's (per-rank plain values, sampled
-shared tensors); every rank then builds the same union manifest and plans
-it, and a last agreement of a 33-byte row checks that.
+(:func:`deeppart.state.union.encode_described`: each DTensor by its layout,
+JSON) and the digests of its plain values, and every rank the digests of
+the shared tensors it is the reference holder of and one digest of the
+others; a second ``allgather_varbytes`` (when some rank's plain values
+differ from its structure's lowest rank's, or some digest did not match)
+carries those leaf by leaf; every rank then builds the same union
+manifest and plans it, and a last agreement of a 33-byte row checks that.
 A load with DTensor targets exchanges too
 (:func:`deeppart.loading.reshard.plan_shard_reads`: every rank's needed regions).
 
