@@ -652,13 +652,14 @@ def _computed(
     payloads: list[bytes] = []
     for r in range(world):
         rep = reps[r // (dp * tp)]
-        payloads.append(_payload(own_of[r], rows_plain, r, rep))
+        # Each round's payload goes with a byte saying the rank did not fail.
+        payloads.append(b"\0" + _payload(own_of[r], rows_plain, r, rep))
     rounds = [payloads]
     # The second round (plain values that differ from their stage's lowest
     # rank's, ...): what every rank knows after the first is the same.
-    exchanged = _read_exchange(payloads, rows_plain, False)
+    exchanged = _read_exchange([p[1:] for p in payloads], rows_plain, False)
     if exchanged.second_round:
-        rounds.append([_second_payload(own_of[r], r, exchanged) for r in range(world)])
+        rounds.append([b"\0" + _second_payload(own_of[r], r, exchanged) for r in range(world)])
     t_others = time.process_time() - t0
     sizes = sorted(sum(len(p[r]) for p in rounds) for r in range(world) if r not in reps)
     out: dict[str, Any] = {

@@ -373,3 +373,32 @@ def test_a_replica_that_differs_is_sent_again_and_refused() -> None:
     assert ex.digests[1].samples[1] == "63" * 16 and ex.digests[2].values[0] == "77" * 8
     with pytest.raises(ReplicaMismatchError, match=r"w: ranks \[0\] hold one version, ranks \[1\]"):
         build_union(ex.states, ex.classes, ex.digests)
+
+
+def test_a_rank_failing_in_the_exchange_fails_every_rank() -> None:
+    """A rank whose payload cannot be made still takes part in the round:
+    it raises its own error, every other rank a CheckpointError naming it
+    (none waits for it forever)."""
+    from thread_comm import run_ranks, thread_comms
+
+    from deeppart.errors import CheckpointError
+    from deeppart.saving import prepare as p
+
+    comms = thread_comms(3)
+
+    def build(r: int) -> bytes:
+        if r == 1:
+            raise ValueError("no layout")
+        return bytes([r])
+
+    def one(r: int) -> Any:
+        return lambda: p._exchange_round(comms[r], lambda: build(r))
+
+    out = run_ranks([one(r) for r in range(3)])
+    assert isinstance(out[1][1], ValueError)
+    for r in (0, 2):
+        err = out[r][1]
+        assert isinstance(err, CheckpointError), err
+        assert "ranks [1]" in str(err) and "no layout" in str(err)
+    ok = run_ranks([lambda r=r: p._exchange_round(comms[r], lambda: bytes([r])) for r in range(3)])
+    assert [x for x, _ in ok] == [[b"\0", b"\1", b"\2"]] * 3

@@ -906,6 +906,30 @@ def _read_second(per_rank: list[bytes], ex: _Exchanged) -> dict[tuple[int, int],
     return whole
 
 
+def _exchange_round(c: Comm, build: Callable[[], bytes]) -> list[bytes]:
+    """One round of the exchange (collective over ``c``): every rank's
+    ``build()``. A rank whose ``build`` raises still takes part (a byte
+    saying so, and its error), and then every rank raises: the failing one
+    its own error, the others a CheckpointError naming it."""
+    err: BaseException | None = None
+    try:
+        data = b"\0" + build()
+    except BaseException as e:
+        err = e
+        data = b"\1" + f"{type(e).__name__}: {e}".encode()[:2000]
+    got = c.allgather_varbytes(data)
+    if err is not None:
+        raise err
+    failed = [r for r, g in enumerate(got) if g[:1] != b"\0"]
+    if failed:
+        first = got[failed[0]][1:].decode(errors="replace")
+        raise CheckpointError(
+            f"ranks {failed} failed in the save's exchange (rank {failed[0]}: {first}); "
+            "nothing was written"
+        )
+    return [g[1:] for g in got]
+
+
 @contextlib.contextmanager
 def _no_gc() -> Iterator[None]:
     """Python's cyclic garbage collector paused: building the union makes
@@ -932,12 +956,12 @@ def _union_prepare(
     """The exchange, the union manifest and its agreement (every rank
     raises alike on replicas that differ, or on trees that do not merge)."""
     classes = _classes_of(rows)
-    got = c.allgather_varbytes(_payload(own, rows, c.rank, classes[c.rank]))
+    got = _exchange_round(c, lambda: _payload(own, rows, c.rank, classes[c.rank]))
     with _no_gc():
         ex = _read_exchange(got, rows, auto)
     whole: dict[tuple[int, int], str] = {}
     if ex.second_round:
-        whole = _read_second(c.allgather_varbytes(_second_payload(own, c.rank, ex)), ex)
+        whole = _read_second(_exchange_round(c, lambda: _second_payload(own, c.rank, ex)), ex)
     states, digests = ex.states, ex.digests
     err: BaseException | None = None
     prep: Prepared | None = None
