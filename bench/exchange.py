@@ -81,7 +81,7 @@ if TYPE_CHECKING:
     from deeppart.comm import Comm
 
 #: The function names of the save's exchange (prepare stage) and the load's.
-SAVE_EXCHANGE = ("prepare_save", "_union_prepare")
+SAVE_EXCHANGE = ("prepare_save", "_exchange_round", "_union_prepare")
 LOAD_EXCHANGE = ("plan_shard_reads",)
 
 
@@ -681,7 +681,7 @@ def _computed(
         # What rank 0's three gathers carry with these rows and payloads.
         ops: list[list[Any]] = [
             ["prepare_save", "allgather_bytes", 82, 82 * (world - 1)],
-            *(["_union_prepare", "allgather_varbytes", len(ps[0]) + 8,
+            *(["_exchange_round", "allgather_varbytes", len(ps[0]) + 8,
                _others(ps, 0) + 8 * (world - 1)] for ps in rounds),
             ["_union_prepare", "allgather_bytes", 34, 34 * (world - 1)],
         ]  # fmt: skip

@@ -31,7 +31,12 @@ def test_computed_exchange_at_eight_ranks() -> None:
         "allgather_varbytes",
         "allgather_bytes",
     ]
-    assert [op[0] for op in ops] == ["prepare_save"] + ["_union_prepare"] * 3
+    assert [op[0] for op in ops] == [
+        "prepare_save",
+        "_exchange_round",
+        "_exchange_round",
+        "_union_prepare",
+    ]
     pb = res["payload_bytes"]
     assert pb["exchange rounds"] == 2
     descriptions = pb["description (each stage's lowest rank)"]
