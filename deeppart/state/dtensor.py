@@ -213,8 +213,9 @@ Layout = tuple[tuple[Any, ...], Any, list[int], tuple[tuple[int, int] | None, ..
 
 
 def holder_layout(dt: Any, path: Sequence[Any] = (), replica_dims: Sequence[str] = ()) -> Layout:
-    """The layout whose :func:`layout_regions` :func:`holder_regions` gives:
-    the DTensor's own mesh, widened by ``replica_dims``."""
+    """What determines ``dt``'s shards and holders as :func:`holder_regions`
+    finds them (its own mesh, widened by ``replica_dims``): their regions
+    are :func:`layout_regions` of it."""
     _check_placements(dt, path)
     mesh = dt.device_mesh
     key_ranks, ranks = _mesh_ranks(mesh)
