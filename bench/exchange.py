@@ -17,10 +17,13 @@ The exchange (:func:`deeppart.saving.prepare.prepare_save`): one agreement of an
 digests, a flag, the digest of the store the rank addresses); when the
 ranks' structures differ (pipeline stages) one ``allgather_varbytes`` in
 which the lowest rank of each distinct structure sends its description
-(:class:`deeppart.state.union.Described`, JSON) and every other rank only the
-digests that differ from that rank's (per-rank plain values, sampled
-shared tensors); every rank then builds the same union manifest and plans
-it, and a last agreement of a 33-byte row checks that.
+(:func:`deeppart.state.union.encode_described`: each DTensor by its layout,
+JSON) and the digests of its plain values, and every rank the digests of
+the shared tensors it is the reference holder of and one digest of the
+others; a second ``allgather_varbytes`` (when some rank's plain values
+differ from its structure's lowest rank's, or some digest did not match)
+carries those leaf by leaf; every rank then builds the same union
+manifest and plans it, and a last agreement of a 33-byte row checks that.
 A load with DTensor targets exchanges too
 (:func:`deeppart.loading.reshard.plan_shard_reads`: every rank's needed regions).
 
@@ -78,7 +81,7 @@ if TYPE_CHECKING:
     from deeppart.comm import Comm
 
 #: The function names of the save's exchange (prepare stage) and the load's.
-SAVE_EXCHANGE = ("prepare_save", "_union_prepare")
+SAVE_EXCHANGE = ("prepare_save", "_exchange_round", "_union_prepare")
 LOAD_EXCHANGE = ("plan_shard_reads",)
 
 
@@ -446,18 +449,20 @@ def run_measured(n: int, reps: int, timeout_s: float) -> dict[str, Any]:
 class SimComm:
     """Rank ``rank`` of ``size`` whose gathers return the other ranks'
     contributions made beforehand (``rows``: the first agreement's,
-    ``payloads``: the exchange's); later agreements return this rank's row
-    for every rank (all ranks build the same union: checked with
-    ``--check-reps``). Counts like :class:`CountingComm`."""
+    ``rounds``: each round of the exchange's payloads, in order); later
+    agreements return this rank's row for every rank (all ranks build the
+    same union: checked with ``--check-reps``). Counts like
+    :class:`CountingComm`."""
 
     def __init__(
-        self, rank: int, size: int, rows: list[bytes], payloads: list[bytes], agreed: int = 0
+        self, rank: int, size: int, rows: list[bytes], rounds: list[list[bytes]], agreed: int = 0
     ) -> None:
         self.rank, self.size = rank, size
-        self.rows, self.payloads = rows, payloads
+        self.rows, self.rounds = rows, rounds
         self.counter = Counter(time.process_time)
         #: Agreements already made (1: start at the exchange).
         self._agreements = agreed
+        self._round = 0
 
     def allgather_bytes(self, data: bytes, width: int) -> list[bytes]:
         def gather() -> list[bytes]:
@@ -475,9 +480,11 @@ class SimComm:
 
     def allgather_varbytes(self, data: bytes) -> list[bytes]:
         def gather() -> list[bytes]:
-            if data != self.payloads[self.rank]:
+            payloads = self.rounds[self._round]
+            self._round += 1
+            if data != payloads[self.rank]:
                 raise AssertionError("this rank's payload differs from the one computed before")
-            return self.payloads
+            return payloads
 
         return self.counter.counted(  # type: ignore[no-any-return]
             "allgather_varbytes",
@@ -571,6 +578,8 @@ def _computed(
         _Own,
         _own_prepare,
         _payload,
+        _read_exchange,
+        _second_payload,
         _union_prepare,
         digest_held,
         prepare_save,
@@ -643,9 +652,16 @@ def _computed(
     payloads: list[bytes] = []
     for r in range(world):
         rep = reps[r // (dp * tp)]
-        payloads.append(_payload(own_of[r], rows_plain, r, rep))
+        # Each round's payload goes with a byte saying the rank did not fail.
+        payloads.append(b"\0" + _payload(own_of[r], rows_plain, r, rep))
+    rounds = [payloads]
+    # The second round (plain values that differ from their stage's lowest
+    # rank's, ...): what every rank knows after the first is the same.
+    exchanged = _read_exchange([p[1:] for p in payloads], rows_plain, False)
+    if exchanged.second_round:
+        rounds.append([b"\0" + _second_payload(own_of[r], r, exchanged) for r in range(world)])
     t_others = time.process_time() - t0
-    sizes = sorted(len(p) for r, p in enumerate(payloads) if r not in reps)
+    sizes = sorted(sum(len(p[r]) for p in rounds) for r in range(world) if r not in reps)
     out: dict[str, Any] = {
         "layout": {"pp": pp, "dp": dp, "tp": tp, "world": world},
         "model": dataclasses.asdict(cfg),
@@ -653,7 +669,8 @@ def _computed(
         "payload_bytes": {
             "description (each stage's lowest rank)": [len(payloads[r]) for r in reps],
             "other ranks: min, median, max": [sizes[0], sizes[len(sizes) // 2], sizes[-1]],
-            "total (what every rank gathers)": sum(len(p) for p in payloads),
+            "total (what every rank gathers)": sum(len(p) for ps in rounds for p in ps),
+            "exchange rounds": len(rounds),
         },
         "cpu_seconds": {
             "each stage rep's own prepare": [t_own[s] for s in range(pp)],
@@ -664,8 +681,8 @@ def _computed(
         # What rank 0's three gathers carry with these rows and payloads.
         ops: list[list[Any]] = [
             ["prepare_save", "allgather_bytes", 82, 82 * (world - 1)],
-            ["_union_prepare", "allgather_varbytes", len(payloads[0]) + 8,
-             _others(payloads, 0) + 8 * (world - 1)],
+            *(["_exchange_round", "allgather_varbytes", len(ps[0]) + 8,
+               _others(ps, 0) + 8 * (world - 1)] for ps in rounds),
             ["_union_prepare", "allgather_bytes", 34, 34 * (world - 1)],
         ]  # fmt: skip
         sent, gathered = sum(o[2] for o in ops), sum(o[3] for o in ops)
@@ -674,12 +691,12 @@ def _computed(
 
     _progress("rank 0's prepare_save")
     # Rank 0's prepare_save, the code as it runs in a save.
-    c = SimComm(0, world, rows, payloads)
+    c = SimComm(0, world, rows, rounds)
     t0 = time.process_time()
     prep, _ = prepare_save(cast("Comm", c), None, states[0], None, plan_for, path)
     t_total = time.process_time() - t0
     marks = [(x[1], x[4] - t0, x[5] - t0) for x in c.counter.log]
-    agree1, gather, agree2 = marks
+    agree1, gather, agree2 = marks[0], marks[1], marks[-1]
     phases = {
         "own prepare (describe, digest, plan own tree)": agree1[1],
         "encode the payload": gather[1] - agree1[2],
@@ -688,7 +705,7 @@ def _computed(
     checked: dict[str, Any] = {}
     if check_reps:
         for s in range(1, pp):
-            sc = SimComm(reps[s], world, rows, payloads, agreed=1)
+            sc = SimComm(reps[s], world, rows, rounds, agreed=1)
             other, _ = _union_prepare(
                 cast("Comm", sc), owns[s], [r[:64] for r in rows], False, None
             )

@@ -15,6 +15,7 @@ tensor exactly once. Nothing here imports torch.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -187,8 +188,9 @@ class Region:
     def full(shape: Sequence[int]) -> Region:
         return Region(tuple(((0, int(n)),) if n else () for n in shape))
 
-    @property
+    @functools.cached_property
     def shape(self) -> tuple[int, ...]:
+        # Cached: a layout's regions are shared by every save that uses it.
         return tuple(sum(b - a for a, b in r) for r in self.runs)
 
     @property

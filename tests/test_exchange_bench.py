@@ -21,16 +21,31 @@ def test_computed_exchange_at_eight_ranks() -> None:
     # The union holds every stage's parameters and both AdamW moments.
     params = sum(len(stage_params(cfg, 2, s)) for s in range(2))
     assert res["union_dtensors"] == 3 * params
-    # Rank 0: the first agreement, the exchange, the union's agreement.
+    # Rank 0: the first agreement, the exchange's two rounds (the second:
+    # each rank's plain values that differ from its stage's lowest rank's,
+    # its loader position and RNG state), the union's agreement.
     ops = res["rank0"]["ops"]
-    assert [op[1] for op in ops] == ["allgather_bytes", "allgather_varbytes", "allgather_bytes"]
-    assert [op[0] for op in ops] == ["prepare_save", "_union_prepare", "_union_prepare"]
+    assert [op[1] for op in ops] == [
+        "allgather_bytes",
+        "allgather_varbytes",
+        "allgather_varbytes",
+        "allgather_bytes",
+    ]
+    assert [op[0] for op in ops] == [
+        "prepare_save",
+        "_exchange_round",
+        "_exchange_round",
+        "_union_prepare",
+    ]
     pb = res["payload_bytes"]
+    assert pb["exchange rounds"] == 2
     descriptions = pb["description (each stage's lowest rank)"]
     lo, _, hi = pb["other ranks: min, median, max"]
-    # Only one rank per stage sends a description; the others send their
-    # per-rank digests (loader position, RNG state), far less.
+    # Only one rank per stage sends a description; the others send a few
+    # digests (their per-rank values, the shards they hold first), far less.
     assert len(descriptions) == 2 and 0 < lo <= hi < min(descriptions) / 10
     total = pb["total (what every rank gathers)"]
-    assert ops[1][3] == total - descriptions[0] + 8 * 7  # what rank 0 gathers
-    assert res["rank0"]["sent"] == 82 + descriptions[0] + 8 + 34
+    mine = (ops[1][2] - 8) + (ops[2][2] - 8)  # rank 0's own payloads, both rounds
+    assert ops[1][3] + ops[2][3] == total - mine + 2 * 8 * 7  # what rank 0 gathers
+    assert ops[1][2] == descriptions[0] + 8
+    assert res["rank0"]["sent"] == 82 + ops[1][2] + ops[2][2] + 34

@@ -278,3 +278,127 @@ def test_version_3_metadata_is_checked(tmp_path: Any) -> None:
             parse_metadata({**base, "versions": [rec]}, sizes)
     with pytest.raises(CorruptCheckpointError, match="version 3 goes with versions"):
         parse_metadata({**raw, "version": 3, "dtensors": []}, sizes)
+
+
+# ----------------------------------------------------------------------------
+# The exchange's encoding: DTensors by layout (issue 46).
+
+
+def _by_layout(extra_before: int = 1) -> tuple[Described, list[Any]]:
+    """A rank's description as the save makes it: ``extra_before`` plain
+    values, a (4, 3) DTensor on the 2 x 2 mesh [[0, 1], [2, 3]], Shard(0)
+    over the first mesh dimension and replicated over the second (shard 0
+    held by ranks 0 and 1, shard 1 by ranks 2 and 3), a plain tensor after
+    it; with the layout of its record."""
+    import numpy as np
+
+    from deeppart.state.dtensor import layout_regions
+
+    mesh = np.array([[0, 1], [2, 3]], dtype=np.int64)
+    layout = (((2, 2), (0, 1, 2, 3)), mesh, [0, 1], ((0, 1), None), (4, 3))
+    descs: list[dict[str, Any]] = [
+        {"path": ["v", i], "kind": "object", "nbytes": 3} for i in range(extra_before)
+    ]
+    shards = []
+    for k, (region, holders) in enumerate(layout_regions(*layout)):
+        shards.append([len(descs), region.to_json()])
+        descs.append(
+            {"path": ["w", "<shard>", k], "dtype": "float32", "shape": list(region.shape),
+             "holders": holders}
+        )  # fmt: skip
+    descs.append({"path": ["t"], "dtype": "int64", "shape": []})
+    rec = {"path": ["w"], "dtype": "float32", "shape": [4, 3], "ranks": [0, 1, 2, 3],
+           "shards": shards}  # fmt: skip
+    return Described(descs, {"list": []}, [rec], "c"), [layout]
+
+
+@pytest.mark.parametrize("before", [0, 2])
+def test_a_description_by_layout_decodes_to_the_same_description(before: int) -> None:
+    import json
+
+    from deeppart.state.union import decode_described, encode_described
+
+    st, layouts = _by_layout(before)
+    wire = json.loads(json.dumps(encode_described(st, layouts)))
+    # The DTensor travels as one record and its layout, not its shards.
+    assert len(wire["descs"]) == before + 1 and len(wire["records"]) == 1
+    back = decode_described(wire)
+    assert back.descs == st.descs
+    assert back.records == st.records
+    assert (back.skeleton, back.common) == (st.skeleton, st.common)
+
+
+def _exchange_of(
+    shard_digests: list[bytes], values: list[bytes]
+) -> tuple[Any, list[bytes], list[bytes]]:
+    """Four ranks of one structure (:func:`_by_layout`), rank r holding its
+    shard with digest ``shard_digests[r]`` and plain value digest
+    ``values[r]``: the exchange's first round as every rank reads it, the
+    ranks' first-agreement rows and their first-round payloads."""
+    from deeppart.saving import prepare as p
+
+    st, layouts = _by_layout(1)
+    owns = []
+    for r in range(4):
+        held = 1 + (r // 2)  # shard 0 on ranks 0, 1; shard 1 on ranks 2, 3
+        dig = Digests({0: values[r].hex()}, {held: shard_digests[r].hex(), 3: "ab" * 16})
+        owns.append(p._Own(None, st, dig, b"", b"", None, "", {}, layouts))  # type: ignore[arg-type]
+    rows = [b"S" * 32 + b"x" * 16 + values[r].ljust(16, b"\0") for r in range(4)]
+    got = [p._payload(owns[r], rows, r, 0) for r in range(4)]
+    return (p._read_exchange(got, rows, False), owns, rows), got, rows
+
+
+def test_equal_replicas_of_a_shard_need_no_second_round() -> None:
+    (ex, _, _), got, _ = _exchange_of([b"a" * 16] * 2 + [b"b" * 16] * 2, [b"v" * 8] * 4)
+    assert not ex.second_round
+    # Ranks 1 and 3 sent no digest of their shard: one digest of what they hold.
+    assert len(got[1]) < len(got[2])
+    assert [d.samples for d in ex.digests] == [
+        {1: "61" * 16, 3: "ab" * 16}, {1: "61" * 16, 3: "ab" * 16},
+        {2: "62" * 16, 3: "ab" * 16}, {2: "62" * 16, 3: "ab" * 16},
+    ]  # fmt: skip
+    u = build_union(ex.states, ex.classes, ex.digests)
+    assert [it.holders for it in u.items if "<shard>" in it.path] == [[0, 1], [2, 3]]
+
+
+def test_a_replica_that_differs_is_sent_again_and_refused() -> None:
+    from deeppart.saving import prepare as p
+
+    digests = [b"a" * 16, b"c" * 16, b"b" * 16, b"b" * 16]
+    (ex, owns, _), _, _ = _exchange_of(digests, [b"v" * 8, b"v" * 8, b"w" * 8, b"v" * 8])
+    # Rank 1's copy of shard 0 does not match rank 0's; rank 2's value differs.
+    assert ex.unmatched == [1] and ex.values_differ == [2] and ex.second_round
+    second = [p._second_payload(owns[r], r, ex) for r in range(4)]
+    assert p._read_second(second, ex) == {}
+    assert ex.digests[1].samples[1] == "63" * 16 and ex.digests[2].values[0] == "77" * 8
+    with pytest.raises(ReplicaMismatchError, match=r"w: ranks \[0\] hold one version, ranks \[1\]"):
+        build_union(ex.states, ex.classes, ex.digests)
+
+
+def test_a_rank_failing_in_the_exchange_fails_every_rank() -> None:
+    """A rank whose payload cannot be made still takes part in the round:
+    it raises its own error, every other rank a CheckpointError naming it
+    (none waits for it forever)."""
+    from thread_comm import run_ranks, thread_comms
+
+    from deeppart.errors import CheckpointError
+    from deeppart.saving import prepare as p
+
+    comms = thread_comms(3)
+
+    def build(r: int) -> bytes:
+        if r == 1:
+            raise ValueError("no layout")
+        return bytes([r])
+
+    def one(r: int) -> Any:
+        return lambda: p._exchange_round(comms[r], lambda: build(r))
+
+    out = run_ranks([one(r) for r in range(3)])
+    assert isinstance(out[1][1], ValueError)
+    for r in (0, 2):
+        err = out[r][1]
+        assert isinstance(err, CheckpointError), err
+        assert "ranks [1]" in str(err) and "no layout" in str(err)
+    ok = run_ranks([lambda r=r: p._exchange_round(comms[r], lambda: bytes([r])) for r in range(3)])
+    assert [x for x, _ in ok] == [[b"\0", b"\1", b"\2"]] * 3

@@ -20,13 +20,16 @@ differ become each rank's own version (:mod:`deeppart.state.union`).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
+import gc
 import hashlib
 import json
-from collections.abc import Callable, Sequence
+import struct
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -40,7 +43,16 @@ from deeppart.saving.digests import digest_all, digest_threads
 from deeppart.state.dtensor import HolderGroups, expand
 from deeppart.state.state import FlatLeaf, check_has_data, flatten
 from deeppart.state.tensors import U8, readable, u8_view
-from deeppart.state.union import Described, Digests, Union, build_union, whole_digests_needed
+from deeppart.state.union import (
+    Described,
+    Digests,
+    Union,
+    build_union,
+    decode_described,
+    encode_described,
+    units_of,
+    whole_digests_needed,
+)
 from deeppart.storage.identity import IDENTITY_BYTES, identity_digest, identity_error
 from deeppart.storage.url import Location, location_key
 
@@ -210,8 +222,12 @@ def save_digest(
     codec: str,
     directory: Location,
     records: list[DTensorRecord],
+    records_json: list[dict[str, Any]] | None = None,
 ) -> bytes:
-    """The digest of what all ranks of one save must agree on."""
+    """The digest of what all ranks of one save must agree on
+    (``records_json``: ``records``' JSON, when the caller has it)."""
+    if records_json is None:
+        records_json = [r.to_json() for r in records]
     h = hashlib.sha256()
     h.update(plan.fingerprint.encode())
     h.update(plan.assignment_digest().encode())
@@ -219,7 +235,7 @@ def save_digest(
     h.update(json.dumps(skeleton, separators=(",", ":")).encode())
     h.update(codec.encode())
     h.update(location_key(directory).encode())
-    h.update(json.dumps([r.to_json() for r in records], separators=(",", ":")).encode())
+    h.update(json.dumps(records_json, separators=(",", ":")).encode())
     return h.digest()
 
 
@@ -399,6 +415,9 @@ class _Own:
     directory: Location
     #: Shared tensors not digested yet (``defer_from``), by local leaf.
     deferred: dict[int, Any] = field(default_factory=dict)
+    #: Per DTensor record: the layout its shards come from (the exchange
+    #: sends the layout, :func:`~deeppart.state.union.encode_described`).
+    layouts: list[Any] = field(default_factory=list)
 
 
 def _holders_of(desc: dict[str, Any], groups: list[list[int]], world: int) -> list[int]:
@@ -458,7 +477,7 @@ def _own_prepare(
              "shards": [[s.leaf, s.region.to_json()] for s in rec.shards]}
         )  # fmt: skip
     prep.samples = {i: bytes.fromhex(v) for i, v in digests.samples.items()}
-    return _Own(prep, described, digests, sample, values, plan_for, directory, deferred)
+    return _Own(prep, described, digests, sample, values, plan_for, directory, deferred, ex.layouts)
 
 
 @dataclass
@@ -668,18 +687,262 @@ def _record_proved(own: _Own, proved: dict[int, bytes]) -> None:
         own.prep.samples[i] = d
 
 
+def _classes_of(rows: list[bytes]) -> list[int]:
+    """Per rank: the lowest rank whose structure digest is its own (its class)."""
+    reps: dict[bytes, int] = {}
+    return [reps.setdefault(r[:32], i) for i, r in enumerate(rows)]
+
+
+def _reference(holders: list[int] | None, cls: int, classes: Sequence[int]) -> int:
+    """The rank whose digest of a leaf (held by ``holders``, None: every
+    rank) the other holders of class ``cls`` are compared with: its lowest
+    holder of that class (that class's lowest rank for a plain tensor)."""
+    if holders is None:
+        return cls
+    return min(h for h in holders if classes[h] == cls)
+
+
+def _pairs(items: Sequence[tuple[int, bytes]]) -> bytes:
+    """``(local leaf, digest)`` pairs as bytes: a count, the digests' width,
+    then per pair the leaf (4 bytes) and the digest."""
+    width = len(items[0][1]) if items else 0
+    out = bytearray(struct.pack("<IB", len(items), width))
+    for i, d in items:
+        if len(d) != width:
+            raise ValueError("digests of one kind differ in width")
+        out += struct.pack("<I", i) + d
+    return bytes(out)
+
+
+def _read_pairs(data: bytes, at: int) -> tuple[dict[int, bytes], int]:
+    n, width = struct.unpack_from("<IB", data, at)
+    at += 5
+    out: dict[int, bytes] = {}
+    for _ in range(n):
+        (i,) = struct.unpack_from("<I", data, at)
+        out[i] = data[at + 4 : at + 4 + width]
+        at += 4 + width
+    return out, at
+
+
+def _combined(items: Sequence[tuple[int, bytes]]) -> bytes:
+    """One 16-byte digest of ``(local leaf, digest)`` pairs."""
+    h = hashlib.blake2b(digest_size=16)
+    for i, d in items:
+        h.update(i.to_bytes(4, "little") + d)
+    return h.digest()
+
+
+def _own_holders(own: _Own) -> list[list[int] | None]:
+    return [d.get("holders") for d in own.described.descs]
+
+
 def _payload(own: _Own, rows: list[bytes], rank: int, rep: int) -> bytes:
-    """What this rank sends in the exchange: its description if it is the
-    lowest rank of its structure, its digests where they differ from that
-    rank's (all of them if some were proved after its row was sent)."""
-    body: dict[str, Any] = {}
+    """What this rank sends in the exchange: its description (by layout,
+    :func:`~deeppart.state.union.encode_described`) and the digests of its
+    plain values if it is the lowest rank of its structure; the digests of
+    the shared tensors of which it is the reference holder
+    (:func:`_reference`), and one digest of its digests of the others,
+    which every rank checks against their reference holders' (a copy
+    that differs is sent leaf by leaf in a second round)."""
+    classes = _classes_of(rows)
+    header = b""
     if rep == rank:
-        body["state"] = own.described.__dict__
-    if rep == rank or rows[rank][48:64] != rows[rep][48:64]:
-        body["values"] = own.digests.values
-    if rep == rank or rows[rank][32:48] != rows[rep][32:48] or own.deferred:
-        body["samples"] = own.digests.samples
-    return json.dumps(body, separators=(",", ":")).encode()
+        header = json.dumps(
+            encode_described(own.described, own.layouts), separators=(",", ":")
+        ).encode()
+    holders = _own_holders(own)
+    mine: list[tuple[int, bytes]] = []
+    others: list[tuple[int, bytes]] = []
+    for i in sorted(own.digests.samples):
+        d = bytes.fromhex(own.digests.samples[i])
+        ref = _reference(holders[i], rep, classes)
+        (mine if ref == rank else others).append((i, d))
+    values: list[tuple[int, bytes]] = []
+    if rep == rank:
+        values = [(i, bytes.fromhex(v)) for i, v in sorted(own.digests.values.items())]
+    return (
+        struct.pack("<I", len(header)) + header + _pairs(mine) + _combined(others) + _pairs(values)
+    )
+
+
+@dataclass
+class _Exchanged:
+    """What every rank knows alike after the exchange's first round."""
+
+    classes: list[int]
+    states: dict[int, Described]
+    digests: list[Digests]
+    #: Ranks whose digests of shared tensors differ from their reference
+    #: holders' (or could not be checked): sent leaf by leaf in round two.
+    unmatched: list[int]
+    #: Ranks whose plain values differ from their class's lowest rank's.
+    values_differ: list[int]
+    #: The (rank, local leaf) pairs of :func:`whole_digests_needed`.
+    need: list[tuple[int, int]]
+    #: What each class holds under each path (:func:`~deeppart.state.union.units_of`).
+    units: dict[str, list[Any]]
+
+    @property
+    def second_round(self) -> bool:
+        return bool(self.unmatched or self.values_differ or self.need)
+
+
+def _read_exchange(got: list[bytes], rows: list[bytes], auto: bool) -> _Exchanged:
+    """Decodes the first round of the exchange (``got``: every rank's
+    :func:`_payload`), alike on every rank."""
+    world = len(rows)
+    classes = _classes_of(rows)
+    states: dict[int, Described] = {}
+    refs: list[dict[int, bytes]] = []
+    combined: list[bytes] = []
+    values: dict[int, dict[int, str]] = {}
+    for r, data in enumerate(got):
+        (n,) = struct.unpack_from("<I", data, 0)
+        if n:
+            states[r] = decode_described(json.loads(data[4 : 4 + n].decode()))
+        mine, at = _read_pairs(data, 4 + n)
+        refs.append(mine)
+        combined.append(data[at : at + 16])
+        vals, _ = _read_pairs(data, at + 16)
+        if r == classes[r]:
+            values[r] = {i: v.hex() for i, v in vals.items()}
+    if set(states) != set(classes):
+        raise StateMismatchError("a class of ranks sent no description (a bug)")
+    digests = [Digests() for _ in range(world)]
+    members: dict[int, list[int]] = {}
+    for r, c in enumerate(classes):
+        members.setdefault(c, []).append(r)
+    unmatched: list[int] = []
+    for c, ranks in members.items():
+        descs = states[c].descs
+        plain = [i for i, d in enumerate(descs) if "holders" not in d and d.get("kind") != "object"]
+        plain = plain if world > 1 else []
+        held: dict[int, list[int]] = {r: [] for r in ranks}
+        ref_of: dict[int, int] = {}
+        for i, d in enumerate(descs):
+            hs = d.get("holders")
+            if hs is None or len(hs) < 2:
+                continue
+            ref_of[i] = _reference(hs, c, classes)
+            for h in hs:
+                if classes[h] == c:
+                    held[h].append(i)
+        for i in plain:
+            ref_of[i] = c
+        for r in ranks:
+            others = sorted([i for i in held[r] if ref_of[i] != r] + (plain if r != c else []))
+            expected = [(i, refs[ref_of[i]].get(i)) for i in others]
+            samples = {i: d.hex() for i, d in refs[r].items()}
+            if (
+                all(d is not None for _, d in expected)
+                and _combined(cast("list[tuple[int, bytes]]", expected)) == combined[r]
+            ):
+                samples.update({i: cast("bytes", d).hex() for i, d in expected})
+            else:
+                unmatched.append(r)
+            digests[r].samples = samples
+    values_differ: list[int] = []
+    for r, c in enumerate(classes):
+        # Ranks whose values are their class's lowest rank's share its
+        # dict (build_union takes them together); the others get a copy
+        # that the second round updates.
+        digests[r].values = values[c]
+        if rows[r][48:64] != rows[c][48:64]:
+            values_differ.append(r)
+            digests[r].values = dict(values[c])
+    units = units_of(states)
+    need = whole_digests_needed(states, classes, auto, units)
+    return _Exchanged(classes, states, digests, unmatched, values_differ, need, units)
+
+
+def _second_payload(own: _Own, rank: int, ex: _Exchanged) -> bytes:
+    """This rank's part of the exchange's second round: the whole digests
+    of :func:`whole_digests_needed` that fall to it, its plain values that
+    differ from its class's lowest rank's, and (when its first-round digest
+    of them did not match) its digests of the shared tensors it does not
+    hold as their reference."""
+    from deeppart._planner import replica_digests
+
+    mine = [leaf for r, leaf in ex.need if r == rank]
+    views = [_leaf_buffer(own.prep.leaves[i]) for i in mine]
+    buffers = [v.data if isinstance(v, np.ndarray) else v for v in views]
+    whole = replica_digests(buffers, digest_threads(len(ex.classes))) if mine else b""
+    values: list[tuple[int, bytes]] = []
+    if rank in ex.values_differ:
+        rep = ex.digests[ex.classes[rank]].values
+        values = [
+            (i, bytes.fromhex(v)) for i, v in sorted(own.digests.values.items()) if rep.get(i) != v
+        ]
+    samples: list[tuple[int, bytes]] = []
+    if rank in ex.unmatched:
+        holders = _own_holders(own)
+        cls = ex.classes[rank]
+        samples = [
+            (i, bytes.fromhex(v))
+            for i, v in sorted(own.digests.samples.items())
+            if _reference(holders[i], cls, ex.classes) != rank
+        ]
+    return whole + _pairs(values) + _pairs(samples)
+
+
+def _read_second(per_rank: list[bytes], ex: _Exchanged) -> dict[tuple[int, int], str]:
+    """Applies the second round to ``ex.digests``; returns the whole digests."""
+    from deeppart._planner import REPLICA_DIGEST_LEN as width
+
+    count = [0] * len(per_rank)
+    for r, _leaf in ex.need:
+        count[r] += 1
+    whole: dict[tuple[int, int], str] = {}
+    at = [0] * len(per_rank)
+    for r, leaf in ex.need:
+        whole[(r, leaf)] = per_rank[r][at[r] * width : (at[r] + 1) * width].hex()
+        at[r] += 1
+    for r, data in enumerate(per_rank):
+        vals, pos = _read_pairs(data, count[r] * width)
+        samples, _ = _read_pairs(data, pos)
+        ex.digests[r].values.update({i: v.hex() for i, v in vals.items()})
+        ex.digests[r].samples.update({i: v.hex() for i, v in samples.items()})
+    return whole
+
+
+def _exchange_round(c: Comm, build: Callable[[], bytes]) -> list[bytes]:
+    """One round of the exchange (collective over ``c``): every rank's
+    ``build()``. A rank whose ``build`` raises still takes part (a byte
+    saying so, and its error), and then every rank raises: the failing one
+    its own error, the others a CheckpointError naming it."""
+    err: BaseException | None = None
+    try:
+        data = b"\0" + build()
+    except BaseException as e:
+        err = e
+        data = b"\1" + f"{type(e).__name__}: {e}".encode()[:2000]
+    got = c.allgather_varbytes(data)
+    if err is not None:
+        raise err
+    failed = [r for r, g in enumerate(got) if g[:1] != b"\0"]
+    if failed:
+        first = got[failed[0]][1:].decode(errors="replace")
+        raise CheckpointError(
+            f"ranks {failed} failed in the save's exchange (rank {failed[0]}: {first}); "
+            "nothing was written"
+        )
+    return [g[1:] for g in got]
+
+
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    """Python's cyclic garbage collector paused: building the union makes
+    hundreds of thousands of small containers (no cycles), and each
+    collection of the young generations triggered on the way would walk
+    them all again."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _union_prepare(
@@ -692,40 +955,21 @@ def _union_prepare(
 ) -> tuple[Prepared, list[int]]:
     """The exchange, the union manifest and its agreement (every rank
     raises alike on replicas that differ, or on trees that do not merge)."""
-    reps: dict[bytes, int] = {}
-    classes = [reps.setdefault(r[:32], i) for i, r in enumerate(rows)]
-    got = c.allgather_varbytes(_payload(own, rows, c.rank, classes[c.rank]))
-    bodies = [json.loads(g.decode()) for g in got]
-    states = {r: Described(**bodies[r]["state"]) for r in set(classes)}
-    digests: list[Digests] = []
-    for r, body in enumerate(bodies):
-        rep = bodies[classes[r]]
-        vals = body.get("values", rep["values"])
-        samp = body.get("samples", rep["samples"])
-        digests.append(
-            Digests({int(k): v for k, v in vals.items()}, {int(k): v for k, v in samp.items()})
-        )
-    need = whole_digests_needed(states, classes, auto)
+    classes = _classes_of(rows)
+    got = _exchange_round(c, lambda: _payload(own, rows, c.rank, classes[c.rank]))
+    with _no_gc():
+        ex = _read_exchange(got, rows, auto)
     whole: dict[tuple[int, int], str] = {}
-    if need:
-        from deeppart._planner import REPLICA_DIGEST_LEN as width
-        from deeppart._planner import replica_digests
-
-        mine = [leaf for r, leaf in need if r == c.rank]
-        views = [_leaf_buffer(own.prep.leaves[i]) for i in mine]
-        buffers = [v.data if isinstance(v, np.ndarray) else v for v in views]
-        data = replica_digests(buffers, digest_threads(c.size)) if mine else b""
-        per_rank = c.allgather_varbytes(data)
-        at = [0] * c.size
-        for r, leaf in need:
-            whole[(r, leaf)] = per_rank[r][at[r] * width : (at[r] + 1) * width].hex()
-            at[r] += 1
+    if ex.second_round:
+        whole = _read_second(_exchange_round(c, lambda: _second_payload(own, c.rank, ex)), ex)
+    states, digests = ex.states, ex.digests
     err: BaseException | None = None
     prep: Prepared | None = None
     flag = 0
     try:
-        u = build_union(states, classes, digests, whole, auto, declared)
-        prep = _union_prepared(u, own, c.rank)
+        with _no_gc():
+            u = build_union(states, classes, digests, whole, auto, declared, ex.units)
+            prep = _union_prepared(u, own, c.rank)
         if local is not None:
             flag = local(prep)
     except BaseException as e:
@@ -752,14 +996,30 @@ def _union_prepared(u: Union, own: _Own, rank: int) -> Prepared:
         else FlatLeaf(tuple(it.path), own.prep.leaves[i].tensor, own.prep.leaves[i].encoded)
         for it in u.items
     ]  # fmt: skip
+    regions: dict[int, tuple[Any, Region]] = {}
+
+    def region(raw: Any) -> Region:
+        # Decoded layouts share their regions' JSON: each converted once.
+        hit = regions.get(id(raw))
+        if hit is None or hit[0] is not raw:
+            hit = (raw, _region(raw))
+            regions[id(raw)] = hit
+        return hit[1]
+
     records = [
         DTensorRecord(
             r["path"], r["dtype"], r["shape"],
-            [ShardRecord(s["leaf"], _region(s["index"])) for s in r["shards"]],
+            [ShardRecord(s["leaf"], region(s["index"])) for s in r["shards"]],
         )
         for r in u.records
     ]  # fmt: skip
-    digest = save_digest(plan, manifest, u.skeleton, own.prep.codec, own.directory, records)
+    as_json = [
+        {"path": r["path"], "dtype": r["dtype"], "shape": r["shape"], "shards": r["shards"]}
+        for r in u.records
+    ]
+    digest = save_digest(
+        plan, manifest, u.skeleton, own.prep.codec, own.directory, records, as_json
+    )
     union = {"dtensors": u.records, "versions": u.versions} if u.per_rank else None
     return Prepared(
         leaves, u.skeleton, manifest, plan, own.prep.codec, digest, records, union=union

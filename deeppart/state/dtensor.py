@@ -32,9 +32,12 @@ from deeppart.state.state import FlatLeaf, describe_leaf, is_dtensor
 __all__ = [
     "Expanded",
     "HolderGroups",
+    "Layout",
     "expand",
+    "holder_layout",
     "holder_regions",
     "is_dtensor",
+    "layout_regions",
     "local_region",
     "mesh_regions",
     "renumber_skeleton",
@@ -153,10 +156,10 @@ def mesh_regions(dt: Any, path: Sequence[Any] = ()) -> list[tuple[Region, list[i
     _check_placements(dt, path)
     root, dims = _root_view(dt, path)
     key_ranks, ranks = _mesh_ranks(root)
-    return _layout_regions(key_ranks, ranks, dims, _placement_specs(dt.placements), dt.shape)
+    return layout_regions(key_ranks, ranks, dims, _placement_specs(dt.placements), dt.shape)
 
 
-def _layout_regions(
+def layout_regions(
     key_ranks: tuple[Any, ...], ranks: Any, dims: Sequence[int], specs: Any, shape: Any
 ) -> list[tuple[Region, list[int]]]:
     """The regions of a tensor of ``shape`` with placements ``specs`` on the
@@ -197,6 +200,22 @@ def holder_regions(
     root-mesh dimensions named in ``replica_dims`` (declared replicas, e.g.
     ``"dp"`` for tensor-parallel shards replicated over data parallelism);
     also returns the sorted ranks of that mesh."""
+    layout = holder_layout(dt, path, replica_dims)
+    out = layout_regions(*layout)
+    return out, sorted(layout[0][1])
+
+
+#: What determines a DTensor's shards and their holders: its mesh's ranks
+#: (as ``(shape, flat ranks)``, and as numpy), which dimensions of that
+#: mesh the DTensor's placements run over, the placements
+#: (:func:`_placement_specs`) and the global shape.
+Layout = tuple[tuple[Any, ...], Any, list[int], tuple[tuple[int, int] | None, ...], tuple[int, ...]]
+
+
+def holder_layout(dt: Any, path: Sequence[Any] = (), replica_dims: Sequence[str] = ()) -> Layout:
+    """What determines ``dt``'s shards and holders as :func:`holder_regions`
+    finds them (its own mesh, widened by ``replica_dims``): their regions
+    are :func:`layout_regions` of it."""
     _check_placements(dt, path)
     mesh = dt.device_mesh
     key_ranks, ranks = _mesh_ranks(mesh)
@@ -218,8 +237,8 @@ def holder_regions(
         ranks = root_ranks[tuple(slice(None) if d in keep else coord[d] for d in range(root.ndim))]
         key_ranks = (ranks.shape, tuple(ranks.reshape(-1).tolist()))
         dims = [keep.index(root_names.index(n)) for n in names]
-    out = _layout_regions(key_ranks, ranks, dims, _placement_specs(dt.placements), dt.shape)
-    return out, sorted(int(r) for r in ranks.reshape(-1).tolist())
+    shape = tuple(int(n) for n in dt.shape)
+    return key_ranks, ranks, dims, _placement_specs(dt.placements), shape
 
 
 def local_region(dt: Any, path: Sequence[Any] = ()) -> Region:
@@ -248,6 +267,9 @@ class Expanded:
     groups: list[list[int]] = field(default_factory=list)
     #: Per record: the sorted ranks of the mesh that holds it.
     ranks: list[list[int]] = field(default_factory=list)
+    #: Per record: the layout its shards come from (:func:`holder_layout`;
+    #: None when the holders come from the root mesh, ``replica_dims=None``).
+    layouts: list[Layout | None] = field(default_factory=list)
 
 
 class HolderGroups:
@@ -258,11 +280,12 @@ class HolderGroups:
         self.world = world
         self.groups: list[list[int]] = []
         self._index: dict[tuple[int, ...], int] = {}
+        self._every = list(range(world))
 
     def field(self, holders: list[int]) -> dict[str, Any]:
         """How a leaf held by ``holders`` is described to the planner:
         nothing (every rank), ``owner`` (one rank) or ``holders`` (a group)."""
-        if holders == list(range(self.world)):
+        if len(holders) == self.world and holders == self._every:
             return {}
         if len(holders) == 1:
             return {"owner": holders[0]}
@@ -299,6 +322,7 @@ def expand(
     groups = HolderGroups(_world())
     renumber: list[int] = []
     mesh_ranks: list[list[int]] = []
+    layouts: list[Layout | None] = []
     for lf in leaves:
         renumber.append(len(out))
         dt = lf.tensor
@@ -309,9 +333,12 @@ def expand(
         if replica_dims is None:
             regions = mesh_regions(dt, lf.path)
             mesh_ranks.append(sorted({r for _, h in regions for r in h}))
+            layouts.append(None)
         else:
-            regions, members = holder_regions(dt, lf.path, replica_dims)
-            mesh_ranks.append(members)
+            layout = holder_layout(dt, lf.path, replica_dims)
+            regions = layout_regions(*layout)
+            mesh_ranks.append(sorted(layout[0][1]))
+            layouts.append(layout)
         mine = local_region(dt, lf.path)
         local = dt.to_local()
         if tuple(local.shape) != mine.shape:
@@ -337,7 +364,13 @@ def expand(
             shards.append(ShardRecord(len(out) - 1, region))
         records.append(DTensorRecord(list(lf.path), dtype, list(dt.shape), shards))
     return Expanded(
-        out, descs, renumber_skeleton(skeleton, renumber), records, groups.groups, mesh_ranks
+        out,
+        descs,
+        renumber_skeleton(skeleton, renumber),
+        records,
+        groups.groups,
+        mesh_ranks,
+        layouts,
     )
 
 

@@ -35,12 +35,14 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from deeppart.errors import ReplicaMismatchError, StateMismatchError
-from deeppart.state.dtensor import renumber_skeleton
+from deeppart.regions import SHARD_KEY
+from deeppart.state.dtensor import Layout, layout_regions, renumber_skeleton
 
 __all__ = [
     "VERSION_KEY",
@@ -49,8 +51,11 @@ __all__ = [
     "Union",
     "UnionItem",
     "build_union",
+    "decode_described",
     "describe_versions",
+    "encode_described",
     "merge_skeletons",
+    "units_of",
     "whole_digests_needed",
 ]
 
@@ -77,6 +82,106 @@ class Described:
     #: Digest of the codec, the directory and the kind of ``group=`` (all
     #: ranks must agree).
     common: str = ""
+
+
+def encode_described(described: Described, layouts: Sequence[Layout | None]) -> dict[str, Any]:
+    """``described`` as it travels in the exchange: its DTensors by what
+    determines their shards (global shape, dtype, the mesh's ranks, which
+    mesh dimensions the placements run over, the placements: ``layouts``,
+    one per record), not by their shards, so that its size grows with the
+    DTensors, not with the ranks. :func:`decode_described` gives back the
+    same description (the shards, their regions and holders derived from
+    each layout, cached per layout)."""
+    meshes: dict[tuple[Any, ...], int] = {}
+    kinds: dict[tuple[Any, ...], int] = {}
+    records: list[list[Any]] = []
+    shard_leaves: set[int] = set()
+    for rec, layout in zip(described.records, layouts, strict=True):
+        if layout is None:
+            raise ValueError("a record without its layout cannot be sent by layout")
+        key_ranks, _ranks, dims, specs, _shape = layout
+        mesh = meshes.setdefault(key_ranks, len(meshes))
+        kind = kinds.setdefault((mesh, tuple(dims), specs), len(kinds))
+        leaves = [leaf for leaf, _ in rec["shards"]]
+        first = leaves[0]
+        if leaves != list(range(first, first + len(leaves))):
+            raise ValueError("a DTensor's shard leaves are not consecutive")
+        shard_leaves.update(leaves)
+        records.append([rec["path"], rec["dtype"], rec["shape"], first, kind])
+    return {
+        "descs": [d for i, d in enumerate(described.descs) if i not in shard_leaves],
+        "skeleton": described.skeleton,
+        "records": records,
+        "layouts": [[m, list(dims), [list(p) if p else None for p in specs]]
+                    for (m, dims, specs) in kinds],
+        "meshes": [[list(shape), list(flat)] for shape, flat in meshes],
+        "common": described.common,
+    }  # fmt: skip
+
+
+#: Per layout: its shards as a description lists them (region JSON, region
+#: shape, holders), shared by every class and save that decodes it.
+_SHARDS: OrderedDict[tuple[Any, ...], list[tuple[Any, list[int], list[int]]]] = OrderedDict()
+_SHARDS_CACHE = 4096
+
+
+def _layout_shards(layout: Layout) -> list[tuple[Any, list[int], list[int]]]:
+    key_ranks, _ranks, dims, specs, shape = layout
+    key = (key_ranks, tuple(dims), specs, shape)
+    hit = _SHARDS.get(key)
+    if hit is not None:
+        _SHARDS.move_to_end(key)
+        return hit
+    out = [(r.to_json(), list(r.shape), h) for r, h in layout_regions(*layout)]
+    _SHARDS[key] = out
+    if len(_SHARDS) > _SHARDS_CACHE:
+        _SHARDS.popitem(last=False)
+    return out
+
+
+def decode_described(wire: dict[str, Any]) -> Described:
+    """The :class:`Described` that :func:`encode_described` sent."""
+    import numpy as np
+
+    meshes: list[tuple[tuple[Any, ...], Any, list[int]]] = []
+    for shape, flat in wire["meshes"]:
+        key = (tuple(int(n) for n in shape), tuple(int(r) for r in flat))
+        arr = np.asarray(key[1], dtype=np.int64).reshape(key[0])
+        meshes.append((key, arr, sorted(key[1])))
+    kinds = [
+        (int(m), [int(d) for d in dims], tuple((int(p[0]), int(p[1])) if p else None for p in sp))
+        for m, dims, sp in wire["layouts"]
+    ]
+    plain: list[dict[str, Any]] = wire["descs"]
+    order = sorted(wire["records"], key=lambda r: int(r[3]))
+    descs: list[dict[str, Any]] = []
+    records: list[dict[str, Any]] = []
+    by_first: dict[int, dict[str, Any]] = {}
+    at = 0
+    for path, dtype, shape, first, kind in order:
+        mesh, dims, specs = kinds[int(kind)]
+        key_ranks, arr, members = meshes[mesh]
+        gshape = tuple(int(n) for n in shape)
+        shards = _layout_shards((key_ranks, arr, dims, specs, gshape))
+        first = int(first)
+        before = first - len(descs)  # plain leaves before this record's shards
+        if before < 0 or at + before > len(plain):
+            raise StateMismatchError("a description's DTensor records overlap (a bug)")
+        descs.extend(plain[at : at + before])
+        at += before
+        leaves = []
+        for k, (region, rshape, holders) in enumerate(shards):
+            leaves.append([len(descs), region])
+            descs.append(
+                {"path": [*path, SHARD_KEY, k], "dtype": dtype, "shape": rshape, "holders": holders}
+            )
+        rec = {"path": path, "dtype": dtype, "shape": shape, "ranks": members, "shards": leaves}
+        records.append(rec)
+        by_first[first] = rec
+    descs.extend(plain[at:])
+    # Records in the order the rank described them.
+    ordered = [by_first[int(r[3])] for r in wire["records"]]
+    return Described(descs, wire["skeleton"], ordered, wire["common"])
 
 
 @dataclass
@@ -190,14 +295,33 @@ class _Unit:
     #: A DTensor: (region json, holders, local leaf) per shard.
     shards: list[tuple[Any, list[int], int]] = field(default_factory=list)
     ranks: list[int] = field(default_factory=list)  # a DTensor's mesh ranks
+    _signature: str | None = None
 
-    def signature(self) -> str:
+    def signature(self, memo: dict[tuple[Any, ...], str] | None = None) -> str:
+        """What units that may hold the same item have alike: ``"object"``,
+        or the dtype, shape (and a DTensor's regions) as JSON. ``memo``:
+        signatures by dtype, shape and the identities of the regions, valid
+        while those regions live (decoded layouts share their regions)."""
+        if self._signature is not None:
+            return self._signature
         if self.kind == "object":
-            return "object"
+            self._signature = "object"
+            return self._signature
+        key: tuple[Any, ...] | None = None
+        if memo is not None:
+            key = (self.desc["dtype"], json.dumps(self.desc["shape"]))
+            key += tuple(id(s[0]) for s in self.shards)
+            hit = memo.get(key)
+            if hit is not None:
+                self._signature = hit
+                return hit
         d = {"dtype": self.desc["dtype"], "shape": self.desc["shape"]}
         if self.kind == "dtensor":
             d["regions"] = [s[0] for s in self.shards]
-        return json.dumps(d, sort_keys=True)
+        self._signature = json.dumps(d, sort_keys=True)
+        if key is not None and memo is not None:
+            memo[key] = self._signature
+        return self._signature
 
 
 def _units(states: dict[int, Described]) -> dict[str, list[_Unit]]:
@@ -229,6 +353,10 @@ def _units(states: dict[int, Described]) -> dict[str, list[_Unit]]:
                 shards, list(rec["ranks"]),
             )  # fmt: skip
             out.setdefault(_key(rec["path"]), []).append(unit)
+    memo: dict[tuple[Any, ...], str] = {}
+    for units in out.values():
+        for u in units:
+            u.signature(memo)  # while every region of the descriptions lives
     return out
 
 
@@ -239,8 +367,18 @@ def _class_ranks(classes: Sequence[int]) -> dict[int, list[int]]:
     return out
 
 
+def units_of(states: dict[int, Described]) -> dict[str, list[_Unit]]:
+    """What each class holds under each user path, for
+    :func:`whole_digests_needed` and :func:`build_union` (``units=``) to
+    share instead of each finding it again."""
+    return _units(states)
+
+
 def whole_digests_needed(
-    states: dict[int, Described], classes: Sequence[int], auto: bool = False
+    states: dict[int, Described],
+    classes: Sequence[int],
+    auto: bool = False,
+    units: dict[str, list[_Unit]] | None = None,
 ) -> list[tuple[int, int]]:
     """The (rank, local leaf) pairs whose whole bytes must be digested
     before the union can be built (same list on every rank): DTensor shards of
@@ -248,9 +386,9 @@ def whole_digests_needed(
     Plain tensors need none: every holder sends the digest of its whole
     tensor in the exchange (``auto`` changes nothing for them)."""
     need: set[tuple[int, int]] = set()
-    for units in _units(states).values():
+    for found in (units if units is not None else _units(states)).values():
         by_sig: dict[str, list[_Unit]] = {}
-        for u in units:
+        for u in found:
             if u.kind != "object":
                 by_sig.setdefault(u.signature(), []).append(u)
         for group in by_sig.values():
@@ -258,7 +396,7 @@ def whole_digests_needed(
                 # Every holder's digest of its whole tensor is in the
                 # exchange already (Digests.samples): nothing more to digest.
                 continue
-            holder_sets = {json.dumps([s[1] for s in u.shards]) for u in group}
+            holder_sets = {tuple(tuple(s[1]) for s in u.shards) for u in group}
             if len(holder_sets) > 1:
                 for u in group:
                     for _, holders, leaf in u.shards:
@@ -306,6 +444,7 @@ def build_union(
     whole: dict[tuple[int, int], str] | None = None,
     auto: bool = False,
     declared: bool = False,
+    units: dict[str, list[_Unit]] | None = None,
 ) -> Union:
     """The job's manifest items from every class's description (``states``,
     by the class's lowest rank), each rank's class (``classes[r]``) and
@@ -330,20 +469,58 @@ def build_union(
     versions: list[dict[str, Any]] = []
     # (class, local leaf) -> the union leaf that the skeleton names there.
     canon: dict[tuple[int, int], int] = {}
-    for units in _units(states).values():
-        path = list(units[0].desc["path"])
+    shapes: dict[int, tuple[Any, list[int]]] = {}
+
+    def shape_of(region: Any) -> list[int]:
+        # Decoded layouts share their regions: each one's shape once.
+        hit = shapes.get(id(region))
+        if hit is None or hit[0] is not region:
+            hit = (region, _region_shape(region))
+            shapes[id(region)] = hit
+        return list(hit[1])
+
+    # Per class, by local leaf: its ranks whose plain value differs from
+    # the class's lowest rank's (most ranks hold most values alike).
+    value_diffs: dict[int, dict[int, list[int]]] = {}
+    for c, class_ranks in members.items():
+        lowest = digests[c].values
+        per_leaf: dict[int, list[int]] = {}
+        for r in class_ranks:
+            theirs = digests[r].values
+            if theirs is lowest:
+                continue
+            changed = {k for k, _ in theirs.items() - lowest.items()}
+            for leaf in changed | (lowest.keys() - theirs.keys()):
+                per_leaf.setdefault(leaf, []).append(r)
+        value_diffs[c] = per_leaf
+    by_path = units if units is not None else _units(states)
+    for path_units in by_path.values():
+        path = list(path_units[0].desc["path"])
         found: list[_Version] = []
-        for u in units:
+        # The plain versions by (kind, content), as found holds them.
+        index: dict[tuple[str, Any], _Version] = {}
+        for u in path_units:
             ranks = members[u.cls]
             if u.kind == "object":
-                for r in ranks:
-                    v = digests[r].values.get(u.leaf)
-                    match = next((x for x in found if x.kind == "object" and x.content == v), None)
+                # The class's ranks whose value is its lowest rank's at
+                # once, the others one by one.
+                odd = value_diffs[u.cls].get(u.leaf, [])
+                if odd:
+                    oddset = set(odd)
+                    alike = [r for r in ranks if r not in oddset]
+                else:
+                    alike = ranks
+                for group in [alike, *([r] for r in odd)]:
+                    if not group:
+                        continue
+                    v = digests[group[0]].values.get(u.leaf)
+                    match = index.get(("object", v))
                     if match is None:
                         match = _Version("object", u.desc, set(), content=v)
                         found.append(match)
-                    match.ranks.add(r)
-                    match.source[r] = u.leaf
+                        index[("object", v)] = match
+                    match.ranks.update(group)
+                    match.source.update(dict.fromkeys(group, u.leaf))
                 continue
             if u.kind == "tensor":
                 # Each holder's whole-byte digest decides (issue 49): ranks
@@ -360,17 +537,16 @@ def build_union(
                     full = digests[r].samples.get(u.leaf)
                     held = full if full is not None else whole.get((r, u.leaf))
                     content = (u.signature(), held if held is not None else f"class:{u.cls}")
-                    match = next(
-                        (x for x in found if x.kind == "tensor" and x.content == content), None
-                    )
+                    match = index.get(("tensor", content))
                     if match is None:
                         match = _Version("tensor", u.desc, set(), content=content)
                         found.append(match)
+                        index[("tensor", content)] = match
                     match.ranks.add(r)
                     match.source[r] = u.leaf
                 continue
             # A DTensor.
-            holders_key = json.dumps([s[1] for s in u.shards])
+            holders_key = tuple(tuple(s[1]) for s in u.shards)
             shard_digests = [whole.get((min(h), leaf)) for _, h, leaf in u.shards]
             merged = None
             for x in found:
@@ -397,6 +573,8 @@ def build_union(
         # Replicas of DTensor shards (same mesh, or merged): their samples agree.
         for x in found:
             for _region, _h, src in x.shards:
+                if len(src) < 2:
+                    continue  # one holder: nothing to compare
                 groups = _samples_differ(path, sorted(src), src.__getitem__, digests)
                 if groups is not None:
                     differ.append((path, groups))
@@ -415,7 +593,7 @@ def build_union(
                 items.append(
                     UnionItem(
                         [*base, _SHARD_KEY, j],
-                        {"dtype": x.desc["dtype"], "shape": _region_shape(region)},
+                        {"dtype": x.desc["dtype"], "shape": shape_of(region)},
                         sorted(hs), dict(src),
                     )
                 )  # fmt: skip
@@ -432,7 +610,7 @@ def build_union(
                 rec["records"] = list(range(n - len(dts), n)) if len(dts) == len(found) else []
             rec["leaves"] = first_leaf
             versions.append(rec)
-        for u in units:
+        for u in path_units:
             canon[(u.cls, u.leaf)] = first_leaf[0]
     if differ:
         raise replica_error(differ, "whole-tensor digests")
