@@ -33,7 +33,7 @@ stage on a ``(pp, dp, tp) = (2, 2, 2)`` mesh: ``parallelize_module``
 (colwise / rowwise / sequence-parallel norms) on ``mesh["tp"]``, then
 FSDP2 ``fully_shard`` on ``mesh["dp"]``, AdamW after one step, a LambdaLR
 scheduler, a per-rank data-loader position and RNG state (as
-tests/own_state_worker.py). Tiny tensors: the point is the descriptions.
+tests/state/own_state_worker.py). Tiny tensors: the point is the descriptions.
 ``deeppart.save`` and ``deeppart.load(into=)`` run on a communicator that
 counts each collective (bytes this rank contributes, bytes it gathers from
 the others, seconds), labelled by the DeepPart function that called it.

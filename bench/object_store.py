@@ -5,7 +5,7 @@ link to one S3 server (run as root; not run in CI).
     .venv/bin/python bench/object_store.py          # 1,2,4 nodes x 1,2 ranks, 100mbit links
     .venv/bin/python bench/object_store.py --nodes 1,2,4,8 --ranks-per-node 1,4 --rate 200mbit
 
-The nodes are the multi-node test harness's (tests/cluster.py, ``net=True``):
+The nodes are the multi-node test harness's (tests/support/cluster.py, ``net=True``):
 each node is a network namespace whose ``eth0`` is one end of a veth pair
 on a bridge in a head namespace. Each node's link is shaped to ``--rate``
 both ways with a token bucket (``tc qdisc ... tbf``: on the node's ``eth0``
@@ -137,7 +137,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-for _p in (ROOT, ROOT / "tests"):
+for _p in (ROOT, ROOT / "tests" / "support"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 

@@ -1,6 +1,6 @@
 """Type stubs of the Rust extension module ``deeppart._planner``.
 
-Hand-written; ``tests/test_stubs.py`` checks them against the compiled
+Hand-written; ``tests/planner/test_stubs.py`` checks them against the compiled
 module with mypy's stubtest. Every class, exception and function is
 documented here, as the binding (``bindings/src``) defines it; the model and
 the algorithms are described in docs/PLANNER.md."""

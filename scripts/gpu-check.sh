@@ -71,7 +71,7 @@ if [ "$(id -u)" = 0 ]; then mount -o remount,size=80G /dev/shm 2>/dev/null || tr
 status=0
 if [ "$WHAT" = all ] || [ "$WHAT" = tests ]; then
   t0=$SECONDS
-  timeout "${GPU_TESTS_TIMEOUT_S:-150}" $PY -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py tests/test_staging.py \
+  timeout "${GPU_TESTS_TIMEOUT_S:-150}" $PY -m pytest -q -p no:cacheprovider -rs tests/state/test_cuda.py tests/state/test_staging.py \
     > "$OUT/tests.log" 2>&1
   rc=$?
   log "CUDA tests: exit $rc in $((SECONDS - t0)) s: $(tail -1 "$OUT/tests.log")"

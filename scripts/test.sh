@@ -24,12 +24,12 @@ log "docs site (mkdocs build --strict)"
 NO_MKDOCS_2_WARNING=1 mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
 log "pytest"
 # Unbuffered, as CI runners often run Python: the workers' report lines
-# (tests/rank_output.py) must stay whole when every rank prints at once.
+# (tests/support/rank_output.py) must stay whole when every rank prints at once.
 export PYTHONUNBUFFERED=1
-# Real-FTI tests (tests/test_fti.py): run with $FTI_LIBRARY, else .fti/ (scripts/build-fti.sh).
+# Real-FTI tests (tests/levels/test_fti.py): run with $FTI_LIBRARY, else .fti/ (scripts/build-fti.sh).
 if [ -z "${FTI_LIBRARY:-}" ] && [ -f .fti/lib/libfti.so ]; then export FTI_LIBRARY="$PWD/.fti/lib/libfti.so"; fi
 [ -n "${FTI_LIBRARY:-}" ] || log "real-FTI tests skipped: no libfti (build it: bash scripts/build-fti.sh FTI_SOURCE_DIR, or set FTI_LIBRARY)"
-# The multi-node harness (tests/test_cluster.py) needs root and namespaces.
-why=$(python tests/cluster.py)
-[ -z "$why" ] || log "multi-node harness (tests/test_cluster.py) skipped: $why"
+# The multi-node harness (tests/levels/test_cluster.py) needs root and namespaces.
+why=$(python tests/support/cluster.py)
+[ -z "$why" ] || log "multi-node harness (tests/levels/test_cluster.py) skipped: $why"
 pytest -q "$@"

@@ -16,9 +16,13 @@ import deeppart
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE_MANIFEST = ROOT / "examples" / "manifest.json"
 
-# ``bench`` (model-shaped manifests) is importable from the tests.
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+# ``bench`` (model-shaped manifests) is importable from the tests, and so
+# are the helpers every folder shares (tests/support/: launching,
+# mpi_checkpoint, rank_output, s3_server, thread_comm, cluster).
+SUPPORT = ROOT / "tests" / "support"
+for path in (ROOT, SUPPORT):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -42,7 +46,7 @@ def example_manifest() -> deeppart.Manifest:
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """A moto S3 server on 127.0.0.1 (tests/s3_server.py), for the whole
+    """A moto S3 server on 127.0.0.1 (tests/support/s3_server.py), for the whole
     session; killed at the end. Skips when moto is not installed."""
     from s3_server import S3Server, moto_command
 

@@ -73,7 +73,7 @@ def _region_at(
     ``coord`` holds: torch's per-dimension shard arithmetic
     (``_get_shard_size_and_offsets``) done on runs of indices, in O(runs)
     rather than O(rows), exact for ``_StridedShard``'s interleaved rows
-    (tests/test_regions_fast.py checks it against torch's)."""
+    (tests/base/test_regions_fast.py checks it against torch's)."""
     return placement_region(shape, mesh_shape, coord, _placement_specs(placements))
 
 

@@ -1,0 +1,176 @@
+"""Real-FTI scenarios, run by tests/levels/test_fti.py as
+``mpiexec -n N python tests/levels/fti_worker.py SCENARIO ROOT LEVEL GROUP_SIZE``
+(fake nodes of 2 ranks, ``local_test = 1``; groups of GROUP_SIZE nodes).
+
+``save``: a first job checkpoints a model + AdamW state at LEVEL through
+:class:`deeppart.levels.fti.FTIBackend`, restores it in the same job, and
+ends without ``FTI_Finalize`` (as a crash would), so its checkpoint stays.
+It prints the plan's pieces per rank (``PLAN [..]``).
+``restore``: a second, separate job with the same config restarts: FTI_Init
+finds the checkpoint (rebuilding lost files), and the state comes back
+bitwise on every rank.
+``broken``: the last rank protects one FTI dataset more than the others
+before the save: the save must fail on every rank with the backend's
+clear error, before FTI_Checkpoint, and leave no index behind.
+``nothing``: a later job finds no checkpoint to restore, and ``load`` says so.
+
+Each rank prints ``OK <scenario> rank <r>/<size>`` when its checks pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
+
+from mpi_checkpoint import assert_bitwise_equal, make_state
+from rank_output import print_line
+
+from deeppart.errors import CheckpointError, FTIError, ReplicaMismatchError
+from deeppart.levels import fti
+from deeppart.levels.config import LevelConfig
+from deeppart.levels.fti import FTIBackend
+
+STEP = 7
+#: The id of the dataset the broken scenarios protect on one rank only.
+EXTRA_ID = 999
+
+# Pieces of at least 256 KiB (not 4 MiB) are protected straight from tensor
+# memory, so this small state exercises both zero-copy and packed datasets.
+fti.ZERO_COPY_MIN = 256 << 10
+
+
+def config(root: Path, group_size: int) -> LevelConfig:
+    """Fake nodes of 2 ranks (local_test), groups of ``group_size`` nodes."""
+    return LevelConfig(
+        ckpt_dir=str(root / "local"),
+        glbl_dir=str(root / "global"),
+        meta_dir=str(root / "meta"),
+        node_size=2,
+        group_size=group_size,
+        ckpt_l1=1,
+        local_test=1,
+    )
+
+
+def state() -> dict[str, Any]:
+    s = make_state(seed=3)
+    # Its pieces (over 256 KiB) are protected from tensor memory. On 8
+    # ranks the plan leaves the last ranks without any piece.
+    s["big"] = torch.arange(1_200_000, dtype=torch.float32)
+    return s
+
+
+def ok(name: str, backend: FTIBackend) -> None:
+    print_line(f"OK {name} rank {backend.comm.rank}/{backend.comm.size}")
+
+
+def scenario_save(backend: FTIBackend, level: int) -> None:
+    assert backend.status == 0, f"fresh job, FTI_Status() = {backend.status}"
+    assert backend.latest() is None
+    s = state()
+    stats = backend.save(STEP, s, level=level)
+    assert stats.level == level and stats.raw_bytes > 0
+    assert backend.latest() == STEP
+    if backend.comm.rank == 0:
+        index = sorted((backend.config.meta_root()).glob("fti-step-*.json"))
+        meta = json.loads(index[-1].read_bytes())
+        pieces = [sum(1 for p in meta["pieces"] if p[3] == r) for r in range(backend.comm.size)]
+        print_line(f"PLAN {pieces} IDS {meta['fti']['ids']}")
+    # Restore in the same job (FTI_Recover online).
+    out, report = backend.load()
+    assert report.step == STEP and report.levels == [level] * backend.comm.size
+    assert_bitwise_equal(s, out)
+    backend.close(finalize=False)  # a crash: FTI keeps the checkpoint
+
+
+def scenario_restore(backend: FTIBackend, level: int) -> None:
+    assert backend.status in (1, 2), f"restart, FTI_Status() = {backend.status}"
+    if level in (1, 2, 3):
+        # FTI_Init found or rebuilt this rank's node-local checkpoint file
+        # (L2: from the partner copy, L3: Reed-Solomon).
+        r = backend.comm.rank
+        node = Path(backend.config.ckpt_dir) / f"node{r // backend.config.node_size}"
+        assert list(node.rglob(f"Ckpt{STEP + 1}-Rank{r}.fti")), f"rank {r}: no file in {node}"
+        print_line(f"LOCAL FILE rank {r}")
+    assert backend.latest() == STEP
+    out, report = backend.load()
+    assert report.step == STEP and report.levels == [level] * backend.comm.size, report
+    assert_bitwise_equal(state(), out)
+    # into=: in place, the same tensor objects.
+    into = make_state(seed=4)
+    into["big"] = torch.zeros(1_200_000, dtype=torch.float32)
+    ptrs = {k: v.data_ptr() for k, v in into["model"].items()}
+    res, _ = backend.load(into=into)
+    for k, ptr in ptrs.items():
+        assert res["model"][k] is into["model"][k] and res["model"][k].data_ptr() == ptr, k
+    assert_bitwise_equal(state(), res)
+    backend.close()
+
+
+def scenario_broken(backend: FTIBackend, level: int) -> None:
+    c = backend.comm
+    # A per-rank value: FTI stores one copy, so every rank refuses it
+    # (before: every rank got the value of the rank that wrote it).
+    try:
+        backend.save(STEP, {**state(), "loader_pos": 100 + c.rank}, level=level)
+    except ReplicaMismatchError as e:
+        assert "loader_pos: ranks [0] hold one version" in str(e), e
+        print_line(f"rank {c.rank} PER-RANK REFUSED")
+    else:
+        raise AssertionError(f"rank {c.rank}: a per-rank value was saved through FTI")
+    extra = np.zeros(16, dtype=np.uint8)
+    if c.rank == c.size - 1:
+        backend._protect(EXTRA_ID, extra)
+    try:
+        backend.save(STEP, state(), level=level)
+    except FTIError as e:
+        assert "ranks protect different FTI datasets" in str(e), e
+        assert "FTI_Checkpoint(id 8) was not called" in str(e), e
+        print_line(f"rank {c.rank} ERROR {e}")
+    else:
+        raise AssertionError(f"rank {c.rank}: the broken save succeeded")
+    assert backend.latest() is None, "no checkpoint may claim to be readable"
+    assert not list(backend.config.meta_root().glob("fti-step-*.json"))
+    backend.close(finalize=False)  # a crash: whatever FTI has stays
+
+
+def scenario_nothing(backend: FTIBackend) -> None:
+    assert backend.latest() is None, backend.latest()
+    try:
+        backend.load()
+    except CheckpointError as e:
+        print_line(f"rank {backend.comm.rank} ERROR {e}")
+    else:
+        raise AssertionError("load() restored a checkpoint that was never committed")
+    backend.close(finalize=False)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("scenario", choices=["save", "restore", "broken", "nothing"])
+    p.add_argument("root", type=Path)
+    p.add_argument("level", type=int)
+    p.add_argument("group_size", type=int)
+    a = p.parse_args()
+    backend = FTIBackend(config(a.root, a.group_size))
+    if a.scenario == "save":
+        scenario_save(backend, a.level)
+    elif a.scenario == "restore":
+        scenario_restore(backend, a.level)
+    elif a.scenario == "nothing":
+        scenario_nothing(backend)
+    else:
+        scenario_broken(backend, a.level)
+    ok(a.scenario, backend)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,450 @@
+"""Multi-level storage scenarios, run by tests/levels/test_levels.py as
+``mpiexec -n K python tests/levels/levels_worker.py ROOT NODE_SIZE GROUP_SIZE SCENARIO[:G]...``
+(``:G``: that scenario with group_size G).
+
+Every scenario saves a real model + AdamW state (tests/support/mpi_checkpoint.py)
+through the built-in engine with fake nodes (local_test = 1), damages the
+node-local files as a lost node, a corrupt or a truncated file would, then
+restores with a fresh backend and checks the result is bitwise identical.
+Rank 0 appends ``{"scenario", "step", "levels"}`` of every restore to
+``ROOT/levels.jsonl``; every rank creates ``ROOT/ok/<scenario>.<rank>`` when
+its checks pass (files: mpiexec may interleave the ranks' stdout lines). A
+failed check raises, so mpiexec exits non-zero.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
+
+import mpi_checkpoint as mc
+
+from deeppart.checkpointer import Checkpointer
+from deeppart.comm import Comm, resolve
+from deeppart.errors import CheckpointError, LevelConfigError
+from deeppart.format import HEADER_SIZE, data_file_name
+from deeppart.levels import LevelConfig, RecoveryReport
+from deeppart.levels.engine import BuiltinBackend
+from deeppart.levels.layout import step_name
+from deeppart.saving import writer
+
+
+class Ctx:
+    def __init__(self, root: Path, node_size: int, group_size: int, comm: Comm) -> None:
+        self.root = root
+        self.node_size = node_size
+        self.group_size = group_size
+        self.comm = comm
+        self.nodes = comm.size // node_size
+        #: Where results go (files, not stdout: mpiexec may interleave lines).
+        self.results = root
+
+    def config(self, name: str, **kw: Any) -> LevelConfig:
+        return LevelConfig.from_dict(
+            {
+                "ckpt_dir": str(self.root / "local"),
+                "meta_dir": str(self.root / "meta"),
+                "glbl_dir": str(self.root / "global"),
+                "node_size": self.node_size,
+                "group_size": self.group_size,
+                "ckpt_l1": 1,
+                "ckpt_l2": 2,
+                "ckpt_l3": 3,
+                "ckpt_l4": 4,
+                "local_test": 1,
+                "exec_id": name,
+                **kw,
+            }
+        )
+
+    def backend(self, name: str, **kw: Any) -> BuiltinBackend:
+        # Small stripes, so L3 codes several stripes and rounds.
+        return BuiltinBackend(self.config(name), self.comm, stripe_bytes=8192, **kw)
+
+    def on_root(self, fn: Callable[[], None]) -> None:
+        """Runs ``fn`` (the damage) on rank 0 only, between barriers: no rank
+        may still be inspecting the files it changes."""
+        self.comm.barrier()
+        if self.comm.rank == 0:
+            fn()
+        self.comm.barrier()
+
+    def node_dir(self, name: str, node: int) -> Path:
+        return self.root / "local" / f"node{node}" / name
+
+    def lose_nodes(self, name: str, *nodes: int) -> None:
+        def lose() -> None:
+            for k in nodes:
+                shutil.rmtree(self.node_dir(name, k), ignore_errors=True)
+
+        self.on_root(lose)
+
+    def layout_node_of_pred(self, node: int) -> int:
+        """The node whose ranks' files ``node``'s ranks hold copies of (the
+        previous node of its group's ring)."""
+        sector = node // self.group_size * self.group_size
+        return sector + (node - sector - 1) % self.group_size
+
+    def file(self, name: str, step: int, rank: int) -> Path:
+        node = rank // self.node_size
+        return self.node_dir(name, node) / step_name(step) / data_file_name(rank)
+
+    def restore(
+        self, name: str, seed: int, step: int | None = None, into: bool = False
+    ) -> RecoveryReport:
+        be = self.backend(name)
+        target = mc.make_state(seed + 100) if into else None
+        state, report = be.load(step, into=target)
+        mc.assert_bitwise_equal(mc.make_state(seed), state, name)
+        if target is not None:
+            assert state["model"] is target["model"] or all(
+                state["model"][k] is target["model"][k] for k in target["model"]
+            ), "into= did not fill the given tensors"
+        if self.comm.rank == 0:
+            row = {"scenario": name, "step": report.step, "levels": report.levels}
+            with open(self.results / "levels.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
+        return report
+
+
+def flip_byte(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(HEADER_SIZE)
+        b = f.read(1)
+        f.seek(HEADER_SIZE)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def truncate(path: Path) -> None:
+    os.truncate(path, path.stat().st_size - 1)
+
+
+# ----------------------------------------------------------------------------
+# Scenarios. Each returns nothing; raising fails it.
+
+
+def s_none(x: Ctx) -> None:
+    """Nothing lost, every level: each served by L1; the latest of several."""
+    be = x.backend("none")
+    for step, lv in ((1, 1), (2, 2), (3, 3), (4, 4)):
+        be.save(step, mc.make_state(step), level=lv)
+        r = x.restore("none", step, step)
+        assert r.levels == [1] * x.comm.size, r
+    assert be.latest() == 4
+    r = x.restore("none", 4, into=True)
+    assert r.step == 4
+
+
+def s_l2_node(x: Ctx) -> None:
+    """L2: the last node's local dir deleted; its ranks served by their
+    partners' copies, the lost files rewritten (a second restore is L1)."""
+    x.backend("l2node").save(7, mc.make_state(7), level=2)
+    x.lose_nodes("l2node", x.nodes - 1)
+    r = x.restore("l2node", 7)
+    lost = set(range((x.nodes - 1) * x.node_size, x.comm.size))
+    assert r.levels == [2 if q in lost else 1 for q in range(x.comm.size)], r
+    # Rewritten: the lost ranks' own files, and the partner copies the lost
+    # node held for its neighbours (full L2 redundancy again).
+    names = sorted(Path(p).name for p in r.rewritten)
+    assert [n for n in names if n.startswith("rank-")] == [data_file_name(q) for q in sorted(lost)]
+    assert len([n for n in names if n.startswith("partner-")]) == len(lost), r
+    r = x.restore("l2node", 7)
+    assert r.levels == [1] * x.comm.size, r
+
+
+def s_l3_node(x: Ctx) -> None:
+    """L3: node 1's local dir deleted; served by Reed-Solomon decoding."""
+    x.backend("l3node").save(8, mc.make_state(8), level=3)
+    x.lose_nodes("l3node", 1)
+    r = x.restore("l3node", 8)
+    lost = set(range(x.node_size, 2 * x.node_size))
+    assert r.levels == [3 if q in lost else 1 for q in range(x.comm.size)], r
+    r = x.restore("l3node", 8)
+    assert r.levels == [1] * x.comm.size, r
+
+
+def s_l3_half(x: Ctx) -> None:
+    """L3 with a group of 4 nodes: two of them lost (half the group)."""
+    x.backend("l3half").save(9, mc.make_state(9), level=3)
+    x.lose_nodes("l3half", 1, 2)
+    r = x.restore("l3half", 9)
+    lost = set(range(x.node_size, 3 * x.node_size))
+    assert r.levels == [3 if q in lost else 1 for q in range(x.comm.size)], r
+
+
+def s_lose_twice(x: Ctx, name: str, level: int) -> None:
+    """Lose the last node, recover, then lose the node whose copies (L2) or
+    parity (L3) served it: recovery must have rebuilt the partner copies
+    and parity shards the first lost node held, so the second loss is
+    survivable too (full redundancy restored, not just the lost L1 files)."""
+    x.backend(name).save(13, mc.make_state(13), level=level)
+    last = x.nodes - 1
+    x.lose_nodes(name, last)
+    first = x.restore(name, 13)
+    assert first.levels.count(level) == x.node_size, first
+    # What recovery rewrote on the lost node: L1 files and the redundancy.
+    kind = "partner-" if level == 2 else "parity-"
+    again = [p for p in first.rewritten if Path(p).name.startswith(kind)]
+    assert len(again) == x.node_size, first.rewritten
+    other = x.layout_node_of_pred(last) if level == 2 else 0
+    x.lose_nodes(name, other)
+    second = x.restore(name, 13)
+    lost = set(range(other * x.node_size, (other + 1) * x.node_size))
+    assert second.levels == [level if q in lost else 1 for q in range(x.comm.size)], second
+
+
+def s_l2_twice(x: Ctx) -> None:
+    s_lose_twice(x, "l2twice", 2)
+
+
+def s_l3_twice(x: Ctx) -> None:
+    s_lose_twice(x, "l3twice", 3)
+
+
+def s_l4_all(x: Ctx) -> None:
+    """L4: all node-local storage deleted; every rank served by the global copy."""
+    x.backend("l4all").save(10, mc.make_state(10), level=4)
+    x.lose_nodes("l4all", *range(x.nodes))
+    r = x.restore("l4all", 10)
+    assert r.levels == [4] * x.comm.size, r
+    r = x.restore("l4all", 10)  # the L1 files were rewritten
+    assert r.levels == [1] * x.comm.size, r
+
+
+def s_corrupt(x: Ctx) -> None:
+    """A flipped byte in a piece (L2 step) and a truncated file (L3 step):
+    the next level serves those ranks."""
+    be = x.backend("corrupt")
+    be.save(11, mc.make_state(11), level=2)
+    be.save(12, mc.make_state(12), level=3)
+    x.on_root(lambda: flip_byte(x.file("corrupt", 11, 1)))
+    x.on_root(lambda: truncate(x.file("corrupt", 12, 2)))
+    r = x.restore("corrupt", 11, 11)
+    assert r.levels == [2 if q == 1 else 1 for q in range(x.comm.size)], r
+    r = x.restore("corrupt", 12, 12)
+    assert r.levels == [3 if q == 2 else 1 for q in range(x.comm.size)], r
+
+
+def s_fallback(x: Ctx) -> None:
+    """The newest checkpoint (L1) lost a node: the previous committed one
+    (L2) is recovered instead."""
+    be = x.backend("fallback")
+    be.save(20, mc.make_state(20), level=2)
+    be.save(21, mc.make_state(21), level=1)
+    x.lose_nodes("fallback", 0)
+    assert be.latest() == 20
+    r = x.restore("fallback", 20)
+    assert r.step == 20 and r.levels[0] == 2, r
+
+
+def s_too_much(x: Ctx) -> None:
+    """More loss than the levels repair: a clear error on every rank, and
+    into= untouched."""
+    be = x.backend("toomuch")
+    be.save(30, mc.make_state(30), level=1)
+    be.save(31, mc.make_state(31), level=3)
+    # L1 step: any node lost is fatal; L3: more than half the group.
+    lose = [0, 1] if x.group_size == 2 else [0, 1, 2]
+    x.lose_nodes("toomuch", *lose)
+    assert be.latest() is None
+    target = mc.make_state(999)
+    try:
+        be.load(into=target)
+    except CheckpointError as e:
+        text = str(e)
+        assert "no checkpoint can be recovered" in text, text
+        assert "step 31" in text and "step 30" in text and "lost at every level" in text, text
+    else:
+        raise AssertionError("loss beyond the levels did not raise")
+    mc.assert_bitwise_equal(mc.make_state(999), target, "into= after a failed load")
+
+
+def s_cadence(x: Ctx) -> None:
+    """No explicit level: ckpt_l2 = 2, ckpt_l3 = 3, ckpt_l4 = 4 choose the
+    levels 1, 2, 3, 4 for checkpoints 1..4; keep = 2 keeps the last two."""
+    be = x.backend("cadence", keep=2)
+    got = [be.save(s, mc.make_state(s)).level for s in (1, 2, 3, 4)]
+    assert got == [1, 2, 3, 4], got
+    assert be.committed_steps() == [3, 4], be.committed_steps()
+    for k in range(x.nodes):
+        steps = sorted(p.name for p in x.node_dir("cadence", k).iterdir())
+        assert steps == [step_name(3), step_name(4)], steps
+    x.lose_nodes("cadence", *range(x.nodes))
+    r = x.restore("cadence", 4)
+    assert r.levels == [4] * x.comm.size
+
+
+def s_checkpointer(x: Ctx) -> None:
+    """deeppart.Checkpointer(config=...) delegates to the engine and
+    records last_recovery."""
+    cfg = x.config("cpr")
+    cp = Checkpointer(x.root / "unused", comm=x.comm, config=cfg, backend="builtin")
+    cp.save(5, mc.make_state(5))
+    cp.save(6, mc.make_state(6))
+    assert cp.latest() == 6
+    x.lose_nodes("cpr", 1)
+    state = cp.load()
+    mc.assert_bitwise_equal(mc.make_state(6), state, "checkpointer")
+    assert cp.last_recovery is not None and cp.last_recovery.step == 6
+    assert cp.last_recovery.levels[x.node_size] == 2, cp.last_recovery
+    assert not (x.root / "unused").exists()
+
+
+def s_crash_save(x: Ctx) -> None:
+    """Step 1 committed at L2; the last rank is SIGKILLed while writing step 2."""
+    be = x.backend("crash")
+    be.save(1, mc.make_state(1), level=2)
+    if x.comm.rank == x.comm.size - 1:
+        # The writer's named fault hook: after this rank's data file is written.
+        writer.add_fault_hook("after-write", lambda _event: os.kill(os.getpid(), signal.SIGKILL))
+    be.save(2, mc.make_state(2), level=2)
+    raise AssertionError("the save should not have finished")
+
+
+def s_after_crash(x: Ctx) -> None:
+    """After the crash: step 1 is served; a new save cleans step 2's leftovers."""
+    r = x.restore("crash", 1)
+    assert r.step == 1 and r.levels == [1] * x.comm.size, r
+    be = x.backend("crash")
+    be.save(3, mc.make_state(3), level=1)
+    for k in range(x.nodes):
+        assert not (x.node_dir("crash", k) / step_name(2)).exists()
+
+
+def s_io_error(x: Ctx) -> None:
+    """An I/O error on one rank in the middle of the L2 transfer or the L3
+    coding: the group finishes its exchanges (no hang), every rank raises,
+    nothing is committed, the previous checkpoint is still served."""
+    from deeppart.levels import files
+
+    be = x.backend("ioerr")
+    be.save(1, mc.make_state(1), level=1)
+    real_write, real_read = files.write_file, files.read_own
+    victim = x.comm.size - 1
+
+    def bad_write(path: Path, chunks: Any) -> None:
+        raise OSError(f"{path}: disk full (injected)")
+
+    def bad_read(path: Path, size: int) -> Any:
+        return real_read(path, size)[0], OSError(f"{path}: unreadable (injected)")
+
+    for level, name, fake in ((2, "write_file", bad_write), (3, "read_own", bad_read)):
+        if x.comm.rank == victim:
+            setattr(files, name, fake)
+        try:
+            be.save(2, mc.make_state(2), level=level)
+        except CheckpointError as e:
+            assert "injected" in str(e), e
+        except OSError as e:
+            assert x.comm.rank == victim and "injected" in str(e), e
+        else:
+            raise AssertionError(f"L{level}: a failed save did not raise")
+        finally:
+            files.write_file, files.read_own = real_write, real_read
+        assert be.committed_steps() == [1], be.committed_steps()
+    r = x.restore("ioerr", 1)
+    assert r.step == 1 and r.levels == [1] * x.comm.size, r
+
+
+def s_real_hosts(x: Ctx) -> None:
+    """Without local_test the node is the host: all ranks here share one,
+    so node_size must be the world size (else every rank raises before any
+    I/O); L1 and L4 work on that one node."""
+    bad = x.config("hosts", local_test=0, ckpt_l2=0, ckpt_l3=0)
+    try:
+        BuiltinBackend(bad, x.comm)
+    except LevelConfigError as e:
+        assert f"runs {x.comm.size} rank(s)" in str(e), e
+    else:
+        raise AssertionError("node_size below the ranks per host was accepted")
+    # Real nodes: the node directory is named by the host.
+    node_dir = x.root / "local" / socket.gethostname()
+    assert not (node_dir / "hosts").exists()
+    cfg = bad.replace(node_size=x.comm.size)
+    be = BuiltinBackend(cfg, x.comm)
+    be.save(1, mc.make_state(1), level=1)
+    be.save(2, mc.make_state(2), level=4)
+    state, report = BuiltinBackend(cfg, x.comm).load(1)
+    mc.assert_bitwise_equal(mc.make_state(1), state, "hosts")
+    assert report.levels == [1] * x.comm.size, report
+    assert (node_dir / "hosts").is_dir()
+    x.on_root(lambda: shutil.rmtree(node_dir / "hosts", ignore_errors=True))
+    _, report = BuiltinBackend(cfg, x.comm).load()
+    assert report.step == 2 and report.levels == [4] * x.comm.size, report
+
+
+def s_per_rank(x: Ctx) -> None:
+    """Ranks holding different plain values (a loader position) or a small
+    per-rank tensor at one path: the levels store one copy, so every rank
+    raises ReplicaMismatchError naming the path and which ranks hold what,
+    and nothing is committed (before: every rank got rank 0's value back,
+    silently). The same values on every rank save and load."""
+    import torch
+
+    from deeppart.errors import ReplicaMismatchError
+
+    be = x.backend("perrank")
+    base = mc.make_state(1)
+    be.save(1, {**base, "loader_pos": 100}, level=1)
+    for name, own in (("loader_pos", 100 + x.comm.rank), ("rng", torch.tensor([x.comm.rank]))):
+        try:
+            be.save(2, {**base, name: own}, level=1)
+        except ReplicaMismatchError as e:
+            said = str(e)
+            assert f"{name}: ranks [0] hold one version" in said, said
+            assert "nothing was written" in said and "without config=" in said, said
+        else:
+            raise AssertionError(f"{name}: per-rank values saved through the levels")
+        assert be.committed_steps() == [1], be.committed_steps()
+    state, report = be.load()
+    assert report.step == 1 and state["loader_pos"] == 100, (report, state["loader_pos"])
+    mc.assert_bitwise_equal(base["model"], state["model"], "per-rank")
+
+
+SCENARIOS: dict[str, Callable[[Ctx], None]] = {
+    "none": s_none,
+    "l2node": s_l2_node,
+    "l3node": s_l3_node,
+    "l3half": s_l3_half,
+    "l4all": s_l4_all,
+    "l2twice": s_l2_twice,
+    "l3twice": s_l3_twice,
+    "corrupt": s_corrupt,
+    "fallback": s_fallback,
+    "toomuch": s_too_much,
+    "cadence": s_cadence,
+    "checkpointer": s_checkpointer,
+    "hosts": s_real_hosts,
+    "ioerror": s_io_error,
+    "crash": s_crash_save,
+    "aftercrash": s_after_crash,
+    "perrank": s_per_rank,
+}
+
+
+def main() -> None:
+    root, node_size, group_size, *names = sys.argv[1:]
+    comm = resolve(None)
+    x = Ctx(Path(root), int(node_size), int(group_size), comm)
+    (x.results / "ok").mkdir(parents=True, exist_ok=True)
+    for item in names:
+        # "name:G" runs the scenario with group_size G.
+        name, _, group = item.partition(":")
+        if group:
+            x = Ctx(Path(root) / f"g{group}", int(node_size), int(group), comm)
+            x.results = Path(root)
+        SCENARIOS[name](x)
+        mc.scenario_done(x.results, name, comm)
+
+
+if __name__ == "__main__":
+    mc.abort_on_failure(main)
