@@ -75,7 +75,12 @@ def scenario_comm() -> None:
     # _settle, about one broadcast in 20 returned with the tensor still held.
     handed: list[torch.Tensor] = []
     to_backend = c._dev
-    c._dev = lambda arr: handed.append(to_backend(arr)) or handed[-1]  # type: ignore[method-assign]
+
+    def recording(arr: np.ndarray) -> torch.Tensor:
+        handed.append(to_backend(arr))
+        return handed[-1]
+
+    c._dev = recording  # type: ignore[method-assign]
     held = 0
     for i in range(600):
         handed.clear()

@@ -3,6 +3,7 @@ descriptions of several ranks, as the save's exchange delivers them."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -400,5 +401,9 @@ def test_a_rank_failing_in_the_exchange_fails_every_rank() -> None:
         err = out[r][1]
         assert isinstance(err, CheckpointError), err
         assert "ranks [1]" in str(err) and "no layout" in str(err)
-    ok = run_ranks([lambda r=r: p._exchange_round(comms[r], lambda: bytes([r])) for r in range(3)])
+
+    def round_of(r: int) -> Any:
+        return p._exchange_round(comms[r], lambda: bytes([r]))
+
+    ok = run_ranks([functools.partial(round_of, r) for r in range(3)])
     assert [x for x, _ in ok] == [[b"\0", b"\1", b"\2"]] * 3
