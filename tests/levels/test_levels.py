@@ -15,7 +15,12 @@ from typing import Any
 import pytest
 
 import deeppart
-from deeppart.errors import CheckpointError, LevelConfigError, TopologyMismatchError
+from deeppart.errors import (
+    CheckpointError,
+    LevelConfigError,
+    PerRankStateError,
+    TopologyMismatchError,
+)
 from deeppart.levels import LevelConfig, open_backend
 from deeppart.levels.engine import BuiltinBackend
 
@@ -372,6 +377,20 @@ def test_per_rank_values_2_ranks(tmp_path: Path) -> None:
     are in the worker's s_per_rank)."""
     lv = launch(2, tmp_path, 1, 2, "perrank")
     assert lv == {}, lv
+    # One process: only the L4 copy serves, and no rank can be given its
+    # own version there, so the load names the per-rank paths.
+    one = cfg(
+        ckpt_dir=str(tmp_path / "local"),
+        meta_dir=str(tmp_path / "meta"),
+        glbl_dir=str(tmp_path / "global"),
+        exec_id="perrank",
+    )
+    with pytest.raises(
+        PerRankStateError, match=r"loader_pos \(versions saved by ranks \[0\], \[1\]\)"
+    ):
+        BuiltinBackend(one).load(4)
+    state = deeppart.load(str(tmp_path / "global" / "perrank" / "step-00000004"), per_rank=1)
+    assert state["loader_pos"] == 105 and state["extra"] == {"odd": 1}, state["loader_pos"]
 
 
 @pytest.mark.mpi
