@@ -194,7 +194,8 @@ class BuiltinBackend:
         self, step: int, state: Any, *, level: int | None = None, user: Any = None
     ) -> LevelSaveStats:
         """Checkpoints ``state`` as ``step`` at ``level`` (collective). In
-        order: prepare (every rank agrees), the L1 write of this rank's data
+        order: prepare (:func:`~deeppart.saving.prepare.prepare_save`: each
+        rank's own tree, every rank agrees), the L1 write of this rank's data
         file, the level's extra step (L2 :func:`~deeppart.levels.partner.send_copy`,
         L3 :func:`~deeppart.levels.erasure.encode`, L4 :func:`deeppart.save`
         to ``glbl_dir``), the renames to final names, rank 0's commit of the

@@ -506,8 +506,9 @@ class FTIBackend:
     # ------------------------------------------------------------------
 
     def save(self, step: int, state: Any, *, level: int | None = None) -> LevelSaveStats:
-        """Checkpoints ``state`` (the same on every rank) as ``step`` through
-        ``FTI_Checkpoint(step + 1, level)``."""
+        """Checkpoints ``state`` (each rank's own tree, as for
+        :func:`deeppart.save`: values that differ between the ranks are kept
+        per rank) as ``step`` through ``FTI_Checkpoint(step + 1, level)``."""
         t0 = time.perf_counter()
         c = self.comm
         err: BaseException | None = None

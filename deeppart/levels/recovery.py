@@ -19,7 +19,9 @@ is collective over the job's communicator):
 4. :func:`restore_redundancy`: the partner copies and parity shards lost
    with a node are made again;
 5. :func:`distribute`: every rank broadcasts its file and places the pieces
-   it needs (the reader stage's :func:`~deeppart.loading.reader.read_pieces`).
+   of its own view (:func:`own_targets`: its versions of per-rank values,
+   the items it held) with the reader stage's
+   :func:`~deeppart.loading.reader.read_pieces`.
 
 :meth:`~deeppart.levels.engine.BuiltinBackend.latest` uses steps 1 and 2
 with sizes only (no reads).
