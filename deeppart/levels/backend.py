@@ -74,7 +74,9 @@ class LevelBackend(Protocol):
 
     def save(self, step: int, state: Any, *, level: int | None = None) -> LevelSaveStats:
         """Checkpoints ``state`` as ``step`` at ``level`` (None: the level the
-        config's ``ckpt_l1..ckpt_l4`` intervals give this checkpoint)."""
+        config's ``ckpt_l1..ckpt_l4`` intervals give this checkpoint). Each
+        rank passes its own tree, as for :func:`deeppart.save`: values and
+        tensors that differ between the ranks are kept per rank."""
         ...
 
     def latest(self) -> int | None:
@@ -88,7 +90,8 @@ class LevelBackend(Protocol):
 
     def load(self, step: int | None = None, *, into: Any = None) -> tuple[Any, RecoveryReport]:
         """Restores ``step`` (None: :meth:`latest`) on every rank, from the
-        cheapest level that has it, rewriting lost files where it can."""
+        cheapest level that has it, rewriting lost files where it can; each
+        rank gets back its own version of the per-rank values it saved."""
         ...
 
     def close(self) -> None:

@@ -60,11 +60,11 @@ from deeppart.levels.backend import LevelSaveStats, RecoveryReport
 from deeppart.levels.config import LevelConfig
 from deeppart.levels.erasure import STRIPE_BYTES
 from deeppart.levels.layout import Layout, step_name, steps_in
-from deeppart.loading.reader import IntoMatch, Target, all_leaf_targets, assemble
+from deeppart.loading.reader import assemble
 from deeppart.progress import Progress
 from deeppart.saving.metadata import metadata_json
 from deeppart.saving.planning import PlanProvider
-from deeppart.saving.prepare import Prepared, agree_prepared, prepare, refuse_sharded
+from deeppart.saving.prepare import Prepared, prepare_save, refuse_sharded
 from deeppart.saving.save import save
 from deeppart.saving.writer import RECORD_FIELDS, write_pieces
 from deeppart.steps import lineage
@@ -194,7 +194,8 @@ class BuiltinBackend:
         self, step: int, state: Any, *, level: int | None = None, user: Any = None
     ) -> LevelSaveStats:
         """Checkpoints ``state`` as ``step`` at ``level`` (collective). In
-        order: prepare (every rank agrees), the L1 write of this rank's data
+        order: prepare (:func:`~deeppart.saving.prepare.prepare_save`: each
+        rank's own tree, every rank agrees), the L1 write of this rank's data
         file, the level's extra step (L2 :func:`~deeppart.levels.partner.send_copy`,
         L3 :func:`~deeppart.levels.erasure.encode`, L4 :func:`deeppart.save`
         to ``glbl_dir``), the renames to final names, rank 0's commit of the
@@ -206,7 +207,6 @@ class BuiltinBackend:
         self._check_level(lv)  # the same on every rank: raises everywhere
         phases: dict[str, float] = {}
         err: BaseException | None = None
-        prep: Prepared | None = None
         value: Any = {"step": step, "user": user}
         link, run = lineage.Link(step, 0), self._run or ""
         leftovers: dict[int, set[str]] = {}
@@ -232,15 +232,22 @@ class BuiltinBackend:
                 # A directory: only DeepPart's files; an object store: the
                 # save refuses a foreign marker and touches nothing else.
                 save_target(self.global_step(step)).check()
-            prep = prepare(state, self.compression, self.plans, self.meta_step(step))
-            refuse_sharded(prep, "the multi-level engine")
+        except BaseException as e:
+            err = e
+        # deeppart.save's prepare: each rank passes its own tree; values and
+        # tensors that differ between the ranks are kept per rank (each
+        # rank's own version, deeppart.state.union), and every rank raises
+        # if any failed above.
+        prep, _ = prepare_save(c, err, state, self.compression, self.plans, self.meta_step(step))
+        try:
+            refuse_sharded(prep, "the multi-level engine")  # alike on every rank
             if c.rank == 0 and self.meta_step(step).exists():
                 # Re-saving a step: uncommit it first, so a crash never
                 # leaves a marker over mixed files.
                 (self.meta_step(step) / MARKER).unlink(missing_ok=True)
         except BaseException as e:
             err = e
-        prep = agree_prepared(c, err, prep)
+        agree(c, err)
 
         # L1: every rank writes its own file (temporary name).
         local = self.local_step(step)
@@ -595,13 +602,15 @@ class BuiltinBackend:
                 return recovery.load_global(c, layout, step, into, self.exchange, t0)
             return why
         err: BaseException | None = None
-        targets: list[Target] = []
-        matched: IntoMatch | None = None
+        mine: recovery.OwnTargets | None = None
         try:
-            targets, matched = all_leaf_targets(st.meta, into)  # checks into= before any I/O
+            # This rank's own view (its versions of per-rank values, the
+            # items it held); checks into= before any I/O.
+            mine = recovery.own_targets(st.meta, c.rank, c.size, into)
         except BaseException as e:
             err = e
         agree(c, err)
+        assert mine is not None
         survey, held, moved = recovery.survey(c, layout, st, deep=True)
         if not survey.levels:
             if st.level == 4 and recovery.global_ok(c, layout, step):
@@ -621,8 +630,8 @@ class BuiltinBackend:
         all_rewritten = [path for row in rows for path in json.loads(row)[0]]
         all_moved = [path for row in rows for path in json.loads(row)[1]]
         # Every rank now holds its own file: broadcast each and place it.
-        recovery.distribute(c, st.meta, self.meta_step(step), own, targets)
-        state = assemble(st.meta, targets, self.meta_step(step), matched)
+        recovery.distribute(c, mine.meta, self.meta_step(step), own, mine.targets)
+        state = assemble(mine.meta, mine.targets, self.meta_step(step), mine.matched, mine.pruned)
         report = RecoveryReport(
             step, survey.levels, all_rewritten, time.perf_counter() - t0, all_moved
         )

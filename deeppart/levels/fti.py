@@ -33,6 +33,7 @@ import configparser
 import ctypes
 import hashlib
 import json
+import math
 import os
 import socket
 import struct
@@ -65,10 +66,11 @@ from deeppart.levels.libfti import (
     find_libfti,
     load_libfti,
 )
-from deeppart.loading.reader import all_leaf_targets, assemble, leaf_infos
+from deeppart.levels.recovery import OwnTargets, own_targets
+from deeppart.loading.reader import assemble, leaf_infos
 from deeppart.saving.metadata import metadata_head
 from deeppart.saving.planning import PlanProvider
-from deeppart.saving.prepare import Prepared, agree_prepared, prepare, refuse_sharded
+from deeppart.saving.prepare import Prepared, prepare_save, refuse_sharded
 from deeppart.state.tensors import dtype_sizes, readable, u8_view
 
 #: ``find_libfti``, ``load_libfti`` and ``check_same_mpi`` are
@@ -504,8 +506,9 @@ class FTIBackend:
     # ------------------------------------------------------------------
 
     def save(self, step: int, state: Any, *, level: int | None = None) -> LevelSaveStats:
-        """Checkpoints ``state`` (the same on every rank) as ``step`` through
-        ``FTI_Checkpoint(step + 1, level)``."""
+        """Checkpoints ``state`` (each rank's own tree, as for
+        :func:`deeppart.save`: values that differ between the ranks are kept
+        per rank) as ``step`` through ``FTI_Checkpoint(step + 1, level)``."""
         t0 = time.perf_counter()
         c = self.comm
         err: BaseException | None = None
@@ -517,13 +520,20 @@ class FTIBackend:
                 raise CheckpointError(f"step {step}: FTI needs 0 <= step < 2**31 - 1")
             self._level_checked(lv)
 
-            prep = prepare(state, None, PlanProvider(c.size), self._dir / f"step-{step}")
-            refuse_sharded(prep, "the FTI backend")
         except BaseException as e:
             err = e
-        # The same state, plan and values on every rank (the sampled bytes
-        # of tensors, the whole of plain values): FTI stores one copy.
-        prep = agree_prepared(c, err, prep)
+        # deeppart.save's prepare: each rank passes its own tree; values and
+        # tensors that differ between the ranks are kept per rank (each
+        # rank's own version, deeppart.state.union); every rank raises if
+        # any failed above.
+        prep, _ = prepare_save(
+            c, err, state, None, PlanProvider(c.size), self._dir / f"step-{step}"
+        )
+        try:
+            refuse_sharded(prep, "the FTI backend")  # alike on every rank
+        except BaseException as e:
+            err = e
+        agree(c, err)
 
         # This rank's pieces: views of tensor memory (or encoded values),
         # checksummed, cut into FTI datasets.
@@ -635,6 +645,17 @@ class FTIBackend:
         """The index (``gathered``: per rank, its pieces' xxh3 and its
         number of FTI datasets)."""
         world = prep.plan.world_size
+        infos = prep.manifest.leaves()
+
+        def piece_bytes(li: int, start: int, stop: int) -> int:
+            # From the manifest, not from rank 0's leaves: another rank's
+            # pieces may be of its own version of a per-rank value.
+            info = infos[li]
+            if info["kind"] != "tensor":
+                return int(info["nbytes"])  # a plain value: one whole piece
+            numel = math.prod(info["shape"])
+            return (stop - start) * (int(info["nbytes"]) // numel) if numel else 0
+
         rows: list[list[Any]] = []
         blobs: list[list[int]] = []
         stream: list[int] = []
@@ -644,12 +665,7 @@ class FTIBackend:
             pos = HEADER_SIZE  # offsets in the rank's piece stream, as in a data file
             lengths: list[int] = []
             for li, start, stop in prep.plan.rank_pieces(r):
-                leaf = prep.leaves[li]
-                if leaf.tensor is not None:
-                    n = (stop - start) * int(leaf.tensor.element_size())
-                else:
-                    assert leaf.encoded is not None
-                    n = len(leaf.encoded)
+                n = piece_bytes(li, start, stop)
                 rows.append([li, start, stop, r, pos, n, n, "none", int(gathered[k])])
                 lengths.append(n)
                 pos += n
@@ -800,6 +816,7 @@ class FTIBackend:
         t1 = time.perf_counter()
 
         # Verify: this rank's header, then every piece of its stream.
+        mine: OwnTargets | None = None
         try:
             magic, hstep, hrank, hworld, hdigest = _HEADER.unpack(header[: _HEADER.size].tobytes())
             if (magic, hstep, hrank, hworld) != (_MAGIC, have, c.rank, c.size) or (
@@ -818,17 +835,24 @@ class FTIBackend:
                         f"rank {c.rank}: piece of leaf {p.leaf} [{p.start}:{p.stop}] "
                         "recovered by FTI fails its xxh3 checksum"
                     )
-            targets, matched = all_leaf_targets(meta, into)
+            # This rank's own view (its versions of per-rank values, the
+            # items it held), as deeppart.load gives it.
+            mine = own_targets(meta, c.rank, c.size, into)
         except BaseException as e:
             err = e
         agree(c, err)
+        assert mine is not None
+        targets = mine.targets
 
         # Exchange: every rank broadcasts its own pieces.
-        def direct(leaf: int, start: int, stop: int) -> U8:
+        def direct(leaf: int, start: int, stop: int) -> U8 | None:
             info = meta.leaves[leaf]
+            target = targets[leaf]
+            if target is None:  # not read by this rank
+                return None
             if info.kind != "tensor":
-                return targets[leaf].buf
-            return targets[leaf].buf[start * info.itemsize : stop * info.itemsize]
+                return target.buf
+            return target.buf[start * info.itemsize : stop * info.itemsize]
 
         for r in range(c.size):
             size = int(meta.file_sizes[r]) - HEADER_SIZE
@@ -838,11 +862,11 @@ class FTIBackend:
             c.bcast_u8(buf, root=r)
             for p in meta.pieces:
                 if p.rank == r and p.length:
-                    direct(p.leaf, p.start, p.stop)[:] = buf[
-                        p.offset - HEADER_SIZE : p.offset - HEADER_SIZE + p.length
-                    ]
+                    out = direct(p.leaf, p.start, p.stop)
+                    if out is not None:
+                        out[:] = buf[p.offset - HEADER_SIZE : p.offset - HEADER_SIZE + p.length]
 
-        state = assemble(meta, targets, self._index_path(have), matched)
+        state = assemble(mine.meta, targets, self._index_path(have), mine.matched, mine.pruned)
         level = 4 if self._recovered_status == 2 and self._last_step is None else int(fti["level"])
         report = RecoveryReport(
             step=have,

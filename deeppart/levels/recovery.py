@@ -19,7 +19,9 @@ is collective over the job's communicator):
 4. :func:`restore_redundancy`: the partner copies and parity shards lost
    with a node are made again;
 5. :func:`distribute`: every rank broadcasts its file and places the pieces
-   it needs (the reader stage's :func:`~deeppart.loading.reader.read_pieces`).
+   of its own view (:func:`own_targets`: its versions of per-rank values,
+   the items it held) with the reader stage's
+   :func:`~deeppart.loading.reader.read_pieces`.
 
 :meth:`~deeppart.levels.engine.BuiltinBackend.latest` uses steps 1 and 2
 with sizes only (no reads).
@@ -46,8 +48,17 @@ from deeppart.levels.backend import RecoveryReport
 from deeppart.levels.files import EMPTY, U8, BufReader, by_rank, file_ok
 from deeppart.levels.layout import Layout, parity_file, partner_file
 from deeppart.loading.load import load
-from deeppart.loading.reader import Target, open_checkpoint, read_metadata, read_pieces
+from deeppart.loading.reader import (
+    IntoMatch,
+    Target,
+    leaf_targets,
+    meta_leaf_paths,
+    open_checkpoint,
+    read_metadata,
+    read_pieces,
+)
 from deeppart.progress import Progress
+from deeppart.state.own_view import own_view
 from deeppart.storage.files import read_all, size_is
 from deeppart.storage.source import checkpoint_source
 from deeppart.storage.url import Location
@@ -477,18 +488,53 @@ def restore_redundancy(
     return []
 
 
-def distribute(comm: Comm, meta: Metadata, where: Path, own: U8, targets: list[Target]) -> None:
+@dataclass
+class OwnTargets:
+    """What a rank of the saving job reads of a step (:func:`own_targets`)."""
+
+    #: The rank's view of the step's metadata (its own version of each
+    #: per-rank path; the items it did not hold left out, ``meta.skip``).
+    meta: Metadata
+    #: Per leaf of ``meta``: where its bytes go, None where it is not read.
+    targets: list[Target | None]
+    matched: IntoMatch | None
+    #: Whether leaves were left out (the tree is rebuilt without them).
+    pruned: bool
+
+
+def own_targets(meta: Metadata, rank: int, world: int, into: Any) -> OwnTargets:
+    """This rank's view of a step saved through the levels by ``world``
+    ranks, as :func:`deeppart.load` gives it at the save's world size
+    (:func:`deeppart.state.own_view.own_view`): each rank gets back its own
+    version of the paths whose values differed between the ranks (a loader
+    position, a per-rank RNG state), and the items it held; the targets of
+    the leaves it reads (``into``: matched by path). Checks ``into`` before
+    any I/O; the same metadata gives every rank of one world size the same
+    decisions, so errors are raised alike."""
+    view = own_view(meta, rank, world, None, into)
+    mine = view.meta
+    chosen = [[] if i in mine.skip else ps for i, ps in enumerate(meta_leaf_paths(mine))]
+    targets, matched = leaf_targets(mine, into, chosen)
+    return OwnTargets(mine, targets, matched, view.pruned)
+
+
+def distribute(
+    comm: Comm, meta: Metadata, where: Path, own: U8, targets: list[Target | None]
+) -> None:
     """Every rank holds its own data file (``own``): each is broadcast in
-    turn and every rank places the pieces it needs into ``targets``
-    (``where``: the step's metadata directory, for messages)."""
-    by = by_rank(meta)
+    turn and every rank places the pieces it needs into ``targets`` (None:
+    a leaf this rank does not read; ``where``: the step's metadata
+    directory, for messages)."""
+    by = [[p for p in ps if targets[p.leaf] is not None] for ps in by_rank(meta)]
     prog = Progress("load", 0, enabled=False)
 
     def direct(p: Piece) -> U8:
         info = meta.leaves[p.leaf]
+        target = targets[p.leaf]
+        assert target is not None  # only the pieces of leaves read
         if info.kind != "tensor":
-            return targets[p.leaf].buf
-        return targets[p.leaf].buf[p.start * info.itemsize : p.stop * info.itemsize]
+            return target.buf
+        return target.buf[p.start * info.itemsize : p.stop * info.itemsize]
 
     err: BaseException | None = None
     for f in range(meta.world_size):

@@ -1,21 +1,18 @@
 """Stage 2 of a save: prepare. Each rank flattens its state into leaves,
 describes them as a :class:`~deeppart.Manifest`, gets the plan
 (:mod:`deeppart.saving.planning`), and digests everything the ranks must agree on.
-:func:`agree_prepared` then checks, in one collective, that no rank failed
-and that all ranks prepared the same save; :func:`verify_replicas`
-(optional) checks that their copies of the state hold the same bytes.
-Nothing is written before both pass.
+:func:`prepare_save`, the prepare of ``deeppart.save`` and of the
+multi-level backends (:mod:`deeppart.levels`), takes each rank's own tree:
+every tensor that several ranks hold is digested whole
+(:func:`~deeppart.saving.digests.tensor_digest`; issue 49, replicas are
+proved), and copies that differ, like plain values that differ, become each
+rank's own version (:mod:`deeppart.state.union`; issue 48).
+:func:`verify_replicas` (optional) checks that the ranks' copies of the
+state hold the same bytes. Nothing is written before both pass.
 
 DTensors become shard leaves held by a subset of the ranks
-(:mod:`deeppart.state.dtensor`). Leaves that every rank holds are also sampled
-(:func:`replica_sample`: a few bytes of each, hashed) and the samples
-compared in the same collective: ranks that pass different tensors at one
-path, e.g. DTensor shards converted with ``to_local()``, fail by default.
-That is :func:`prepare`, the multi-level backends' (which store one copy
-and refuse per-rank state). :func:`prepare_save`, ``deeppart.save``'s,
-samples nothing: every tensor that several ranks hold is digested whole
-(:func:`~deeppart.saving.digests.tensor_digest`; issue 49, replicas are proved), and copies that
-differ become each rank's own version (:mod:`deeppart.state.union`).
+(:mod:`deeppart.state.dtensor`). :func:`replica_sample` hashes a few bytes of
+each leaf that every rank holds (what the benchmarks compare the proof with).
 """
 
 from __future__ import annotations
@@ -57,12 +54,8 @@ from deeppart.storage.identity import IDENTITY_BYTES, identity_digest, identity_
 from deeppart.storage.url import Location, location_key
 
 __all__ = [
-    "AGREE_WIDTH",
     "Prepared",
     "StagedPiece",
-    "agree_prepared",
-    "agree_prepared_flags",
-    "prepare",
     "prepare_save",
     "refuse_sharded",
     "replan",
@@ -72,9 +65,6 @@ __all__ = [
     "save_digest",
     "verify_replicas",
 ]
-
-#: Bytes of each rank's row in the prepare agreement (digest, sample digest).
-AGREE_WIDTH = 48
 
 #: Bytes of each sampled block, and the blocks per leaf (start, middle, end).
 SAMPLE_BYTES = 64
@@ -129,14 +119,6 @@ class Prepared:
     #: copies that differ (:func:`replan`).
     replan: Callable[..., tuple[Prepared, list[int]]] | None = None
 
-    @property
-    def sample(self) -> bytes:
-        """One 16-byte digest of :attr:`samples`, compared across the ranks."""
-        h = hashlib.blake2b(digest_size=16)
-        for i in sorted(self.samples):
-            h.update(self.samples[i])
-        return h.digest()
-
 
 def sample_bytes(t: Any) -> bytes:
     """A few blocks of a tensor's bytes in row-major order (its start, middle
@@ -183,38 +165,6 @@ def replica_sample(leaves: list[FlatLeaf], descs: list[dict[str, Any]]) -> dict[
     return out
 
 
-def prepare(
-    state: Any,
-    compression: str | None,
-    plan_for: Callable[[Manifest], Plan],
-    directory: Location,
-) -> Prepared:
-    """Flattens ``state``, plans it with ``plan_for`` and digests what the
-    ranks must agree on (plan, manifest, skeleton, codec, ``directory``)."""
-    codec = check_codec(compression)
-    flat, skeleton = flatten(state)
-    check_has_data(flat)
-    ex = expand(flat, skeleton)
-    leaves, skeleton = ex.leaves, ex.skeleton
-    manifest = Manifest.from_leaves(ex.descs, ex.groups or None)
-    plan = plan_for(manifest)
-    digest = save_digest(plan, manifest, skeleton, codec, directory, ex.records)
-    samples = replica_sample(leaves, ex.descs) | plain_sample(leaves)
-    return Prepared(leaves, skeleton, manifest, plan, codec, digest, ex.records, samples)
-
-
-def plain_sample(leaves: list[FlatLeaf]) -> dict[int, bytes]:
-    """Per plain value (a loader position, a step counter): an 8-byte hash
-    of its encoding. :func:`prepare` stores one copy of the state, written by
-    whichever rank its plan names, so ranks holding different values must
-    be refused, not served one rank's (issue 48)."""
-    return {
-        i: hashlib.blake2b(leaf.encoded, digest_size=8).digest()
-        for i, leaf in enumerate(leaves)
-        if leaf.encoded is not None
-    }
-
-
 def save_digest(
     plan: Plan,
     manifest: Manifest,
@@ -250,81 +200,6 @@ def refuse_sharded(prep: Prepared, where: str) -> None:
             "store each shard's global region and reshard on load), or pass "
             "get_state_dict(..., options=StateDictOptions(full_state_dict=True))"
         )
-
-
-def agree_prepared(
-    c: Comm, err: BaseException | None, prep: Prepared | None, samples: bool = True
-) -> Prepared:
-    """Every rank raises if any failed to prepare, or if ranks disagree on
-    the state's structure, plan, codec or directory (nothing written yet);
-    with ``samples``, also if the sampled bytes of the leaves every rank
-    holds differ (:class:`ReplicaMismatchError`)."""
-    return agree_prepared_flags(c, err, prep, samples=samples)[0]
-
-
-def agree_prepared_flags(
-    c: Comm,
-    err: BaseException | None,
-    prep: Prepared | None,
-    flag: int | None = None,
-    samples: bool = True,
-) -> tuple[Prepared, list[int]]:
-    """:func:`agree_prepared`, in the same collective sharing one byte
-    ``flag`` of each rank (when given; an empty list otherwise)."""
-    extra = b"" if flag is None else bytes([flag])
-    mine = (prep.digest + prep.sample if prep else b"\0" * AGREE_WIDTH) + extra
-    rows = agree(c, err, mine, width=AGREE_WIDTH + len(extra))
-    flags = [row[AGREE_WIDTH] for row in rows] if flag is not None else []
-    assert prep is not None
-    digests = [row[:32] for row in rows]
-    if len(set(digests)) != 1:
-        groups: dict[bytes, list[int]] = {}
-        for r, d in enumerate(digests):
-            groups.setdefault(d, []).append(r)
-        desc = "; ".join(f"ranks {v}" for v in groups.values())
-        raise StateMismatchError(
-            "ranks disagree on the state's structure, its plan, the codec or the directory "
-            f"(groups of agreeing ranks: {desc}); nothing was written. If the state holds "
-            "shards of DTensors converted with to_local(), pass the DTensors themselves "
-            "(get_state_dict(model, optimizer) returns them). With get_state_dict(..., "
-            "options=StateDictOptions(full_state_dict=True, cpu_offload=True)) only rank 0 "
-            "holds the values: save the sharded state (the default options; every rank writes "
-            "its part), or pass full_state_dict=True without cpu_offload. If groups of ranks "
-            "hold different states on purpose (two data-parallel groups, plain tensor-parallel "
-            'shards), pass group=<this rank\'s replica group> or group="auto" '
-            "(deeppart.loading.groups)"
-        )
-    if samples and len({row[32:48] for row in rows}) != 1:
-        _replicas_differ(c, prep)
-    return prep, flags
-
-
-#: What the multi-level backends (the only users of :func:`prepare`) tell
-#: a user whose ranks hold different values or tensors at one path.
-ONE_COPY = (
-    "The multi-level backends (Checkpointer(config=...)) store one copy of a state "
-    "that every rank holds alike; save per-rank values (a loader position, an RNG "
-    "state) and per-rank tensors with deeppart.Checkpointer without config= or "
-    "deeppart.save, which give each rank its own back"
-)
-
-
-def _replicas_differ(c: Comm, prep: Prepared) -> None:
-    """The sampled bytes of leaves every rank holds differ: every rank
-    raises ReplicaMismatchError naming the leaves and which ranks hold
-    which version (one more collective)."""
-    from deeppart.state.union import replica_error
-
-    mine = b"".join(prep.samples[i] for i in sorted(prep.samples))
-    per_rank = c.allgather_varbytes(mine)
-    differ: list[tuple[Any, list[list[int]]]] = []
-    for k, i in enumerate(sorted(prep.samples)):
-        by: dict[bytes, list[int]] = {}
-        for r, row in enumerate(per_rank):
-            by.setdefault(row[8 * k : 8 * k + 8], []).append(r)
-        if len(by) > 1:
-            differ.append((prep.leaves[i].path, sorted(by.values(), key=lambda g: g[0])))
-    raise replica_error(differ, "sampled tensors, whole values", ONE_COPY, "leaves")
 
 
 def _differing(

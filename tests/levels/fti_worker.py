@@ -2,13 +2,14 @@
 ``mpiexec -n N python tests/levels/fti_worker.py SCENARIO ROOT LEVEL GROUP_SIZE``
 (fake nodes of 2 ranks, ``local_test = 1``; groups of GROUP_SIZE nodes).
 
-``save``: a first job checkpoints a model + AdamW state at LEVEL through
+``save``: a first job checkpoints a model + AdamW state, with each
+rank's own loader position and RNG state beside it (issue 48), at LEVEL through
 :class:`deeppart.levels.fti.FTIBackend`, restores it in the same job, and
 ends without ``FTI_Finalize`` (as a crash would), so its checkpoint stays.
 It prints the plan's pieces per rank (``PLAN [..]``).
 ``restore``: a second, separate job with the same config restarts: FTI_Init
 finds the checkpoint (rebuilding lost files), and the state comes back
-bitwise on every rank.
+bitwise on every rank, each rank's own values to it.
 ``broken``: the last rank protects one FTI dataset more than the others
 before the save: the save must fail on every rank with the backend's
 clear error, before FTI_Checkpoint, and leave no index behind.
@@ -33,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
 from mpi_checkpoint import assert_bitwise_equal, make_state
 from rank_output import print_line
 
-from deeppart.errors import CheckpointError, FTIError, ReplicaMismatchError
+from deeppart.errors import CheckpointError, FTIError
 from deeppart.levels import fti
 from deeppart.levels.config import LevelConfig
 from deeppart.levels.fti import FTIBackend
@@ -60,11 +61,16 @@ def config(root: Path, group_size: int) -> LevelConfig:
     )
 
 
-def state() -> dict[str, Any]:
+def state(rank: int) -> dict[str, Any]:
     s = make_state(seed=3)
     # Its pieces (over 256 KiB) are protected from tensor memory. On 8
     # ranks the plan leaves the last ranks without any piece.
     s["big"] = torch.arange(1_200_000, dtype=torch.float32)
+    # Each rank's own loader position and RNG state (issue 48), alike on
+    # ranks r and r + 4: on 8 ranks each version has two holders, one of
+    # which writes it, and the plan still leaves ranks without any piece.
+    s["loader_pos"] = 100 + rank % 4
+    s["rng"] = torch.Generator().manual_seed(1000 + rank % 4).get_state()
     return s
 
 
@@ -75,7 +81,7 @@ def ok(name: str, backend: FTIBackend) -> None:
 def scenario_save(backend: FTIBackend, level: int) -> None:
     assert backend.status == 0, f"fresh job, FTI_Status() = {backend.status}"
     assert backend.latest() is None
-    s = state()
+    s = state(backend.comm.rank)
     stats = backend.save(STEP, s, level=level)
     assert stats.level == level and stats.raw_bytes > 0
     assert backend.latest() == STEP
@@ -93,44 +99,36 @@ def scenario_save(backend: FTIBackend, level: int) -> None:
 
 def scenario_restore(backend: FTIBackend, level: int) -> None:
     assert backend.status in (1, 2), f"restart, FTI_Status() = {backend.status}"
+    r = backend.comm.rank
     if level in (1, 2, 3):
         # FTI_Init found or rebuilt this rank's node-local checkpoint file
         # (L2: from the partner copy, L3: Reed-Solomon).
-        r = backend.comm.rank
         node = Path(backend.config.ckpt_dir) / f"node{r // backend.config.node_size}"
         assert list(node.rglob(f"Ckpt{STEP + 1}-Rank{r}.fti")), f"rank {r}: no file in {node}"
         print_line(f"LOCAL FILE rank {r}")
     assert backend.latest() == STEP
     out, report = backend.load()
     assert report.step == STEP and report.levels == [level] * backend.comm.size, report
-    assert_bitwise_equal(state(), out)
+    assert_bitwise_equal(state(r), out)
     # into=: in place, the same tensor objects.
     into = make_state(seed=4)
     into["big"] = torch.zeros(1_200_000, dtype=torch.float32)
+    into["loader_pos"], into["rng"] = -1, torch.zeros_like(out["rng"])
     ptrs = {k: v.data_ptr() for k, v in into["model"].items()}
     res, _ = backend.load(into=into)
     for k, ptr in ptrs.items():
         assert res["model"][k] is into["model"][k] and res["model"][k].data_ptr() == ptr, k
-    assert_bitwise_equal(state(), res)
+    assert_bitwise_equal(state(r), res)
     backend.close()
 
 
 def scenario_broken(backend: FTIBackend, level: int) -> None:
     c = backend.comm
-    # A per-rank value: FTI stores one copy, so every rank refuses it
-    # (before: every rank got the value of the rank that wrote it).
-    try:
-        backend.save(STEP, {**state(), "loader_pos": 100 + c.rank}, level=level)
-    except ReplicaMismatchError as e:
-        assert "loader_pos: ranks [0] hold one version" in str(e), e
-        print_line(f"rank {c.rank} PER-RANK REFUSED")
-    else:
-        raise AssertionError(f"rank {c.rank}: a per-rank value was saved through FTI")
     extra = np.zeros(16, dtype=np.uint8)
     if c.rank == c.size - 1:
         backend._protect(EXTRA_ID, extra)
     try:
-        backend.save(STEP, state(), level=level)
+        backend.save(STEP, state(c.rank), level=level)
     except FTIError as e:
         assert "ranks protect different FTI datasets" in str(e), e
         assert "FTI_Checkpoint(id 8) was not called" in str(e), e

@@ -383,31 +383,66 @@ def s_real_hosts(x: Ctx) -> None:
 
 
 def s_per_rank(x: Ctx) -> None:
-    """Ranks holding different plain values (a loader position) or a small
-    per-rank tensor at one path: the levels store one copy, so every rank
-    raises ReplicaMismatchError naming the path and which ranks hold what,
-    and nothing is committed (before: every rank got rank 0's value back,
-    silently). The same values on every rank save and load."""
+    """Ranks holding different plain values (a loader position), per-rank
+    tensors (each rank's RNG state) and items only some ranks hold, beside
+    a shared model: saved at L1, L2, L3 and L4 (issue 48: before, every rank
+    got rank 0's loader position back, silently, then the levels refused
+    them). Each rank gets back exactly its own values, from a fresh backend,
+    after its node is lost (L2 partner copy, L3 decoding, L4 from glbl_dir
+    alone), and through Checkpointer(config=...)."""
     import torch
 
-    from deeppart.errors import ReplicaMismatchError
-
-    be = x.backend("perrank")
+    r = x.comm.rank
     base = mc.make_state(1)
-    be.save(1, {**base, "loader_pos": 100}, level=1)
-    for name, own in (("loader_pos", 100 + x.comm.rank), ("rng", torch.tensor([x.comm.rank]))):
-        try:
-            be.save(2, {**base, name: own}, level=1)
-        except ReplicaMismatchError as e:
-            said = str(e)
-            assert f"{name}: ranks [0] hold one version" in said, said
-            assert "nothing was written" in said and "without config=" in said, said
+    gen = torch.Generator().manual_seed(1000 + r)
+    torch.rand(3, generator=gen)
+
+    def own(step: int) -> dict[str, Any]:
+        extra: Any = torch.full((4,), float(r)) if r % 2 == 0 else {"odd": r}
+        return {
+            **base,
+            "loader_pos": 100 + r + step,
+            "rng": gen.get_state(),
+            "epoch": step,  # the same on every rank
+            "extra": extra,
+        }
+
+    def check(state: dict[str, Any], step: int, where: str) -> None:
+        want = own(step)
+        assert state["loader_pos"] == want["loader_pos"], (where, r, state["loader_pos"])
+        assert state["epoch"] == step, (where, state["epoch"])
+        assert torch.equal(state["rng"], want["rng"]), (where, r, "rng")
+        if r % 2 == 0:
+            assert torch.equal(state["extra"], want["extra"]), (where, r, state["extra"])
         else:
-            raise AssertionError(f"{name}: per-rank values saved through the levels")
-        assert be.committed_steps() == [1], be.committed_steps()
-    state, report = be.load()
-    assert report.step == 1 and state["loader_pos"] == 100, (report, state["loader_pos"])
-    mc.assert_bitwise_equal(base["model"], state["model"], "per-rank")
+            assert state["extra"] == {"odd": r}, (where, r, state["extra"])
+        mc.assert_bitwise_equal(base["model"], state["model"], where)
+
+    # Each level, then (L2, L3) the last node lost: its ranks get their own
+    # values from their partners' copies (L2) and the group's parity (L3);
+    # then every node's local storage lost: L4 (deeppart.save's checkpoint).
+    lost = set(range((x.nodes - 1) * x.node_size, x.comm.size))
+    be = x.backend("perrank")
+    for step, lv in ((1, 1), (2, 2), (3, 3), (4, 4)):
+        be.save(step, own(step), level=lv)
+        state, report = x.backend("perrank").load(step)
+        assert report.levels == [1] * x.comm.size, report
+        check(state, step, f"L{lv}")
+        if lv == 1:
+            continue
+        x.lose_nodes("perrank", *(range(x.nodes) if lv == 4 else [x.nodes - 1]))
+        state, report = x.backend("perrank").load(step)
+        want = [lv if q in lost or lv == 4 else 1 for q in range(x.comm.size)]
+        assert report.levels == want, report
+        check(state, step, f"L{lv} after a node loss")
+    # Through Checkpointer(config=...), into= a state of the same structure.
+    ck = Checkpointer(x.root / "perrank-ck", comm=x.comm, config=x.config("perrank-ck"))
+    ck.save(5, own(5))
+    target = own(5)
+    target["loader_pos"], target["rng"] = -1, torch.zeros_like(target["rng"])
+    state = ck.load(5, into=target)
+    check(state, 5, "Checkpointer")
+    assert state["rng"] is target["rng"], "into= did not fill the given tensor"
 
 
 SCENARIOS: dict[str, Callable[[Ctx], None]] = {

@@ -15,7 +15,12 @@ from typing import Any
 import pytest
 
 import deeppart
-from deeppart.errors import CheckpointError, LevelConfigError, TopologyMismatchError
+from deeppart.errors import (
+    CheckpointError,
+    LevelConfigError,
+    PerRankStateError,
+    TopologyMismatchError,
+)
 from deeppart.levels import LevelConfig, open_backend
 from deeppart.levels.engine import BuiltinBackend
 
@@ -324,8 +329,8 @@ def test_matrix_4_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     the ckpt_lN cadence and keep; Checkpointer(config=...); real hosts
     (no local_test) as one node; an injected I/O error in the L2 transfer
     and in the L3 coding (every rank raises, no hang, nothing committed);
-    per-rank values or tensors refused on every rank (the levels store one
-    copy: before, every rank got rank 0's value back).
+    per-rank values and tensors, each rank's own back at every level and
+    after a node loss (issue 48: before, every rank got rank 0's value).
     Bitwise
     identical state every time (checked in the worker). Then one process
     with another layout reads only the L4 checkpoint."""
@@ -360,6 +365,32 @@ def test_matrix_4_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     mc.assert_bitwise_equal(mc.make_state(4), state)
     with pytest.raises(TopologyMismatchError, match=r"written by 4 ranks as nodes .* only L4"):
         be.load(3)
+
+
+@pytest.mark.mpi
+@needs_mpi
+def test_per_rank_values_2_ranks(tmp_path: Path) -> None:
+    """Issue 48's job: 2 ranks (2 fake nodes, one group) save their own
+    loader positions, RNG states and items only some hold beside a shared
+    model through the built-in engine (L1-L4, Checkpointer(config=...));
+    each rank gets back its own, also after its node is lost (the checks
+    are in the worker's s_per_rank)."""
+    lv = launch(2, tmp_path, 1, 2, "perrank")
+    assert lv == {}, lv
+    # One process: only the L4 copy serves, and no rank can be given its
+    # own version there, so the load names the per-rank paths.
+    one = cfg(
+        ckpt_dir=str(tmp_path / "local"),
+        meta_dir=str(tmp_path / "meta"),
+        glbl_dir=str(tmp_path / "global"),
+        exec_id="perrank",
+    )
+    with pytest.raises(
+        PerRankStateError, match=r"loader_pos \(versions saved by ranks \[0\], \[1\]\)"
+    ):
+        BuiltinBackend(one).load(4)
+    state = deeppart.load(str(tmp_path / "global" / "perrank" / "step-00000004"), per_rank=1)
+    assert state["loader_pos"] == 105 and state["extra"] == {"odd": 1}, state["loader_pos"]
 
 
 @pytest.mark.mpi
