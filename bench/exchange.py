@@ -573,6 +573,7 @@ def _computed(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from deeppart.saving import prepare as prepare_module
     from deeppart.saving import union_cache
     from deeppart.saving.planning import PlanProvider
     from deeppart.saving.prepare import (
@@ -699,11 +700,18 @@ def _computed(
         return out
 
     _progress("rank 0's prepare_save")
-    # Rank 0's prepare_save, the code as it runs in a save.
+    # Rank 0's prepare_save, the code as it runs in a save; the union it
+    # builds is kept for the other ranks' check values of a second save.
     c = SimComm(0, world, rows, rounds)
-    t0 = time.process_time()
-    prep, _ = prepare_save(cast("Comm", c), None, states[0], None, plan_for, path)
-    t_total = time.process_time() - t0
+    built: list[Any] = []
+    build = prepare_module.build_union
+    prepare_module.build_union = lambda *a, **k: built.append(build(*a, **k)) or built[-1]
+    try:
+        t0 = time.process_time()
+        prep, _ = prepare_save(cast("Comm", c), None, states[0], None, plan_for, path)
+        t_total = time.process_time() - t0
+    finally:
+        prepare_module.build_union = build
     marks = [(x[1], x[4] - t0, x[5] - t0) for x in c.counter.log]
     agree1, gather, agree2 = marks[0], marks[1], marks[-1]
     phases = {
@@ -725,7 +733,7 @@ def _computed(
     out["cpu_seconds"] = {**phases, "rank 0 prepare_save in all": t_total, **out["cpu_seconds"]}
     out["same_union_on_reps"] = checked
     out["cached"] = _cached_save(
-        world, rows, own_of, states[0], plan_for, path, prep, union_cache, _try_cache
+        world, rows, own_of, states[0], plan_for, path, prep, built[0], union_cache, _try_cache
     )
     return out
 
@@ -738,6 +746,7 @@ def _cached_save(
     plan_for: Any,
     path: Path,
     first: Any,
+    union: Any,
     union_cache: Any,
     try_cache: Callable[..., Any],
 ) -> dict[str, Any]:
@@ -745,11 +754,11 @@ def _cached_save(
     reuses the union its first save cached: its CPU seconds and what it
     gathers. Every rank's agreement row is made beforehand: the tag rank 0
     makes (every rank makes the same from the same cache), each rank's
-    check value from its own digests and check terms of the cached union."""
+    check value from its own digests and check terms of the cached union
+    (``union``: the one rank 0's first save built)."""
     from deeppart.saving.prepare import _fingerprint, _own_prepare, prepare_save
 
     _progress("the other ranks' rows of a second save (the union cached)")
-    entry = union_cache._CACHES[(0, world)]
     own = _own_prepare(state, None, plan_for, path, None, [], 0, world)
     reuse = try_cache(own, 0, world, _fingerprint(own, False, False))
     if reuse is None:
@@ -758,7 +767,7 @@ def _cached_save(
     head = len(rows[0]) - union_cache.COLUMN_WIDTH
     rows2 = []
     for r in range(world):
-        check = union_cache.check_value(union_cache.check_terms(entry.union, r), own_of[r].digests)
+        check = union_cache.check_value(union_cache.check_terms(union, r), own_of[r].digests)
         if check is None:
             raise AssertionError(f"rank {r} cannot prove its copies by the cached union")
         fingerprint = rows[r][head : head + union_cache.FINGERPRINT_BYTES]

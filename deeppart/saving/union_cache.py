@@ -4,8 +4,9 @@ in this process, reused (issue 46).
 A save whose ranks hold different structures (pipeline stages) exchanges
 descriptions and builds the union manifest and its plan
 (:func:`deeppart.saving.prepare.prepare_save`). Once that succeeds every
-rank keeps a :class:`UnionCache`: the union, its manifest, plan, DTensor
-records and skeleton, the *structure fingerprint* of every rank
+rank keeps a :class:`UnionCache`: the union's manifest, plan, DTensor
+records and skeleton (not the union itself: only what a save needs), the
+*structure fingerprint* of every rank
 (:func:`structure_fingerprint`: what determines the union apart from the
 values: paths, dtypes, shapes, each DTensor's layout, mesh and placements,
 the holders, the codec, the kind of ``group=``, the world size) and this
@@ -136,7 +137,6 @@ class UnionCache:
     fingerprint: bytes
     #: Names the cached union (its manifest, plan and the fingerprints).
     ident: bytes
-    union: Union
     manifest: Manifest
     plan: Plan
     skeleton: Any
@@ -170,17 +170,22 @@ def remember(
     skeleton: Any,
     records: list[DTensorRecord],
     union_meta: dict[str, Any] | None,
+    leaves: list[FlatLeaf],
 ) -> UnionCache:
-    """Keeps ``rank``'s cache of a union save that every rank agreed on."""
+    """Keeps ``rank``'s cache of a union save that every rank agreed on
+    (``leaves``: that save's, one per union item; those holding nothing are
+    kept, not made again)."""
     world = len(fingerprints)
     everyone = fingerprints_digest(fingerprints)
     ident = hashlib.blake2b(
         everyone + manifest.fingerprint.encode() + plan.fingerprint.encode(), digest_size=16
     ).digest()
-    template = [FlatLeaf(tuple(it.path), None, None) for it in u.items]
     held = [(k, i) for k, it in enumerate(u.items) if (i := it.source.get(rank)) is not None]
+    template = list(leaves)
+    for k, _ in held:
+        template[k] = FlatLeaf(template[k].path, None, None)
     entry = UnionCache(
-        everyone, fingerprints[rank], ident, u, manifest, plan, skeleton, records, union_meta,
+        everyone, fingerprints[rank], ident, manifest, plan, skeleton, records, union_meta,
         template, held, check_terms(u, rank),
     )  # fmt: skip
     _CACHES[(rank, world)] = entry
