@@ -1090,11 +1090,10 @@ def _union_prepare(
             "DeepPart versions); nothing was written"
         )
     if fingerprints is not None and u is not None:
-        with _no_gc():
-            remember(
-                c.rank, fingerprints, u, prep.manifest, prep.plan, prep.skeleton, prep.dtensors,
-                prep.union, prep.leaves,
-            )  # fmt: skip
+        remember(
+            c.rank, fingerprints, u, prep.manifest, prep.plan, prep.skeleton, prep.dtensors,
+            prep.union, prep.leaves,
+        )  # fmt: skip
     return prep, [r[32] for r in out]
 
 
