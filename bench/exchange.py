@@ -12,9 +12,10 @@ several GB of memory (over 7 GB once rank 0 merges); ``--bytes-only``
 makes every rank's payload (about 2 CPU minutes, 3 GB) without rank 0's
 merge.
 
-The exchange (:func:`deeppart.saving.prepare.prepare_save`): one agreement of an
-81-byte row per rank (structure digest, sampled-tensor and plain-value
-digests, a flag, the digest of the store the rank addresses); when the
+The exchange (:func:`deeppart.saving.prepare.prepare_save`): one agreement of a
+121-byte row per rank (structure digest, sampled-tensor and plain-value
+digests, a flag, the digest of the store the rank addresses, the union
+cache's column: :mod:`deeppart.saving.union_cache`); when the
 ranks' structures differ (pipeline stages) one ``allgather_varbytes`` in
 which the lowest rank of each distinct structure sends its description
 (:func:`deeppart.state.union.encode_described`: each DTensor by its layout,
@@ -26,6 +27,8 @@ carries those leaf by leaf; every rank then builds the same union
 manifest and plans it, and a last agreement of a 33-byte row checks that.
 A load with DTensor targets exchanges too
 (:func:`deeppart.loading.reshard.plan_shard_reads`: every rank's needed regions).
+A second save of the same structure reuses the first's union and plan
+(the agreement only; reported after the first).
 
 **measured** (``--part measured``): ``mpiexec -n 8`` ranks of this file,
 gloo initialised beside MPI, a torchtitan-like Llama stage per pipeline
