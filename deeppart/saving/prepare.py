@@ -37,19 +37,6 @@ from deeppart.compression import check_codec
 from deeppart.errors import CheckpointError, StateMismatchError
 from deeppart.regions import DTensorRecord, Region, ShardRecord
 from deeppart.saving.digests import digest_all, digest_threads
-from deeppart.saving.union_cache import (
-    CHECK_BYTES,
-    COLUMN_WIDTH,
-    FINGERPRINT_BYTES,
-    PRIME,
-    TAG_BYTES,
-    UnionCache,
-    cached,
-    check_value,
-    fingerprints_digest,
-    remember,
-    structure_fingerprint,
-)
 from deeppart.state.dtensor import HolderGroups, expand
 from deeppart.state.state import FlatLeaf, check_has_data, flatten
 from deeppart.state.tensors import U8, readable, u8_view
@@ -306,8 +293,6 @@ class _Own:
     #: Per DTensor record: the layout its shards come from (the exchange
     #: sends the layout, :func:`~deeppart.state.union.encode_described`).
     layouts: list[Any] = field(default_factory=list)
-    #: :func:`~deeppart.saving.union_cache.structure_fingerprint` of this rank.
-    structure: bytes = b""
 
 
 def _holders_of(desc: dict[str, Any], groups: list[list[int]], world: int) -> list[int]:
@@ -367,11 +352,7 @@ def _own_prepare(
              "shards": [[s.leaf, s.region.to_json()] for s in rec.shards]}
         )  # fmt: skip
     prep.samples = {i: bytes.fromhex(v) for i, v in digests.samples.items()}
-    structure = structure_fingerprint(described, ex.layouts, codec, kind, world)
-    return _Own(
-        prep, described, digests, sample, values, plan_for, directory, deferred, ex.layouts,
-        structure,
-    )  # fmt: skip
+    return _Own(prep, described, digests, sample, values, plan_for, directory, deferred, ex.layouts)
 
 
 @dataclass
@@ -469,16 +450,12 @@ def prepare_save(
 ) -> tuple[Prepared, list[int]]:
     """The prepare stage of :func:`deeppart.save` and its agreement
     (collective over ``c``): each rank passes its own tree (see
-    :mod:`deeppart.state.union`). Fast path: one agreement of a 121-byte row per
+    :mod:`deeppart.state.union`). Fast path: one agreement of an 81-byte row per
     rank (structure and plan digest, sampled tensors, plain values, the
     ``local`` byte, the digest of ``store``: the identity of the store this
     rank addresses, :func:`deeppart.storage.identity.identity_text`; ranks
     whose stores differ raise StoreConfigError naming the settings that
-    differ, after one more collective; the union cache's column:
-    :mod:`deeppart.saving.union_cache`). When every rank's structure is the
-    one of the last union save in this process and every copy that union
-    stores once is still equal among its holders, that union and its plan
-    are this save's (no exchange, no merge; not with ``group="auto"``). When
+    differ, after one more collective); when
     all ranks hold the same structure, the whole-byte digests of their
     shared tensors agree within each replica class and their plain values
     agree, the plan every rank made of its own tree is the job's. Otherwise the ranks exchange
@@ -499,11 +476,8 @@ def prepare_save(
 
     defer_from = DEFER_FROM if defer_proof and not declared else None
     dims = [replica_dims] if isinstance(replica_dims, str) else list(replica_dims or ())
-    auto = group == AUTO
     err: BaseException | None = failed
     own: _Own | None = None
-    reuse: _Reuse | None = None
-    column = b"\0" * COLUMN_WIDTH
     flag = 0
     try:
         if failed is not None:
@@ -511,32 +485,19 @@ def prepare_save(
         own = _own_prepare(
             state, compression, plan_for, directory, group, dims, c.rank, c.size, defer_from
         )
-        fingerprint = _fingerprint(own, auto, declared)
-        reuse = None if auto else _try_cache(own, c.rank, c.size, fingerprint)
-        column = fingerprint + (reuse.column if reuse else b"\0" * (TAG_BYTES + CHECK_BYTES))
-        if local is not None and reuse is not None:
-            flag = local(reuse.prep)
-        elif local is not None and not auto:
+        if local is not None and group != AUTO:
             flag = local(own.prep)
     except BaseException as e:
         err = e
     row = own.prep.digest + own.sample + own.values if own is not None else b"\0" * ROW_WIDTH
-    row += bytes([flag]) + identity_digest(store) + column
-    rows = agree(c, err, row, width=ROW_WIDTH + 1 + IDENTITY_BYTES + COLUMN_WIDTH)
+    row += bytes([flag]) + identity_digest(store)
+    rows = agree(c, err, row, width=ROW_WIDTH + 1 + IDENTITY_BYTES)
     assert own is not None
-    if len({r[ROW_WIDTH + 1 : ROW_WIDTH + 1 + IDENTITY_BYTES] for r in rows}) != 1:
+    if len({r[ROW_WIDTH + 1 :] for r in rows}) != 1:
         raise identity_error(c.allgather_varbytes(store))
     flags = [r[ROW_WIDTH] for r in rows]
-    columns = [r[ROW_WIDTH + 1 + IDENTITY_BYTES :] for r in rows]
-    fingerprints = [col[:FINGERPRINT_BYTES] for col in columns]
-    if reuse is not None and _cache_holds(reuse.entry, columns, fingerprints):
-        # The union and plan of the last save: no exchange, no merge.
-        return reuse.prep, flags
-    tried = any(
-        col[FINGERPRINT_BYTES : FINGERPRINT_BYTES + TAG_BYTES].strip(b"\0") for col in columns
-    )
     same = len({r[:32] for r in rows}) == 1 and len({r[48:64] for r in rows}) == 1
-    if same and not auto and not tried:
+    if same and group != AUTO:
         classes = replica_classes(own.prep.manifest, c.size)
         first: dict[tuple[int, ...], bytes] = {}
         pairs = zip(classes, rows, strict=True)
@@ -544,82 +505,17 @@ def prepare_save(
             # The fast path: every rank planned the job's save.
             own.prep.unproved = own.deferred
             if own.deferred:
-                own.prep.replan = functools.partial(_replan, own, rows, fingerprints)
+                own.prep.replan = functools.partial(_replan, own, rows)
             return own.prep, flags
     if own.prep.staged is not None:
         own.prep.staged = None  # the optimistic snapshot: taken again of the union's plan
     _prove_deferred(own, c.size)
-    rows = [r[:ROW_WIDTH] for r in rows]
-    return _union_prepare(c, own, rows, auto, local, declared, None if auto else fingerprints)
-
-
-def _fingerprint(own: _Own, auto: bool, declared: bool) -> bytes:
-    """This rank's structure fingerprint for this save (the own tree's, the
-    kind of replica proof)."""
-    extra = bytes([auto, declared])
-    return hashlib.blake2b(own.structure + extra, digest_size=FINGERPRINT_BYTES).digest()
-
-
-@dataclass
-class _Reuse:
-    """This rank's candidate for reusing its cached union in this save."""
-
-    entry: UnionCache
-    #: The save prepared from the cache (this save's leaves, directory, plan).
-    prep: Prepared
-    #: Tag and check value (the row's cache column after the fingerprint).
-    column: bytes
-
-
-def _try_cache(own: _Own, rank: int, world: int, fingerprint: bytes) -> _Reuse | None:
-    """This rank's save prepared from its cached union
-    (:mod:`deeppart.saving.union_cache`), when its structure is the cached
-    one; None otherwise. Proves its deferred shared tensors first (the
-    check needs every digest)."""
-    entry = cached(rank, world, fingerprint)
-    if entry is None:
-        return None
-    _prove_deferred(own, world)
-    own.deferred = {}
-    check = check_value(entry.terms, own.digests)
-    if check is None:
-        return None
-    leaves = list(entry.template)
-    for k, i in entry.held:
-        mine = own.prep.leaves[i]
-        leaves[k] = FlatLeaf(leaves[k].path, mine.tensor, mine.encoded)
-    plan = own.plan_for(entry.manifest)
-    h = hashlib.sha256(b"deeppart union cache\0" + entry.ident)
-    h.update(plan.fingerprint.encode() + b"\0" + own.prep.codec.encode() + b"\0")
-    h.update(own.described.common.encode())
-    digest = h.digest()
-    prep = Prepared(
-        leaves, entry.skeleton, entry.manifest, plan, own.prep.codec, digest,
-        entry.records, union=entry.union_meta,
-    )  # fmt: skip
-    tag = hashlib.blake2b(digest, digest_size=TAG_BYTES).digest()
-    return _Reuse(entry, prep, tag + check)
-
-
-def _cache_holds(entry: UnionCache, columns: list[bytes], fingerprints: list[bytes]) -> bool:
-    """Whether every rank reuses the same cached union (alike on every
-    rank): the same tag on every rank (the same union, plan, codec,
-    directory and kind of group=), the fingerprints the cache was made
-    with, and check values that sum to zero (every copy stored once is
-    still equal among its holders)."""
-    tags = {col[FINGERPRINT_BYTES : FINGERPRINT_BYTES + TAG_BYTES] for col in columns}
-    if len(tags) != 1 or tags == {b"\0" * TAG_BYTES}:
-        return False
-    if fingerprints_digest(fingerprints) != entry.fingerprints:
-        return False
-    total = sum(int.from_bytes(col[FINGERPRINT_BYTES + TAG_BYTES :], "little") for col in columns)
-    return total % PRIME == 0
+    return _union_prepare(c, own, rows, group == AUTO, local, declared)
 
 
 def _replan(
     own: _Own,
     rows: list[bytes],
-    fingerprints: list[bytes],
     c: Comm,
     proved: dict[int, bytes],
     local: Callable[[Prepared], int] | None,
@@ -630,7 +526,7 @@ def _replan(
     its agreement, as a save whose copies differ takes in its call, so
     that each rank's copy is stored as its own (collective over ``c``)."""
     _record_proved(own, proved)
-    return _union_prepare(c, own, [r[:ROW_WIDTH] for r in rows], False, local, False, fingerprints)
+    return _union_prepare(c, own, rows, False, local)
 
 
 def replan(
@@ -931,12 +827,9 @@ def _union_prepare(
     auto: bool,
     local: Callable[[Prepared], int] | None,
     declared: bool = False,
-    fingerprints: list[bytes] | None = None,
 ) -> tuple[Prepared, list[int]]:
     """The exchange, the union manifest and its agreement (every rank
-    raises alike on replicas that differ, or on trees that do not merge).
-    With ``fingerprints`` (every rank's structure fingerprint), the union
-    is kept for the next save (:mod:`deeppart.saving.union_cache`)."""
+    raises alike on replicas that differ, or on trees that do not merge)."""
     classes = _classes_of(rows)
     got = _exchange_round(c, lambda: _payload(own, rows, c.rank, classes[c.rank]))
     with _no_gc():
@@ -948,7 +841,6 @@ def _union_prepare(
     err: BaseException | None = None
     prep: Prepared | None = None
     flag = 0
-    u: Union | None = None
     try:
         with _no_gc():
             u = build_union(states, classes, digests, whole, auto, declared, ex.units)
@@ -964,11 +856,6 @@ def _union_prepare(
             "ranks built different union manifests (a bug, or ranks running different "
             "DeepPart versions); nothing was written"
         )
-    if fingerprints is not None and u is not None:
-        remember(
-            c.rank, fingerprints, u, prep.manifest, prep.plan, prep.skeleton, prep.dtensors,
-            prep.union, prep.leaves,
-        )  # fmt: skip
     return prep, [r[32] for r in out]
 
 

@@ -391,30 +391,6 @@ def scenario_pp_fsdp(d: Path, checks: Checks) -> None:
         assert saved, "nothing committed"
         own = {**full, "loader": expected["loader"], "rng": expected["rng"]}
         same(deeppart.load(d), own, "full")
-    with checks.sub("a second save of the same layout reuses the union (issue 46)"):
-        from deeppart.saving import prepare
-
-        again, _ = pp_state(mesh, 30, {"epoch": 4, "batches_seen": 200 + rank}, rng_bytes(rank + 8))
-        again_expected = clone(again)
-        full_paths: list[int] = []
-        inner = prepare._union_prepare
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            full_paths.append(1)
-            return inner(*args, **kwargs)
-
-        prepare._union_prepare = counted
-        try:
-            deeppart.save(again, d.with_name(d.name + "-again"))
-        finally:
-            prepare._union_prepare = inner
-        assert not full_paths, "the second save exchanged descriptions again"
-        target, _ = pp_state(
-            pp_mesh(2, 2), 71, {"epoch": 0, "batches_seen": -1}, rng_bytes(rank + 50)
-        )
-        target["lr_scheduler"] = again_expected["lr_scheduler"]
-        out = deeppart.load(d.with_name(d.name + "-again"), into=target)
-        same(out, again_expected, "out")
 
 
 # ----------------------------------------------------------------------------
