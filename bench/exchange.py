@@ -82,7 +82,7 @@ if TYPE_CHECKING:
 
 #: The function names of the save's exchange (prepare stage) and the load's.
 SAVE_EXCHANGE = ("prepare_save", "_exchange_round", "_union_prepare")
-LOAD_EXCHANGE = ("plan_shard_reads",)
+LOAD_EXCHANGE = ("plan_shard_reads", "exchange_needs")
 
 
 # ----------------------------------------------------------------------------
@@ -677,6 +677,8 @@ def _computed(
             "making the other ranks' rows and payloads (simulation only)": t_others,
         },
     }
+    _progress("the load's exchange")
+    out["load"] = _computed_load(states, reps, world, dp * tp)
     if bytes_only:
         # What rank 0's three gathers carry with these rows and payloads.
         ops: list[list[Any]] = [
@@ -718,6 +720,93 @@ def _computed(
     return out
 
 
+class LoadSimComm:
+    """Rank ``rank`` of ``size`` in the load's exchange
+    (:func:`deeppart.loading.needs.exchange_needs`): its two gathers return
+    every rank's digest and payload, made beforehand. Counts like
+    :class:`CountingComm`."""
+
+    def __init__(self, rank: int, size: int, digests: list[bytes], payloads: list[bytes]) -> None:
+        self.rank, self.size = rank, size
+        self.digests, self.payloads = digests, payloads
+        self.counter = Counter(time.process_time)
+
+    def allgather_bytes(self, data: bytes, width: int) -> list[bytes]:
+        if data != self.digests[self.rank]:
+            raise AssertionError("this rank's digest differs from the one computed before")
+        return self.counter.counted(  # type: ignore[no-any-return]
+            "allgather_bytes", lambda: self.digests, width, lambda rows: width * (self.size - 1)
+        )
+
+    def allgather_varbytes(self, data: bytes) -> list[bytes]:
+        if data != self.payloads[self.rank]:
+            raise AssertionError("this rank's payload differs from the one computed before")
+        return self.counter.counted(  # type: ignore[no-any-return]
+            "allgather_varbytes",
+            lambda: self.payloads,
+            len(data) + 8,
+            lambda rows: _others(rows, self.rank) + 8 * (self.size - 1),
+        )
+
+
+def _computed_load(
+    states: dict[int, Any], reps: list[int], world: int, stage_ranks: int
+) -> dict[str, Any]:
+    """The load's exchange (``load(into=)`` the same layout) on rank 0:
+    each stage's description of its needs (its lowest rank's; every rank
+    of a stage describes the same DTensors alike), the bytes rank 0 sends
+    and gathers, and its CPU seconds to decode every stage's needs
+    (:func:`exchange_needs`) and to find the needers of each stored shard
+    of a save at the same layout (:class:`RegionIndex`)."""
+    from deeppart.loading.needs import (
+        NeedSpec,
+        RegionIndex,
+        describe_needs,
+        exchange_needs,
+        needs_digest,
+    )
+    from deeppart.state.dtensor import holder_layout, local_region
+    from deeppart.state.state import flatten, is_dtensor
+
+    descriptions: list[bytes] = []
+    specs0: list[NeedSpec] = []
+    for s, rep in enumerate(reps):
+        specs = [
+            NeedSpec(tuple(lf.path), local_region(lf.tensor), holder_layout(lf.tensor))
+            for lf in flatten(states[s])[0]
+            if lf.tensor is not None and is_dtensor(lf.tensor)
+        ]
+        descriptions.append(describe_needs(specs, rep))
+        specs0 = specs if s == 0 else specs0
+    digests = [needs_digest(descriptions[r // stage_ranks]) for r in range(world)]
+    payloads = [descriptions[reps.index(r)] if r in reps else b"" for r in range(world)]
+    c = LoadSimComm(0, world, digests, payloads)
+
+    def unexpected(path: Any) -> Any:
+        raise AssertionError(f"{path}: no plain tensor is needed whole here")
+
+    t0 = time.process_time()
+    wants, _ = exchange_needs(cast("Comm", c), specs0, unexpected)
+    t_decode = time.process_time() - t0
+    t0 = time.process_time()
+    queries = 0
+    for entries in wants.values():
+        index = RegionIndex(entries)
+        for region, _ in entries:
+            index.needers(region)
+            queries += 1
+    t_index = time.process_time() - t0
+    totals = c.counter.totals(LOAD_EXCHANGE)
+    return {
+        "dtensors_per_stage": len(specs0),
+        "description bytes per stage": [len(d) for d in descriptions],
+        "rank 0 sent": totals["sent"],
+        "gathered by every rank": totals["gathered"],
+        "needed regions": queries,
+        "cpu_seconds": {"decode": t_decode, "needers of each shard": t_index},
+    }
+
+
 def _progress(what: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {what}", file=sys.stderr, flush=True)
 
@@ -752,6 +841,20 @@ def report_computed(res: dict[str, Any], latency_us: float, bandwidth_gbs: float
         f"  rank 0's gathers at {bandwidth_gbs:g} GB/s, {latency_us:g} us/step (ring): "
         f"{model:.3f} s" + (f"; with its local phases: {model + local:.2f} s" if local else "")
     )
+    ld = res.get("load")
+    if ld:
+        print(
+            f"  load's exchange: {ld['dtensors_per_stage']} DTensors a stage, described in "
+            f"{_mb(min(ld['description bytes per stage']))} .. "
+            f"{_mb(max(ld['description bytes per stage']))} a stage; rank 0 sends "
+            f"{ld['rank 0 sent']} B, gathered by every rank: {_mb(ld['gathered by every rank'])}"
+        )
+        cs = ld["cpu_seconds"]
+        print(
+            f"    rank 0's CPU: {cs['decode']:.2f} s to decode every "
+            f"stage's needs, {cs['needers of each shard']:.2f} s for the needers of "
+            f"{ld['needed regions']} regions"
+        )
     if res.get("same_union_on_reps"):
         print(f"  same union manifest on each stage's lowest rank: {res['same_union_on_reps']}")
 

@@ -17,7 +17,8 @@ resharded the same way (as one shard covering the tensor).
 The stages, which :func:`deeppart.load` runs beside the others:
 
 1. :func:`shard_targets` (local): what this rank needs, as regions;
-2. :func:`plan_shard_reads` (one ``allgather``): every rank's regions; each
+2. :func:`plan_shard_reads` (two allgathers, O(DTensors) bytes:
+   :mod:`deeppart.loading.needs`): every rank's regions; each
    stored piece that some rank needs is read by exactly one of the ranks
    that need it (the least loaded so far), so storage serves each byte once
    per job, not once per replica (cooperative: ``exchange="bcast"``, and
@@ -51,9 +52,11 @@ from deeppart.format import (
     check_header,
     data_file_name,
 )
+from deeppart.loading.needs import NeedSpec, RegionIndex, exchange_needs
 from deeppart.loading.reader import FirstError, read_file
 from deeppart.progress import Progress
 from deeppart.regions import DTensorRecord, Region, ShardRecord
+from deeppart.state.dtensor import Layout
 from deeppart.state.restore import describe, refuse_meta, select
 from deeppart.state.state import Flat, flatten, is_dtensor
 from deeppart.state.tensors import (
@@ -91,6 +94,11 @@ class Need:
     dest: Any
     #: The new full tensor when there is no ``into=`` (None otherwise).
     value: Any = None
+    #: A DTensor's layout, which the region comes from (the exchange
+    #: describes the need by it: :mod:`deeppart.loading.needs`).
+    layout: Layout | None = None
+    #: The need is the whole tensor.
+    full: bool = False
 
 
 @dataclass
@@ -159,7 +167,7 @@ def shard_targets(
         path = tuple(rec.path)
         if into is None:
             t = torch.empty(rec.shape, dtype=dtypes[rec.dtype])
-            out.needs.append(Need(path, Region.full(rec.shape), t, t))
+            out.needs.append(Need(path, Region.full(rec.shape), t, t, full=True))
             continue
         found = where.get(meta.aliases.get(path, path))
         if found is None:
@@ -185,11 +193,12 @@ def shard_targets(
         if on_meta(into_leaves[j]):
             meta_paths.append(describe(path))
         if is_dtensor(t):
-            from deeppart.state.dtensor import local_region
+            from deeppart.state.dtensor import holder_layout, local_region
 
-            out.needs.append(Need(path, local_region(t, path), t._local_tensor))
+            region = local_region(t, path)
+            out.needs.append(Need(path, region, t._local_tensor, layout=holder_layout(t, path)))
         else:
-            out.needs.append(Need(path, Region.full(rec.shape), t))
+            out.needs.append(Need(path, Region.full(rec.shape), t, full=True))
     refuse_meta(meta_paths)
     return out
 
@@ -298,20 +307,18 @@ def plan_shard_reads(
     sends it to the others; with ``read_own``, each rank that needs a piece
     reads it itself and nothing is sent (one host: the page cache serves
     each reader, and each reader checksums what it read)."""
-    mine = json.dumps(
-        [[list(n.path), n.region.to_json()] for n in st.needs], separators=(",", ":")
-    ).encode()
-    rows = c.allgather_varbytes(mine)
     records = _records(meta)
     by_path = {tuple(lf.path): i for i, lf in enumerate(meta.leaves)}
-    wants: dict[tuple[Any, ...], list[tuple[int, Region]]] = {}
-    for rank, row in enumerate(rows):
-        for path, runs in json.loads(row.decode()):
-            key = tuple(path)
-            if key not in records:
-                records[key] = _record_of_leaf(meta, by_path[key])
-            region = Region(tuple(tuple((a, b) for a, b in d) for d in runs))
-            wants.setdefault(key, []).append((rank, region))
+
+    def record(key: tuple[Any, ...]) -> DTensorRecord:
+        if key not in records:  # a plain tensor that some rank needs resharded
+            records[key] = _record_of_leaf(meta, by_path[key])
+        return records[key]
+
+    specs = [NeedSpec(n.path, n.region, n.layout, n.full) for n in st.needs]
+    wants, _ = exchange_needs(c, specs, lambda key: Region.full(record(key).shape))
+    for key in wants:
+        record(key)
     pieces_of: dict[int, list[Piece]] = {}
     for p in meta.pieces:
         pieces_of.setdefault(p.leaf, []).append(p)
@@ -321,6 +328,7 @@ def plan_shard_reads(
     for need in st.needs:
         mine_of.setdefault(need.path, []).append(need)
     for key in sorted(wants, key=lambda k: json.dumps(list(k))):
+        index = RegionIndex(wants[key])
         for shard in records[key].shards:
             raw = all(p.codec == "none" for p in pieces_of.get(shard.leaf, []))
             if read_own and raw and key in mine_of:
@@ -329,7 +337,7 @@ def plan_shard_reads(
                     out.direct[shard.leaf] = direct
             for p in pieces_of.get(shard.leaf, []):
                 span = _piece_region(meta, shard, p)
-                needers = sorted({r for r, reg in wants[key] if reg.intersect(span) is not None})
+                needers = index.needers(span)
                 if not needers:
                     continue
                 out.total_raw += p.length
