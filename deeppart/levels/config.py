@@ -223,7 +223,7 @@ class LevelConfig:
             if key in _INT_KEYS:
                 kwargs[key] = _parse_int(key, value)
             elif key in _STR_KEYS:
-                kwargs[key] = os.fspath(value) if isinstance(value, os.PathLike) else value
+                kwargs[key] = os.fspath(value) if hasattr(value, "__fspath__") else value
             else:
                 kwargs[key] = value
         for key in ("ckpt_dir", "glbl_dir", "meta_dir"):

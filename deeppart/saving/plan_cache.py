@@ -50,17 +50,21 @@ def resolve_cache(cache: CacheArg) -> PlanCache | None:
         return None
     if isinstance(cache, PlanCache):
         return cache
-    if isinstance(cache, str | os.PathLike):
-        key = os.path.abspath(os.fspath(cache))
-        with _lock:
-            found = _caches.get(key)
-            if found is None:
-                found = PlanCache(key)
-                _caches[key] = found
-            return found
-    raise TypeError(
-        f"cache must be None, a bool, a path or a PlanCache, not {type(cache).__name__}"
-    )
+    try:
+        key = os.fspath(cache)  # a path (str or os.PathLike)
+        if not isinstance(key, str):
+            raise TypeError
+        key = os.path.abspath(key)
+    except TypeError:
+        raise TypeError(
+            f"cache must be None, a bool, a path or a PlanCache, not {type(cache).__name__}"
+        ) from None
+    with _lock:
+        found = _caches.get(key)
+        if found is None:
+            found = PlanCache(key)
+            _caches[key] = found
+        return found
 
 
 def plan(
