@@ -194,13 +194,13 @@ def worker(args: argparse.Namespace) -> None:
         deeppart.save(state, path, comm=comm)
 
     def dpz_write(path: Path) -> None:
-        deeppart.save(state, path, comm=comm, compression=codec)
+        deeppart.save(state, path, comm=comm, writing=deeppart.WriteOptions(compression=codec))
 
     def dpa_write(path: Path) -> None:
-        deeppart.save(state, path, comm=comm, compression="auto")
+        deeppart.save(state, path, comm=comm, writing=deeppart.WriteOptions(compression="auto"))
 
     def dpv_write(path: Path) -> None:
-        deeppart.save(state, path, comm=comm, verify_replicas=True)
+        deeppart.save(state, path, comm=comm, writing=deeppart.WriteOptions(verify_replicas=True))
 
     torch_s = _NewEachRound(torch_write, base, "torch.pt", rank == 0)
     dcp_s = _NewEachRound(dcp_write, base, "dcp", rank == 0)
@@ -245,11 +245,15 @@ def worker(args: argparse.Namespace) -> None:
         (f"load deeppart+{codec}", lambda: deeppart.load(dpz_s.latest, comm=comm, into=state)),
         (
             "load deeppart/bcast",
-            lambda: deeppart.load(dp_s.latest, comm=comm, into=state, exchange="bcast"),
+            lambda: deeppart.load(
+                dp_s.latest, comm=comm, into=state, loading=deeppart.LoadOptions(exchange="bcast")
+            ),
         ),
         (
             f"load deeppart+{codec}/read",
-            lambda: deeppart.load(dpz_s.latest, comm=comm, into=state, exchange="read"),
+            lambda: deeppart.load(
+                dpz_s.latest, comm=comm, into=state, loading=deeppart.LoadOptions(exchange="read")
+            ),
         ),
         ("load raw share", lambda: _raw_read(share, raw_s.latest)),
         ("load raw read all", raw_read_all),

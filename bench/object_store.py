@@ -638,14 +638,16 @@ def worker(args: argparse.Namespace) -> None:
         return target
 
     def dpz_save(target: Any, round_: int | str) -> None:
-        deeppart.save(target, url("dpz", round_), comm=comm, compression=args.compression)
+        writing = deeppart.WriteOptions(compression=args.compression)
+        deeppart.save(target, url("dpz", round_), comm=comm, writing=writing)
 
     def dpz_load(target: Any, round_: int | str) -> Any:
         deeppart.load(url("dpz", round_), comm=comm, into=target)
         return target
 
     def direct_load(target: Any, round_: int | str) -> Any:
-        deeppart.load(url("dp", round_), comm=comm, into=target, exchange="read")
+        loading = deeppart.LoadOptions(exchange="read")
+        deeppart.load(url("dp", round_), comm=comm, into=target, loading=loading)
         return target
 
     saves: dict[str, Callable[[Any, int | str], None]] = {

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 from deeppart.comm import Comm, TorchDistComm, resolve, writer_comm
 from deeppart.errors import AsyncSaveWarning
+from deeppart.options import AsyncOptions, PlanOptions, WriteOptions, fold, reject_unknown
 from deeppart.progress import Stats
 from deeppart.saving.deferred_proof import (
     PendingProof,
@@ -57,8 +58,9 @@ from deeppart.saving.deferred_proof import (
 )
 from deeppart.saving.digests import digest_threads
 from deeppart.saving.in_flight import add, guard_teardown, settle_pending, take_all
+from deeppart.saving.planning import PlanProvider
 from deeppart.saving.prepare import Prepared, replan
-from deeppart.saving.save import PlannedSave, plan_save, take_unproved
+from deeppart.saving.save import PlannedSave, SaveOptions, plan_save, save_options, take_unproved
 from deeppart.saving.snapshot import ShareSnapshot, share_bytes
 from deeppart.storage.target import location_name
 from deeppart.storage.url import Location, parse_location
@@ -259,18 +261,19 @@ def start(
     c: Comm,
     state: Any,
     directory: Location,
-    save_kwargs: dict[str, Any],
+    save_kwargs: SaveOptions,
+    background: AsyncOptions,
     *,
-    max_staging_bytes: int | None = None,
     snapshot: ShareSnapshot | None = None,
     after: Callable[[], None] | None = None,
-    snapshot_on_device: bool = False,
     step: int | None = None,
 ) -> AsyncSave:
     """Plans the save, snapshots this rank's share of ``state`` and starts
     writing it (collective over ``c``); ``after`` runs once the save is
-    committed (on the writer thread). ``snapshot_on_device``: see
+    committed (on the writer thread). ``background``: see
     :func:`async_save`; ``step``: the handle's step."""
+    max_staging_bytes = background.max_staging_bytes
+    snapshot_on_device = background.snapshot_on_device
     writer, why = writer_comm(c)
     if isinstance(writer, TorchDistComm):
         guard_teardown()  # destroy_process_group() waits for this save
@@ -465,9 +468,15 @@ def async_save(
     directory: str | os.PathLike[str],
     *,
     comm: Any = None,
-    max_staging_bytes: int | None = None,
-    snapshot_on_device: bool = False,
-    **save_kwargs: Any,
+    overwrite: bool = False,
+    user: Any = None,
+    progress: bool | None = None,
+    verbose: bool = False,
+    group: Any = None,
+    planning: PlanOptions | PlanProvider | None = None,
+    writing: WriteOptions | None = None,
+    background: AsyncOptions | None = None,
+    **deprecated: Any,
 ) -> AsyncSave:
     """Saves ``state`` like :func:`deeppart.save` (same keyword arguments),
     but returns as soon as this rank's planned share of the state is copied
@@ -478,22 +487,32 @@ def async_save(
 
     The state may change right after the call returns: the checkpoint holds
     the snapshot (device work queued after the call runs after the copies;
-    :mod:`deeppart.saving.snapshot`, docs/GPU.md). ``snapshot_on_device``: copy
-    the share within the device first, on the training stream, so that it
-    pauses for a device-to-device copy only (it needs free device memory of
-    the share's size until the host copies are done). A second ``async_save`` on the
-    same communicator first waits for this one. ``max_staging_bytes``: the
-    most tensor bytes a rank's snapshot (its share) may hold in host memory
-    (None: no limit); when a rank's share is larger, the save runs
-    synchronously on every rank, with an :class:`AsyncSaveWarning`.
+    :mod:`deeppart.saving.snapshot`, docs/GPU.md). A second ``async_save``
+    on the same communicator first waits for this one. ``background``: an
+    :class:`deeppart.AsyncOptions` (the most bytes a rank's snapshot may
+    hold, else the save runs synchronously with an
+    :class:`AsyncSaveWarning`; a snapshot within the device first). The old
+    keywords (``max_staging_bytes=``, ``compression=``, ...) work for one
+    release, with a DeprecationWarning.
     """
+    planning, writing = save_options("deeppart.async_save", planning, writing, deprecated)
+    bg = fold("deeppart.async_save", "background", AsyncOptions, background, deprecated)
+    reject_unknown("deeppart.async_save()", deprecated)
+    options: SaveOptions = {
+        "overwrite": overwrite,
+        "user": user,
+        "progress": progress,
+        "verbose": verbose,
+        "group": group,
+        "planning": planning,
+        "writing": writing,
+    }
     return start(
         resolve(comm),
         state,
         parse_location(directory),
-        save_kwargs,
-        max_staging_bytes=max_staging_bytes,
-        snapshot_on_device=snapshot_on_device,
+        options,
+        bg,
     )
 
 
@@ -501,12 +520,9 @@ class AsyncCheckpointer:
     """The asynchronous side of a ``Checkpointer(async_=True)``: one save in
     flight at a time, snapshot buffers reused."""
 
-    def __init__(
-        self, comm: Comm, max_staging_bytes: int | None, snapshot_on_device: bool = False
-    ) -> None:
+    def __init__(self, comm: Comm, background: AsyncOptions) -> None:
         self.comm = comm
-        self.max_staging_bytes = max_staging_bytes
-        self.snapshot_on_device = snapshot_on_device
+        self.background = background
         self._snapshot = ShareSnapshot()
         self.pending: AsyncSave | None = None
 
@@ -523,7 +539,7 @@ class AsyncCheckpointer:
         self,
         directory: Location,
         state: Any,
-        kwargs: dict[str, Any],
+        kwargs: SaveOptions,
         after: Callable[[], None] | None = None,
         step: int | None = None,
     ) -> AsyncSave:
@@ -537,10 +553,9 @@ class AsyncCheckpointer:
             state,
             directory,
             kwargs,
-            max_staging_bytes=self.max_staging_bytes,
+            self.background,
             snapshot=self._snapshot,
             after=after,
-            snapshot_on_device=self.snapshot_on_device,
             step=step,
         )
         return self.pending

@@ -15,15 +15,22 @@ from typing import Any
 from deeppart.agreement import agree, from_root
 from deeppart.async_save import AsyncCheckpointer, SaveHandle
 from deeppart.comm import resolve
-from deeppart.compression import check_codec, compression_level_of
 from deeppart.errors import CheckpointError, StateMismatchError
 from deeppart.format import STEP_PREFIX, damaged, is_committed, step_dir_name, step_number
 from deeppart.levels import open_backend
 from deeppart.levels.backend import LevelBackend, RecoveryReport
 from deeppart.loading.load import load
+from deeppart.options import (
+    AsyncOptions,
+    LoadOptions,
+    PlanOptions,
+    WriteOptions,
+    fold,
+    reject_unknown,
+)
 from deeppart.progress import Stats
 from deeppart.saving.planning import PlanProvider
-from deeppart.saving.save import plan_save
+from deeppart.saving.save import SaveOptions, plan_save, save_options
 from deeppart.steps import lineage
 from deeppart.steps.object_steps import ObjectSteps
 from deeppart.storage.commit import KeepAside, temp_dir_in_use
@@ -71,15 +78,17 @@ class Checkpointer:
     Checkpointer under its own naming is counted or touched. ``load(step)``.
 
     ``save`` returns a :class:`deeppart.SaveHandle` (``.wait()``: the
-    save's Stats). With ``async_=True``, it returns an :class:`deeppart.AsyncSave`
-    as soon as this rank's planned share of the state is copied to host
-    memory (at most ``max_staging_bytes`` of tensors, else it saves
-    synchronously with a warning) and writes it in a background thread; the next ``save``,
-    ``load``, ``wait`` or ``close`` first waits for it and raises its error,
-    if nobody has seen it yet (docs/ASYNC.md). CUDA tensors are copied on a
-    side stream while training goes on; ``snapshot_on_device``: copy them
-    within the device first (see :func:`deeppart.async_save`, docs/GPU.md).
-    ``staging_bytes``: the host buffer for device tensors (see :func:`save`).
+    save's Stats). With ``async_=True`` (or a :class:`deeppart.AsyncOptions`:
+    the snapshot's limit, a copy within the device first), it returns an
+    :class:`deeppart.AsyncSave` as soon as this rank's planned share of the
+    state is copied to host memory and writes it in a background thread;
+    the next ``save``, ``load``, ``wait`` or ``close`` first waits for it
+    and raises its error, if nobody has seen it yet (docs/ASYNC.md).
+    ``planning``, ``writing``: its saves' :class:`deeppart.PlanOptions` and
+    :class:`deeppart.WriteOptions`; ``loading``: its loads'
+    :class:`deeppart.LoadOptions`; ``config``, ``backend``: multi-level
+    storage (docs/LEVELS.md). The old keywords (``compression=``, ...) work
+    for one release, with a DeprecationWarning.
     """
 
     PREFIX = STEP_PREFIX
@@ -92,26 +101,31 @@ class Checkpointer:
         *,
         comm: Any = None,
         keep_last: int | None = None,
-        compression: str | None = None,
-        compression_level: int = 1,
-        planner: Any = None,
-        algorithm: str | None = None,
-        cost: Any = None,
-        topology: Any = None,
-        exchange: str = "auto",
+        async_: bool | AsyncOptions = False,
         progress: bool | None = None,
         verbose: bool = False,
-        staging_bytes: int | None = None,
-        async_: bool = False,
-        max_staging_bytes: int | None = None,
-        snapshot_on_device: bool = False,
         config: Any = None,
         backend: str = "auto",
-        level: int | None = None,
+        planning: PlanOptions | None = None,
+        writing: WriteOptions | None = None,
+        loading: LoadOptions | None = None,
+        **deprecated: Any,
     ) -> None:
+        where = "deeppart.Checkpointer"
+        # The options objects, or (deprecated) the old keywords; staging_bytes
+        # was the saves' and the loads' both.
+        plan_options, self.writing = save_options(
+            where, planning, writing, deprecated, share=("staging_bytes",)
+        )
+        self.loading = fold(where, "loading", LoadOptions, loading, deprecated)
+        if not isinstance(async_, bool | AsyncOptions):
+            raise TypeError(f"{where}: async_= takes True, False or a deeppart.AsyncOptions")
+        given = async_ if isinstance(async_, AsyncOptions) else None
+        background = fold(where, "async_", AsyncOptions, given, deprecated)
+        reject_unknown(f"{where}()", deprecated)
         if keep_last is not None and keep_last < 1:
             raise ValueError("keep_last must be at least 1")
-        if config is not None and async_:
+        if config is not None and async_ is not False:
             raise ValueError("async_=True is not supported with config= (multi-level storage)")
         #: Where the steps are read from: a directory or an object store
         #: prefix (a path or s3://; other URLs are refused).
@@ -129,28 +143,11 @@ class Checkpointer:
         self.root: Path | str = local if local is not None else str(self.source)
         self.comm = resolve(comm)
         self.keep_last = keep_last
-        self.compression = check_codec(compression)
-        #: The Zstandard level of ``compression`` (``level=``, its old name,
-        #: is deprecated: "level" names the storage levels L1-L4).
-        self.compression_level = compression_level_of(compression_level, level)
-        self.planner = planner
-        self.algorithm = algorithm
-        self.cost = cost
-        self.topology = topology
-        self.exchange = exchange
         self.progress = progress
         self.verbose = verbose
-        self.staging_bytes = staging_bytes
         #: Gives each save its plan, reusing the last while the state's
         #: structure stays the same (``plans.last``).
-        self.plans = PlanProvider(
-            self.comm.size,
-            planner=planner,
-            algorithm=algorithm,
-            cost=cost,
-            topology=topology,
-            reuse=True,
-        )
+        self.plans = PlanProvider.of(plan_options, self.comm.size, reuse=True)
         #: The line the next save continues (rank 0 writes the records): the
         #: step last loaded or saved, and its run; None before either.
         self._parent: lineage.Link | None = None
@@ -162,8 +159,8 @@ class Checkpointer:
         #: another job's beside it, never retired.
         self._seen = 0
         self._async: AsyncCheckpointer | None = None
-        if async_:
-            self._async = AsyncCheckpointer(self.comm, max_staging_bytes, snapshot_on_device)
+        if async_ is not False:
+            self._async = AsyncCheckpointer(self.comm, background)
         #: Multi-level storage (docs/LEVELS.md): with ``config=`` (a
         #: LevelConfig or an FTI-style INI path), save/latest/load go through
         #: a LevelBackend and ``root`` is unused; ``last_recovery`` is the
@@ -175,16 +172,23 @@ class Checkpointer:
                 config,
                 self.comm,
                 backend,
-                compression=compression,
-                zstd_level=self.compression_level,
-                planner=planner,
-                algorithm=algorithm,
-                cost=cost,
-                topology=topology,
+                compression=self.writing.compression,
+                zstd_level=self.writing.compression_level,
+                planning=self.plans.options,
                 keep=keep_last,
-                exchange=exchange,
+                exchange=self.loading.exchange,
                 verbose=verbose,
             )
+
+    @property
+    def compression(self) -> str:
+        """The saves' codec (``"none"`` without compression)."""
+        return self.writing.compression or "none"
+
+    @property
+    def compression_level(self) -> int:
+        """The saves' Zstandard level."""
+        return self.writing.compression_level
 
     @property
     def directory(self) -> Path:
@@ -277,15 +281,13 @@ class Checkpointer:
             except BaseException as e:  # one rank's error (an interruption too)
                 err = e
         agree(self.comm, err)  # every rank raises rank 0's error
-        kwargs: dict[str, Any] = {
-            "compression": self.compression,
-            "compression_level": self.compression_level,
+        kwargs: SaveOptions = {
             "overwrite": overwrite,
             "user": value,
             "progress": self.progress,
             "verbose": self.verbose,
-            "staging_bytes": self.staging_bytes,
-            "plan_provider": self.plans,
+            "planning": self.plans,
+            "writing": self.writing,
             "keep": keep,
         }
         if self._async is not None:
@@ -579,10 +581,9 @@ class Checkpointer:
             self.location(step),
             comm=self.comm,
             into=into,
-            exchange=self.exchange,
             progress=self.progress,
             verbose=self.verbose,
-            staging_bytes=self.staging_bytes,
+            loading=self.loading,
             keys=keys,
             strict=strict,
             per_rank=per_rank,

@@ -57,7 +57,17 @@ TOOLS_ENTRY = {"deeppart.__main__"}
 #: modules and folders (a folder: every module in it).
 LAYERS: list[set[str]] = [
     {"_planner", "proto"},  # the Rust core; generated gRPC code
-    {"errors", "regions", "compression", "comm", "agreement", "format", "integrity", "progress"},
+    {
+        "errors",
+        "regions",
+        "compression",
+        "comm",
+        "agreement",
+        "format",
+        "integrity",
+        "progress",
+        "options",  # save's, load's and Checkpointer's option objects
+    },
     {"state"},
     {"storage"},
     {"loading"},

@@ -48,6 +48,7 @@ from deeppart.errors import CheckpointError, StateMismatchError
 from deeppart.format import is_committed, remove_tree
 from deeppart.integrations.rng import gather_rng_states, restore_rng_states
 from deeppart.loading.load import load
+from deeppart.options import LoadOptions, PlanOptions, WriteOptions
 from deeppart.saving.save import save
 from deeppart.storage.ownership import owned_dir
 
@@ -165,11 +166,10 @@ def save_state(
         state,
         path,
         comm=c,
-        compression=compression,
-        algorithm=algorithm,
-        planner=planner,
         overwrite=True,
         progress=progress,
+        planning=PlanOptions(planner, algorithm),
+        writing=WriteOptions(compression),
     )
     if automatic:
         if config.total_limit is not None and c.rank == 0:
@@ -224,7 +224,7 @@ def load_state(
         path = committed[-1]
     else:
         path = Path(input_dir)
-    state = _checked(load(path, comm=c, exchange=exchange, progress=progress), path)
+    state = _checked(load(path, comm=c, progress=progress, loading=LoadOptions(exchange)), path)
 
     models = list(accelerator._models)
     for hook in accelerator._load_model_state_pre_hook.values():

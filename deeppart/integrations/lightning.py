@@ -40,6 +40,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from deeppart.errors import CheckpointError
 from deeppart.format import remove_tree
 from deeppart.loading.load import load
+from deeppart.options import LoadOptions, PlanOptions, WriteOptions
 from deeppart.saving.save import save
 from deeppart.storage.ownership import owned_dir
 
@@ -79,10 +80,9 @@ class DeepPartCheckpointIO(CheckpointIO):
         progress: bool | None = None,
     ) -> None:
         self.comm = comm
-        self.compression = compression
-        self.algorithm = algorithm
-        self.planner = planner
-        self.exchange = exchange
+        self.planning = PlanOptions(planner, algorithm)
+        self.writing = WriteOptions(compression)
+        self.loading = LoadOptions(exchange)
         self.progress = progress
 
     def save_checkpoint(
@@ -100,11 +100,10 @@ class DeepPartCheckpointIO(CheckpointIO):
             checkpoint,
             path,
             comm=_default_comm(self.comm),
-            compression=self.compression,
-            algorithm=self.algorithm,
-            planner=self.planner,
             overwrite=True,
             progress=self.progress,
+            planning=self.planning,
+            writing=self.writing,
         )
 
     def load_checkpoint(
@@ -114,7 +113,7 @@ class DeepPartCheckpointIO(CheckpointIO):
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
         # weights_only: DeepPart never unpickles, whatever its value.
-        state: Any = load(path, comm=_default_comm(self.comm), exchange=self.exchange)
+        state: Any = load(path, comm=_default_comm(self.comm), loading=self.loading)
         if not isinstance(state, dict):
             raise CheckpointError(
                 f"{path}: holds a {type(state).__name__}, not a Lightning checkpoint dict"

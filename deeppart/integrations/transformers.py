@@ -23,7 +23,7 @@ loaded the Trainer's way)::
 Plain data parallelism (DDP under ``torchrun``, or one process) goes
 through DeepPart; DeepSpeed, FSDP, SageMaker MP and XLA keep the Trainer's
 own saving. ``deeppart_options`` are passed to :func:`deeppart.save`
-(e.g. ``{"compression": "zstd"}``).
+(e.g. ``{"writing": deeppart.WriteOptions(compression="zstd")}``).
 """
 
 from __future__ import annotations

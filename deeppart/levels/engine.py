@@ -61,6 +61,7 @@ from deeppart.levels.config import LevelConfig
 from deeppart.levels.erasure import STRIPE_BYTES
 from deeppart.levels.layout import Layout, step_name, steps_in
 from deeppart.loading.reader import assemble
+from deeppart.options import PlanOptions, WriteOptions, fold, reject_unknown
 from deeppart.progress import Progress
 from deeppart.saving.metadata import metadata_json
 from deeppart.saving.planning import PlanProvider
@@ -91,9 +92,11 @@ def _remove_owned(path: Path, ours: Callable[[str], bool] = checkpoint_file) -> 
 class BuiltinBackend:
     """The built-in :class:`~deeppart.levels.backend.LevelBackend`.
 
-    ``compression``/``zstd_level``, ``planner``, ``algorithm``, ``cost``,
-    ``topology``: as for :func:`deeppart.save`. ``stripe_bytes``: the L3
-    coding stripe per member (memory per rank during coding: its own file
+    ``compression``/``zstd_level``: as :class:`deeppart.WriteOptions`'s
+    ``compression``/``compression_level``; ``planning``: a
+    :class:`deeppart.PlanOptions` (the old ``planner=``, ``algorithm=``,
+    ``cost=``, ``topology=`` work for one release, with a DeprecationWarning).
+    ``stripe_bytes``: the L3 coding stripe per member (memory per rank during coding: its own file
     plus about ``3 * group_size * stripe_bytes``). ``keep``: committed checkpoints kept
     (default: the config's ``[deeppart] keep``).
     """
@@ -107,15 +110,15 @@ class BuiltinBackend:
         *,
         compression: str | None = None,
         zstd_level: int = 1,
-        planner: Any = None,
-        algorithm: str | None = None,
-        cost: Any = None,
-        topology: Any = None,
+        planning: PlanOptions | None = None,
         stripe_bytes: int = STRIPE_BYTES,
         keep: int | None = None,
         exchange: str = "auto",
         verbose: bool = False,
+        **deprecated: Any,
     ) -> None:
+        planning = fold("open_backend", "planning", PlanOptions, planning, deprecated, stacklevel=3)
+        reject_unknown("BuiltinBackend()", deprecated)
         self.config = LevelConfig.coerce(config)
         self.comm: Comm = resolve(comm)
         hosts: list[str] | None = None
@@ -131,23 +134,12 @@ class BuiltinBackend:
         self.layout = Layout(self.config, self.comm.size, hosts)
         self.compression = compression
         self.zstd_level = zstd_level
-        self.planner = planner
-        self.algorithm = algorithm
-        self.cost = cost
-        self.topology = topology
         self.stripe = stripe_bytes
         self.keep = keep if keep is not None else self.config.keep
         self.exchange = exchange
         self.verbose = verbose
         self.count = 0
-        self.plans = PlanProvider(
-            self.comm.size,
-            planner=planner,
-            algorithm=algorithm,
-            cost=cost,
-            topology=topology,
-            reuse=True,
-        )
+        self.plans = PlanProvider.of(planning, self.comm.size, reuse=True)
         self.last_recovery: RecoveryReport | None = None
         #: The line the next save continues (rank 0 writes the records,
         #: :mod:`deeppart.steps.lineage`): the step last loaded or saved, its run.
@@ -296,11 +288,10 @@ class BuiltinBackend:
                 state,
                 str(self.global_step(step)),
                 comm=c,
-                compression=self.compression,
-                compression_level=self.zstd_level,
                 overwrite=True,
                 user=value,
-                plan_provider=self.plans,
+                planning=self.plans,
+                writing=WriteOptions(self.compression, self.zstd_level),
             )
             phases["l4"] = time.perf_counter() - t
 

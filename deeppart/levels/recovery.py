@@ -57,6 +57,7 @@ from deeppart.loading.reader import (
     read_metadata,
     read_pieces,
 )
+from deeppart.options import LoadOptions
 from deeppart.progress import Progress
 from deeppart.state.own_view import own_view
 from deeppart.storage.files import read_all, size_is
@@ -563,7 +564,7 @@ def load_global(
     """Loads ``step``'s L4 checkpoint (a normal DeepPart checkpoint, any
     world size); ``t0``: when the load started, for the report."""
     where = layout.global_step(step)  # a directory or an s3:// URL
-    state = load(str(where), comm=comm, into=into, exchange=exchange)
+    state = load(str(where), comm=comm, into=into, loading=LoadOptions(exchange))
     _, meta, _ = open_checkpoint(where)
     report = RecoveryReport(step, [4] * meta.world_size, [], time.perf_counter() - t0)
     return state, report

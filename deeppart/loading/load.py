@@ -51,6 +51,7 @@ from deeppart.loading.reshard import (
     read_shards,
     shard_targets,
 )
+from deeppart.options import LoadOptions, fold, reject_unknown
 from deeppart.progress import Progress, Stats, record_stats
 from deeppart.state import staging as _staging
 from deeppart.state.own_view import OwnView, by_ranks, own_view, resolve_versions, set_at, value_at
@@ -76,44 +77,43 @@ def load(
     *,
     comm: Any = None,
     into: Any = None,
-    exchange: str = "auto",
-    progress: bool | None = None,
-    verbose: bool = False,
-    staging_bytes: int | None = None,
     keys: Any = None,
     strict: bool = True,
     group: Any = None,
     per_rank: Any = None,
+    progress: bool | None = None,
+    verbose: bool = False,
+    loading: LoadOptions | None = None,
+    **deprecated: Any,
 ) -> Any:
     """Loads a committed checkpoint on every rank of ``comm`` (any number of
     ranks, whatever number saved it; also one process without MPI) and
     returns this rank's tree. Collective.
 
-    ``exchange``: ``"auto"`` (default: each data file read and checksummed
-    once, by one rank, then shared through a node-shared window on one
-    host, else broadcast), ``"bcast"`` (each rank reads a balanced share and
-    broadcasts it as it is verified: many nodes on one store) or ``"read"``
-    (every rank reads and checksums every piece itself: no bulk traffic);
-    DTensor shards follow the same rule (docs/FORMAT.md "Who verifies which
-    bytes", docs/SHARDED.md). ``into``: a state of the same structure (e.g.
-    ``model.state_dict()``): its tensors filled in place, its plain values
-    written back where they can be (else a :class:`NotInPlaceWarning`); on a
-    device through a host buffer of ``staging_bytes`` (default 256 MiB,
-    docs/GPU.md). A load that raises may have filled part of ``into``.
-    ``keys``: only these parts (top-level keys or path prefixes) are read
-    and returned. ``strict``: an ``into`` leaf missing on either side raises,
-    else :func:`last_incompatible_keys` lists it (docs/FORMAT.md "Partial
-    restore"). ``group``: a group's tree of a checkpoint saved with
-    ``group=``; ``"auto"``: ``into``'s leaves only. ``per_rank``: the paths
-    saved in one version per group of ranks, where a rank cannot get its own
-    (another world size): None raises :class:`PerRankStateError`, a saved
-    rank ``r`` takes its version, ``"drop"`` leaves them out, ``"all"``
-    returns every version, a function ``(path, {saved ranks: value})`` picks
-    (docs/SHARDED.md). Raises :class:`CheckpointError` (no commit marker),
+    ``into``: a state of the same structure (e.g. ``model.state_dict()``):
+    its tensors filled in place, its plain values written back where they
+    can be (else a :class:`NotInPlaceWarning`); a load that raises may have
+    filled part of it. ``keys``: only these parts (top-level keys or path
+    prefixes) are read and returned. ``strict``: an ``into`` leaf missing
+    on either side raises, else :func:`last_incompatible_keys` lists it
+    (docs/FORMAT.md "Partial restore"). ``group``: a group's tree of a
+    checkpoint saved with ``group=``; ``"auto"``: ``into``'s leaves only.
+    ``per_rank``: the paths saved in one version per group of ranks, where
+    a rank cannot get its own (another world size): None raises
+    :class:`PerRankStateError`, a saved rank ``r`` takes its version,
+    ``"drop"`` leaves them out, ``"all"`` returns every version, a function
+    ``(path, {saved ranks: value})`` picks (docs/SHARDED.md). ``loading``:
+    a :class:`deeppart.LoadOptions` (how the bytes are read and shared, the
+    staging buffer of device tensors; the old ``exchange=`` and
+    ``staging_bytes=`` work for one release, with a DeprecationWarning).
+    Raises :class:`CheckpointError` (no commit marker),
     :class:`CorruptCheckpointError` (naming the file and piece) or
     :class:`StateMismatchError` (``into`` differs) on every rank.
     ``verbose``: rank 0 prints the load's :class:`Stats`.
     """
+    loading = fold("deeppart.load", "loading", LoadOptions, loading, deprecated)
+    reject_unknown("deeppart.load()", deprecated)
+    exchange = loading.exchange
     c = resolve(comm)
     t0 = time.perf_counter()
     # Open, select this rank's view, plan the reads; then the first agreement.
@@ -125,7 +125,7 @@ def load(
         err = e
     run = _agree_opened(c, opened, err, exchange)
     prog = Progress("load", run.share_bytes(), enabled=progress if c.rank == 0 else False)
-    stage = _staging.Staging(staging_bytes)
+    stage = _staging.Staging(loading.staging_bytes)
     with shared_buffers(c, run.rp, run.reuse) as buffers:
         # A broadcast (between hosts, or exchange="bcast") reads and
         # exchanges at once (stream_share).
@@ -324,7 +324,9 @@ def _pick_deferred(
     into ``into=``, then one agreement."""
     err: BaseException | None = None
     deferred = run.own.deferred
-    versions = load(directory, comm=run.c, keys=list(deferred), per_rank="all", exchange=exchange)
+    versions = load(
+        directory, comm=run.c, keys=list(deferred), per_rank="all", loading=LoadOptions(exchange)
+    )
     try:
         for p in deferred:
             state = set_at(state, p, per_rank(p, by_ranks(value_at(versions, p))))

@@ -27,11 +27,10 @@ from typing import Any, TypedDict, Unpack
 
 import numpy as np
 
-from deeppart._planner import Plan
 from deeppart.agreement import agree
 from deeppart.comm import Comm, resolve
-from deeppart.compression import compression_level_of
 from deeppart.format import SAVE_ID_HEX, new_save_id
+from deeppart.options import PlanOptions, WriteOptions, fold, fold_planning, reject_unknown
 from deeppart.progress import Progress, Stats, record_stats
 from deeppart.saving.deferred_proof import (
     PendingProof,
@@ -51,7 +50,14 @@ from deeppart.storage.identity import identity_text
 from deeppart.storage.target import SaveTarget, save_target
 from deeppart.storage.url import Location, parse_location
 
-__all__ = ["PlannedSave", "SaveOptions", "plan_save", "save", "take_unproved"]
+__all__ = [
+    "PlannedSave",
+    "SaveOptions",
+    "plan_save",
+    "save",
+    "save_options",
+    "take_unproved",
+]
 
 
 def save(
@@ -59,80 +65,77 @@ def save(
     directory: str | os.PathLike[str],
     *,
     comm: Any = None,
-    planner: Any = None,
-    compression: str | None = None,
-    algorithm: str | None = None,
-    plan: Plan | None = None,
-    compression_level: int = 1,
-    cost: Any = None,
-    topology: Any = None,
     overwrite: bool = False,
     user: Any = None,
     progress: bool | None = None,
     verbose: bool = False,
-    staging_bytes: int | None = None,
-    verify_replicas: bool = False,
-    plan_provider: PlanProvider | None = None,
-    level: int | None = None,
     group: Any = None,
-    replica_dims: str | Sequence[str] | None = None,
+    planning: PlanOptions | PlanProvider | None = None,
+    writing: WriteOptions | None = None,
+    **deprecated: Any,
 ) -> Stats:
-    """Saves ``state`` (each rank's own) to ``directory``, every rank
-    writing its planned share. Collective: call it on every rank of ``comm``.
+    """Saves ``state`` (each rank's own) to ``directory`` (a path or an
+    ``s3://`` URL), every rank writing its planned share. Collective: call
+    it on every rank of ``comm`` (None: mpi4py's COMM_WORLD if MPI runs,
+    else torch.distributed's default group, else one process).
 
-    ``planner``: None (plan in process) or the planner service to ask (see
-    :func:`deeppart.resolve_planner`); ``algorithm``, ``cost``, ``topology``:
-    the planning options; ``plan``: a ready :class:`deeppart.Plan` of this
-    state for this world size instead. ``compression``: None,
-    ``"zstd"``, ``"lz4"``, ``"shuffle-zstd"`` or ``"auto"`` (per piece: compressed
-    only when a sample says it pays in the plan's cost model, see
-    :class:`deeppart.compression.AutoPolicy`); ``compression_level``: the Zstandard
-    level (1: fast; ratios on float data barely improve above). ``user``: a plain value
-    stored in the metadata. ``staging_bytes``: the host buffer through which
-    pieces of device (e.g. CUDA) tensors are copied, in chunks (default
-    :data:`deeppart.state.staging.DEFAULT_STAGING_BYTES`, 256 MiB). Returns the
-    save's :class:`Stats` (the same on every rank); rank 0 prints its
-    summary when ``verbose``. ``verify_replicas``: first check that every
-    rank holds the same state (a hash of each leaf on every rank, compared
-    in one collective); if not, raise :class:`ReplicaMismatchError` on every
-    rank, naming the differing leaves and ranks, and write nothing.
-    Every rank passes its own tree (:mod:`deeppart.state.union`): the checkpoint
-    is the union of what the ranks hold (DTensors on any mesh, pipeline
-    stages, per-rank values; each rank loads its own back at the same world
-    size). ``group``: ``"auto"`` compares every tensor several ranks hold
-    under one path by its whole bytes (differing ones become versions, one
-    per group); a ProcessGroup or list of global ranks stores this rank's
-    group's tree under ``"ranks:0,1"``... (:mod:`deeppart.loading.groups`).
-    ``replica_dims``: root-mesh dimension names (e.g. ``"dp"``) over which
-    DTensors on sub-meshes are declared replicas (sampled, a difference
-    refused) instead of compared whole.
+    ``overwrite``: replace a committed checkpoint there (it stays loadable
+    until the new one commits). ``user``: a plain value stored in the
+    metadata. ``progress``: rank 0 shows a progress line (None: on a
+    terminal); ``verbose``: rank 0 prints the save's :class:`Stats`, which
+    it returns (the same on every rank). ``group``: ``"auto"`` compares
+    every tensor several ranks hold under one path by its whole bytes
+    (differing ones become versions, one per group); a ProcessGroup or list
+    of global ranks stores this rank's group's tree under ``"ranks:0,1"``...
+    (:mod:`deeppart.loading.groups`). ``planning``: a
+    :class:`deeppart.PlanOptions` (planner, algorithm, cost model,
+    topology, or a ready plan); ``writing``: a :class:`deeppart.WriteOptions`
+    (compression, staging buffer, replica checks).
+
+    Every rank passes its own tree (:mod:`deeppart.state.union`): the
+    checkpoint is the union of what the ranks hold (DTensors on any mesh,
+    pipeline stages, per-rank values; each rank loads its own back at the
+    same world size). The old keywords (``compression=``, ``algorithm=``,
+    ...) work for one release, with a DeprecationWarning
+    (:mod:`deeppart.options`).
     """
     c = resolve(comm)
     t0 = time.perf_counter()
+    planning, writing = save_options("deeppart.save", planning, writing, deprecated)
+    reject_unknown("deeppart.save()", deprecated)
     planned = plan_save(
         c,
         state,
         directory,
-        planner=planner,
-        compression=compression,
-        algorithm=algorithm,
-        plan=plan,
-        compression_level=compression_level,
-        cost=cost,
-        topology=topology,
         overwrite=overwrite,
         user=user,
         progress=progress,
         verbose=verbose,
-        staging_bytes=staging_bytes,
-        verify_replicas=verify_replicas,
-        plan_provider=plan_provider,
-        level=level,
         group=group,
-        replica_dims=replica_dims,
+        planning=planning,
+        writing=writing,
         defer_proof=True,
     )
     return planned.finish(c, t0)
+
+
+def save_options(
+    where: str,
+    planning: object,
+    writing: object,
+    old: dict[str, Any],
+    *,
+    share: Sequence[str] = (),
+    stacklevel: int = 2,
+) -> tuple[PlanOptions | PlanProvider, WriteOptions]:
+    """A save's ``planning=`` and ``writing=``, or what the old keywords
+    in ``old`` say (removed from it, with a DeprecationWarning at the
+    caller of ``where``; :func:`deeppart.options.fold`)."""
+    p = fold_planning(where, planning, old, stacklevel + 1)
+    w = fold(where, "writing", WriteOptions, writing, old, share=share, stacklevel=stacklevel + 1)
+    if not isinstance(p, PlanOptions | PlanProvider):
+        raise TypeError(f"{where}: planning= takes a deeppart.PlanOptions, not {p!r}")
+    return p, w
 
 
 @dataclass
@@ -257,26 +260,17 @@ class PlannedSave:
 
 
 class SaveOptions(TypedDict, total=False):
-    """The keywords of :func:`save` other than ``comm`` (their defaults are
-    save's)."""
+    """The keywords of :func:`save` other than ``comm``, the options
+    objects given as objects (their defaults are save's)."""
 
-    planner: Any
-    compression: str | None
-    algorithm: str | None
-    plan: Plan | None
-    compression_level: int
-    cost: Any
-    topology: Any
     overwrite: bool
     user: Any
     progress: bool | None
     verbose: bool
-    staging_bytes: int | None
-    verify_replicas: bool
-    plan_provider: PlanProvider | None
-    level: int | None
     group: Any
-    replica_dims: str | Sequence[str] | None
+    #: A :class:`deeppart.PlanOptions`, or a provider shared between saves.
+    planning: PlanOptions | PlanProvider
+    writing: WriteOptions
     #: Not a keyword of :func:`save`: what a Checkpointer's commit keeps
     #: aside (:class:`deeppart.storage.commit.KeepAside`).
     keep: KeepAside | None
@@ -307,22 +301,13 @@ def plan_save(
     o = options
     final = parse_location(directory)
     target = save_target(final)
-    zstd_level = compression_level_of(o.get("compression_level", 1), o.get("level"), 4)
-    plan_provider = o.get("plan_provider")
-    if plan_provider is None:
-        plan_provider = PlanProvider(
-            c.size,
-            o.get("plan"),
-            planner=o.get("planner"),
-            algorithm=o.get("algorithm"),
-            cost=o.get("cost"),
-            topology=o.get("topology"),
-        )
+    w = o.get("writing") or WriteOptions()
+    plan_provider = PlanProvider.of(o.get("planning"), c.size)
 
     # Plan and prepare; every rank checks that all prepared the same save.
     err: BaseException | None = None
     user = o.get("user")
-    verify_replicas = o.get("verify_replicas", False)
+    verify_replicas = w.verify_replicas
     store = b""
     try:
         if user is not None:
@@ -336,11 +321,11 @@ def plan_save(
         c,
         err,
         state,
-        o.get("compression"),
+        w.compression,
         plan_provider,
         final,
         group=o.get("group"),
-        replica_dims=o.get("replica_dims"),
+        replica_dims=w.replica_dims,
         local=local,
         store=store,
         declared=verify_replicas,
@@ -351,12 +336,12 @@ def plan_save(
     return PlannedSave(
         prep,
         final,
-        zstd_level,
+        w.compression_level,
         o.get("overwrite", False),
         user,
         o.get("progress"),
         o.get("verbose", False),
-        o.get("staging_bytes"),
+        w.staging_bytes,
         flags,
         target,
         o.get("keep"),

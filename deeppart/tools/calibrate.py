@@ -248,7 +248,7 @@ def _timed_save(state: dict[str, Any], directory: Path) -> tuple[int, float]:
     # synthetic plans stay out of the user's on-disk plan cache.
     plans = PlanProvider(1, cache=_MEMORY_PLANS)
     t0 = time.perf_counter()
-    stats = save(state, directory, comm=SingleComm(), progress=False, plan_provider=plans)
+    stats = save(state, directory, comm=SingleComm(), progress=False, planning=plans)
     return stats.raw_bytes, time.perf_counter() - t0
 
 

@@ -209,7 +209,7 @@ SAVE_STAGES: list[tuple[str, Any, str, int]] = [
 
 def _loading(d: Path, exchange: str) -> Callable[[], str]:
     def run() -> str:
-        deeppart.load(d, exchange=exchange)
+        deeppart.load(d, loading=deeppart.LoadOptions(exchange=exchange))
         return "ok"
 
     return run

@@ -51,7 +51,7 @@ def test_auto_on_random_floats_writes_plain_pieces(tmp_path: Path) -> None:
         "u": torch.randint(0, 256, (1 << 18,), generator=gen, dtype=torch.uint8),
     }
     d = tmp_path / "ck"
-    stats = deeppart.save(state, d, compression="auto")
+    stats = deeppart.save(state, d, writing=deeppart.WriteOptions(compression="auto"))
     assert _codecs(d) == {"w": {"none"}, "h": {"none"}, "u": {"none"}}
     assert json.loads((d / "metadata.json").read_text())["compression"] == "auto"
     assert stats.ratio == 1.0
@@ -68,7 +68,12 @@ def test_auto_compresses_where_it_pays(tmp_path: Path) -> None:
         "noise": torch.randint(0, 256, (1 << 18,), generator=gen, dtype=torch.uint8),
     }
     d = tmp_path / "slow"
-    stats = deeppart.save(state, d, compression="auto", cost=SLOW)
+    stats = deeppart.save(
+        state,
+        d,
+        planning=deeppart.PlanOptions(cost=SLOW),
+        writing=deeppart.WriteOptions(compression="auto"),
+    )
     assert _codecs(d) == {
         "w": {"shuffle-zstd"},
         "z": {"zstd"},
@@ -79,7 +84,12 @@ def test_auto_compresses_where_it_pays(tmp_path: Path) -> None:
     _equal(state, deeppart.load(d))
     # The same state on storage faster than the codec: nothing pays.
     fast = tmp_path / "fast"
-    deeppart.save(state, fast, compression="auto", cost=FAST)
+    deeppart.save(
+        state,
+        fast,
+        planning=deeppart.PlanOptions(cost=FAST),
+        writing=deeppart.WriteOptions(compression="auto"),
+    )
     assert set().union(*_codecs(fast).values()) == {"none"}
     _equal(state, deeppart.load(fast))
 
@@ -95,7 +105,12 @@ def test_auto_samples_device_pieces_without_a_whole_copy(
         "r": torch.randint(0, 256, (1 << 18,), dtype=torch.uint8),
     }
     d = tmp_path / "ck"
-    deeppart.save(state, d, compression="auto", cost=SLOW)
+    deeppart.save(
+        state,
+        d,
+        planning=deeppart.PlanOptions(cost=SLOW),
+        writing=deeppart.WriteOptions(compression="auto"),
+    )
     assert _codecs(d) == {"w": {"shuffle-zstd"}, "r": {"none"}}
     _equal(state, deeppart.load(d))
 
@@ -149,7 +164,7 @@ def test_shuffled_checkpoint_roundtrips_each_float_dtype(
 ) -> None:
     state = {"w": torch.randn(70001, dtype=torch.float64).to(dtype), "b": torch.randn(3).to(dtype)}
     d = tmp_path / "ck"
-    deeppart.save(state, d, compression="shuffle-zstd")
+    deeppart.save(state, d, writing=deeppart.WriteOptions(compression="shuffle-zstd"))
     assert _codecs(d)["w"] == {"shuffle-zstd"}
     _equal(state, deeppart.load(d))
 
@@ -158,7 +173,12 @@ def test_shuffled_checkpoint_roundtrips_each_float_dtype(
 def test_corrupt_shuffled_piece_is_caught(tmp_path: Path, how: str) -> None:
     state = {"w": torch.randn(1 << 17).to(torch.bfloat16).float()}
     d = tmp_path / "ck"
-    deeppart.save(state, d, compression=how, cost=SLOW)
+    deeppart.save(
+        state,
+        d,
+        planning=deeppart.PlanOptions(cost=SLOW),
+        writing=deeppart.WriteOptions(compression=how),
+    )
     meta = json.loads((d / "metadata.json").read_text())
     (row,) = meta["pieces"]
     assert row[7] == "shuffle-zstd" and row[6] < row[5]

@@ -115,8 +115,8 @@ def raised(out: dict[str, Any], cls: type[BaseException]) -> None:
 
 
 def save_small(d: Path, state: Any = None, codec: str | None = None) -> Path:
-    deeppart.save({"w": torch.arange(4, dtype=torch.float32)} if state is None else state, d,
-                  compression=codec)  # fmt: skip
+    state = {"w": torch.arange(4, dtype=torch.float32)} if state is None else state
+    deeppart.save(state, d, writing=deeppart.WriteOptions(compression=codec))
     return d
 
 
@@ -284,7 +284,7 @@ def test_writer_stays_within_the_expansion_limit(tmp_path: Path, codec: str) -> 
     """All-zero tensors compress far beyond the limit; the writer pads them
     (a skippable frame), and they load back bitwise."""
     state: dict[str, Any] = {"z": torch.zeros(1 << 22), "r": torch.randn(1000), "o": {"lr": 0.1}}
-    deeppart.save(state, tmp_path / "ck", compression=codec)
+    deeppart.save(state, tmp_path / "ck", writing=deeppart.WriteOptions(compression=codec))
     meta = read_meta(tmp_path / "ck")
     for row in meta["pieces"]:
         if row[7] != "none":

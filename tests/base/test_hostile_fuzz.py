@@ -200,7 +200,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for codec in (None, "zstd"):
         d = tmp_path_factory.mktemp(f"ck-{codec}")
-        deeppart.save(_STATE, d, compression=codec)
+        deeppart.save(_STATE, d, writing=deeppart.WriteOptions(compression=codec))
         out[str(codec)] = {p.name: p.read_bytes() for p in d.iterdir()}
     return out
 

@@ -33,6 +33,7 @@ import deeppart  # noqa: E402
 # (deeppart.async_save is the function; the module is imported by name.)
 from deeppart.async_save import AsyncSave  # noqa: E402
 from deeppart.comm import SingleComm  # noqa: E402
+from deeppart.options import AsyncOptions  # noqa: E402
 from deeppart.saving.save import plan_save  # noqa: E402
 from deeppart.saving.snapshot import ShareSnapshot  # noqa: E402
 from deeppart.saving.writer import WriteEvent, fault_hook  # noqa: E402
@@ -185,12 +186,16 @@ def test_a_later_save_waits_for_the_previous(
 def test_over_budget_saves_synchronously_with_a_warning(tmp_path: Path) -> None:
     state = make_state()
     with pytest.warns(deeppart.AsyncSaveWarning, match="max_staging_bytes=1000"):
-        handle = deeppart.async_save(state, tmp_path / "ck", max_staging_bytes=1000)
+        handle = deeppart.async_save(
+            state, tmp_path / "ck", background=AsyncOptions(max_staging_bytes=1000)
+        )
     assert handle.done() and handle.synchronous
     assert_bitwise_equal(state, deeppart.load(tmp_path / "ck"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        big = deeppart.async_save(state, tmp_path / "ck2", max_staging_bytes=1 << 30)
+        big = deeppart.async_save(
+            state, tmp_path / "ck2", background=AsyncOptions(max_staging_bytes=1 << 30)
+        )
         big.wait()
     assert not big.synchronous
 

@@ -160,7 +160,10 @@ def scenario_load2(d: Path, dims: tuple[int, int, int]) -> None:
     equal({f"net{g}": mine}, back)
     # exchange="bcast": the ranks select different leaves, so each reads its own.
     back = deeppart.load(
-        d / "explicit", into=zeros(mine), group=[2 * g, 2 * g + 1], exchange="bcast"
+        d / "explicit",
+        into=zeros(mine),
+        group=[2 * g, 2 * g + 1],
+        loading=deeppart.LoadOptions(exchange="bcast"),
     )
     equal(mine, back)
     target = zeros(flat(g, dims))

@@ -81,7 +81,7 @@ def test_shuffle_zstd_helps_floats() -> None:
 
 @pytest.mark.parametrize("codec", [None, "zstd", "lz4", "shuffle-zstd"])
 def test_roundtrip_single_process(tmp_path: Path, state: dict[str, Any], codec: str | None) -> None:
-    stats = deeppart.save(state, tmp_path / "ck", compression=codec)
+    stats = deeppart.save(state, tmp_path / "ck", writing=deeppart.WriteOptions(compression=codec))
     assert resolve().size == 1  # SingleComm, or MPI a test before initialised
     assert (
         stats.world_size == 1
@@ -176,9 +176,9 @@ def test_given_plan_must_match(tmp_path: Path) -> None:
     state = {"a": torch.ones(10)}
     other = deeppart.plan(deeppart.Manifest.from_state_dict({"b": torch.ones(10)}), 1)
     with pytest.raises(deeppart.StateMismatchError, match="another state"):
-        deeppart.save(state, tmp_path / "ck", plan=other)
+        deeppart.save(state, tmp_path / "ck", planning=deeppart.PlanOptions(plan=other))
     good = deeppart.plan(deeppart.Manifest.from_state_dict(state), 1)
-    deeppart.save(state, tmp_path / "ck", plan=good)
+    deeppart.save(state, tmp_path / "ck", planning=deeppart.PlanOptions(plan=good))
 
 
 # ----------------------------------------------------------------------------
@@ -207,7 +207,7 @@ def test_flipped_byte_names_file_and_piece(
     tmp_path: Path, state: dict[str, Any], codec: str | None
 ) -> None:
     d = tmp_path / "ck"
-    deeppart.save(state, d, compression=codec)
+    deeppart.save(state, d, writing=deeppart.WriteOptions(compression=codec))
     meta = json.loads((d / METADATA).read_text())
     row = max(meta["pieces"], key=lambda r: r[6])
     path = d / data_file_name(0)
@@ -293,7 +293,9 @@ def test_metadata_bounds_checked(tmp_path: Path, edit: Any, message: str) -> Non
 
 
 def test_checkpointer_keep_last_and_latest(tmp_path: Path) -> None:
-    cp = deeppart.Checkpointer(tmp_path / "run", keep_last=2, compression="lz4")
+    cp = deeppart.Checkpointer(
+        tmp_path / "run", keep_last=2, writing=deeppart.WriteOptions(compression="lz4")
+    )
     assert cp.latest() is None
     with pytest.raises(deeppart.CheckpointError, match="no committed"):
         cp.load()
@@ -362,9 +364,12 @@ def test_stats_summary() -> None:
 
 def test_load_exchange_argument(tmp_path: Path) -> None:
     deeppart.save({"a": torch.arange(5)}, tmp_path / "ck")
-    assert torch.equal(deeppart.load(tmp_path / "ck", exchange="read")["a"], torch.arange(5))
+    assert torch.equal(
+        deeppart.load(tmp_path / "ck", loading=deeppart.LoadOptions(exchange="read"))["a"],
+        torch.arange(5),
+    )
     with pytest.raises(ValueError, match="exchange"):
-        deeppart.load(tmp_path / "ck", exchange="carrier-pigeon")
+        deeppart.load(tmp_path / "ck", loading=deeppart.LoadOptions(exchange="carrier-pigeon"))
 
 
 def test_tied_weights_are_stored_once_and_stay_tied(tmp_path: Path) -> None:
@@ -482,7 +487,11 @@ def test_a_failing_fault_hook_fails_the_save_and_commits_nothing(tmp_path: Path)
 
 def test_compression_level_and_its_deprecated_old_name(tmp_path: Path) -> None:
     state = {"w": torch.zeros(1 << 16)}
-    deeppart.save(state, tmp_path / "new", compression="zstd", compression_level=3)
+    deeppart.save(
+        state,
+        tmp_path / "new",
+        writing=deeppart.WriteOptions(compression="zstd", compression_level=3),
+    )
     with pytest.warns(DeprecationWarning, match="compression_level"):
         deeppart.save(state, tmp_path / "old", compression="zstd", level=3)
     a = (tmp_path / "new" / "rank-00000.bin").read_bytes()
@@ -492,7 +501,12 @@ def test_compression_level_and_its_deprecated_old_name(tmp_path: Path) -> None:
     with pytest.warns(DeprecationWarning, match="compression_level"):
         cp = deeppart.Checkpointer(tmp_path / "cp", compression="zstd", level=5)
     assert cp.compression_level == 5
-    assert deeppart.Checkpointer(tmp_path / "cp2", compression_level=7).compression_level == 7
+    assert (
+        deeppart.Checkpointer(
+            tmp_path / "cp2", writing=deeppart.WriteOptions(compression_level=7)
+        ).compression_level
+        == 7
+    )
 
 
 #: Tensors of several dtypes and layouts, and their ids.

@@ -68,13 +68,13 @@ def main() -> None:
     rank, size = comm.rank, comm.size
 
     state = cuda_state(seed=7)
-    stats = deeppart.save(state, directory, staging_bytes=1 << 16)
+    stats = deeppart.save(state, directory, writing=deeppart.WriteOptions(staging_bytes=1 << 16))
     assert stats.raw_bytes > 0 and stats.world_size == size
     # Every rank loads into zeroed CUDA tensors of the same structure, in place.
     target = cuda_state(seed=8)
     for t in tensors(target):
         t.zero_()
-    out = deeppart.load(directory, into=target, staging_bytes=1 << 16)
+    out = deeppart.load(directory, into=target, loading=deeppart.LoadOptions(staging_bytes=1 << 16))
     for want, got, placed in zip(tensors(state), tensors(out), tensors(target), strict=True):
         assert got.device == want.device and got.data_ptr() == placed.data_ptr()
         assert torch.equal(want.reshape(-1).view(torch.uint8), got.reshape(-1).view(torch.uint8))

@@ -349,7 +349,9 @@ def scenario_eight(d: Path, layouts: list[str]) -> None:
         ), own
         # Cooperative (exchange="bcast", the default across hosts): each
         # piece read once per job, sent to the other ranks that need it.
-        out = deeppart.load(d / src, into=sharded_state(m2, opt2), exchange="bcast")
+        out = deeppart.load(
+            d / src, into=sharded_state(m2, opt2), loading=deeppart.LoadOptions(exchange="bcast")
+        )
         equal(to_full(out), ref, f"{src}->{dst}")
         stats = last_stats("load")
         assert stats is not None
@@ -456,7 +458,7 @@ def scenario_verify(d: Path, layout: str) -> None:
 
     m, opt = build(layout, seed=1)
     state = sharded_state(m, opt)
-    deeppart.save(state, d / "verified", verify_replicas=True)
+    deeppart.save(state, d / "verified", writing=deeppart.WriteOptions(verify_replicas=True))
     assert (d / "verified" / "COMMITTED").exists()
     weight = state["model"]["2.weight"]
     assert isinstance(weight, DTensor)
@@ -464,7 +466,7 @@ def scenario_verify(d: Path, layout: str) -> None:
         with torch.no_grad():
             weight.to_local().view(-1)[-1] += 1.0
     try:
-        deeppart.save(state, d / "differs", verify_replicas=True)
+        deeppart.save(state, d / "differs", writing=deeppart.WriteOptions(verify_replicas=True))
     except deeppart.ReplicaMismatchError as e:
         msg = str(e)
         assert "2.weight" in msg and "nothing was written" in msg, msg
@@ -498,7 +500,9 @@ def mpi_main() -> None:
 
     d, layout = Path(sys.argv[2]), sys.argv[3]
     ref = deeppart.load(d / f"{layout}-ref")
-    out = deeppart.load(d / layout, comm=MPI.COMM_WORLD, exchange="bcast")
+    out = deeppart.load(
+        d / layout, comm=MPI.COMM_WORLD, loading=deeppart.LoadOptions(exchange="bcast")
+    )
     equal(out, ref, f"{layout} over MPI")
     stats = last_stats("load")
     assert stats is not None and stats.world_size == MPI.COMM_WORLD.Get_size(), stats
@@ -518,7 +522,9 @@ def mpi_main() -> None:
         if rank == bad:
             setattr(reshard, name, fail)
         try:
-            deeppart.load(d / layout, comm=MPI.COMM_WORLD, exchange="bcast")
+            deeppart.load(
+                d / layout, comm=MPI.COMM_WORLD, loading=deeppart.LoadOptions(exchange="bcast")
+            )
         except deeppart.CorruptCheckpointError as e:
             assert f"injected failure in {name}" in str(e), e
         else:

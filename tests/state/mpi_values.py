@@ -33,7 +33,7 @@ def scenario_replicas(d: Path) -> None:
     if c.rank == c.size - 1:
         state["model"][name].view(-1)[3] += 1.0
     try:
-        deeppart.save(state, d / "bad", verify_replicas=True)
+        deeppart.save(state, d / "bad", writing=deeppart.WriteOptions(verify_replicas=True))
     except deeppart.ReplicaMismatchError as e:
         msg = str(e)
         others = list(range(c.size - 1))
@@ -46,10 +46,10 @@ def scenario_replicas(d: Path) -> None:
     # A plain value that differs is this rank's own: stored per rank.
     state = make_state()
     state["step"] = 10 + (c.rank == 0)
-    deeppart.save(state, d / "own", verify_replicas=True)
+    deeppart.save(state, d / "own", writing=deeppart.WriteOptions(verify_replicas=True))
     assert deeppart.load(d / "own")["step"] == 10 + (c.rank == 0)
     state = make_state()
-    deeppart.save(state, d / "good", verify_replicas=True)
+    deeppart.save(state, d / "good", writing=deeppart.WriteOptions(verify_replicas=True))
     assert_bitwise_equal(state, deeppart.load(d / "good"))
     ok("replicas")
 
@@ -68,7 +68,7 @@ def scenario_values(d: Path) -> None:
     }
     deeppart.save(state, d)
     for exchange in ("bcast", "read"):
-        got = deeppart.load(d, exchange=exchange)
+        got = deeppart.load(d, loading=deeppart.LoadOptions(exchange=exchange))
         assert got["values"]["dtype"] is torch.float16
         assert type(got["values"]["size"]) is torch.Size
         assert np.array_equal(got["values"]["big"], state["values"]["big"])
@@ -78,11 +78,11 @@ def scenario_values(d: Path) -> None:
         np.random.set_state(state["rng"]["numpy"])
         random.setstate(state["rng"]["python"])
         assert np.array_equal(np.random.rand(3), expect_np) and random.random() == expect_py
-        part = deeppart.load(d, keys=["model"], exchange=exchange)
+        part = deeppart.load(d, keys=["model"], loading=deeppart.LoadOptions(exchange=exchange))
         assert list(part) == ["model"]
         assert_bitwise_equal(state["model"], part["model"])
         into = {"model": make_state(seed=1)["model"], "extra": torch.zeros(2)}
-        deeppart.load(d, into=into, strict=False, exchange=exchange)
+        deeppart.load(d, into=into, strict=False, loading=deeppart.LoadOptions(exchange=exchange))
         keys = deeppart.last_incompatible_keys()
         assert keys is not None and keys.missing_keys == ["extra"], keys
         assert_bitwise_equal(state["model"], into["model"])
@@ -200,7 +200,7 @@ def scenario_own_tensors(d: Path) -> None:
     _own_roundtrip(d, [(100, "inside"), (99, "inside"), (None, "inside")], rng=False)
     state = own_tensor_state(c.rank, 100, "inside", rng=False)
     try:
-        deeppart.save(state, d / "declared", verify_replicas=True)
+        deeppart.save(state, d / "declared", writing=deeppart.WriteOptions(verify_replicas=True))
     except deeppart.ReplicaMismatchError as e:
         msg = str(e)
         assert "big: ranks [0] hold one version, ranks [1] another" in msg, msg

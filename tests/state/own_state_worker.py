@@ -600,7 +600,7 @@ def scenario_hsdp_replica(d: Path, checks: Checks) -> None:
         path = d / variant.split("=")[0]
         with checks.sub(variant):
             try:
-                deeppart.save(state, path, verify_replicas=verify)
+                deeppart.save(state, path, writing=deeppart.WriteOptions(verify_replicas=verify))
             except Exception as e:
                 if lost_step(e):
                     raise

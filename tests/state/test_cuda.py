@@ -20,6 +20,7 @@ from cuda_worker import cuda_state, tensors  # noqa: E402
 from launching import run_in_session  # noqa: E402
 
 import deeppart  # noqa: E402
+from deeppart.options import AsyncOptions, LoadOptions, WriteOptions  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "state" / "cuda_worker.py"
@@ -40,7 +41,7 @@ def test_save_load_cuda_state_in_place(tmp_path: Path, codec: str | None) -> Non
     bitwise: as CPU tensors, and in place into CUDA tensors (same objects)."""
     state = cuda_state(seed=1)
     d = tmp_path / "ck"
-    deeppart.save(state, d, compression=codec, staging_bytes=1 << 16)
+    deeppart.save(state, d, writing=WriteOptions(compression=codec, staging_bytes=1 << 16))
     plain = deeppart.load(d)
     assert all(_bitwise(a, b) for a, b in zip(tensors(state), tensors(plain), strict=True))
     target = cuda_state(seed=2)
@@ -49,7 +50,7 @@ def test_save_load_cuda_state_in_place(tmp_path: Path, codec: str | None) -> Non
     assert any(d.type == "cuda" for d in devices)
     for t in tensors(target):
         t.zero_()
-    deeppart.load(d, into=target, staging_bytes=1 << 16)
+    deeppart.load(d, into=target, loading=LoadOptions(staging_bytes=1 << 16))
     assert [t.data_ptr() for t in tensors(target)] == ptrs
     assert [t.device for t in tensors(target)] == devices
     assert all(_bitwise(a, b) for a, b in zip(tensors(state), tensors(target), strict=True))
@@ -61,7 +62,7 @@ def test_noncontiguous_and_conjugate_cuda_tensors(tmp_path: Path) -> None:
     base = torch.randn(64, 48, device="cuda")
     c = torch.randn(16, dtype=torch.complex64, device="cuda")
     state = {"t": base.t(), "s": base[::3, 5:], "conj": c.conj(), "neg": c.neg()}
-    deeppart.save(state, tmp_path / "ck", staging_bytes=4096)
+    deeppart.save(state, tmp_path / "ck", writing=WriteOptions(staging_bytes=4096))
     out = deeppart.load(tmp_path / "ck")
     for k, v in state.items():
         assert torch.equal(out[k], v.resolve_conj().resolve_neg().cpu()), k
@@ -146,7 +147,9 @@ def test_async_save_returns_before_the_copies_and_orders_training_after_them(
     state.update(a=params[0], b=params[1], c=params[2])
     opt = torch.optim.SGD(params, lr=1.0)
     torch.cuda.synchronize()
-    handle = deeppart.async_save(state, tmp_path / "ck", snapshot_on_device=on_device)
+    handle = deeppart.async_save(
+        state, tmp_path / "ck", background=AsyncOptions(snapshot_on_device=on_device)
+    )
     for p in params:  # queued at once, on the current stream
         p.grad = torch.ones_like(p)
     opt.step()
@@ -170,7 +173,9 @@ def test_async_save_on_device_frees_its_device_copies(tmp_path: Path) -> None:
     state = _big_cuda_state(256, seed=2)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    handle = deeppart.async_save(state, tmp_path / "ck", snapshot_on_device=True)
+    handle = deeppart.async_save(
+        state, tmp_path / "ck", background=AsyncOptions(snapshot_on_device=True)
+    )
     assert torch.cuda.memory_allocated() >= before + 200 * (1 << 20)
     handle.wait()
     torch.cuda.synchronize()
@@ -199,7 +204,7 @@ def test_load_into_cuda_with_several_readers(
         k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in state.items()
     }
     ptrs = {k: v.data_ptr() for k, v in into.items() if isinstance(v, torch.Tensor)}
-    out = deeppart.load(d, into=into, staging_bytes=64 << 20)
+    out = deeppart.load(d, into=into, loading=LoadOptions(staging_bytes=64 << 20))
     # Read on the current stream right away: no synchronisation by the test.
     sums = {k: float(v.double().sum()) for k, v in into.items() if isinstance(v, torch.Tensor)}
     for k, v in state.items():

@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch")
 from mpi_checkpoint import assert_bitwise_equal, make_state  # noqa: E402
 
 import deeppart  # noqa: E402
+from deeppart.options import LoadOptions, WriteOptions  # noqa: E402
 from deeppart.saving import writer  # noqa: E402
 from deeppart.state import staging  # noqa: E402
 
@@ -70,7 +71,7 @@ def test_save_stages_in_bounded_chunks(
 ) -> None:
     state = make_state()
     d = tmp_path / "ck"
-    deeppart.save(state, d, staging_bytes=BUDGET, compression=codec)
+    deeppart.save(state, d, writing=WriteOptions(compression=codec, staging_bytes=BUDGET))
     (stage,) = stagings
     assert _largest_piece(d) > 4 * BUDGET, "the test state must have pieces above the budget"
     assert 0 < stage.peak <= BUDGET
@@ -89,11 +90,11 @@ def test_load_into_stages_in_bounded_chunks(
     in place: the same tensor objects and storage."""
     state = make_state()
     d = tmp_path / "ck"
-    deeppart.save(state, d, compression=codec)
+    deeppart.save(state, d, writing=WriteOptions(compression=codec))
     stagings.clear()
     into = make_state(seed=1)
     ptrs = {k: v.data_ptr() for k, v in into["model"].items()}
-    out = deeppart.load(d, into=into, staging_bytes=BUDGET)
+    out = deeppart.load(d, into=into, loading=LoadOptions(staging_bytes=BUDGET))
     (stage,) = stagings
     assert 0 < stage.peak <= BUDGET and stage.largest_request <= BUDGET
     assert stage.copies > len(into["model"])
@@ -141,7 +142,7 @@ def test_load_into_device_with_several_readers_verifies_each_piece(
     d = tmp_path / "ck"
     deeppart.save(state, d)
     stagings.clear()
-    out = deeppart.load(d, into=make_state(seed=1), staging_bytes=BUDGET)
+    out = deeppart.load(d, into=make_state(seed=1), loading=LoadOptions(staging_bytes=BUDGET))
     assert_bitwise_equal(state, out)
     (stage,) = stagings
     assert 0 < stage.peak <= BUDGET
@@ -155,7 +156,7 @@ def test_load_into_device_with_several_readers_verifies_each_piece(
     data[offset + length // 2] ^= 0x10
     path.write_bytes(bytes(data))
     with pytest.raises(CorruptCheckpointError, match="checksum mismatch") as info:
-        deeppart.load(d, into=make_state(seed=1), staging_bytes=BUDGET)
+        deeppart.load(d, into=make_state(seed=1), loading=LoadOptions(staging_bytes=BUDGET))
     assert f"{data_file_name(rank)}: piece of leaf {leaf} " in str(info.value)
 
 

@@ -304,7 +304,12 @@ def test_save_load_bitwise_and_marker_last(s3_url: str) -> None:
     url = f"{s3_url}/run/step-1"
     big = {"big": torch.from_numpy(np.random.default_rng(0).standard_normal(3_000_000)).float()}
     for codec in (None, "zstd"):
-        deeppart.save({**state(2.0), **big}, url, compression=codec, overwrite=True)
+        deeppart.save(
+            {**state(2.0), **big},
+            url,
+            overwrite=True,
+            writing=deeppart.WriteOptions(compression=codec),
+        )
         got = deeppart.load(url)
         assert same(got, state(2.0)) and torch.equal(got["big"], big["big"])
     store = open_store(url)

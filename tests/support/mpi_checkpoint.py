@@ -141,7 +141,7 @@ def ok(name: str) -> None:
 
 def scenario_roundtrip(d: Path, codec: str | None) -> None:
     state = make_state()
-    stats = deeppart.save(state, d, compression=codec)
+    stats = deeppart.save(state, d, writing=deeppart.WriteOptions(compression=codec))
     assert stats.raw_bytes > 0
     out = deeppart.load(d)
     assert_bitwise_equal(state, out)
@@ -178,18 +178,20 @@ def scenario_experts_save(d: Path) -> None:
     cost = deeppart.CostModel(
         fixed_s=0.0, piece_s=0.0, writer_s=0.0, bandwidth=1e6, min_piece_bytes=4096
     )
-    deeppart.save(experts_state(), d, cost=cost)
+    deeppart.save(experts_state(), d, planning=deeppart.PlanOptions(cost=cost))
     ok("experts-save")
 
 
 def scenario_experts_load(d: Path) -> None:
     for exchange in ("bcast", "read"):
-        assert_bitwise_equal(experts_state(), deeppart.load(d, exchange=exchange))
+        assert_bitwise_equal(
+            experts_state(), deeppart.load(d, loading=deeppart.LoadOptions(exchange=exchange))
+        )
     ok("experts-load")
 
 
 def scenario_save(d: Path, codec: str | None) -> None:
-    deeppart.save(make_state(), d, compression=codec)
+    deeppart.save(make_state(), d, writing=deeppart.WriteOptions(compression=codec))
     ok("save")
 
 
@@ -222,7 +224,7 @@ def scenario_decompress_once(d: Path) -> None:
 
     c = resolve()
     state = make_state()
-    deeppart.save(state, d, compression="zstd")
+    deeppart.save(state, d, writing=deeppart.WriteOptions(compression="zstd"))
     meta = json.loads((d / "metadata.json").read_text())
     codec_at = meta["piece_fields"].index("codec")
     compressed = sum(1 for row in meta["pieces"] if row[codec_at] != "none")
@@ -241,7 +243,9 @@ def scenario_decompress_once(d: Path) -> None:
     reader.decompress_into = counting(reader.decompress_into)  # type: ignore[attr-defined]
     for exchange, per_rank in (("auto", None), ("read", compressed)):
         calls[0] = 0
-        assert_bitwise_equal(state, deeppart.load(d, exchange=exchange), exchange)
+        assert_bitwise_equal(
+            state, deeppart.load(d, loading=deeppart.LoadOptions(exchange=exchange)), exchange
+        )
         counts = c.allgather_f64(np.array([float(calls[0])]))[:, 0].tolist()
         if per_rank is None:
             assert sum(counts) == compressed and max(counts) < compressed, counts
@@ -251,13 +255,16 @@ def scenario_decompress_once(d: Path) -> None:
 
 
 def scenario_load(d: Path) -> None:
-    out = deeppart.load(d, exchange="bcast")
+    out = deeppart.load(d, loading=deeppart.LoadOptions(exchange="bcast"))
     assert_bitwise_equal(make_state(), out)
-    out = deeppart.load(d, exchange="read")
+    out = deeppart.load(d, loading=deeppart.LoadOptions(exchange="read"))
     assert_bitwise_equal(make_state(), out)
     for exchange in ("bcast", "read"):
         into = make_state(seed=1)
-        assert_bitwise_equal(make_state(), deeppart.load(d, into=into, exchange=exchange))
+        assert_bitwise_equal(
+            make_state(),
+            deeppart.load(d, into=into, loading=deeppart.LoadOptions(exchange=exchange)),
+        )
     ok("load")
 
 
@@ -453,7 +460,7 @@ def scenario_stream(d: Path) -> None:
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
     try:
-        out = deeppart.load(d, into=into, exchange="bcast")
+        out = deeppart.load(d, into=into, loading=deeppart.LoadOptions(exchange="bcast"))
     finally:
         if undo is not None:
             undo()
@@ -464,7 +471,7 @@ def scenario_stream(d: Path) -> None:
     flip_middle_byte(d, second)
     into = _stream_state(fill=0.5)
     try:
-        deeppart.load(d, into=into, exchange="bcast")
+        deeppart.load(d, into=into, loading=deeppart.LoadOptions(exchange="bcast"))
     except deeppart.CorruptCheckpointError as e:
         assert f"{data_file_name(mine)}: piece of leaf {second.leaf}" in str(e), e
     else:
@@ -536,7 +543,12 @@ def scenario_stream_compressed(d: Path) -> None:
     cost = deeppart.CostModel(
         fixed_s=0.0, piece_s=0.0, writer_s=0.0, bandwidth=1e6, min_piece_bytes=4096
     )
-    deeppart.save(saved, d, compression="shuffle-zstd", cost=cost)
+    deeppart.save(
+        saved,
+        d,
+        planning=deeppart.PlanOptions(cost=cost),
+        writing=deeppart.WriteOptions(compression="shuffle-zstd"),
+    )
     meta, _ = reader.read_metadata(d)
     assert all(p.codec != "none" for p in meta.pieces), [p.codec for p in meta.pieces]
     raw = [sum(p.length for p in meta.pieces if p.rank == f) for f in range(meta.world_size)]
@@ -545,12 +557,16 @@ def scenario_stream_compressed(d: Path) -> None:
     stored = sum(p.stored for p in meta.pieces)
     assert stored * 3 < sum(p.length for p in meta.pieces), stored
     counting = BcastBytes(MPI.COMM_WORLD)
-    out = deeppart.load(d, comm=counting, exchange="bcast")
+    out = deeppart.load(d, comm=counting, loading=deeppart.LoadOptions(exchange="bcast"))
     assert_bitwise_equal(saved, out, "compressed stream")
     assert counting.sent == stored, (counting.sent, stored)
     # One byte flipped in the first message rank 0 receives.
     try:
-        deeppart.load(d, comm=BcastBytes(MPI.COMM_WORLD, tamper_rank=0), exchange="bcast")
+        deeppart.load(
+            d,
+            comm=BcastBytes(MPI.COMM_WORLD, tamper_rank=0),
+            loading=deeppart.LoadOptions(exchange="bcast"),
+        )
     except deeppart.CorruptCheckpointError as e:
         assert "checksum mismatch (xxh3_64) in the bytes received from rank" in str(e), e
         if c.rank != 0:
@@ -561,7 +577,7 @@ def scenario_stream_compressed(d: Path) -> None:
     victim = max((p for p in meta.pieces if owners[p.rank] == 1), key=lambda p: p.stored)
     flip_middle_byte(d, victim)
     try:
-        deeppart.load(d, exchange="bcast")
+        deeppart.load(d, loading=deeppart.LoadOptions(exchange="bcast"))
     except deeppart.CorruptCheckpointError as e:
         assert f"piece of leaf {victim.leaf} [{victim.start}:{victim.stop}]" in str(e), e
         assert "received" not in str(e), e
@@ -782,7 +798,7 @@ def scenario_async_share(d: Path, codec: str | None) -> None:
     state["big"] = [torch.randn(1 << 18, generator=gen) for _ in range(3)] + [base.t()]
     expected = host_copy(state)
     with WriterGate() as gate:
-        handle = deeppart.async_save(state, d, compression=codec)
+        handle = deeppart.async_save(state, d, writing=deeppart.WriteOptions(compression=codec))
         assert gate.started.wait(120), "the writer never started"
         assert not handle.done() and not handle.synchronous
         leaves, _ = deeppart.state.state.flatten(state)

@@ -12,6 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import deeppart  # noqa: E402
+from deeppart.options import WriteOptions  # noqa: E402
 from deeppart.tools.cli import main  # noqa: E402
 
 
@@ -108,8 +109,8 @@ def test_compressed_checkpoint_ratio_and_verify(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     d = tmp_path / "z"
-    deeppart.save({"zeros": torch.zeros(1 << 18), "noise": torch.randn(1000)}, d,
-                  compression="zstd")  # fmt: skip
+    state = {"zeros": torch.zeros(1 << 18), "noise": torch.randn(1000)}
+    deeppart.save(state, d, writing=WriteOptions(compression="zstd"))
     rc, out = _run(capsys, str(d), "--verify", "--json")
     assert rc == 0
     info = json.loads(out)
