@@ -308,11 +308,10 @@ class DeepPart(Contender):
 
         self.deeppart = deeppart
         self.background = name != "deeppart-sync"
+        on_device = name == "deeppart-async-device"
+        background = deeppart.AsyncOptions(snapshot_on_device=on_device)
         self.checkpointer = deeppart.Checkpointer(
-            base / "dp",
-            keep_last=1,
-            async_=self.background,
-            snapshot_on_device=name == "deeppart-async-device",
+            base / "dp", keep_last=1, async_=background if self.background else False
         )
 
     def save(self, i: int, state: dict[str, Any]) -> Any:
