@@ -120,8 +120,20 @@ MAX_BLOB = 1 << 30
 #: FTI dataset id of each rank's header; data blobs follow.
 HEADER_ID = 0
 _HEADER = struct.Struct("<8sqii32s")
+#: The header dataset's size before padding (the whole header of
+#: checkpoints written before FILE_ALIGN, whose indexes have no
+#: ``header_bytes``).
 _HEADER_BYTES = 64
 _MAGIC = b"DPFTI001"
+
+#: Every rank's FTI checkpoint file is a multiple of this many bytes: the
+#: header dataset is padded with zeros to make it so. FTI's L3 encodes
+#: with Reed-Solomon on 16-bit words (FTI_WORD, jerasure w = 16) but
+#: writes and reads the encoded file's last block byte by byte, so when the
+#: largest file of an L3 group has an odd size the other half of its last
+#: word is lost, and the file FTI rebuilds for a lost node comes back with
+#: its last byte wrong (docs/FTI.md).
+FILE_ALIGN = 8
 
 INDEX_PREFIX = "fti-step-"
 CONFIG_NAME = "fti.cfg"
@@ -304,6 +316,16 @@ def _fill(blob: _Blob, views: list[U8], starts: list[int]) -> U8:
     return buf
 
 
+def header_bytes(blob_bytes: int, nblobs: int, nids: int) -> int:
+    """The size of a rank's header dataset: :data:`_HEADER_BYTES` and zeros
+    up to a file size that is a multiple of :data:`FILE_ALIGN`. The rank's
+    FTI file holds the header, its ``nblobs`` blobs (``blob_bytes`` in all)
+    and a 1-byte placeholder for each other id below ``nids``. Save and the
+    index compute it alike."""
+    size = _HEADER_BYTES + blob_bytes + (nids - 1 - nblobs)
+    return _HEADER_BYTES + (-size) % FILE_ALIGN
+
+
 def _pointer(arr: U8) -> int:
     return int(arr.ctypes.data) if arr.size else 0
 
@@ -456,14 +478,19 @@ class FTIBackend:
         self._protected.add(fti_id)
 
     def _protect_all(
-        self, header: U8, blobs: list[tuple[_Blob, U8]], keep: list[Any], total: int
+        self, head: bytes, blobs: list[tuple[_Blob, U8]], keep: list[Any], total: int
     ) -> int:
-        """Protects the header and the blobs, then 1-byte placeholders for
+        """Protects the header (``head`` padded to :func:`header_bytes`)
+        and the blobs, then 1-byte placeholders for
         ids ``1 + len(blobs) .. total - 1``: ``total`` is the same on every
         rank (the largest count across ranks, and never less than before,
         since FTI checkpoints and recovers every id it knows), because FTI
         1.6's metadata assumes every rank protects the same number of
         datasets. Returns the number of ids."""
+        size = header_bytes(sum(int(buf.size) for _, buf in blobs), len(blobs), total)
+        header = np.zeros(size, dtype=np.uint8)
+        header[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+        keep.append(header)
         self._protect(HEADER_ID, header)
         for blob, buf in blobs:
             self._protect(blob.fti_id, buf)
@@ -540,7 +567,7 @@ class FTIBackend:
         t1 = time.perf_counter()
         keep: list[Any] = []
         local = np.zeros(len(prep.plan.rank_pieces(c.rank)) + 1, dtype=np.uint64)
-        header = np.zeros(_HEADER_BYTES, dtype=np.uint8)
+        head = b""
         blobs: list[tuple[_Blob, U8]] = []
         sums: list[int] = []
         piece_bytes = 0  # this rank's bytes of the state, stored by FTI
@@ -569,17 +596,14 @@ class FTIBackend:
                 buf = _fill(blob, views, starts)
                 keep.append(buf)
                 blobs.append((blob, buf))
-            header[: _HEADER.size] = np.frombuffer(
-                _HEADER.pack(_MAGIC, step, c.rank, c.size, self._digest(prep, step)), dtype=np.uint8
-            )
-            keep.append(header)
+            head = _HEADER.pack(_MAGIC, step, c.rank, c.size, self._digest(prep, step))
         except BaseException as e:
             err = e
         # Every rank protects as many ids as the rank with the most.
         wants = agree(c, err, struct.pack("<q", max(self._nids, 1 + len(blobs))))
         total = max(struct.unpack("<q", w[:8])[0] for w in wants)
         try:
-            nids = self._protect_all(header, blobs, keep, total)
+            nids = self._protect_all(head, blobs, keep, total)
             local = np.array([*sums, nids], dtype=np.uint64)
         except BaseException as e:
             err = e
@@ -660,6 +684,7 @@ class FTIBackend:
         blobs: list[list[int]] = []
         stream: list[int] = []
         nids: list[int] = []
+        heads: list[int] = []
         k = 0
         for r in range(world):
             pos = HEADER_SIZE  # offsets in the rank's piece stream, as in a data file
@@ -673,7 +698,9 @@ class FTIBackend:
             nids.append(int(gathered[k]))
             k += 1
             stream.append(pos)
-            blobs += [[r, b.fti_id, b.start, b.nbytes] for b in _blobs(lengths)]
+            mine = _blobs(lengths)
+            blobs += [[r, b.fti_id, b.start, b.nbytes] for b in mine]
+            heads.append(header_bytes(sum(lengths), len(mine), nids[-1]))
         meta = {
             **metadata_head(prep, "none"),
             "alignment": 1,
@@ -689,6 +716,7 @@ class FTIBackend:
                 "digest": self._digest(prep, step).hex(),
                 "ids": nids,
                 "blobs": blobs,
+                "header_bytes": heads,
                 "library": self.library,
             },
         }
@@ -779,7 +807,13 @@ class FTIBackend:
             blobs = [_Blob(int(i), int(s), int(n)) for r, i, s, n in fti["blobs"] if r == c.rank]
             size = int(meta.file_sizes[c.rank]) - HEADER_SIZE
             stream = np.empty(size, dtype=np.uint8)
-            sizes = {HEADER_ID: _HEADER_BYTES} | {b.fti_id: b.nbytes for b in blobs}
+            # An index without header_bytes: the unpadded 64-byte header
+            # of a checkpoint written before FILE_ALIGN.
+            hsize = int(fti.get("header_bytes", [_HEADER_BYTES] * c.size)[c.rank])
+            if not _HEADER_BYTES <= hsize < _HEADER_BYTES + 4096:
+                raise CorruptCheckpointError(f"FTI index: header of {hsize} bytes")
+            header = np.zeros(hsize, dtype=np.uint8)
+            sizes = {HEADER_ID: hsize} | {b.fti_id: b.nbytes for b in blobs}
             keep: list[Any] = [stream, header]
             bufs: dict[int, U8] = {HEADER_ID: header}
             for b in blobs:

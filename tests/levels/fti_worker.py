@@ -14,6 +14,15 @@ bitwise on every rank, each rank's own values to it.
 before the save: the save must fail on every rank with the backend's
 clear error, before FTI_Checkpoint, and leave no index behind.
 ``nothing``: a later job finds no checkpoint to restore, and ``load`` says so.
+``odd-save`` / ``odd-restore``: :func:`odd_state`, whose pieces make every
+rank's data an odd number of bytes, saved and restored bitwise (FTI's L3
+rebuilds a lost node's files on 16-bit words: the backend pads each rank's
+file to a multiple of ``FILE_ALIGN`` bytes). ``odd-save-old`` writes it as
+before that padding (``FILE_ALIGN = 1``, an index without ``header_bytes``)
+so that each rank's FTI file has an odd size; ``odd-restore-old`` restores
+such a checkpoint bitwise; ``odd-restore-wrong`` expects the restore to fail
+on every rank with the checksum error (after L3 rebuilt a file with its last
+byte wrong), and ends without ``FTI_Finalize``.
 
 Each rank prints ``OK <scenario> rank <r>/<size>`` when its checks pass.
 """
@@ -34,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
 from mpi_checkpoint import assert_bitwise_equal, make_state
 from rank_output import print_line
 
-from deeppart.errors import CheckpointError, FTIError
+from deeppart.errors import CheckpointError, CorruptCheckpointError, FTIError
 from deeppart.levels import fti
 from deeppart.levels.config import LevelConfig
 from deeppart.levels.fti import FTIBackend
@@ -72,6 +81,54 @@ def state(rank: int) -> dict[str, Any]:
     s["loader_pos"] = 100 + rank % 4
     s["rng"] = torch.Generator().manual_seed(1000 + rank % 4).get_state()
     return s
+
+
+#: Bytes of each of :func:`odd_state`'s tensors: the plan gives one to each
+#: of 4 ranks (odd, over 256 KiB: protected from tensor memory; FTI's L3
+#: encodes in blocks of 1 MiB, the last one partial).
+ODD_BYTES = 1_000_001
+
+
+def odd_state() -> dict[str, Any]:
+    """Four uint8 tensors of :data:`ODD_BYTES` random bytes, alike on every
+    rank (one dataset per rank, no placeholders)."""
+    gen = torch.Generator().manual_seed(11)
+    return {
+        k: torch.randint(0, 256, (ODD_BYTES,), dtype=torch.uint8, generator=gen) for k in "abcd"
+    }
+
+
+def scenario_odd_save(backend: FTIBackend, level: int, old: bool) -> None:
+    c = backend.comm
+    backend.save(STEP, odd_state(), level=level)
+    index = backend.config.meta_root() / f"fti-step-{STEP:08d}.json"
+    meta = json.loads(index.read_bytes())
+    pieces = [sum(p[5] for p in meta["pieces"] if p[3] == r) for r in range(c.size)]
+    if c.rank == 0:
+        print_line(f"PIECE BYTES {pieces} HEADER {meta['fti'].get('header_bytes')}")
+    if old and c.rank == 0:
+        # The index as the backend wrote it before FILE_ALIGN.
+        assert meta["fti"].pop("header_bytes") == [64] * c.size
+        index.write_text(json.dumps(meta, separators=(",", ":")))
+    c.barrier()
+    backend.close(finalize=False)  # a crash: FTI keeps the checkpoint
+
+
+def scenario_odd_restore(backend: FTIBackend, wrong: bool) -> None:
+    c = backend.comm
+    assert backend.status == 1, f"restart, FTI_Status() = {backend.status}"
+    try:
+        out, report = backend.load()
+    except CorruptCheckpointError as e:
+        if not wrong:
+            raise
+        print_line(f"rank {c.rank} ERROR {e}")
+        backend.close(finalize=False)
+        return
+    assert not wrong, "the restore of a file L3 rebuilt wrong succeeded"
+    assert report.step == STEP and report.levels == [3] * c.size, report
+    assert_bitwise_equal(odd_state(), out)
+    backend.close(finalize=False)
 
 
 def ok(name: str, backend: FTIBackend) -> None:
@@ -153,13 +210,32 @@ def scenario_nothing(backend: FTIBackend) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("scenario", choices=["save", "restore", "broken", "nothing"])
+    p.add_argument(
+        "scenario",
+        choices=[
+            "save",
+            "restore",
+            "broken",
+            "nothing",
+            "odd-save",
+            "odd-save-old",
+            "odd-restore",
+            "odd-restore-old",
+            "odd-restore-wrong",
+        ],
+    )
     p.add_argument("root", type=Path)
     p.add_argument("level", type=int)
     p.add_argument("group_size", type=int)
     a = p.parse_args()
+    if a.scenario == "odd-save-old":
+        fti.FILE_ALIGN = 1  # the files as the backend wrote them before padding
     backend = FTIBackend(config(a.root, a.group_size))
-    if a.scenario == "save":
+    if a.scenario.startswith("odd-save"):
+        scenario_odd_save(backend, a.level, old=a.scenario.endswith("-old"))
+    elif a.scenario.startswith("odd-restore"):
+        scenario_odd_restore(backend, wrong=a.scenario.endswith("-wrong"))
+    elif a.scenario == "save":
         scenario_save(backend, a.level)
     elif a.scenario == "restore":
         scenario_restore(backend, a.level)
