@@ -54,7 +54,15 @@ from deeppart.errors import (
     LevelConfigError,
     StateMismatchError,
 )
-from deeppart.format import HEADER_SIZE, checksum, fsync_dir, parse_metadata, write_durable
+from deeppart.format import (
+    HEADER_SIZE,
+    Metadata,
+    Piece,
+    checksum,
+    fsync_dir,
+    parse_metadata,
+    write_durable,
+)
 from deeppart.levels.backend import LevelSaveStats, RecoveryReport
 from deeppart.levels.config import LevelConfig
 from deeppart.levels.libfti import (
@@ -66,11 +74,18 @@ from deeppart.levels.libfti import (
     find_libfti,
     load_libfti,
 )
-from deeppart.levels.recovery import OwnTargets, own_targets
-from deeppart.loading.reader import assemble, leaf_infos
+from deeppart.loading.reader import assemble, leaf_infos, leaf_targets, meta_leaf_paths
+from deeppart.loading.reshard import (
+    ShardReads,
+    fill_shards,
+    local_shard_reads,
+    shard_slot,
+    shard_targets,
+)
 from deeppart.saving.metadata import metadata_head
 from deeppart.saving.planning import PlanProvider
-from deeppart.saving.prepare import Prepared, prepare_save, refuse_sharded
+from deeppart.saving.prepare import Prepared, prepare_save
+from deeppart.state.own_view import OwnView, own_view
 from deeppart.state.tensors import dtype_sizes, readable, u8_view
 
 #: ``find_libfti``, ``load_libfti`` and ``check_same_mpi`` are
@@ -326,6 +341,19 @@ def header_bytes(blob_bytes: int, nblobs: int, nids: int) -> int:
     return _HEADER_BYTES + (-size) % FILE_ALIGN
 
 
+def _reshard_hint(meta: Metadata) -> str:
+    """What serves a DTensor state on another world size, for the error of
+    a restart on another number of ranks."""
+    if not meta.dtensors:
+        return ""
+    return (
+        f"; its DTensor state ({len(meta.dtensors)} sharded tensors) cannot be resharded "
+        "through FTI, whose files are per rank: to restore it on another number of ranks, "
+        'save it with the built-in engine (backend="builtin", whose L4 copy deeppart.load '
+        "reshards) or with deeppart.save"
+    )
+
+
 def _pointer(arr: U8) -> int:
     return int(arr.ctypes.data) if arr.size else 0
 
@@ -553,14 +581,11 @@ class FTIBackend:
         # tensors that differ between the ranks are kept per rank (each
         # rank's own version, deeppart.state.union); every rank raises if
         # any failed above.
+        # DTensors become shard leaves held by their holders (each rank's
+        # local shards), as in deeppart.save.
         prep, _ = prepare_save(
             c, err, state, None, PlanProvider(c.size), self._dir / f"step-{step}"
         )
-        try:
-            refuse_sharded(prep, "the FTI backend")  # alike on every rank
-        except BaseException as e:
-            err = e
-        agree(c, err)
 
         # This rank's pieces: views of tensor memory (or encoded values),
         # checksummed, cut into FTI datasets.
@@ -801,7 +826,7 @@ class FTIBackend:
             if meta.world_size != c.size:
                 raise CheckpointError(
                     f"the FTI checkpoint was written by {meta.world_size} ranks, this job has "
-                    f"{c.size} (FTI restarts on the same number of ranks)"
+                    f"{c.size} (FTI restarts on the same number of ranks){_reshard_hint(meta)}"
                 )
             nids = int(fti["ids"][c.rank])
             blobs = [_Blob(int(i), int(s), int(n)) for r, i, s, n in fti["blobs"] if r == c.rank]
@@ -850,7 +875,8 @@ class FTIBackend:
         t1 = time.perf_counter()
 
         # Verify: this rank's header, then every piece of its stream.
-        mine: OwnTargets | None = None
+        mine: OwnView | None = None
+        sr: ShardReads | None = None
         try:
             magic, hstep, hrank, hworld, hdigest = _HEADER.unpack(header[: _HEADER.size].tobytes())
             if (magic, hstep, hrank, hworld) != (_MAGIC, have, c.rank, c.size) or (
@@ -871,12 +897,21 @@ class FTIBackend:
                     )
             # This rank's own view (its versions of per-rank values, the
             # items it held), as deeppart.load gives it.
-            mine = own_targets(meta, c.rank, c.size, into)
+            # As deeppart.load at the save's world size: the DTensors'
+            # regions this rank needs (into='s local shards, else whole
+            # tensors) come from the stored shards that meet them.
+            mine = own_view(meta, c.rank, c.size, None, into)
+            st = shard_targets(mine.meta, into, None, True)
+            chosen = [
+                [] if i in mine.meta.skip or i in st.leaves else ps
+                for i, ps in enumerate(meta_leaf_paths(mine.meta))
+            ]
+            targets, matched = leaf_targets(mine.meta, into, chosen, into_elsewhere=st.into_leaves)
+            sr = local_shard_reads(mine.meta, st) if st.active else None
         except BaseException as e:
             err = e
         agree(c, err)
         assert mine is not None
-        targets = mine.targets
 
         # Exchange: every rank broadcasts its own pieces.
         def direct(leaf: int, start: int, stop: int) -> U8 | None:
@@ -888,6 +923,11 @@ class FTIBackend:
                 return target.buf
             return target.buf[start * info.itemsize : stop * info.itemsize]
 
+        def dest(p: Piece) -> U8 | None:
+            if sr is not None and p.leaf in sr.buffers:
+                return shard_slot(meta, sr, p)
+            return direct(p.leaf, p.start, p.stop)
+
         for r in range(c.size):
             size = int(meta.file_sizes[r]) - HEADER_SIZE
             if size == 0:
@@ -896,11 +936,18 @@ class FTIBackend:
             c.bcast_u8(buf, root=r)
             for p in meta.pieces:
                 if p.rank == r and p.length:
-                    out = direct(p.leaf, p.start, p.stop)
+                    out = dest(p)
                     if out is not None:
                         out[:] = buf[p.offset - HEADER_SIZE : p.offset - HEADER_SIZE + p.length]
 
-        state = assemble(mine.meta, targets, self._index_path(have), mine.matched, mine.pruned)
+        try:
+            filled = fill_shards(mine.meta, sr) if sr is not None else None
+            state = assemble(
+                mine.meta, targets, self._index_path(have), matched, mine.pruned, filled
+            )
+        except BaseException as e:
+            err = e
+        agree(c, err)
         level = 4 if self._recovered_status == 2 and self._last_step is None else int(fti["level"])
         report = RecoveryReport(
             step=have,

@@ -74,8 +74,10 @@ __all__ = [
     "ShardTargets",
     "exchange_shards",
     "fill_shards",
+    "local_shard_reads",
     "plan_shard_reads",
     "read_shards",
+    "shard_slot",
     "shard_targets",
 ]
 
@@ -359,6 +361,31 @@ def plan_shard_reads(
                     if shard.leaf not in out.direct and shard.leaf not in out.buffers:
                         out.buffers[shard.leaf] = np.empty(meta.leaves[shard.leaf].nbytes, np.uint8)
     return out
+
+
+def local_shard_reads(meta: Metadata, st: ShardTargets) -> ShardReads:
+    """This rank's shard reads when every stored piece passes through this
+    rank anyway (the real-FTI backend broadcasts every rank's stream,
+    :mod:`deeppart.levels.fti`): no collective, no file; a buffer for each
+    stored shard leaf that meets one of this rank's regions, which the
+    caller fills piece by piece (:func:`shard_slot`) before
+    :func:`fill_shards`."""
+    records = _records(meta)
+    by_path = {tuple(lf.path): i for i, lf in enumerate(meta.leaves)}
+    out = ShardReads(st, records)
+    for need in st.needs:
+        if need.path not in records:  # a plain tensor that into= holds as a DTensor
+            records[need.path] = _record_of_leaf(meta, by_path[need.path])
+        for shard in records[need.path].shards:
+            if shard.leaf not in out.buffers and shard.region.intersect(need.region) is not None:
+                out.buffers[shard.leaf] = np.empty(meta.leaves[shard.leaf].nbytes, np.uint8)
+    return out
+
+
+def shard_slot(meta: Metadata, sr: ShardReads, p: Piece) -> U8 | None:
+    """Where stored piece ``p``'s bytes go in ``sr``'s buffers (None: no
+    region of this rank meets its shard)."""
+    return _slot(meta, sr, p) if p.leaf in sr.buffers else None
 
 
 def _slot(meta: Metadata, sr: ShardReads, p: Piece) -> U8:

@@ -23,6 +23,14 @@ so that each rank's FTI file has an odd size; ``odd-restore-old`` restores
 such a checkpoint bitwise; ``odd-restore-wrong`` expects the restore to fail
 on every rank with the checksum error (after L3 rebuilt a file with its last
 byte wrong), and ends without ``FTI_Finalize``.
+``fsdp-save``: FSDP2 state (``fully_shard`` over the 4 ranks, torch.distributed
+on gloo beside MPI; DTensors) saved at each level 1-4 and restored in the
+same job, into DTensors of another model of that layout (local shards
+bitwise) and without ``into=`` (whole tensors, bitwise against
+``full_tensor()``); then saved at LEVEL and left without ``FTI_Finalize``.
+``fsdp-restore``: a new job restores that checkpoint the same two ways.
+``fsdp-other``: a job of another world size fails on every rank with the
+error naming what FTI cannot do (reshard) and what serves it.
 
 Each rank prints ``OK <scenario> rank <r>/<size>`` when its checks pass.
 """
@@ -131,6 +139,109 @@ def scenario_odd_restore(backend: FTIBackend, wrong: bool) -> None:
     backend.close(finalize=False)
 
 
+#: The FSDP2 scenarios' model: bench/dtensor.py's MLP, uneven shards.
+FSDP_SEED = 1
+
+
+def init_torch_distributed() -> None:
+    """torch.distributed on gloo over the MPI job's ranks (rank 0 picks the
+    port and tells the others through MPI)."""
+    import os
+    import socket
+
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    port = 0
+    if comm.Get_rank() == 0:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+    port = comm.bcast(port, root=0)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=comm.Get_rank(), world_size=comm.Get_size())
+
+
+def fsdp_state(seed: int) -> dict[str, Any]:
+    """FSDP2 model + AdamW state after one step (get_state_dict: DTensors),
+    with a plain value beside it."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from bench.dtensor import build, sharded_state
+
+    m, opt = build("fsdp", seed)
+    return {**sharded_state(m, opt), "epoch": 3}
+
+
+def as_local(tree: Any) -> Any:
+    """``tree`` with each DTensor replaced by its local shard (what this rank
+    holds; asserts there is at least one DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tree, DTensor):
+        return tree.to_local()
+    if isinstance(tree, dict):
+        return {k: as_local(v) for k, v in tree.items()}
+    return tree
+
+
+def as_full(tree: Any) -> Any:
+    """``tree`` with each DTensor gathered whole (collective)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tree, DTensor):
+        return tree.full_tensor()
+    if isinstance(tree, dict):
+        return {k: as_full(v) for k, v in tree.items()}
+    return tree
+
+
+def check_fsdp(backend: FTIBackend, ref: dict[str, Any], level: int, step: int) -> None:
+    """Restores into another FSDP2 state (local shards, in place) and without
+    ``into=`` (whole tensors), both bitwise."""
+    from torch.distributed.tensor import DTensor
+
+    into = fsdp_state(FSDP_SEED + 1)
+    w = into["model"]["0.weight"]
+    assert isinstance(w, DTensor), type(w)
+    ptr = w.to_local().data_ptr()
+    assert not torch.equal(w.to_local(), ref["model"]["0.weight"].to_local())
+    out, report = backend.load(into=into)
+    assert report.step == step and report.levels == [level] * backend.comm.size, report
+    assert out["model"]["0.weight"] is w and w.to_local().data_ptr() == ptr
+    assert_bitwise_equal(as_local(ref), as_local(out), f"L{level} into=")
+    whole, _ = backend.load()
+    assert not isinstance(whole["model"]["0.weight"], DTensor)
+    assert_bitwise_equal(as_full(ref), whole, f"L{level} whole")
+
+
+def scenario_fsdp_save(backend: FTIBackend, level: int) -> None:
+    ref = fsdp_state(FSDP_SEED)
+    for lv in (1, 2, 3, 4):
+        backend.save(lv, ref, level=lv)
+        check_fsdp(backend, ref, lv, lv)
+    backend.save(STEP, ref, level=level)
+    check_fsdp(backend, ref, level, STEP)
+    backend.close(finalize=False)
+
+
+def scenario_fsdp_restore(backend: FTIBackend, level: int) -> None:
+    assert backend.status == 1, f"restart, FTI_Status() = {backend.status}"
+    check_fsdp(backend, fsdp_state(FSDP_SEED), level, STEP)
+    backend.close(finalize=False)
+
+
+def scenario_fsdp_other(backend: FTIBackend) -> None:
+    c = backend.comm
+    try:
+        backend.load(into=fsdp_state(FSDP_SEED))
+    except CheckpointError as e:
+        print_line(f"rank {c.rank} ERROR {e}")
+    else:
+        raise AssertionError("a restart on another world size loaded")
+    backend.close(finalize=False)
+
+
 def ok(name: str, backend: FTIBackend) -> None:
     print_line(f"OK {name} rank {backend.comm.rank}/{backend.comm.size}")
 
@@ -222,6 +333,9 @@ def main() -> None:
             "odd-restore",
             "odd-restore-old",
             "odd-restore-wrong",
+            "fsdp-save",
+            "fsdp-restore",
+            "fsdp-other",
         ],
     )
     p.add_argument("root", type=Path)
@@ -230,8 +344,16 @@ def main() -> None:
     a = p.parse_args()
     if a.scenario == "odd-save-old":
         fti.FILE_ALIGN = 1  # the files as the backend wrote them before padding
+    if a.scenario.startswith("fsdp"):
+        init_torch_distributed()
     backend = FTIBackend(config(a.root, a.group_size))
-    if a.scenario.startswith("odd-save"):
+    if a.scenario == "fsdp-save":
+        scenario_fsdp_save(backend, a.level)
+    elif a.scenario == "fsdp-other":
+        scenario_fsdp_other(backend)
+    elif a.scenario == "fsdp-restore":
+        scenario_fsdp_restore(backend, a.level)
+    elif a.scenario.startswith("odd-save"):
         scenario_odd_save(backend, a.level, old=a.scenario.endswith("-old"))
     elif a.scenario.startswith("odd-restore"):
         scenario_odd_restore(backend, wrong=a.scenario.endswith("-wrong"))
@@ -244,6 +366,10 @@ def main() -> None:
     else:
         scenario_broken(backend, a.level)
     ok(a.scenario, backend)
+    if a.scenario.startswith("fsdp"):
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
