@@ -64,7 +64,7 @@ from deeppart.loading.reader import assemble
 from deeppart.progress import Progress
 from deeppart.saving.metadata import metadata_json
 from deeppart.saving.planning import PlanProvider
-from deeppart.saving.prepare import Prepared, prepare_save, refuse_sharded
+from deeppart.saving.prepare import Prepared, prepare_save
 from deeppart.saving.save import save
 from deeppart.saving.writer import RECORD_FIELDS, write_pieces
 from deeppart.steps import lineage
@@ -240,7 +240,6 @@ class BuiltinBackend:
         # if any failed above.
         prep, _ = prepare_save(c, err, state, self.compression, self.plans, self.meta_step(step))
         try:
-            refuse_sharded(prep, "the multi-level engine")  # alike on every rank
             if c.rank == 0 and self.meta_step(step).exists():
                 # Re-saving a step: uncommit it first, so a crash never
                 # leaves a marker over mixed files.
@@ -629,9 +628,13 @@ class BuiltinBackend:
         rows = c.allgather_varbytes(json.dumps([rebuilt, moved]).encode())
         all_rewritten = [path for row in rows for path in json.loads(row)[0]]
         all_moved = [path for row in rows for path in json.loads(row)[1]]
-        # Every rank now holds its own file: broadcast each and place it.
-        recovery.distribute(c, mine.meta, self.meta_step(step), own, mine.targets)
-        state = assemble(mine.meta, mine.targets, self.meta_step(step), mine.matched, mine.pruned)
+        # Every rank now holds its own file: the plain leaves' pieces of
+        # each broadcast and placed, the DTensor shards sent to the ranks
+        # whose regions need them.
+        where = self.meta_step(step)
+        recovery.distribute(c, mine.meta, where, own, mine.targets, mine.shards.leaves)
+        filled = recovery.distribute_shards(c, mine.meta, where, own, mine.shards)
+        state = assemble(mine.meta, mine.targets, where, mine.matched, mine.pruned, filled)
         report = RecoveryReport(
             step, survey.levels, all_rewritten, time.perf_counter() - t0, all_moved
         )
