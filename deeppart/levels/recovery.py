@@ -651,12 +651,20 @@ def distribute_shards(
 
 
 def load_global(
-    comm: Comm, layout: Layout, step: int, into: Any, exchange: str, t0: float
+    comm: Comm,
+    layout: Layout,
+    step: int,
+    into: Any,
+    exchange: str,
+    t0: float,
+    per_rank: Any = None,
 ) -> tuple[Any, RecoveryReport]:
     """Loads ``step``'s L4 checkpoint (a normal DeepPart checkpoint, any
-    world size); ``t0``: when the load started, for the report."""
+    world size: DTensor shards resharded into ``into``'s meshes, per-rank
+    values as ``per_rank`` says, as :func:`deeppart.load`); ``t0``: when the
+    load started, for the report."""
     where = layout.global_step(step)  # a directory or an s3:// URL
-    state = load(str(where), comm=comm, into=into, exchange=exchange)
+    state = load(str(where), comm=comm, into=into, exchange=exchange, per_rank=per_rank)
     _, meta, _ = open_checkpoint(where)
     report = RecoveryReport(step, [4] * meta.world_size, [], time.perf_counter() - t0)
     return state, report
