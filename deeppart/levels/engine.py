@@ -623,7 +623,7 @@ class BuiltinBackend:
         try:
             # This rank's own view (its versions of per-rank values, the
             # items it held); checks into= before any I/O.
-            mine = recovery.own_targets(st.meta, c.rank, c.size, into)
+            mine = recovery.own_targets(st.meta, c.rank, c.size, into, shards=True)
         except BaseException as e:
             err = e
         agree(c, err)

@@ -515,7 +515,9 @@ class OwnTargets:
     shards: ShardTargets
 
 
-def own_targets(meta: Metadata, rank: int, world: int, into: Any) -> OwnTargets:
+def own_targets(
+    meta: Metadata, rank: int, world: int, into: Any, shards: bool = False
+) -> OwnTargets:
     """This rank's view of a step saved through the levels by ``world``
     ranks, as :func:`deeppart.load` gives it at the save's world size
     (:func:`deeppart.state.own_view.own_view`): each rank gets back its own
@@ -524,21 +526,24 @@ def own_targets(meta: Metadata, rank: int, world: int, into: Any) -> OwnTargets:
     the plain leaves it reads (``into``: matched by path) and the regions of
     the sharded tensors it fills (``into``'s DTensors: their local shards,
     of whatever mesh; without ``into``: full tensors), as
-    :func:`deeppart.load` finds them (:func:`~deeppart.loading.reshard.shard_targets`).
-    Checks ``into`` before any I/O; the same metadata gives every rank of
-    one world size the same decisions, so errors are raised alike."""
+    :func:`deeppart.load` finds them (:func:`~deeppart.loading.reshard.shard_targets`;
+    only with ``shards``, for a caller that places them with
+    :func:`distribute_shards`: the built-in engine; without, every leaf is a
+    plain one, as for the FTI backend, which stores no DTensor). Checks
+    ``into`` before any I/O; the same metadata gives every rank of one
+    world size the same decisions, so errors are raised alike."""
     flat = flatten(into) if into is not None else None
     view = own_view(meta, rank, world, None, into, flat=flat)
     mine = view.meta
-    shards = shard_targets(mine, into, None, True, flat)
+    sharded = shard_targets(mine, into, None, True, flat) if shards else ShardTargets()
     chosen = [
-        [] if i in mine.skip or i in shards.leaves else ps
+        [] if i in mine.skip or i in sharded.leaves else ps
         for i, ps in enumerate(meta_leaf_paths(mine))
     ]
     targets, matched = leaf_targets(
-        mine, into, chosen, into_elsewhere=shards.into_leaves, flat=flat
+        mine, into, chosen, into_elsewhere=sharded.into_leaves, flat=flat
     )
-    return OwnTargets(mine, targets, matched, view.pruned, shards)
+    return OwnTargets(mine, targets, matched, view.pruned, sharded)
 
 
 def _plain_pieces(meta: Metadata, shard_leaves: set[int]) -> list[dict[int, Piece]]:
