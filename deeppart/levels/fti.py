@@ -398,6 +398,11 @@ class FTIBackend:
                 from mpi4py import MPI
 
                 comm = MPI.COMM_WORLD
+            if not callable(getattr(comm, "Get_rank", None)):
+                raise LevelConfigError(
+                    f"the FTI backend needs an MPI communicator (libfti runs on MPI), not "
+                    f"{type(comm).__name__}; use backend='builtin' with torch.distributed"
+                )
             user, mpi_comm = MPIComm(comm), comm
 
         # 1. The config against the job, before FTI (it hangs on some).
