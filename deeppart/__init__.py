@@ -38,6 +38,7 @@ from deeppart.errors import FTIError as FTIError
 from deeppart.errors import LevelConfigError as LevelConfigError
 from deeppart.errors import NoSpaceError as NoSpaceError
 from deeppart.errors import NotInPlaceWarning as NotInPlaceWarning
+from deeppart.errors import OlderStepWarning as OlderStepWarning
 from deeppart.errors import PerRankStateError as PerRankStateError
 from deeppart.errors import PlannerServiceError as PlannerServiceError
 from deeppart.errors import ReplicaMismatchError as ReplicaMismatchError

@@ -19,6 +19,7 @@ from deeppart.errors import CheckpointError, StateMismatchError
 from deeppart.format import STEP_PREFIX, damaged, is_committed, step_dir_name, step_number
 from deeppart.levels import open_backend
 from deeppart.levels.backend import LevelBackend, RecoveryReport
+from deeppart.levels.engine import BuiltinBackend
 from deeppart.loading.load import load
 from deeppart.options import (
     AsyncOptions,
@@ -569,12 +570,22 @@ class Checkpointer:
         finds it, for every rank: all ranks of one load read the same step,
         and ranks that pass different steps get :class:`StateMismatchError`);
         ``keys``, ``strict`` and ``per_rank`` (each rank's own values at
-        another world size) as in :func:`load`."""
+        another world size) as in :func:`load`; with ``config=``, the
+        built-in engine takes ``per_rank`` (for a step loaded from its L4
+        copy at another world size), the FTI backend none of the three."""
         self.wait()
         if self.levels is not None:
-            if keys is not None or not strict or per_rank is not None:
-                raise ValueError("keys=, strict=False and per_rank= are not supported with config=")
-            state, self.last_recovery = self.levels.load(step, into=into)
+            if keys is not None or not strict:
+                raise ValueError("keys= and strict=False are not supported with config=")
+            if per_rank is None:
+                state, self.last_recovery = self.levels.load(step, into=into)
+                return state
+            if not isinstance(self.levels, BuiltinBackend):
+                raise ValueError(
+                    f"per_rank= is not supported by the {self.levels.name} backend; "
+                    "backend='builtin' takes it (a step's L4 copy at another world size)"
+                )
+            state, self.last_recovery = self.levels.load(step, into=into, per_rank=per_rank)
             return state
         step, lines = self._agreed_step(step)
         state = load(

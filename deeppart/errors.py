@@ -65,6 +65,7 @@ __all__ = [
     "NoSpaceError",
     "NotInPlaceWarning",
     "ObjectExistsError",
+    "OlderStepWarning",
     "PerRankStateError",
     "PlanError",
     "PlannerServiceError",
@@ -239,6 +240,13 @@ class NotInPlaceWarning(UserWarning):
     """``load(into=...)`` could not set some plain values in the caller's
     state in place (they sit in a tuple, or at the root): the returned
     state holds them."""
+
+
+class OlderStepWarning(UserWarning):
+    """A multi-level restore without a step loaded an older step than the
+    newest committed one, which could not be recovered here (the message
+    names each skipped step and why: a node's files lost, or a step of
+    levels 1-3 at another world size, where only L4 serves)."""
 
 
 class RngStateWarning(UserWarning):

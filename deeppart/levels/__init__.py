@@ -65,6 +65,16 @@ def fti_available() -> bool:
         return False
 
 
+def _mpi_job(comm: Any) -> bool:
+    """Whether ``comm`` is MPI (mpi4py or deeppart's MPIComm) or None (the
+    job's MPI world, when one is running)."""
+    from deeppart.comm import MPIComm, SingleComm
+
+    if comm is None or isinstance(comm, MPIComm | SingleComm):
+        return True
+    return callable(getattr(comm, "Get_rank", None))
+
+
 def open_backend(
     config: LevelConfig | str | os.PathLike[str] | Mapping[str, Any],
     comm: Any = None,
@@ -74,7 +84,8 @@ def open_backend(
     """A :class:`LevelBackend` for ``config`` (a :class:`LevelConfig`, an
     INI path or a dict) over ``comm``. ``backend``: ``"builtin"`` (DeepPart's
     engine), ``"fti"`` (libfti through ctypes; an error if unavailable) or
-    ``"auto"`` (FTI when it imports and libfti is found, else built-in;
+    ``"auto"`` (FTI when it imports, libfti is found and the job runs on
+    MPI, else built-in;
     always built-in for an ``s3://`` glbl_dir, which FTI cannot write).
     ``options`` go to the built-in engine (e.g. ``compression``)."""
     if backend not in BACKENDS:
@@ -84,6 +95,8 @@ def open_backend(
         backend = "builtin"
     if backend == "fti":
         cfg.check_fti_global()  # before libfti is looked for
+    if backend == "auto" and not _mpi_job(comm):
+        backend = "builtin"  # libfti runs on MPI: torch.distributed gets the built-in engine
     if backend == "fti" or (backend == "auto" and fti_available()):
         mod = _fti_module()
         if mod is None:

@@ -56,6 +56,9 @@ class RecoveryReport:
     #: stored: the paths written. Their data counts as L1 (own file), L2
     #: (partner copy) or L3 (parity shard), as if they had been in place.
     moved: list[str] = field(default_factory=list)
+    #: The newer committed steps that could not be recovered, each with why
+    #: (a restore without a step that fell back to an older one).
+    skipped: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         by: dict[int, list[int]] = {}
@@ -63,6 +66,8 @@ class RecoveryReport:
             by.setdefault(level, []).append(rank)
         parts = ", ".join(f"L{lv}: ranks {rs}" for lv, rs in sorted(by.items()))
         extra = f", {len(self.moved)} file(s) moved between nodes" if self.moved else ""
+        if self.skipped:
+            extra += f"; newer step(s) skipped: {'; '.join(self.skipped)}"
         return f"recovered step {self.step} ({parts}{extra}) in {self.seconds:.2f} s"
 
 

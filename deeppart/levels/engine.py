@@ -34,6 +34,7 @@ reads and writes only its own node's local directory, plus the shared
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import socket
@@ -51,6 +52,7 @@ from deeppart.comm import Comm, resolve
 from deeppart.errors import (
     CheckpointError,
     LevelConfigError,
+    OlderStepWarning,
     TopologyMismatchError,
     UnrecoverableError,
 )
@@ -65,7 +67,7 @@ from deeppart.options import PlanOptions, WriteOptions, fold, reject_unknown
 from deeppart.progress import Progress
 from deeppart.saving.metadata import metadata_json
 from deeppart.saving.planning import PlanProvider
-from deeppart.saving.prepare import Prepared, prepare_save, refuse_sharded
+from deeppart.saving.prepare import Prepared, prepare_save
 from deeppart.saving.save import save
 from deeppart.saving.writer import RECORD_FIELDS, write_pieces
 from deeppart.steps import lineage
@@ -232,7 +234,6 @@ class BuiltinBackend:
         # if any failed above.
         prep, _ = prepare_save(c, err, state, self.compression, self.plans, self.meta_step(step))
         try:
-            refuse_sharded(prep, "the multi-level engine")  # alike on every rank
             if c.rank == 0 and self.meta_step(step).exists():
                 # Re-saving a step: uncommit it first, so a crash never
                 # leaves a marker over mixed files.
@@ -551,17 +552,31 @@ class BuiltinBackend:
         candidates = recovery.candidates(self.comm, self.layout, None)
         return sorted(s for s in candidates if self._recoverable(s))
 
-    def load(self, step: int | None = None, *, into: Any = None) -> tuple[Any, RecoveryReport]:
+    def load(
+        self, step: int | None = None, *, into: Any = None, per_rank: Any = None
+    ) -> tuple[Any, RecoveryReport]:
         """Restores ``step`` (None: the newest committed step that can be
         recovered; collective): each candidate, newest first, through
-        :meth:`_try_load`; raises with every candidate's reason if none can."""
+        :meth:`_try_load`; raises with every candidate's reason if none can.
+        A newer step skipped is reported (:class:`~deeppart.errors.OlderStepWarning`
+        naming it and why, and ``RecoveryReport.skipped``). ``per_rank``: as
+        for :func:`deeppart.load`, where a step is loaded from its L4 copy at
+        another world size (the only level that serves one)."""
         t0 = time.perf_counter()
         reasons: list[str] = []
         for s in recovery.candidates(self.comm, self.layout, step):
-            result = self._try_load(s, into, t0)
+            result = self._try_load(s, into, t0, per_rank)
             if isinstance(result, str):
                 reasons.append(f"step {s}: {result}")
                 continue
+            if reasons:
+                result = result[0], dataclasses.replace(result[1], skipped=reasons)
+                warnings.warn(
+                    f"deeppart levels: loaded step {s}, not the newer committed "
+                    f"step(s) that cannot be recovered here: {'; '.join(reasons)}",
+                    OlderStepWarning,
+                    stacklevel=2,
+                )
             self.last_recovery = result[1]
             # The next save continues from this step (a new line if it is
             # not the newest; a step without a record starts a fresh one).
@@ -583,21 +598,23 @@ class BuiltinBackend:
         cls = TopologyMismatchError if topology else UnrecoverableError
         raise cls("no checkpoint can be recovered: " + "; ".join(reasons))
 
-    def _try_load(self, step: int, into: Any, t0: float) -> tuple[Any, RecoveryReport] | str:
+    def _try_load(
+        self, step: int, into: Any, t0: float, per_rank: Any = None
+    ) -> tuple[Any, RecoveryReport] | str:
         """Restores ``step`` (collective) through the steps of
         :mod:`deeppart.levels.recovery`: the state and report, or why not."""
         c, layout = self.comm, self.layout
         st, why = recovery.read_step(c, layout, step)
         if st is None:
             if recovery.global_ok(c, layout, step):
-                return recovery.load_global(c, layout, step, into, self.exchange, t0)
+                return recovery.load_global(c, layout, step, into, self.exchange, t0, per_rank)
             return why
         err: BaseException | None = None
         mine: recovery.OwnTargets | None = None
         try:
             # This rank's own view (its versions of per-rank values, the
             # items it held); checks into= before any I/O.
-            mine = recovery.own_targets(st.meta, c.rank, c.size, into)
+            mine = recovery.own_targets(st.meta, c.rank, c.size, into, shards=True)
         except BaseException as e:
             err = e
         agree(c, err)
@@ -605,7 +622,7 @@ class BuiltinBackend:
         survey, held, moved = recovery.survey(c, layout, st, deep=True)
         if not survey.levels:
             if st.level == 4 and recovery.global_ok(c, layout, step):
-                return recovery.load_global(c, layout, step, into, self.exchange, t0)
+                return recovery.load_global(c, layout, step, into, self.exchange, t0, per_rank)
             return survey.reason
         got = recovery.recover_own(c, layout, st, survey.levels, held)
         self.decode_seconds += got.decode_seconds
@@ -620,9 +637,13 @@ class BuiltinBackend:
         rows = c.allgather_varbytes(json.dumps([rebuilt, moved]).encode())
         all_rewritten = [path for row in rows for path in json.loads(row)[0]]
         all_moved = [path for row in rows for path in json.loads(row)[1]]
-        # Every rank now holds its own file: broadcast each and place it.
-        recovery.distribute(c, mine.meta, self.meta_step(step), own, mine.targets)
-        state = assemble(mine.meta, mine.targets, self.meta_step(step), mine.matched, mine.pruned)
+        # Every rank now holds its own file: the plain leaves' pieces of
+        # each broadcast and placed, the DTensor shards sent to the ranks
+        # whose regions need them.
+        where = self.meta_step(step)
+        recovery.distribute(c, mine.meta, where, own, mine.targets, mine.shards.leaves)
+        filled = recovery.distribute_shards(c, mine.meta, where, own, mine.shards)
+        state = assemble(mine.meta, mine.targets, where, mine.matched, mine.pruned, filled)
         report = RecoveryReport(
             step, survey.levels, all_rewritten, time.perf_counter() - t0, all_moved
         )

@@ -54,7 +54,15 @@ from deeppart.errors import (
     LevelConfigError,
     StateMismatchError,
 )
-from deeppart.format import HEADER_SIZE, checksum, fsync_dir, parse_metadata, write_durable
+from deeppart.format import (
+    HEADER_SIZE,
+    Metadata,
+    Piece,
+    checksum,
+    fsync_dir,
+    parse_metadata,
+    write_durable,
+)
 from deeppart.levels.backend import LevelSaveStats, RecoveryReport
 from deeppart.levels.config import LevelConfig
 from deeppart.levels.libfti import (
@@ -66,11 +74,18 @@ from deeppart.levels.libfti import (
     find_libfti,
     load_libfti,
 )
-from deeppart.levels.recovery import OwnTargets, own_targets
-from deeppart.loading.reader import assemble, leaf_infos
+from deeppart.loading.reader import assemble, leaf_infos, leaf_targets, meta_leaf_paths
+from deeppart.loading.reshard import (
+    ShardReads,
+    fill_shards,
+    local_shard_reads,
+    shard_slot,
+    shard_targets,
+)
 from deeppart.saving.metadata import metadata_head
 from deeppart.saving.planning import PlanProvider
-from deeppart.saving.prepare import Prepared, prepare_save, refuse_sharded
+from deeppart.saving.prepare import Prepared, prepare_save
+from deeppart.state.own_view import OwnView, own_view
 from deeppart.state.tensors import dtype_sizes, readable, u8_view
 
 #: ``find_libfti``, ``load_libfti`` and ``check_same_mpi`` are
@@ -120,8 +135,20 @@ MAX_BLOB = 1 << 30
 #: FTI dataset id of each rank's header; data blobs follow.
 HEADER_ID = 0
 _HEADER = struct.Struct("<8sqii32s")
+#: The header dataset's size before padding (the whole header of
+#: checkpoints written before FILE_ALIGN, whose indexes have no
+#: ``header_bytes``).
 _HEADER_BYTES = 64
 _MAGIC = b"DPFTI001"
+
+#: Every rank's FTI checkpoint file is a multiple of this many bytes: the
+#: header dataset is padded with zeros to make it so. FTI's L3 encodes
+#: with Reed-Solomon on 16-bit words (FTI_WORD, jerasure w = 16) but
+#: writes and reads the encoded file's last block byte by byte, so when the
+#: largest file of an L3 group has an odd size the other half of its last
+#: word is lost, and the file FTI rebuilds for a lost node comes back with
+#: its last byte wrong (docs/FTI.md).
+FILE_ALIGN = 8
 
 INDEX_PREFIX = "fti-step-"
 CONFIG_NAME = "fti.cfg"
@@ -304,6 +331,29 @@ def _fill(blob: _Blob, views: list[U8], starts: list[int]) -> U8:
     return buf
 
 
+def header_bytes(blob_bytes: int, nblobs: int, nids: int) -> int:
+    """The size of a rank's header dataset: :data:`_HEADER_BYTES` and zeros
+    up to a file size that is a multiple of :data:`FILE_ALIGN`. The rank's
+    FTI file holds the header, its ``nblobs`` blobs (``blob_bytes`` in all)
+    and a 1-byte placeholder for each other id below ``nids``. Save and the
+    index compute it alike."""
+    size = _HEADER_BYTES + blob_bytes + (nids - 1 - nblobs)
+    return _HEADER_BYTES + (-size) % FILE_ALIGN
+
+
+def _reshard_hint(meta: Metadata) -> str:
+    """What serves a DTensor state on another world size, for the error of
+    a restart on another number of ranks."""
+    if not meta.dtensors:
+        return ""
+    return (
+        f"; its DTensor state ({len(meta.dtensors)} sharded tensors) cannot be resharded "
+        "through FTI, whose files are per rank: to restore it on another number of ranks, "
+        'save it with the built-in engine (backend="builtin", whose L4 copy deeppart.load '
+        "reshards) or with deeppart.save"
+    )
+
+
 def _pointer(arr: U8) -> int:
     return int(arr.ctypes.data) if arr.size else 0
 
@@ -348,6 +398,11 @@ class FTIBackend:
                 from mpi4py import MPI
 
                 comm = MPI.COMM_WORLD
+            if not callable(getattr(comm, "Get_rank", None)):
+                raise LevelConfigError(
+                    f"the FTI backend needs an MPI communicator (libfti runs on MPI), not "
+                    f"{type(comm).__name__}; use backend='builtin' with torch.distributed"
+                )
             user, mpi_comm = MPIComm(comm), comm
 
         # 1. The config against the job, before FTI (it hangs on some).
@@ -456,14 +511,19 @@ class FTIBackend:
         self._protected.add(fti_id)
 
     def _protect_all(
-        self, header: U8, blobs: list[tuple[_Blob, U8]], keep: list[Any], total: int
+        self, head: bytes, blobs: list[tuple[_Blob, U8]], keep: list[Any], total: int
     ) -> int:
-        """Protects the header and the blobs, then 1-byte placeholders for
+        """Protects the header (``head`` padded to :func:`header_bytes`)
+        and the blobs, then 1-byte placeholders for
         ids ``1 + len(blobs) .. total - 1``: ``total`` is the same on every
         rank (the largest count across ranks, and never less than before,
         since FTI checkpoints and recovers every id it knows), because FTI
         1.6's metadata assumes every rank protects the same number of
         datasets. Returns the number of ids."""
+        size = header_bytes(sum(int(buf.size) for _, buf in blobs), len(blobs), total)
+        header = np.zeros(size, dtype=np.uint8)
+        header[: len(head)] = np.frombuffer(head, dtype=np.uint8)
+        keep.append(header)
         self._protect(HEADER_ID, header)
         for blob, buf in blobs:
             self._protect(blob.fti_id, buf)
@@ -526,21 +586,18 @@ class FTIBackend:
         # tensors that differ between the ranks are kept per rank (each
         # rank's own version, deeppart.state.union); every rank raises if
         # any failed above.
+        # DTensors become shard leaves held by their holders (each rank's
+        # local shards), as in deeppart.save.
         prep, _ = prepare_save(
             c, err, state, None, PlanProvider(c.size), self._dir / f"step-{step}"
         )
-        try:
-            refuse_sharded(prep, "the FTI backend")  # alike on every rank
-        except BaseException as e:
-            err = e
-        agree(c, err)
 
         # This rank's pieces: views of tensor memory (or encoded values),
         # checksummed, cut into FTI datasets.
         t1 = time.perf_counter()
         keep: list[Any] = []
         local = np.zeros(len(prep.plan.rank_pieces(c.rank)) + 1, dtype=np.uint64)
-        header = np.zeros(_HEADER_BYTES, dtype=np.uint8)
+        head = b""
         blobs: list[tuple[_Blob, U8]] = []
         sums: list[int] = []
         piece_bytes = 0  # this rank's bytes of the state, stored by FTI
@@ -569,17 +626,14 @@ class FTIBackend:
                 buf = _fill(blob, views, starts)
                 keep.append(buf)
                 blobs.append((blob, buf))
-            header[: _HEADER.size] = np.frombuffer(
-                _HEADER.pack(_MAGIC, step, c.rank, c.size, self._digest(prep, step)), dtype=np.uint8
-            )
-            keep.append(header)
+            head = _HEADER.pack(_MAGIC, step, c.rank, c.size, self._digest(prep, step))
         except BaseException as e:
             err = e
         # Every rank protects as many ids as the rank with the most.
         wants = agree(c, err, struct.pack("<q", max(self._nids, 1 + len(blobs))))
         total = max(struct.unpack("<q", w[:8])[0] for w in wants)
         try:
-            nids = self._protect_all(header, blobs, keep, total)
+            nids = self._protect_all(head, blobs, keep, total)
             local = np.array([*sums, nids], dtype=np.uint64)
         except BaseException as e:
             err = e
@@ -660,6 +714,7 @@ class FTIBackend:
         blobs: list[list[int]] = []
         stream: list[int] = []
         nids: list[int] = []
+        heads: list[int] = []
         k = 0
         for r in range(world):
             pos = HEADER_SIZE  # offsets in the rank's piece stream, as in a data file
@@ -673,7 +728,9 @@ class FTIBackend:
             nids.append(int(gathered[k]))
             k += 1
             stream.append(pos)
-            blobs += [[r, b.fti_id, b.start, b.nbytes] for b in _blobs(lengths)]
+            mine = _blobs(lengths)
+            blobs += [[r, b.fti_id, b.start, b.nbytes] for b in mine]
+            heads.append(header_bytes(sum(lengths), len(mine), nids[-1]))
         meta = {
             **metadata_head(prep, "none"),
             "alignment": 1,
@@ -689,6 +746,7 @@ class FTIBackend:
                 "digest": self._digest(prep, step).hex(),
                 "ids": nids,
                 "blobs": blobs,
+                "header_bytes": heads,
                 "library": self.library,
             },
         }
@@ -773,13 +831,19 @@ class FTIBackend:
             if meta.world_size != c.size:
                 raise CheckpointError(
                     f"the FTI checkpoint was written by {meta.world_size} ranks, this job has "
-                    f"{c.size} (FTI restarts on the same number of ranks)"
+                    f"{c.size} (FTI restarts on the same number of ranks){_reshard_hint(meta)}"
                 )
             nids = int(fti["ids"][c.rank])
             blobs = [_Blob(int(i), int(s), int(n)) for r, i, s, n in fti["blobs"] if r == c.rank]
             size = int(meta.file_sizes[c.rank]) - HEADER_SIZE
             stream = np.empty(size, dtype=np.uint8)
-            sizes = {HEADER_ID: _HEADER_BYTES} | {b.fti_id: b.nbytes for b in blobs}
+            # An index without header_bytes: the unpadded 64-byte header
+            # of a checkpoint written before FILE_ALIGN.
+            hsize = int(fti.get("header_bytes", [_HEADER_BYTES] * c.size)[c.rank])
+            if not _HEADER_BYTES <= hsize < _HEADER_BYTES + 4096:
+                raise CorruptCheckpointError(f"FTI index: header of {hsize} bytes")
+            header = np.zeros(hsize, dtype=np.uint8)
+            sizes = {HEADER_ID: hsize} | {b.fti_id: b.nbytes for b in blobs}
             keep: list[Any] = [stream, header]
             bufs: dict[int, U8] = {HEADER_ID: header}
             for b in blobs:
@@ -816,7 +880,8 @@ class FTIBackend:
         t1 = time.perf_counter()
 
         # Verify: this rank's header, then every piece of its stream.
-        mine: OwnTargets | None = None
+        mine: OwnView | None = None
+        sr: ShardReads | None = None
         try:
             magic, hstep, hrank, hworld, hdigest = _HEADER.unpack(header[: _HEADER.size].tobytes())
             if (magic, hstep, hrank, hworld) != (_MAGIC, have, c.rank, c.size) or (
@@ -837,12 +902,21 @@ class FTIBackend:
                     )
             # This rank's own view (its versions of per-rank values, the
             # items it held), as deeppart.load gives it.
-            mine = own_targets(meta, c.rank, c.size, into)
+            # As deeppart.load at the save's world size: the DTensors'
+            # regions this rank needs (into='s local shards, else whole
+            # tensors) come from the stored shards that meet them.
+            mine = own_view(meta, c.rank, c.size, None, into)
+            st = shard_targets(mine.meta, into, None, True)
+            chosen = [
+                [] if i in mine.meta.skip or i in st.leaves else ps
+                for i, ps in enumerate(meta_leaf_paths(mine.meta))
+            ]
+            targets, matched = leaf_targets(mine.meta, into, chosen, into_elsewhere=st.into_leaves)
+            sr = local_shard_reads(mine.meta, st) if st.active else None
         except BaseException as e:
             err = e
         agree(c, err)
         assert mine is not None
-        targets = mine.targets
 
         # Exchange: every rank broadcasts its own pieces.
         def direct(leaf: int, start: int, stop: int) -> U8 | None:
@@ -854,6 +928,11 @@ class FTIBackend:
                 return target.buf
             return target.buf[start * info.itemsize : stop * info.itemsize]
 
+        def dest(p: Piece) -> U8 | None:
+            if sr is not None and p.leaf in sr.buffers:
+                return shard_slot(meta, sr, p)
+            return direct(p.leaf, p.start, p.stop)
+
         for r in range(c.size):
             size = int(meta.file_sizes[r]) - HEADER_SIZE
             if size == 0:
@@ -862,11 +941,18 @@ class FTIBackend:
             c.bcast_u8(buf, root=r)
             for p in meta.pieces:
                 if p.rank == r and p.length:
-                    out = direct(p.leaf, p.start, p.stop)
+                    out = dest(p)
                     if out is not None:
                         out[:] = buf[p.offset - HEADER_SIZE : p.offset - HEADER_SIZE + p.length]
 
-        state = assemble(mine.meta, targets, self._index_path(have), mine.matched, mine.pruned)
+        try:
+            filled = fill_shards(mine.meta, sr) if sr is not None else None
+            state = assemble(
+                mine.meta, targets, self._index_path(have), matched, mine.pruned, filled
+            )
+        except BaseException as e:
+            err = e
+        agree(c, err)
         level = 4 if self._recovered_status == 2 and self._last_step is None else int(fti["level"])
         report = RecoveryReport(
             step=have,

@@ -29,6 +29,7 @@ with sizes only (no reads).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -42,7 +43,7 @@ import numpy as np
 from deeppart.agreement import agree
 from deeppart.comm import Comm
 from deeppart.errors import CheckpointError, CorruptCheckpointError, UnrecoverableError
-from deeppart.format import Metadata, Piece, checksum, data_file_name
+from deeppart.format import HEADER_SIZE, Metadata, Piece, checksum, data_file_name
 from deeppart.levels import erasure, files, partner
 from deeppart.levels.backend import RecoveryReport
 from deeppart.levels.files import EMPTY, U8, BufReader, by_rank, file_ok
@@ -57,9 +58,18 @@ from deeppart.loading.reader import (
     read_metadata,
     read_pieces,
 )
+from deeppart.loading.reshard import (
+    ShardTargets,
+    exchange_shards,
+    fill_shards,
+    plan_shard_reads,
+    read_held_shards,
+    shard_targets,
+)
 from deeppart.options import LoadOptions
 from deeppart.progress import Progress
 from deeppart.state.own_view import own_view
+from deeppart.state.state import flatten
 from deeppart.storage.files import read_all, size_is
 from deeppart.storage.source import checkpoint_source
 from deeppart.storage.url import Location
@@ -496,37 +506,92 @@ class OwnTargets:
     #: The rank's view of the step's metadata (its own version of each
     #: per-rank path; the items it did not hold left out, ``meta.skip``).
     meta: Metadata
-    #: Per leaf of ``meta``: where its bytes go, None where it is not read.
+    #: Per leaf of ``meta``: where its bytes go, None where it is not read
+    #: (the DTensor shard leaves are ``shards``').
     targets: list[Target | None]
     matched: IntoMatch | None
     #: Whether leaves were left out (the tree is rebuilt without them).
     pruned: bool
+    #: The regions of the sharded tensors (DTensors) this rank fills.
+    shards: ShardTargets
 
 
-def own_targets(meta: Metadata, rank: int, world: int, into: Any) -> OwnTargets:
+def own_targets(
+    meta: Metadata, rank: int, world: int, into: Any, shards: bool = False
+) -> OwnTargets:
     """This rank's view of a step saved through the levels by ``world``
     ranks, as :func:`deeppart.load` gives it at the save's world size
     (:func:`deeppart.state.own_view.own_view`): each rank gets back its own
     version of the paths whose values differed between the ranks (a loader
     position, a per-rank RNG state), and the items it held; the targets of
-    the leaves it reads (``into``: matched by path). Checks ``into`` before
-    any I/O; the same metadata gives every rank of one world size the same
-    decisions, so errors are raised alike."""
-    view = own_view(meta, rank, world, None, into)
+    the plain leaves it reads (``into``: matched by path) and the regions of
+    the sharded tensors it fills (``into``'s DTensors: their local shards,
+    of whatever mesh; without ``into``: full tensors), as
+    :func:`deeppart.load` finds them (:func:`~deeppart.loading.reshard.shard_targets`;
+    only with ``shards``, for a caller that places them with
+    :func:`distribute_shards`: the built-in engine; without, every leaf is a
+    plain one, as for the FTI backend, which stores no DTensor). Checks
+    ``into`` before any I/O; the same metadata gives every rank of one
+    world size the same decisions, so errors are raised alike."""
+    flat = flatten(into) if into is not None else None
+    view = own_view(meta, rank, world, None, into, flat=flat)
     mine = view.meta
-    chosen = [[] if i in mine.skip else ps for i, ps in enumerate(meta_leaf_paths(mine))]
-    targets, matched = leaf_targets(mine, into, chosen)
-    return OwnTargets(mine, targets, matched, view.pruned)
+    sharded = shard_targets(mine, into, None, True, flat) if shards else ShardTargets()
+    chosen = [
+        [] if i in mine.skip or i in sharded.leaves else ps
+        for i, ps in enumerate(meta_leaf_paths(mine))
+    ]
+    targets, matched = leaf_targets(
+        mine, into, chosen, into_elsewhere=sharded.into_leaves, flat=flat
+    )
+    return OwnTargets(mine, targets, matched, view.pruned, sharded)
+
+
+def _plain_pieces(meta: Metadata, shard_leaves: set[int]) -> list[dict[int, Piece]]:
+    """Per data file, its pieces of the plain leaves (not DTensor shards),
+    by ``id`` of the metadata's piece, each with its offset in the compact
+    copy :func:`distribute` broadcasts (the file's header, then these
+    pieces' stored bytes in file order): the same on every rank."""
+    out: list[dict[int, Piece]] = []
+    for ps in by_rank(meta):
+        at = HEADER_SIZE
+        moved: dict[int, Piece] = {}
+        for p in sorted(ps, key=lambda p: p.offset):
+            if p.leaf in shard_leaves:
+                continue
+            moved[id(p)] = dataclasses.replace(p, offset=at)
+            at += p.stored
+        out.append(moved)
+    return out
+
+
+def _compact(own: U8, plain: dict[int, Piece], originals: list[Piece]) -> U8:
+    """This rank's file as :func:`distribute` broadcasts it: its header and
+    the stored bytes of its plain pieces (``plain``, from ``originals``)."""
+    if len(plain) == len(originals) and all(plain[id(p)].offset == p.offset for p in originals):
+        return own  # the file is its plain pieces, packed
+    size = HEADER_SIZE + sum(p.stored for p in plain.values())
+    buf = np.empty(size, dtype=np.uint8)
+    buf[:HEADER_SIZE] = own[:HEADER_SIZE]
+    for p in originals:
+        q = plain.get(id(p))
+        if q is not None:
+            buf[q.offset : q.offset + p.stored] = own[p.offset : p.offset + p.stored]
+    return buf
 
 
 def distribute(
-    comm: Comm, meta: Metadata, where: Path, own: U8, targets: list[Target | None]
-) -> None:
-    """Every rank holds its own data file (``own``): each is broadcast in
-    turn and every rank places the pieces it needs into ``targets`` (None:
-    a leaf this rank does not read; ``where``: the step's metadata
+    comm: Comm, meta: Metadata, where: Path, own: U8, targets: list[Target | None],
+    shard_leaves: set[int],
+) -> None:  # fmt: skip
+    """Every rank holds its own data file (``own``): the plain leaves'
+    pieces of each are broadcast in turn (a file of DTensor shards only is
+    not: :func:`distribute_shards` sends those to the ranks that need them)
+    and every rank places the pieces it needs into ``targets`` (None: a
+    leaf this rank does not read; ``where``: the step's metadata
     directory, for messages)."""
-    by = [[p for p in ps if targets[p.leaf] is not None] for ps in by_rank(meta)]
+    plain = _plain_pieces(meta, shard_leaves)
+    files = by_rank(meta)
     prog = Progress("load", 0, enabled=False)
 
     def direct(p: Piece) -> U8:
@@ -539,32 +604,73 @@ def distribute(
 
     err: BaseException | None = None
     for f in range(meta.world_size):
-        buf = own if f == comm.rank else np.empty(meta.file_sizes[f], dtype=np.uint8)
+        if not plain[f]:
+            continue  # the same on every rank
+        if f == comm.rank:
+            buf = _compact(own, plain[f], files[f])
+        else:
+            buf = np.empty(HEADER_SIZE + sum(p.stored for p in plain[f].values()), np.uint8)
         comm.bcast_u8(buf, root=f)
+        mine = [
+            plain[f][id(p)] for p in files[f] if id(p) in plain[f] and targets[p.leaf] is not None
+        ]
         if err is None:
             try:
                 read_pieces(
-                    BufReader(buf),
-                    where / data_file_name(f),
-                    where,
-                    meta,
-                    f,
-                    by[f],
-                    direct,
-                    prog,
+                    BufReader(buf), where / data_file_name(f), where, meta, f, mine, direct, prog
                 )
             except BaseException as e:
                 err = e
     agree(comm, err)
 
 
+def distribute_shards(
+    comm: Comm, meta: Metadata, where: Path, own: U8, shards: ShardTargets
+) -> dict[int, Any]:
+    """The DTensor shards (collective, when the step or ``into=`` has
+    any): every rank's needed regions are exchanged
+    (:func:`~deeppart.loading.reshard.plan_shard_reads` with ``held``), each
+    stored piece that some rank needs goes from the rank whose data file
+    holds it (``own``) to those ranks only, point to point, and each rank
+    copies the intersections into its tensors. Returns the new full tensors
+    by leaf (no ``into=``), as :func:`~deeppart.loading.reshard.fill_shards`."""
+    if not shards.active:
+        return {}
+    err: BaseException | None = None
+    filled: dict[int, Any] = {}
+    sr = plan_shard_reads(comm, meta, shards, held=True)
+    try:
+        read_held_shards(where, meta, sr, own)
+    except BaseException as e:
+        err = e
+    try:
+        exchange_shards(comm, sr, meta)  # every rank runs every round
+    except BaseException as e:
+        err = err or e
+    if err is None:
+        try:
+            filled = fill_shards(meta, sr)
+        except BaseException as e:
+            err = e
+    agree(comm, err)
+    return filled
+
+
 def load_global(
-    comm: Comm, layout: Layout, step: int, into: Any, exchange: str, t0: float
+    comm: Comm,
+    layout: Layout,
+    step: int,
+    into: Any,
+    exchange: str,
+    t0: float,
+    per_rank: Any = None,
 ) -> tuple[Any, RecoveryReport]:
     """Loads ``step``'s L4 checkpoint (a normal DeepPart checkpoint, any
-    world size); ``t0``: when the load started, for the report."""
+    world size: DTensor shards resharded into ``into``'s meshes, per-rank
+    values as ``per_rank`` says, as :func:`deeppart.load`); ``t0``: when the
+    load started, for the report."""
     where = layout.global_step(step)  # a directory or an s3:// URL
-    state = load(str(where), comm=comm, into=into, loading=LoadOptions(exchange))
+    state = load(str(where), comm=comm, into=into, loading=LoadOptions(exchange), per_rank=per_rank)
     _, meta, _ = open_checkpoint(where)
     report = RecoveryReport(step, [4] * meta.world_size, [], time.perf_counter() - t0)
     return state, report

@@ -53,7 +53,7 @@ from deeppart.format import (
     data_file_name,
 )
 from deeppart.loading.needs import NeedSpec, RegionIndex, exchange_needs
-from deeppart.loading.reader import FirstError, read_file
+from deeppart.loading.reader import FirstError, decode_piece, read_file
 from deeppart.progress import Progress
 from deeppart.regions import DTensorRecord, Region, ShardRecord
 from deeppart.state.dtensor import Layout
@@ -74,8 +74,11 @@ __all__ = [
     "ShardTargets",
     "exchange_shards",
     "fill_shards",
+    "local_shard_reads",
     "plan_shard_reads",
+    "read_held_shards",
     "read_shards",
+    "shard_slot",
     "shard_targets",
 ]
 
@@ -282,6 +285,9 @@ class ShardReads:
     #: Shard leaves read straight into this rank's tensors (``read_own``,
     #: raw pieces, rows that are whole in both): no buffer, no copy after.
     direct: dict[int, list[Direct]] = field(default_factory=dict)
+    #: ``held``: the bytes of the pieces this rank sends but does not need
+    #: itself, by ``id(piece)`` (:func:`read_held_shards`).
+    held: dict[int, U8] = field(default_factory=dict)
 
     def raw_bytes(self, meta: Metadata) -> int:
         """Raw bytes of the stored pieces that the job read (each once)."""
@@ -300,13 +306,17 @@ def _piece_region(meta: Metadata, shard: ShardRecord, p: Piece) -> Region:
 
 
 def plan_shard_reads(
-    c: Comm, meta: Metadata, st: ShardTargets, read_own: bool = False
+    c: Comm, meta: Metadata, st: ShardTargets, read_own: bool = False, held: bool = False
 ) -> ShardReads:
     """Collective: exchanges every rank's needed regions and assigns each
     needed piece to one of the ranks that need it (deterministic), who
     sends it to the others; with ``read_own``, each rank that needs a piece
     reads it itself and nothing is sent (one host: the page cache serves
-    each reader, and each reader checksums what it read)."""
+    each reader, and each reader checksums what it read); with ``held``,
+    each needed piece comes from the rank whose data file holds it (the
+    multi-level engine's recovery: every rank of the saving job holds its
+    own file in memory, :func:`read_held_shards`), sent to the other ranks
+    that need it."""
     records = _records(meta)
     by_path = {tuple(lf.path): i for i, lf in enumerate(meta.leaves)}
 
@@ -346,7 +356,7 @@ def plan_shard_reads(
                         out.mine.setdefault(p.rank, []).append(p)
                         out.read_raw += p.length
                 else:
-                    reader = min(needers, key=lambda r: (load[r], r))
+                    reader = p.rank if held else min(needers, key=lambda r: (load[r], r))
                     load[reader] += p.stored
                     if reader == c.rank:
                         out.mine.setdefault(p.rank, []).append(p)
@@ -361,7 +371,35 @@ def plan_shard_reads(
     return out
 
 
+def local_shard_reads(meta: Metadata, st: ShardTargets) -> ShardReads:
+    """This rank's shard reads when every stored piece passes through this
+    rank anyway (the real-FTI backend broadcasts every rank's stream,
+    :mod:`deeppart.levels.fti`): no collective, no file; a buffer for each
+    stored shard leaf that meets one of this rank's regions, which the
+    caller fills piece by piece (:func:`shard_slot`) before
+    :func:`fill_shards`."""
+    records = _records(meta)
+    by_path = {tuple(lf.path): i for i, lf in enumerate(meta.leaves)}
+    out = ShardReads(st, records)
+    for need in st.needs:
+        if need.path not in records:  # a plain tensor that into= holds as a DTensor
+            records[need.path] = _record_of_leaf(meta, by_path[need.path])
+        for shard in records[need.path].shards:
+            if shard.leaf not in out.buffers and shard.region.intersect(need.region) is not None:
+                out.buffers[shard.leaf] = np.empty(meta.leaves[shard.leaf].nbytes, np.uint8)
+    return out
+
+
+def shard_slot(meta: Metadata, sr: ShardReads, p: Piece) -> U8 | None:
+    """Where stored piece ``p``'s bytes go in ``sr``'s buffers (None: no
+    region of this rank meets its shard)."""
+    return _slot(meta, sr, p) if p.leaf in sr.buffers else None
+
+
 def _slot(meta: Metadata, sr: ShardReads, p: Piece) -> U8:
+    got = sr.held.get(id(p))
+    if got is not None:
+        return got
     isz = meta.leaves[p.leaf].itemsize
     return sr.buffers[p.leaf][p.start * isz : p.stop * isz]
 
@@ -384,6 +422,29 @@ def read_shards(
         part = [p for p in pieces if p.leaf not in sr.direct]
         if part:
             n += read_file(path, meta, f, part, lambda p: _slot(meta, sr, p), progress)
+    return n
+
+
+def read_held_shards(directory: CheckpointDir, meta: Metadata, sr: ShardReads, own: U8) -> int:
+    """A ``held`` plan's reads (:func:`plan_shard_reads`): this rank's
+    pieces taken from its own data file ``own``, whose every piece was
+    verified against its checksum when it was recovered (a compressed
+    piece's stored bytes are checked again as they are decoded); each goes
+    to its slot, or, when only other ranks need it, to a buffer of its own
+    (``sr.held``). Returns the raw bytes taken."""
+    n = 0
+    for f in sorted(sr.mine):
+        for p in sr.mine[f]:
+            if id(p) in sr.needed:
+                out = _slot(meta, sr, p)
+            else:
+                out = sr.held[id(p)] = np.empty(p.length, np.uint8)
+            stored = own[p.offset : p.offset + p.stored]
+            if p.codec == "none":
+                out[:] = stored
+            else:
+                decode_piece(p, stored.data, out, meta, directory)
+            n += p.length
     return n
 
 

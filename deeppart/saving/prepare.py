@@ -57,7 +57,6 @@ __all__ = [
     "Prepared",
     "StagedPiece",
     "prepare_save",
-    "refuse_sharded",
     "replan",
     "replica_classes",
     "replica_sample",
@@ -187,19 +186,6 @@ def save_digest(
     h.update(location_key(directory).encode())
     h.update(json.dumps(records_json, separators=(",", ":")).encode())
     return h.digest()
-
-
-def refuse_sharded(prep: Prepared, where: str) -> None:
-    """Raises for a state holding DTensors in a path that does not store
-    their global regions yet (the multi-level backends)."""
-    if prep.dtensors:
-        names = ", ".join("/".join(map(str, r.path)) for r in prep.dtensors[:3])
-        raise CheckpointError(
-            f"{where} cannot save DTensor state yet ({names}); nothing was written. "
-            "Save it with deeppart.save or deeppart.Checkpointer without config= (they "
-            "store each shard's global region and reshard on load), or pass "
-            "get_state_dict(..., options=StateDictOptions(full_state_dict=True))"
-        )
 
 
 def _differing(

@@ -14,6 +14,23 @@ bitwise on every rank, each rank's own values to it.
 before the save: the save must fail on every rank with the backend's
 clear error, before FTI_Checkpoint, and leave no index behind.
 ``nothing``: a later job finds no checkpoint to restore, and ``load`` says so.
+``odd-save`` / ``odd-restore``: :func:`odd_state`, whose pieces make every
+rank's data an odd number of bytes, saved and restored bitwise (FTI's L3
+rebuilds a lost node's files on 16-bit words: the backend pads each rank's
+file to a multiple of ``FILE_ALIGN`` bytes). ``odd-save-old`` writes it as
+before that padding (``FILE_ALIGN = 1``, an index without ``header_bytes``)
+so that each rank's FTI file has an odd size; ``odd-restore-old`` restores
+such a checkpoint bitwise; ``odd-restore-wrong`` expects the restore to fail
+on every rank with the checksum error (after L3 rebuilt a file with its last
+byte wrong), and ends without ``FTI_Finalize``.
+``fsdp-save``: FSDP2 state (``fully_shard`` over the 4 ranks, torch.distributed
+on gloo beside MPI; DTensors) saved at each level 1-4 and restored in the
+same job, into DTensors of another model of that layout (local shards
+bitwise) and without ``into=`` (whole tensors, bitwise against
+``full_tensor()``); then saved at LEVEL and left without ``FTI_Finalize``.
+``fsdp-restore``: a new job restores that checkpoint the same two ways.
+``fsdp-other``: a job of another world size fails on every rank with the
+error naming what FTI cannot do (reshard) and what serves it.
 
 Each rank prints ``OK <scenario> rank <r>/<size>`` when its checks pass.
 """
@@ -34,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
 from mpi_checkpoint import assert_bitwise_equal, make_state
 from rank_output import print_line
 
-from deeppart.errors import CheckpointError, FTIError
+from deeppart.errors import CheckpointError, CorruptCheckpointError, FTIError
 from deeppart.levels import fti
 from deeppart.levels.config import LevelConfig
 from deeppart.levels.fti import FTIBackend
@@ -72,6 +89,157 @@ def state(rank: int) -> dict[str, Any]:
     s["loader_pos"] = 100 + rank % 4
     s["rng"] = torch.Generator().manual_seed(1000 + rank % 4).get_state()
     return s
+
+
+#: Bytes of each of :func:`odd_state`'s tensors: the plan gives one to each
+#: of 4 ranks (odd, over 256 KiB: protected from tensor memory; FTI's L3
+#: encodes in blocks of 1 MiB, the last one partial).
+ODD_BYTES = 1_000_001
+
+
+def odd_state() -> dict[str, Any]:
+    """Four uint8 tensors of :data:`ODD_BYTES` random bytes, alike on every
+    rank (one dataset per rank, no placeholders)."""
+    gen = torch.Generator().manual_seed(11)
+    return {
+        k: torch.randint(0, 256, (ODD_BYTES,), dtype=torch.uint8, generator=gen) for k in "abcd"
+    }
+
+
+def scenario_odd_save(backend: FTIBackend, level: int, old: bool) -> None:
+    c = backend.comm
+    backend.save(STEP, odd_state(), level=level)
+    index = backend.config.meta_root() / f"fti-step-{STEP:08d}.json"
+    meta = json.loads(index.read_bytes())
+    pieces = [sum(p[5] for p in meta["pieces"] if p[3] == r) for r in range(c.size)]
+    if c.rank == 0:
+        print_line(f"PIECE BYTES {pieces} HEADER {meta['fti'].get('header_bytes')}")
+    if old and c.rank == 0:
+        # The index as the backend wrote it before FILE_ALIGN.
+        assert meta["fti"].pop("header_bytes") == [64] * c.size
+        index.write_text(json.dumps(meta, separators=(",", ":")))
+    c.barrier()
+    backend.close(finalize=False)  # a crash: FTI keeps the checkpoint
+
+
+def scenario_odd_restore(backend: FTIBackend, wrong: bool) -> None:
+    c = backend.comm
+    assert backend.status == 1, f"restart, FTI_Status() = {backend.status}"
+    try:
+        out, report = backend.load()
+    except CorruptCheckpointError as e:
+        if not wrong:
+            raise
+        print_line(f"rank {c.rank} ERROR {e}")
+        backend.close(finalize=False)
+        return
+    assert not wrong, "the restore of a file L3 rebuilt wrong succeeded"
+    assert report.step == STEP and report.levels == [3] * c.size, report
+    assert_bitwise_equal(odd_state(), out)
+    backend.close(finalize=False)
+
+
+#: The FSDP2 scenarios' model: bench/dtensor.py's MLP, uneven shards.
+FSDP_SEED = 1
+
+
+def init_torch_distributed() -> None:
+    """torch.distributed on gloo over the MPI job's ranks (rank 0 picks the
+    port and tells the others through MPI)."""
+    import os
+    import socket
+
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    port = 0
+    if comm.Get_rank() == 0:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+    port = comm.bcast(port, root=0)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=comm.Get_rank(), world_size=comm.Get_size())
+
+
+def fsdp_state(seed: int) -> dict[str, Any]:
+    """FSDP2 model + AdamW state after one step (get_state_dict: DTensors),
+    with a plain value beside it."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from bench.dtensor import build, sharded_state
+
+    m, opt = build("fsdp", seed)
+    return {**sharded_state(m, opt), "epoch": 3}
+
+
+def as_local(tree: Any) -> Any:
+    """``tree`` with each DTensor replaced by its local shard (what this rank
+    holds; asserts there is at least one DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tree, DTensor):
+        return tree.to_local()
+    if isinstance(tree, dict):
+        return {k: as_local(v) for k, v in tree.items()}
+    return tree
+
+
+def as_full(tree: Any) -> Any:
+    """``tree`` with each DTensor gathered whole (collective)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tree, DTensor):
+        return tree.full_tensor()
+    if isinstance(tree, dict):
+        return {k: as_full(v) for k, v in tree.items()}
+    return tree
+
+
+def check_fsdp(backend: FTIBackend, ref: dict[str, Any], level: int, step: int) -> None:
+    """Restores into another FSDP2 state (local shards, in place) and without
+    ``into=`` (whole tensors), both bitwise."""
+    from torch.distributed.tensor import DTensor
+
+    into = fsdp_state(FSDP_SEED + 1)
+    w = into["model"]["0.weight"]
+    assert isinstance(w, DTensor), type(w)
+    ptr = w.to_local().data_ptr()
+    assert not torch.equal(w.to_local(), ref["model"]["0.weight"].to_local())
+    out, report = backend.load(into=into)
+    assert report.step == step and report.levels == [level] * backend.comm.size, report
+    assert out["model"]["0.weight"] is w and w.to_local().data_ptr() == ptr
+    assert_bitwise_equal(as_local(ref), as_local(out), f"L{level} into=")
+    whole, _ = backend.load()
+    assert not isinstance(whole["model"]["0.weight"], DTensor)
+    assert_bitwise_equal(as_full(ref), whole, f"L{level} whole")
+
+
+def scenario_fsdp_save(backend: FTIBackend, level: int) -> None:
+    ref = fsdp_state(FSDP_SEED)
+    for lv in (1, 2, 3, 4):
+        backend.save(lv, ref, level=lv)
+        check_fsdp(backend, ref, lv, lv)
+    backend.save(STEP, ref, level=level)
+    check_fsdp(backend, ref, level, STEP)
+    backend.close(finalize=False)
+
+
+def scenario_fsdp_restore(backend: FTIBackend, level: int) -> None:
+    assert backend.status == 1, f"restart, FTI_Status() = {backend.status}"
+    check_fsdp(backend, fsdp_state(FSDP_SEED), level, STEP)
+    backend.close(finalize=False)
+
+
+def scenario_fsdp_other(backend: FTIBackend) -> None:
+    c = backend.comm
+    try:
+        backend.load(into=fsdp_state(FSDP_SEED))
+    except CheckpointError as e:
+        print_line(f"rank {c.rank} ERROR {e}")
+    else:
+        raise AssertionError("a restart on another world size loaded")
+    backend.close(finalize=False)
 
 
 def ok(name: str, backend: FTIBackend) -> None:
@@ -153,13 +321,43 @@ def scenario_nothing(backend: FTIBackend) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("scenario", choices=["save", "restore", "broken", "nothing"])
+    p.add_argument(
+        "scenario",
+        choices=[
+            "save",
+            "restore",
+            "broken",
+            "nothing",
+            "odd-save",
+            "odd-save-old",
+            "odd-restore",
+            "odd-restore-old",
+            "odd-restore-wrong",
+            "fsdp-save",
+            "fsdp-restore",
+            "fsdp-other",
+        ],
+    )
     p.add_argument("root", type=Path)
     p.add_argument("level", type=int)
     p.add_argument("group_size", type=int)
     a = p.parse_args()
+    if a.scenario == "odd-save-old":
+        fti.FILE_ALIGN = 1  # the files as the backend wrote them before padding
+    if a.scenario.startswith("fsdp"):
+        init_torch_distributed()
     backend = FTIBackend(config(a.root, a.group_size))
-    if a.scenario == "save":
+    if a.scenario == "fsdp-save":
+        scenario_fsdp_save(backend, a.level)
+    elif a.scenario == "fsdp-other":
+        scenario_fsdp_other(backend)
+    elif a.scenario == "fsdp-restore":
+        scenario_fsdp_restore(backend, a.level)
+    elif a.scenario.startswith("odd-save"):
+        scenario_odd_save(backend, a.level, old=a.scenario.endswith("-old"))
+    elif a.scenario.startswith("odd-restore"):
+        scenario_odd_restore(backend, wrong=a.scenario.endswith("-wrong"))
+    elif a.scenario == "save":
         scenario_save(backend, a.level)
     elif a.scenario == "restore":
         scenario_restore(backend, a.level)
@@ -168,6 +366,10 @@ def main() -> None:
     else:
         scenario_broken(backend, a.level)
     ok(a.scenario, backend)
+    if a.scenario.startswith("fsdp"):
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ step, then ``get_state_dict(model, opt)``: DTensors. Scenarios:
   reference's full tensors, and ``into=`` a plain model's state too;
 - ``async``: ``deeppart.async_save`` of the DTensors, the shards overwritten
   right after the call; the checkpoint holds the values at the call;
-- ``levels``: ``Checkpointer(config=)`` refuses DTensor state on every rank;
 - ``tolocal``: the shards passed as plain tensors (``to_local()``) fail on
   every rank with ReplicaMismatchError, nothing committed; then
   ``verify_replicas=True`` with one holder's copy of a shard changed;
@@ -181,32 +180,6 @@ def scenario_async(d: Path, layouts: list[str]) -> None:
         ref = deeppart.load(d / f"{layout}-ref")
         check_into(layout, d / f"{layout}-async", ref)
     ok("async")
-
-
-def scenario_levels(d: Path, layouts: list[str]) -> None:
-    """Multi-level storage (config=) does not store DTensor regions yet:
-    every rank raises a CheckpointError that names the fix, and nothing
-    is committed."""
-    from deeppart.errors import CheckpointError
-
-    cfg = d / "config.fti"
-    if dist.get_rank() == 0:
-        cfg.write_text(
-            f"[basic]\nckpt_dir = {d}/local\nmeta_dir = {d}/meta\nglbl_dir = {d}/global\n"
-            "node_size = 2\ngroup_size = 2\nckpt_l1 = 1\n\n[advanced]\nlocal_test = 1\n"
-        )
-    dist.barrier()
-    for layout in layouts:
-        m, opt = build(layout, seed=3)
-        cp = deeppart.Checkpointer(d / "unused", config=cfg, backend="builtin")
-        try:
-            cp.save(1, sharded_state(m, opt))
-        except CheckpointError as e:
-            assert "deeppart.save" in str(e) and "DTensor" in str(e), e
-        else:
-            raise AssertionError("the multi-level save of DTensors did not raise")
-        assert cp.latest() is None
-    ok("levels")
 
 
 def dcp_into(layout: str, d: Path, ref: Any) -> None:

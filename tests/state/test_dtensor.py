@@ -179,16 +179,6 @@ def test_async_save_of_dtensors_holds_the_values_at_the_call(tmp_path: Path) -> 
 
 @pytest.mark.multirank
 @pytest.mark.slow
-def test_multi_level_save_of_dtensors_is_refused(tmp_path: Path) -> None:
-    """The multi-level engine does not store shard regions yet: every rank
-    raises a CheckpointError naming deeppart.save, and nothing is committed."""
-    out = run(4, "levels", str(tmp_path), "hsdp")
-    assert out.count("OK levels") == 4, out[-3000:]
-    assert not list((tmp_path / "meta").rglob("COMMITTED"))
-
-
-@pytest.mark.multirank
-@pytest.mark.slow
 def test_to_local_shards_fail_on_every_rank(tmp_path: Path) -> None:
     """Shards passed as plain tensors (to_local()): every rank raises a
     StateMismatchError naming to_local() where they are declared replicas
