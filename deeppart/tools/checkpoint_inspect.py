@@ -29,6 +29,7 @@ from deeppart.format import (
     parse_metadata,
     step_dir_name,
 )
+from deeppart.levels.fti import INDEX_PREFIX
 from deeppart.progress import Progress, human_bytes
 from deeppart.regions import Region
 from deeppart.storage.files import CheckpointDir, LocalFile, StoredFile, data_file, local_dir
@@ -664,6 +665,21 @@ def _print_verify(report: VerifyReport, levels: LevelFiles | None) -> None:
         )
 
 
+def _fti_hint(checkpoint: str) -> str:
+    """Why a multi-level step has no metadata.json: the FTI backend wrote
+    it (libfti's own files, indexed by ``fti-step-N.json`` beside where the
+    built-in engine's step would be), which this tool cannot read."""
+    path = Path(checkpoint)
+    index = path.parent / f"{INDEX_PREFIX}{path.name.removeprefix('step-')}.json"
+    if not path.name.startswith("step-") or not index.is_file():
+        return ""
+    return (
+        f"\n  {index.name} is there: this step was written by the FTI backend (libfti's "
+        "own files), which deeppart inspect cannot read; load it through "
+        "Checkpointer(config=...), or save with backend='builtin' to inspect the levels"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         where = source_location(args.checkpoint)
@@ -673,7 +689,7 @@ def run(args: argparse.Namespace) -> int:
         meta = _parse_metadata(text)
         levels = LevelFiles.from_metadata(meta.raw, args.ckpt_dir)
     except CheckpointError as e:
-        print(f"deeppart: error: {e}", file=sys.stderr)
+        print(f"deeppart: error: {e}{_fti_hint(args.checkpoint)}", file=sys.stderr)
         return 2
     info = describe(str(where), meta, committed, levels)
     report: VerifyReport | None = None

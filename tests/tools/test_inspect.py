@@ -133,3 +133,17 @@ def test_truncated_file_and_uncommitted(ckpt: Path, capsys: pytest.CaptureFixtur
 
 def test_not_a_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["inspect", str(tmp_path / "nope")]) == 2
+
+
+def test_fti_backend_step_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A multi-level step the FTI backend wrote has no metadata.json (libfti
+    keeps its own files, indexed by fti-step-N.json): the error says so and
+    what to do, instead of only 'cannot read metadata.json'."""
+    meta = tmp_path / "meta" / "deeppart"
+    meta.mkdir(parents=True)
+    assert main(["inspect", str(meta / "step-00000040")]) == 2
+    assert "FTI backend" not in capsys.readouterr().err
+    (meta / "fti-step-00000040.json").write_text("{}")
+    assert main(["inspect", str(meta / "step-00000040")]) == 2
+    err = capsys.readouterr().err
+    assert "fti-step-00000040.json is there" in err and "backend='builtin'" in err
