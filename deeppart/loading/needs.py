@@ -36,7 +36,7 @@ import numpy as np
 
 from deeppart.comm import Comm
 from deeppart.errors import CheckpointError
-from deeppart.regions import Region
+from deeppart.regions import I64, Region
 from deeppart.state.dtensor import Layout, layout_regions
 
 __all__ = [
@@ -182,8 +182,17 @@ class RegionIndex:
 
     def __init__(self, entries: list[tuple[Region, list[int]]]) -> None:
         self.entries = entries
+        self._box_arrays: tuple[I64, I64, I64, I64] | None = None
+        self._not_boxes = False
+        self._bucketed = False
         self.buckets: list[list[int]] | None = None
         self.anywhere: list[int] = []
+
+    def _bucket(self) -> None:
+        """Puts each region in the buckets of dimension 0 that its rows meet
+        (once, at the first :meth:`needers`)."""
+        self._bucketed = True
+        entries = self.entries
         if len(entries) <= self.LINEAR:
             return
         rows = [e[0].runs[0] if e[0].runs else () for e in entries]
@@ -203,6 +212,8 @@ class RegionIndex:
 
     def needers(self, span: Region) -> list[int]:
         """The sorted ranks that need some element of ``span``."""
+        if not self._bucketed:
+            self._bucket()
         if self.buckets is None or not span.runs or not span.runs[0]:
             candidates: Any = range(len(self.entries))
         else:
@@ -218,3 +229,76 @@ class RegionIndex:
             if region.intersect(span) is not None:
                 out.update(ranks)
         return sorted(out)
+
+    def needers_many(self, spans: Sequence[Region]) -> list[list[int]]:
+        """:meth:`needers` of each span, at once. When every region and span
+        is a box (one run per dimension: what FSDP, TP and their products
+        make), all spans are met against all regions in a few array
+        operations (:func:`_box_needers`), several times faster than one
+        span at a time for the hundred thousand pieces of a large load."""
+        boxes = self._boxes()
+        span_bounds = _box_bounds(spans) if boxes is not None else None
+        if boxes is None or span_bounds is None:
+            return [self.needers(s) for s in spans]
+        return _box_needers(*boxes, *span_bounds)
+
+    def _boxes(self) -> tuple[I64, I64, I64, I64] | None:
+        """The regions as boxes: lower and upper bounds (regions x dims) and
+        their ranks as one array with offsets; None when some region is not
+        a box, or the tensor has no dimension."""
+        if self._not_boxes:
+            return None
+        if self._box_arrays is None:
+            bounds = _box_bounds([e[0] for e in self.entries])
+            if bounds is None:
+                self._not_boxes = True
+                return None
+            ranks = [e[1] for e in self.entries]
+            offsets = np.zeros(len(ranks) + 1, dtype=np.int64)
+            offsets[1:] = np.cumsum([len(r) for r in ranks])
+            flat = np.fromiter((x for r in ranks for x in r), np.int64, int(offsets[-1]))
+            self._box_arrays = (*bounds, offsets, flat)
+        return self._box_arrays
+
+
+def _box_bounds(regions: Sequence[Region]) -> tuple[I64, I64] | None:
+    """Lower and upper bounds (regions x dims) when every region is a box of
+    the same dimensions (one run in each), else None."""
+    if not regions or not regions[0].runs:
+        return None
+    runs = [run for r in regions for run in r.runs]
+    if len(runs) != len(regions) * len(regions[0].runs) or any(len(r) != 1 for r in runs):
+        return None
+    b = np.asarray([r[0] for r in runs], dtype=np.int64).reshape(len(regions), -1, 2)
+    return b[:, :, 0], b[:, :, 1]
+
+
+#: At most this many (span, region, dimension) comparisons in one array.
+_BOX_CHUNK = 1 << 21
+
+
+def _box_needers(
+    lo: I64, hi: I64, offsets: I64, flat: I64, s_lo: I64, s_hi: I64
+) -> list[list[int]]:
+    """The sorted needers of each box span ``s_lo``/``s_hi`` among box
+    regions ``lo``/``hi`` (their ranks: ``flat[offsets[i]:offsets[i + 1]]``)."""
+    out: list[list[int]] = []
+    if s_lo.shape[1] != lo.shape[1]:
+        raise ValueError(f"spans of {s_lo.shape[1]} dimensions, regions of {lo.shape[1]}")
+    world = int(flat.max()) + 1 if len(flat) else 1
+    step = max(1, _BOX_CHUNK // max(1, lo.shape[0] * lo.shape[1]))
+    for first in range(0, len(s_lo), step):
+        a, b = s_lo[first : first + step], s_hi[first : first + step]
+        meet = np.all((lo[None] < b[:, None]) & (a[:, None] < hi[None]), axis=2)
+        span_of, region_of = np.nonzero(meet)
+        counts = offsets[region_of + 1] - offsets[region_of]
+        starts = np.repeat(offsets[region_of] - np.cumsum(counts) + counts, counts)
+        ranks = flat[starts + np.arange(int(counts.sum()), dtype=np.int64)]
+        keys = np.unique(np.repeat(span_of, counts) * world + ranks)
+        ends = np.searchsorted(keys // world, np.arange(1, len(a) + 1), side="left")
+        found = (keys % world).tolist()
+        start = 0
+        for end in ends.tolist():
+            out.append(found[start:end])
+            start = end
+    return out

@@ -345,29 +345,31 @@ def plan_shard_reads(
                 direct = _direct_ranges(meta, shard, mine_of[key])
                 if direct is not None:
                     out.direct[shard.leaf] = direct
-            for p in pieces_of.get(shard.leaf, []):
-                span = _piece_region(meta, shard, p)
-                needers = index.needers(span)
-                if not needers:
-                    continue
-                out.total_raw += p.length
-                if read_own:
-                    if c.rank in needers:
-                        out.mine.setdefault(p.rank, []).append(p)
-                        out.read_raw += p.length
-                else:
-                    reader = p.rank if held else min(needers, key=lambda r: (load[r], r))
-                    load[reader] += p.stored
-                    if reader == c.rank:
-                        out.mine.setdefault(p.rank, []).append(p)
-                        out.read_raw += p.length
-                    for r in needers:
-                        if r != reader:
-                            out.sends.setdefault((reader, r), []).append(p)
+        stored = [
+            (shard, p) for shard in records[key].shards for p in pieces_of.get(shard.leaf, [])
+        ]
+        found = index.needers_many([_piece_region(meta, shard, p) for shard, p in stored])
+        for (shard, p), needers in zip(stored, found, strict=True):
+            if not needers:
+                continue
+            out.total_raw += p.length
+            if read_own:
                 if c.rank in needers:
-                    out.needed.add(id(p))
-                    if shard.leaf not in out.direct and shard.leaf not in out.buffers:
-                        out.buffers[shard.leaf] = np.empty(meta.leaves[shard.leaf].nbytes, np.uint8)
+                    out.mine.setdefault(p.rank, []).append(p)
+                    out.read_raw += p.length
+            else:
+                reader = p.rank if held else min(needers, key=lambda r: (load[r], r))
+                load[reader] += p.stored
+                if reader == c.rank:
+                    out.mine.setdefault(p.rank, []).append(p)
+                    out.read_raw += p.length
+                for r in needers:
+                    if r != reader:
+                        out.sends.setdefault((reader, r), []).append(p)
+            if c.rank in needers:
+                out.needed.add(id(p))
+                if shard.leaf not in out.direct and shard.leaf not in out.buffers:
+                    out.buffers[shard.leaf] = np.empty(meta.leaves[shard.leaf].nbytes, np.uint8)
     return out
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from thread_comm import ThreadComm, run_ranks, thread_comms
 
+import deeppart.loading.needs as needs_module
 from deeppart.errors import CheckpointError
 from deeppart.loading.needs import DIGEST_BYTES, NeedSpec, RegionIndex, exchange_needs
 from deeppart.regions import Region, placement_region
@@ -79,6 +80,7 @@ def test_every_rank_learns_every_ranks_needs(pp: int, dp: int, tp: int) -> None:
                     spans.append(region.rows(a, rng.randrange(a + 1, rows + 1)))
         for span in spans:
             assert index.needers(span) == _scan(needs, path, span), (path, span)
+        assert index.needers_many(spans) == [_scan(needs, path, s) for s in spans], path
 
 
 def test_one_description_per_stage_whatever_the_ranks() -> None:
@@ -149,3 +151,42 @@ def test_region_index_matches_a_scan_on_random_regions() -> None:
             span = Region((((a, rng.randrange(a + 1, 101)),), ((c, c + 1),)))
             want = sorted(r for reg, rs in entries for r in rs if reg.intersect(span))
             assert index.needers(span) == want
+
+
+def _random_region(rng: random.Random, box: bool) -> Region:
+    dims = []
+    for n in (100, 10):
+        a = rng.randrange(n)
+        runs = [(a, rng.randrange(a + 1, n + 1))]
+        if not box and runs[0][1] + 1 < n:  # a second run: not a box
+            b = rng.randrange(runs[0][1] + 1, n)
+            runs.append((b, rng.randrange(b + 1, n + 1)))
+        dims.append(tuple(runs))
+    return Region(tuple(dims))
+
+
+@pytest.mark.parametrize(("boxes", "chunk"), [(True, None), (True, 7), (False, None)])
+def test_needers_many_matches_a_scan(
+    boxes: bool, chunk: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batch form, vectorised when every region and span is a box (and
+    split into chunks), the same answers as a scan; regions held by several
+    ranks, by none, and regions that are not boxes (the one-at-a-time path)."""
+    if chunk is not None:  # a few spans at a time
+        monkeypatch.setattr(needs_module, "_BOX_CHUNK", chunk)
+    rng = random.Random(2)
+    for trial in range(40):
+        entries = [
+            (
+                _random_region(rng, boxes or rng.random() < 0.5),
+                rng.sample(range(64), rng.randrange(4)),
+            )
+            for _ in range(rng.randrange(1, 80))
+        ]
+        index = RegionIndex(entries)
+        spans = [_random_region(rng, boxes or rng.random() < 0.5) for _ in range(rng.randrange(60))]
+        want = [
+            sorted({r for reg, rs in entries for r in rs if reg.intersect(span)}) for span in spans
+        ]
+        assert index.needers_many(spans) == want, trial
+        assert [index.needers(s) for s in spans] == want
