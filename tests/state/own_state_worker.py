@@ -294,15 +294,20 @@ def build_stage(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
     g = torch.Generator().manual_seed(seed * 100 + dist.get_rank())
     for _ in range(2 + seed // 50):  # the targets (seed >= 50) one step further
-        if model.tok_embeddings is not None:
-            x = torch.randint(VOCAB, (2, 5), generator=g)
-        else:
-            x = torch.randn(2, 5, DIM, generator=g)
-        model(x).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
+        train_step(model, opt, g)
         sched.step()
     return model, opt, sched
+
+
+def train_step(model: Any, opt: Any, g: torch.Generator) -> None:
+    """One optimizer step of a :class:`Stage` on a batch drawn from ``g``."""
+    if model.tok_embeddings is not None:
+        x = torch.randint(VOCAB, (2, 5), generator=g)
+    else:
+        x = torch.randn(2, 5, DIM, generator=g)
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
 
 
 def model_optim(model: nn.Module, opt: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -435,21 +440,11 @@ def blocks_then_all(mesh: Any, stage: int, seed: int, grow: bool) -> dict[str, A
     named = list(model.named_parameters())
     opt = torch.optim.AdamW([p for n, p in named if n.startswith("layers.")], lr=1e-2)
     g = torch.Generator().manual_seed(seed * 100 + dist.get_rank())
-
-    def step() -> None:
-        if model.tok_embeddings is not None:
-            x = torch.randint(VOCAB, (2, 5), generator=g)
-        else:
-            x = torch.randn(2, 5, DIM, generator=g)
-        model(x).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-
-    step()
-    step()
+    train_step(model, opt, g)
+    train_step(model, opt, g)
     if grow:
         opt.add_param_group({"params": [p for n, p in named if not n.startswith("layers.")]})
-        step()
+        train_step(model, opt, g)
     msd, osd = model_optim(model, opt)
     return {"model": msd, "optim": osd}
 
