@@ -12,9 +12,10 @@ several GB of memory (over 7 GB once rank 0 merges); ``--bytes-only``
 makes every rank's payload (about 2 CPU minutes, 3 GB) without rank 0's
 merge.
 
-The exchange (:func:`deeppart.saving.prepare.prepare_save`): one agreement of an
-81-byte row per rank (structure digest, sampled-tensor and plain-value
-digests, a flag, the digest of the store the rank addresses); when the
+The exchange (:func:`deeppart.saving.prepare.prepare_save`): one agreement of a
+122-byte row per rank (structure digest, sampled-tensor and plain-value
+digests, a flag, the digest of the store the rank addresses, the union
+cache's column: :mod:`deeppart.saving.union_cache`); when the
 ranks' structures differ (pipeline stages) one ``allgather_varbytes`` in
 which the lowest rank of each distinct structure sends its description
 (:func:`deeppart.state.union.encode_described`: each DTensor by its layout,
@@ -26,6 +27,8 @@ carries those leaf by leaf; every rank then builds the same union
 manifest and plans it, and a last agreement of a 33-byte row checks that.
 A load with DTensor targets exchanges too
 (:func:`deeppart.loading.reshard.plan_shard_reads`: every rank's needed regions).
+A second save of the same structure reuses the first's union and plan
+(the agreement only; reported after the first).
 
 **measured** (``--part measured``): ``mpiexec -n 8`` ranks of this file,
 gloo initialised beside MPI, a torchtitan-like Llama stage per pipeline
@@ -574,13 +577,18 @@ def _computed(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from deeppart.saving import prepare as prepare_module
+    from deeppart.saving import union_cache
     from deeppart.saving.planning import PlanProvider
     from deeppart.saving.prepare import (
+        ROW_WIDTH,
+        _fingerprint,
         _Own,
         _own_prepare,
         _payload,
         _read_exchange,
         _second_payload,
+        _try_cache,
         _union_prepare,
         digest_held,
         prepare_save,
@@ -591,6 +599,8 @@ def _computed(
     world = pp * dp * tp
     path = Path(directory)
     plan_for = PlanProvider(world)
+    union_cache.forget()  # the first save below finds no cached union
+    blank = b"\0" * (union_cache.COLUMN_WIDTH - union_cache.FINGERPRINT_BYTES)
     reps = [s * dp * tp for s in range(pp)]
     owns: dict[int, _Own] = {}
     states: dict[int, Any] = {}
@@ -645,11 +655,14 @@ def _computed(
             digests, sample, values, _ = digest_held(held)
             # prepare_save below is given no store: the digest of b"".
             rows[r] = own.prep.digest + sample + values + b"\0" + identity_digest(b"")
+            # The union cache's column: the stage's structure fingerprint, no cache yet.
+            rows[r] += _fingerprint(own, False, False) + blank
             if r != reps[s]:
                 own_of[r] = dataclasses.replace(own, digests=digests, sample=sample, values=values)
             else:
                 own_of[r] = own
-    rows_plain = [r[:64] for r in rows]
+    rows_plain = [r[:ROW_WIDTH] for r in rows]
+    row_bytes = 1 + len(rows[0])  # the agreement's row: a byte saying the rank did not fail
     payloads: list[bytes] = []
     for r in range(world):
         rep = reps[r // (dp * tp)]
@@ -683,7 +696,7 @@ def _computed(
     if bytes_only:
         # What rank 0's three gathers carry with these rows and payloads.
         ops: list[list[Any]] = [
-            ["prepare_save", "allgather_bytes", 82, 82 * (world - 1)],
+            ["prepare_save", "allgather_bytes", row_bytes, row_bytes * (world - 1)],
             *(["_exchange_round", "allgather_varbytes", len(ps[0]) + 8,
                _others(ps, 0) + 8 * (world - 1)] for ps in rounds),
             ["_union_prepare", "allgather_bytes", 34, 34 * (world - 1)],
@@ -693,12 +706,24 @@ def _computed(
         return out
 
     _progress("rank 0's prepare_save")
-    # Rank 0's prepare_save, the code as it runs in a save.
+    # Rank 0's prepare_save, the code as it runs in a save; the union it
+    # builds is kept for the other ranks' check values of a second save.
     c = SimComm(0, world, rows, rounds)
-    _freeze_simulation()
-    t0 = time.process_time()
-    prep, _ = prepare_save(cast("Comm", c), None, states[0], None, plan_for, path)
-    t_total = time.process_time() - t0
+    built: list[Any] = []
+    build = prepare_module.build_union  # type: ignore[attr-defined]
+
+    def keeping(*a: Any, **k: Any) -> Any:
+        built.append(build(*a, **k))
+        return built[-1]
+
+    prepare_module.build_union = keeping  # type: ignore[attr-defined]
+    try:
+        _freeze_simulation()
+        t0 = time.process_time()
+        prep, _ = prepare_save(cast("Comm", c), None, states[0], None, plan_for, path)
+        t_total = time.process_time() - t0
+    finally:
+        prepare_module.build_union = build  # type: ignore[attr-defined]
     marks = [(x[1], x[4] - t0, x[5] - t0) for x in c.counter.log]
     agree1, gather, agree2 = marks[0], marks[1], marks[-1]
     phases = {
@@ -719,6 +744,9 @@ def _computed(
     out["rank0"] = c.counter.totals(SAVE_EXCHANGE)
     out["cpu_seconds"] = {**phases, "rank 0 prepare_save in all": t_total, **out["cpu_seconds"]}
     out["same_union_on_reps"] = checked
+    out["cached"] = _cached_save(
+        world, rows, own_of, states[0], plan_for, path, prep, built[0], union_cache, _try_cache
+    )
     return out
 
 
@@ -818,6 +846,62 @@ def _freeze_simulation() -> None:
     gc.freeze()
 
 
+def _cached_save(
+    world: int,
+    rows: list[bytes],
+    own_of: list[Any],
+    state: Any,
+    plan_for: Any,
+    path: Path,
+    first: Any,
+    union: Any,
+    union_cache: Any,
+    try_cache: Callable[..., Any],
+) -> dict[str, Any]:
+    """Rank 0's second save of the same structure (the same state), which
+    reuses the union its first save cached: its CPU seconds and what it
+    gathers. Every rank's agreement row is made beforehand: the tag rank 0
+    makes (every rank makes the same from the same cache), each rank's
+    check value from its own digests and check terms of the cached union
+    (``union``: the one rank 0's first save built)."""
+    from deeppart.saving.prepare import _fingerprint, _own_prepare, prepare_save
+
+    _progress("the other ranks' rows of a second save (the union cached)")
+    own = _own_prepare(state, None, plan_for, path, None, [], 0, world)
+    reuse = try_cache(own, 0, world, _fingerprint(own, False, False))
+    if reuse is None:
+        raise AssertionError("rank 0 finds no cached union of its structure")
+    tag = reuse.column[: union_cache.TAG_BYTES]
+    head = len(rows[0]) - union_cache.COLUMN_WIDTH
+    rows2 = []
+    for r in range(world):
+        check = union_cache.check_value(union_cache.check_terms(union, r), own_of[r].digests)
+        if check is None:
+            raise AssertionError(f"rank {r} cannot prove its copies by the cached union")
+        fingerprint = rows[r][head : head + union_cache.FINGERPRINT_BYTES]
+        rows2.append(rows[r][:head] + fingerprint + tag + check + b"\0")  # nothing deferred
+    _progress("rank 0's second prepare_save")
+    c = SimComm(0, world, rows2, [])
+    _freeze_simulation()
+    t0 = time.process_time()
+    prep, _ = prepare_save(cast("Comm", c), None, state, None, plan_for, path)
+    t_total = time.process_time() - t0
+    agree_at = c.counter.log[0][4] - t0
+    if prep.manifest.fingerprint != first.manifest.fingerprint:
+        raise AssertionError("the cached save's manifest is not the first save's")
+    if prep.plan.fingerprint != first.plan.fingerprint:
+        raise AssertionError("the cached save's plan is not the first save's")
+    totals = c.counter.totals(SAVE_EXCHANGE)
+    return {
+        "rank0": totals,
+        "cpu_seconds": {
+            "own prepare and the cache's row": agree_at,
+            "after the agreement": t_total - agree_at,
+            "rank 0 prepare_save in all": t_total,
+        },
+    }
+
+
 def _progress(what: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {what}", file=sys.stderr, flush=True)
 
@@ -868,6 +952,14 @@ def report_computed(res: dict[str, Any], latency_us: float, bandwidth_gbs: float
         )
     if res.get("same_union_on_reps"):
         print(f"  same union manifest on each stage's lowest rank: {res['same_union_on_reps']}")
+    if "cached" in res:
+        cached = res["cached"]
+        got = cached["rank0"]
+        print("  second save, same structure (the union and plan cached):")
+        print(f"    collectives: {[op[1] for op in got['ops']]}")
+        print(f"    gathered by every rank: {_mb(got['gathered'])} (sent {got['sent']} B)")
+        for k, v in cached["cpu_seconds"].items():
+            print(f"    {k}: {v:.3f}")
 
 
 def _mb(n: int) -> str:

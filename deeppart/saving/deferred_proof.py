@@ -36,6 +36,11 @@ rank's share of that plan snapshotted, before optimizer steps are let go:
 each rank's copy is stored as its own, as by a synchronous save. Every
 tensor of the save is checked unchanged since the stall (its version
 counter) when that second snapshot is taken.
+
+A save that reuses a cached union (:mod:`deeppart.saving.union_cache`)
+defers the same tensors: its proof compares no digests by replica class
+but sums the union cache's check values of them (:attr:`PendingProof.check`),
+and every rank joins that agreement, those without such tensors too.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +56,7 @@ from deeppart.agreement import agree
 from deeppart.comm import Comm
 from deeppart.errors import StateMismatchError
 from deeppart.saving import digests as tree_digests
+from deeppart.saving.union_cache import checks_hold
 
 __all__ = [
     "DEFER_FROM",
@@ -84,6 +90,10 @@ class PendingProof:
     #: This rank's replica class (the holder groups it is in): ranks of one
     #: class hold the same shared tensors.
     classes: list[tuple[int, ...]]
+    #: A save reusing a cached union: this rank's check value of its
+    #: digests (:func:`deeppart.saving.union_cache.check_of`), summed over
+    #: the ranks instead of comparing digests by class.
+    check: Callable[[dict[int, bytes]], bytes] | None = None
     done: threading.Event = field(default_factory=threading.Event)
     #: Seconds optimizer steps waited for this proof.
     held_seconds: float = 0.0
@@ -125,12 +135,14 @@ def pending(
     every: dict[int, Any],
     paths: dict[int, Sequence[Any]],
     classes: list[tuple[int, ...]],
+    check: Callable[[dict[int, bytes]], bytes] | None = None,
 ) -> PendingProof:
     """A proof of ``tensors`` (``every``: all the save's tensors, by local
-    leaf), their versions read now; nothing waits for it (:func:`hold`)."""
+    leaf), their versions read now; nothing waits for it (:func:`hold`).
+    ``check``: see :attr:`PendingProof.check`."""
     versions = {i: int(t._version) for i, t in tensors.items()}
     watched = {i: (t, int(t._version)) for i, t in every.items()}
-    return PendingProof(dict(tensors), versions, watched, dict(paths), classes)
+    return PendingProof(dict(tensors), versions, watched, dict(paths), classes, check)
 
 
 def hold(p: PendingProof) -> PendingProof:
@@ -211,7 +223,16 @@ def _compare(
     c: Comm, p: PendingProof, digests: dict[int, bytes], err: BaseException | None
 ) -> dict[int, bytes] | None:
     """The proof's agreement: ``err`` raised on every rank if any rank has
-    one; None when the ranks of each replica class sent the same digests."""
+    one; None when the ranks of each replica class sent the same digests
+    (with :attr:`PendingProof.check`: when the check values sum to zero)."""
+    if p.check is not None:
+        value = b"\0" * 16
+        if err is None:
+            try:
+                value = p.check(digests)
+            except BaseException as e:
+                err = e
+        return None if checks_hold(agree(c, err, value, width=len(value))) else digests
     h = hashlib.blake2b(digest_size=16)
     for i in sorted(digests):
         h.update(i.to_bytes(8, "little") + digests[i])

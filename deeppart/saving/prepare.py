@@ -37,6 +37,19 @@ from deeppart.compression import check_codec
 from deeppart.errors import CheckpointError, StateMismatchError
 from deeppart.regions import DTensorRecord, Region, ShardRecord
 from deeppart.saving.digests import digest_all, digest_threads
+from deeppart.saving.union_cache import (
+    COLUMN_WIDTH,
+    FINGERPRINT_BYTES,
+    TAG_BYTES,
+    UnionCache,
+    cached,
+    check_of,
+    check_value,
+    checks_hold,
+    fingerprints_digest,
+    remember,
+    structure_fingerprint,
+)
 from deeppart.state.dtensor import HolderGroups, expand
 from deeppart.state.state import FlatLeaf, check_has_data, flatten
 from deeppart.state.tensors import U8, readable, u8_view
@@ -117,6 +130,12 @@ class Prepared:
     #: With ``unproved``: the save's prepare again, should their proof find
     #: copies that differ (:func:`replan`).
     replan: Callable[..., tuple[Prepared, list[int]]] | None = None
+    #: A save that reuses a cached union (:mod:`deeppart.saving.union_cache`)
+    #: and left part of its check to the deferred proof: this rank's check
+    #: value of the digests it takes (by leaf of ``leaves``), which that
+    #: proof's agreement sums; set on every rank of such a save, whether or
+    #: not it has ``unproved`` tensors itself (all of them join that agreement).
+    proof_check: Callable[[dict[int, bytes]], bytes] | None = None
 
 
 def sample_bytes(t: Any) -> bytes:
@@ -279,6 +298,8 @@ class _Own:
     #: Per DTensor record: the layout its shards come from (the exchange
     #: sends the layout, :func:`~deeppart.state.union.encode_described`).
     layouts: list[Any] = field(default_factory=list)
+    #: :func:`~deeppart.saving.union_cache.structure_fingerprint` of this rank.
+    structure: bytes = b""
 
 
 def _holders_of(desc: dict[str, Any], groups: list[list[int]], world: int) -> list[int]:
@@ -338,7 +359,11 @@ def _own_prepare(
              "shards": [[s.leaf, s.region.to_json()] for s in rec.shards]}
         )  # fmt: skip
     prep.samples = {i: bytes.fromhex(v) for i, v in digests.samples.items()}
-    return _Own(prep, described, digests, sample, values, plan_for, directory, deferred, ex.layouts)
+    structure = structure_fingerprint(described, ex.layouts, codec, kind, world)
+    return _Own(
+        prep, described, digests, sample, values, plan_for, directory, deferred, ex.layouts,
+        structure,
+    )  # fmt: skip
 
 
 @dataclass
@@ -436,12 +461,16 @@ def prepare_save(
 ) -> tuple[Prepared, list[int]]:
     """The prepare stage of :func:`deeppart.save` and its agreement
     (collective over ``c``): each rank passes its own tree (see
-    :mod:`deeppart.state.union`). Fast path: one agreement of an 81-byte row per
+    :mod:`deeppart.state.union`). Fast path: one agreement of a 122-byte row per
     rank (structure and plan digest, sampled tensors, plain values, the
     ``local`` byte, the digest of ``store``: the identity of the store this
     rank addresses, :func:`deeppart.storage.identity.identity_text`; ranks
     whose stores differ raise StoreConfigError naming the settings that
-    differ, after one more collective); when
+    differ, after one more collective; the union cache's column:
+    :mod:`deeppart.saving.union_cache`). When every rank's structure is the
+    one of the last union save in this process and every copy that union
+    stores once is still equal among its holders, that union and its plan
+    are this save's (no exchange, no merge; not with ``group="auto"``). When
     all ranks hold the same structure, the whole-byte digests of their
     shared tensors agree within each replica class and their plain values
     agree, the plan every rank made of its own tree is the job's. Otherwise the ranks exchange
@@ -462,8 +491,11 @@ def prepare_save(
 
     defer_from = DEFER_FROM if defer_proof and not declared else None
     dims = [replica_dims] if isinstance(replica_dims, str) else list(replica_dims or ())
+    auto = group == AUTO
     err: BaseException | None = failed
     own: _Own | None = None
+    reuse: _Reuse | None = None
+    column = b"\0" * COLUMN_WIDTH
     flag = 0
     try:
         if failed is not None:
@@ -471,19 +503,38 @@ def prepare_save(
         own = _own_prepare(
             state, compression, plan_for, directory, group, dims, c.rank, c.size, defer_from
         )
-        if local is not None and group != AUTO:
+        fingerprint = _fingerprint(own, auto, declared)
+        reuse = None if auto else _try_cache(own, c.rank, c.size, fingerprint)
+        blank = b"\0" * (COLUMN_WIDTH - FINGERPRINT_BYTES)
+        column = fingerprint + (reuse.column if reuse else blank)
+        if local is not None and reuse is not None:
+            flag = local(reuse.prep)
+        elif local is not None and not auto:
             flag = local(own.prep)
     except BaseException as e:
         err = e
     row = own.prep.digest + own.sample + own.values if own is not None else b"\0" * ROW_WIDTH
-    row += bytes([flag]) + identity_digest(store)
-    rows = agree(c, err, row, width=ROW_WIDTH + 1 + IDENTITY_BYTES)
+    row += bytes([flag]) + identity_digest(store) + column
+    rows = agree(c, err, row, width=ROW_WIDTH + 1 + IDENTITY_BYTES + COLUMN_WIDTH)
     assert own is not None
-    if len({r[ROW_WIDTH + 1 :] for r in rows}) != 1:
+    if len({r[ROW_WIDTH + 1 : ROW_WIDTH + 1 + IDENTITY_BYTES] for r in rows}) != 1:
         raise identity_error(c.allgather_varbytes(store))
     flags = [r[ROW_WIDTH] for r in rows]
+    columns = [r[ROW_WIDTH + 1 + IDENTITY_BYTES :] for r in rows]
+    fingerprints = [col[:FINGERPRINT_BYTES] for col in columns]
+    if reuse is not None and _cache_holds(reuse.entry, columns, fingerprints):
+        # The union and plan of the last save: no exchange, no merge. Copies
+        # whose proof is deferred are proved by its caller, on every rank.
+        if any(col[-1] for col in columns):
+            reuse.prep.unproved = reuse.unproved
+            reuse.prep.proof_check = functools.partial(check_of, reuse.late)
+            reuse.prep.replan = functools.partial(_replan, own, rows, fingerprints, reuse.local_of)
+        return reuse.prep, flags
+    tried = any(
+        col[FINGERPRINT_BYTES : FINGERPRINT_BYTES + TAG_BYTES].strip(b"\0") for col in columns
+    )
     same = len({r[:32] for r in rows}) == 1 and len({r[48:64] for r in rows}) == 1
-    if same and group != AUTO:
+    if same and not auto and not tried:
         classes = replica_classes(own.prep.manifest, c.size)
         first: dict[tuple[int, ...], bytes] = {}
         pairs = zip(classes, rows, strict=True)
@@ -491,28 +542,112 @@ def prepare_save(
             # The fast path: every rank planned the job's save.
             own.prep.unproved = own.deferred
             if own.deferred:
-                own.prep.replan = functools.partial(_replan, own, rows)
+                own.prep.replan = functools.partial(_replan, own, rows, fingerprints, None)
             return own.prep, flags
     if own.prep.staged is not None:
         own.prep.staged = None  # the optimistic snapshot: taken again of the union's plan
     _prove_deferred(own, c.size)
-    return _union_prepare(c, own, rows, group == AUTO, local, declared)
+    rows = [r[:ROW_WIDTH] for r in rows]
+    return _union_prepare(c, own, rows, auto, local, declared, None if auto else fingerprints)
+
+
+def _fingerprint(own: _Own, auto: bool, declared: bool) -> bytes:
+    """This rank's structure fingerprint for this save (the own tree's, the
+    kind of replica proof)."""
+    extra = bytes([auto, declared])
+    return hashlib.blake2b(own.structure + extra, digest_size=FINGERPRINT_BYTES).digest()
+
+
+@dataclass
+class _Reuse:
+    """This rank's candidate for reusing its cached union in this save."""
+
+    entry: UnionCache
+    #: The save prepared from the cache (this save's leaves, directory, plan).
+    prep: Prepared
+    #: Tag, check value and late byte (the row's cache column after the
+    #: fingerprint).
+    column: bytes
+    #: This rank's deferred shared tensors, by union item (``prep.leaves``):
+    #: proved by the save's caller (:mod:`deeppart.saving.deferred_proof`).
+    unproved: dict[int, Any]
+    #: The check terms of ``unproved`` tensors, by union item.
+    late: list[tuple[int, int]]
+    #: Per union item this rank holds: its local leaf.
+    local_of: dict[int, int]
+
+
+def _try_cache(own: _Own, rank: int, world: int, fingerprint: bytes) -> _Reuse | None:
+    """This rank's save prepared from its cached union
+    (:mod:`deeppart.saving.union_cache`), when its structure is the cached
+    one; None otherwise. The deferred shared tensors (``own.deferred``)
+    stay deferred: the row's check covers the other copies, the rest of it
+    is the deferred proof's (every deferred tensor is digested there, so
+    that copies found to differ are each rank's own in the save prepared
+    again)."""
+    entry = cached(rank, world, fingerprint)
+    if entry is None:
+        return None
+    item_of = {i: k for k, i in entry.held}
+    if any(i not in item_of for i in own.deferred):
+        return None  # a deferred tensor the cached union does not hold here
+    check = check_value([t for t in entry.terms if t[0] not in own.deferred], own.digests)
+    if check is None:
+        return None
+    late = [(item_of[i], coeff) for i, coeff in entry.terms if i in own.deferred]
+    leaves = list(entry.template)
+    for k, i in entry.held:
+        mine = own.prep.leaves[i]
+        leaves[k] = FlatLeaf(leaves[k].path, mine.tensor, mine.encoded)
+    plan = own.plan_for(entry.manifest)
+    h = hashlib.sha256(b"deeppart union cache\0" + entry.ident)
+    h.update(plan.fingerprint.encode() + b"\0" + own.prep.codec.encode() + b"\0")
+    h.update(own.described.common.encode())
+    digest = h.digest()
+    prep = Prepared(
+        leaves, entry.skeleton, entry.manifest, plan, own.prep.codec, digest,
+        entry.records, union=entry.union_meta,
+    )  # fmt: skip
+    tag = hashlib.blake2b(digest, digest_size=TAG_BYTES).digest()
+    unproved = {item_of[i]: t for i, t in own.deferred.items()}
+    column = tag + check + bytes([bool(late)])
+    return _Reuse(entry, prep, column, unproved, late, {k: i for k, i in entry.held})
+
+
+def _cache_holds(entry: UnionCache, columns: list[bytes], fingerprints: list[bytes]) -> bool:
+    """Whether every rank reuses the same cached union (alike on every
+    rank): the same tag on every rank (the same union, plan, codec,
+    directory and kind of group=), the fingerprints the cache was made
+    with, and check values that sum to zero (every copy stored once is
+    still equal among its holders)."""
+    tags = {col[FINGERPRINT_BYTES : FINGERPRINT_BYTES + TAG_BYTES] for col in columns}
+    if len(tags) != 1 or tags == {b"\0" * TAG_BYTES}:
+        return False
+    if fingerprints_digest(fingerprints) != entry.fingerprints:
+        return False
+    return checks_hold([col[FINGERPRINT_BYTES + TAG_BYTES : -1] for col in columns])
 
 
 def _replan(
     own: _Own,
     rows: list[bytes],
+    fingerprints: list[bytes],
+    local_of: dict[int, int] | None,
     c: Comm,
     proved: dict[int, bytes],
     local: Callable[[Prepared], int] | None,
 ) -> tuple[Prepared, list[int]]:
     """The prepare of a save whose deferred proof found shared tensors that
     differ between their holders (``proved``: this rank's digests of the
-    tensors it left unproved, by local leaf): the exchange, the union and
-    its agreement, as a save whose copies differ takes in its call, so
-    that each rank's copy is stored as its own (collective over ``c``)."""
+    tensors it left unproved, by leaf of the save's ``leaves``; ``local_of``
+    maps those to local leaves when that save reused a cached union): the
+    exchange, the union and its agreement, as a save whose copies differ
+    takes in its call, so that each rank's copy is stored as its own
+    (collective over ``c``)."""
+    if local_of is not None:
+        proved = {local_of[k]: d for k, d in proved.items()}
     _record_proved(own, proved)
-    return _union_prepare(c, own, rows, False, local)
+    return _union_prepare(c, own, [r[:ROW_WIDTH] for r in rows], False, local, False, fingerprints)
 
 
 def replan(
@@ -813,9 +948,12 @@ def _union_prepare(
     auto: bool,
     local: Callable[[Prepared], int] | None,
     declared: bool = False,
+    fingerprints: list[bytes] | None = None,
 ) -> tuple[Prepared, list[int]]:
     """The exchange, the union manifest and its agreement (every rank
-    raises alike on replicas that differ, or on trees that do not merge)."""
+    raises alike on replicas that differ, or on trees that do not merge).
+    With ``fingerprints`` (every rank's structure fingerprint), the union
+    is kept for the next save (:mod:`deeppart.saving.union_cache`)."""
     classes = _classes_of(rows)
     got = _exchange_round(c, lambda: _payload(own, rows, c.rank, classes[c.rank]))
     with _no_gc():
@@ -827,6 +965,7 @@ def _union_prepare(
     err: BaseException | None = None
     prep: Prepared | None = None
     flag = 0
+    u: Union | None = None
     try:
         with _no_gc():
             u = build_union(states, classes, digests, whole, auto, declared, ex.units)
@@ -842,6 +981,11 @@ def _union_prepare(
             "ranks built different union manifests (a bug, or ranks running different "
             "DeepPart versions); nothing was written"
         )
+    if fingerprints is not None and u is not None:
+        remember(
+            c.rank, fingerprints, u, prep.manifest, prep.plan, prep.skeleton, prep.dtensors,
+            prep.union, prep.leaves,
+        )  # fmt: skip
     return prep, [r[32] for r in out]
 
 

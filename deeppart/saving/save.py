@@ -376,8 +376,9 @@ def _agree_seen(c: Comm, target: SaveTarget, token: str, save_id: str) -> None:
 def take_unproved(c: Comm, prep: Prepared) -> PendingProof | None:
     """The proof ``prep`` left to its caller (``prep.unproved``, now
     emptied: taken once), its tensors' versions read now; None when it
-    left none."""
-    if not prep.unproved:
+    left none (every rank of a save that reuses a cached union and left
+    part of its check to this proof takes one, ``prep.proof_check``)."""
+    if not prep.unproved and prep.proof_check is None:
         return None
     leaves = prep.leaves
     p = pending(
@@ -385,8 +386,10 @@ def take_unproved(c: Comm, prep: Prepared) -> PendingProof | None:
         {i: leaf.tensor for i, leaf in enumerate(leaves) if leaf.tensor is not None},
         {i: leaf.path for i, leaf in enumerate(leaves)},
         replica_classes(prep.manifest, c.size),
+        prep.proof_check,
     )
     prep.unproved = {}
+    prep.proof_check = None
     return p
 
 

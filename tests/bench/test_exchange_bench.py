@@ -10,6 +10,13 @@ import pytest
 pytest.importorskip("torch")
 
 from bench.exchange import Llama, computed, stage_params
+from deeppart.saving.prepare import ROW_WIDTH
+from deeppart.saving.union_cache import COLUMN_WIDTH
+from deeppart.storage.identity import IDENTITY_BYTES
+
+#: The first agreement's row as it travels: the failure byte, the digests,
+#: the local byte, the store's identity, the union cache's column.
+ROW = 1 + ROW_WIDTH + 1 + IDENTITY_BYTES + COLUMN_WIDTH
 
 
 def test_computed_exchange_at_eight_ranks() -> None:
@@ -48,4 +55,11 @@ def test_computed_exchange_at_eight_ranks() -> None:
     mine = (ops[1][2] - 8) + (ops[2][2] - 8)  # rank 0's own payloads, both rounds
     assert ops[1][3] + ops[2][3] == total - mine + 2 * 8 * 7  # what rank 0 gathers
     assert ops[1][2] == descriptions[0] + 8
-    assert res["rank0"]["sent"] == 82 + ops[1][2] + ops[2][2] + 34
+    assert res["rank0"]["sent"] == ROW + ops[1][2] + ops[2][2] + 34
+    assert ops[0][2] == ROW and ops[0][3] == ROW * 7
+
+    # A second save of the same structure: the first agreement only (its
+    # row proves the cached union still fits), no exchange, no merge.
+    cached = res["cached"]["rank0"]
+    assert cached["ops"] == [["prepare_save", "allgather_bytes", ROW, ROW * 7]]
+    assert cached["gathered"] < ops[1][3] / 10

@@ -294,15 +294,20 @@ def build_stage(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
     g = torch.Generator().manual_seed(seed * 100 + dist.get_rank())
     for _ in range(2 + seed // 50):  # the targets (seed >= 50) one step further
-        if model.tok_embeddings is not None:
-            x = torch.randint(VOCAB, (2, 5), generator=g)
-        else:
-            x = torch.randn(2, 5, DIM, generator=g)
-        model(x).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
+        train_step(model, opt, g)
         sched.step()
     return model, opt, sched
+
+
+def train_step(model: Any, opt: Any, g: torch.Generator) -> None:
+    """One optimizer step of a :class:`Stage` on a batch drawn from ``g``."""
+    if model.tok_embeddings is not None:
+        x = torch.randint(VOCAB, (2, 5), generator=g)
+    else:
+        x = torch.randn(2, 5, DIM, generator=g)
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
 
 
 def model_optim(model: nn.Module, opt: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -391,6 +396,97 @@ def scenario_pp_fsdp(d: Path, checks: Checks) -> None:
         assert saved, "nothing committed"
         own = {**full, "loader": expected["loader"], "rng": expected["rng"]}
         same(deeppart.load(d), own, "full")
+    with checks.sub("a second save of the same layout reuses the union (issue 46)"):
+        from deeppart.saving import prepare
+
+        again, _ = pp_state(mesh, 30, {"epoch": 4, "batches_seen": 200 + rank}, rng_bytes(rank + 8))
+        again_expected = clone(again)
+        full_paths: list[int] = []
+        inner = prepare._union_prepare
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            full_paths.append(1)
+            return inner(*args, **kwargs)
+
+        prepare._union_prepare = counted
+        try:
+            deeppart.save(again, d.with_name(d.name + "-again"))
+        finally:
+            prepare._union_prepare = inner
+        assert not full_paths, "the second save exchanged descriptions again"
+        target, _ = pp_state(
+            pp_mesh(2, 2), 71, {"epoch": 0, "batches_seen": -1}, rng_bytes(rank + 50)
+        )
+        target["lr_scheduler"] = again_expected["lr_scheduler"]
+        out = deeppart.load(d.with_name(d.name + "-again"), into=target)
+        same(out, again_expected, "out")
+    with checks.sub("a new param group on one stage, a changed mesh: the full path (issue 46)"):
+        cache_invalidations(mesh, d.with_name(d.name + "-cache"))
+
+
+def blocks_then_all(mesh: Any, stage: int, seed: int, grow: bool) -> dict[str, Any]:
+    """Stage ``stage`` (seeded with ``seed``) ``fully_shard``-ed on
+    ``mesh["dp"]``, AdamW over its blocks only, two steps; with ``grow``,
+    its other parameters (embedding, norm, output) unfrozen as a second
+    param group and one more step: optimizer state leaves added. The model
+    and flattened optimizer state dicts."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = Stage(STAGE_LAYERS[stage], first=stage == 0, last=stage == 1)
+    for layer in model.layers.values():
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    named = list(model.named_parameters())
+    opt = torch.optim.AdamW([p for n, p in named if n.startswith("layers.")], lr=1e-2)
+    g = torch.Generator().manual_seed(seed * 100 + dist.get_rank())
+    train_step(model, opt, g)
+    train_step(model, opt, g)
+    if grow:
+        opt.add_param_group({"params": [p for n, p in named if not n.startswith("layers.")]})
+        train_step(model, opt, g)
+    msd, osd = model_optim(model, opt)
+    return {"model": msd, "optim": osd}
+
+
+def cache_invalidations(mesh: Any, d: Path) -> None:
+    """Issue 46, what invalidates a cached union, with FSDP2 state on
+    gloo: a save of the same structure reuses it (no exchange), a new
+    param group on stage 1 alone sends every rank down the full path (stage
+    0's structure is unchanged), and so does a mesh that places the stages
+    on other ranks ((pp, dp) = [[0, 2], [1, 3]]: ranks 1 and 2 change
+    stage; ranks 0 and 3 keep their stage, shard and tree, only their
+    DTensors' mesh changed); each save loads back bitwise."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from deeppart.saving import prepare
+
+    full_paths: list[str] = []
+    inner = prepare._union_prepare
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        full_paths.append(name)
+        return inner(*args, **kwargs)
+
+    moved = DeviceMesh("cpu", torch.tensor([[0, 2], [1, 3]]), mesh_dim_names=("pp", "dp"))
+    saves = [
+        ("blocks", mesh, False),  # AdamW over the blocks only: a new structure
+        ("blocks-again", mesh, False),  # the same structure: the cached union
+        ("grown", mesh, True),  # stage 1 adds a param group
+        ("moved-mesh", moved, True),  # the stages on other ranks
+    ]
+    prepare._union_prepare = counted
+    try:
+        for k, (name, m, grown) in enumerate(saves):
+            stage = m.get_local_rank("pp")
+            state = blocks_then_all(m, stage, 80 + k, grown and stage == 1)
+            expected = clone(state)
+            deeppart.save(state, d / name)
+            target = blocks_then_all(m, stage, 90 + k, grown and stage == 1)
+            same(deeppart.load(d / name, into=target), expected, name)
+    finally:
+        prepare._union_prepare = inner
+    assert full_paths == ["blocks", "grown", "moved-mesh"], full_paths
 
 
 # ----------------------------------------------------------------------------

@@ -68,7 +68,9 @@ def test_pp_fsdp_torchtitan_layout_restores_every_rank(four: tuple[Path, str]) -
     LambdaLR, a per-rank loader position and RNG state bytes. Saved without
     group=, everything perturbed, load(into=): every rank bitwise what it
     saved, and set_state_dict / load_state_dict take it; load() without a
-    target gives each rank its own stage's full tensors and values."""
+    target gives each rank its own stage's full tensors and values. A
+    second save of the same layout (other values) reuses the first's union
+    and plan (no exchange) and loads back bitwise too."""
     verdict(four[1], "pp_fsdp")
 
 

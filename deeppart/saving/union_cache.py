@@ -1,0 +1,249 @@
+"""The union of a save whose structure is unchanged since the last union save
+in this process, reused (issue 46).
+
+A save whose ranks hold different structures (pipeline stages) exchanges
+descriptions and builds the union manifest and its plan
+(:func:`deeppart.saving.prepare.prepare_save`). Once that succeeds every
+rank keeps a :class:`UnionCache`: the union's manifest, plan, DTensor
+records and skeleton (not the union itself: only what a save needs), the
+*structure fingerprint* of every rank
+(:func:`structure_fingerprint`: what determines the union apart from the
+values: paths, dtypes, shapes, each DTensor's layout, mesh and placements,
+the holders, the codec, the kind of ``group=``, the world size) and this
+rank's *check terms*.
+
+The next save's first agreement row carries this rank's fingerprint, a
+tag naming the cached union it would reuse (with the save's directory and
+plan; zeros when its own fingerprint changed), its check value and a byte
+saying whether part of its check is left to a deferred proof. The ranks
+reuse the cache only when every tag is the same and not zeros, every
+fingerprint is the one cached (one digest of every rank's fingerprint, in
+rank order: any rank's change, a world size that differs, sends every rank
+down the full path), and the check values sum to zero.
+
+What the fingerprint names, and so what invalidates the cache: a changed
+mesh (its shape, its ranks, a DTensor's placements), a new leaf (a new
+param group: optimizer state leaves added), a changed dtype or shape, a
+world-size change, another codec, another kind of ``group=`` or of replica
+proof (``verify_replicas``). Values, the save's directory and the step
+do not: the same union and plan are reused with this save's leaves.
+
+Large shared tensors whose proof a save leaves to its caller
+(``defer_proof``: an asynchronous save's writer thread, beside a
+synchronous save's write; :mod:`deeppart.saving.deferred_proof`) are not
+digested in the stall: the row's check value covers the other copies, and
+those tensors' terms are summed after their digests are taken, in the
+deferred proof's agreement (:func:`check_of`, :func:`checks_hold`): both
+sums zero prove every copy the union stores once; a non-zero one prepares
+the save again by the full path, each rank's copy its own. When any rank
+has such terms every rank joins that agreement.
+
+The check proves, without exchanging per-leaf digests, that the holders
+of every item the cached union stores once still hold equal copies (the
+values change every step; the union's grouping of copies must still be
+right). For each such item ``k`` with sorted holders ``h_0 .. h_m``, the
+holder at position ``j`` adds ``(g(k, j) - g(k, j + 1 mod (m + 1))) * d``
+modulo the prime ``2**127 - 1``, where ``d`` is its digest of its copy and
+``g`` a hash: the coefficients of one item sum to zero, so equal copies
+add nothing, and copies that differ leave a sum of ``g(k, j) * (d_j -
+d_{j-1})`` terms that is zero with a probability of about ``2**-127``. A
+copy that differs sends the save down the full path, which stores it as
+its rank's own version (or refuses it, with ``verify_replicas=True``).
+Copies that were different and became equal stay separate versions in a
+reused union: each rank still gets back exactly its own.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from deeppart._planner import Manifest, Plan
+from deeppart.regions import DTensorRecord
+from deeppart.state.state import FlatLeaf
+from deeppart.state.union import Described, Digests, Union, encode_described
+
+__all__ = [
+    "CHECK_BYTES",
+    "COLUMN_WIDTH",
+    "FINGERPRINT_BYTES",
+    "LATE_BYTES",
+    "PRIME",
+    "TAG_BYTES",
+    "UnionCache",
+    "cached",
+    "check_of",
+    "check_terms",
+    "check_value",
+    "checks_hold",
+    "fingerprints_digest",
+    "forget",
+    "remember",
+    "structure_fingerprint",
+]
+
+#: The check's modulus: the Mersenne prime ``2**127 - 1``.
+PRIME = (1 << 127) - 1
+FINGERPRINT_BYTES = 16
+TAG_BYTES = 8
+CHECK_BYTES = 16
+#: 1 when part of this rank's check is left to the deferred proof.
+LATE_BYTES = 1
+#: Bytes of the cache's part of the first agreement row: fingerprint, tag,
+#: check, late.
+COLUMN_WIDTH = FINGERPRINT_BYTES + TAG_BYTES + CHECK_BYTES + LATE_BYTES
+
+
+def structure_fingerprint(
+    described: Described, layouts: list[Any], codec: str, kind: str, world: int
+) -> bytes:
+    """16 bytes naming what determines a rank's part of the union apart
+    from its values and the save's directory: its description (paths,
+    dtypes, shapes, plain sizes, holders, skeleton; each DTensor by its
+    layout: global shape, dtype, mesh, placements), the codec, the kind of
+    ``group=`` and the world size."""
+    try:
+        wire = encode_described(Described(described.descs, described.skeleton,
+                                          described.records, ""), layouts)  # fmt: skip
+    except ValueError:
+        # A record without its layout: the description with its shards.
+        wire = {"descs": described.descs, "skeleton": described.skeleton,
+                "records": described.records}  # fmt: skip
+    h = hashlib.blake2b(digest_size=FINGERPRINT_BYTES)
+    h.update(json.dumps(wire, separators=(",", ":")).encode())
+    h.update(f"\0{codec}\0{kind}\0{world}".encode())
+    return h.digest()
+
+
+def _g(item: int, position: int) -> int:
+    raw = hashlib.blake2b(
+        item.to_bytes(8, "little") + position.to_bytes(8, "little"), digest_size=16
+    ).digest()
+    return int.from_bytes(raw, "little") % PRIME
+
+
+def check_terms(u: Union, rank: int) -> list[tuple[int, int]]:
+    """``rank``'s check terms of union ``u``: per item stored once for
+    several holders, ``rank`` among them, its local leaf and coefficient."""
+    out: list[tuple[int, int]] = []
+    for k, it in enumerate(u.items):
+        leaf = it.source.get(rank)
+        if leaf is None or len(it.holders) < 2:
+            continue
+        holders = sorted(it.holders)
+        j = bisect.bisect_left(holders, rank)
+        coeff = (_g(k, j) - _g(k, (j + 1) % len(holders))) % PRIME
+        out.append((leaf, coeff))
+    return out
+
+
+def check_value(terms: list[tuple[int, int]], digests: Digests) -> bytes | None:
+    """This rank's check value (:data:`CHECK_BYTES` bytes) from its digests
+    of the leaves ``terms`` names; None when one of them has no digest (the
+    cache cannot prove it: the save takes the full path)."""
+    total = 0
+    for leaf, coeff in terms:
+        d = digests.samples.get(leaf) or digests.values.get(leaf)
+        if d is None:
+            return None
+        total = (total + coeff * int(d, 16)) % PRIME
+    return total.to_bytes(CHECK_BYTES, "little")
+
+
+def check_of(terms: list[tuple[int, int]], digests: dict[int, bytes]) -> bytes:
+    """As :func:`check_value`, of whole-tensor digests as bytes (a deferred
+    proof's, by the keys ``terms`` names); raises naming a key without one."""
+    total = 0
+    for key, coeff in terms:
+        d = digests.get(key)
+        if d is None:
+            raise RuntimeError(f"the deferred proof took no digest of leaf {key} (a bug)")
+        total = (total + coeff * int.from_bytes(d, "big")) % PRIME
+    return total.to_bytes(CHECK_BYTES, "little")
+
+
+def checks_hold(values: list[bytes]) -> bool:
+    """Whether every rank's check value (one each) sums to zero: every copy
+    they cover is equal among its holders."""
+    return sum(int.from_bytes(v, "little") for v in values) % PRIME == 0
+
+
+@dataclass
+class UnionCache:
+    """What one rank keeps of its last union save (see the module docstring)."""
+
+    #: Every rank's structure fingerprint, in rank order, as one digest.
+    fingerprints: bytes
+    #: This rank's structure fingerprint.
+    fingerprint: bytes
+    #: Names the cached union (its manifest, plan and the fingerprints).
+    ident: bytes
+    manifest: Manifest
+    plan: Plan
+    skeleton: Any
+    records: list[DTensorRecord]
+    #: ``Prepared.union``: metadata.json's version 3 keys (or None).
+    union_meta: dict[str, Any] | None
+    #: Per union item: a leaf of its path holding nothing (this rank's
+    #: leaves are put in by :attr:`held`).
+    template: list[FlatLeaf]
+    #: ``(union item, local leaf)`` of every item this rank holds.
+    held: list[tuple[int, int]]
+    #: :func:`check_terms` of this rank.
+    terms: list[tuple[int, int]]
+
+
+#: Per ``(rank, world size)``: the last union save's cache in this process.
+_CACHES: dict[tuple[int, int], UnionCache] = {}
+
+
+def fingerprints_digest(fingerprints: list[bytes]) -> bytes:
+    """One digest of every rank's structure fingerprint, in rank order."""
+    return hashlib.blake2b(b"".join(fingerprints), digest_size=16).digest()
+
+
+def remember(
+    rank: int,
+    fingerprints: list[bytes],
+    u: Union,
+    manifest: Manifest,
+    plan: Plan,
+    skeleton: Any,
+    records: list[DTensorRecord],
+    union_meta: dict[str, Any] | None,
+    leaves: list[FlatLeaf],
+) -> UnionCache:
+    """Keeps ``rank``'s cache of a union save that every rank agreed on
+    (``leaves``: that save's, one per union item; those holding nothing are
+    kept, not made again)."""
+    world = len(fingerprints)
+    everyone = fingerprints_digest(fingerprints)
+    ident = hashlib.blake2b(
+        everyone + manifest.fingerprint.encode() + plan.fingerprint.encode(), digest_size=16
+    ).digest()
+    held = [(k, i) for k, it in enumerate(u.items) if (i := it.source.get(rank)) is not None]
+    template = list(leaves)
+    for k, _ in held:
+        template[k] = FlatLeaf(template[k].path, None, None)
+    entry = UnionCache(
+        everyone, fingerprints[rank], ident, manifest, plan, skeleton, records, union_meta,
+        template, held, check_terms(u, rank),
+    )  # fmt: skip
+    _CACHES[(rank, world)] = entry
+    return entry
+
+
+def cached(rank: int, world: int, fingerprint: bytes) -> UnionCache | None:
+    """``rank``'s cache when its own structure fingerprint is unchanged."""
+    entry = _CACHES.get((rank, world))
+    if entry is None or entry.fingerprint != fingerprint:
+        return None
+    return entry
+
+
+def forget() -> None:
+    """Drops every cached union of this process."""
+    _CACHES.clear()
