@@ -60,6 +60,9 @@ from deeppart.levels.layout import Layout, parity_file, partner_file
 from deeppart.loading.reader import assemble
 from deeppart.storage.files import read_all
 
+#: What each level recovers from, for messages.
+_LEVEL_NAMES = {2: "partner copies", 3: "Reed-Solomon decoding", 4: "the global copy"}
+
 #: The level files' kinds, by level: an old rank's own file, its partner copy.
 _DATA_KINDS = {1: data_file_name, 2: partner_file}
 
@@ -150,9 +153,10 @@ def _verify(
             continue
         try:
             buf = src()
-        except (OSError, DeepPartError):
-            buf = None
-        if check(r, buf):
+            passed = check(r, buf)
+        except Exception:  # unreadable: lost (and this rank's part of the exchange goes on)
+            buf, passed = None, False
+        if passed:
             assert buf is not None
             ok[r] = buf
         else:
@@ -297,8 +301,8 @@ def _decode(
                 sizes = [st.meta.file_sizes[m] for m in g]
                 restored, seconds = erasure.decode_whole(sizes, st.stripe, data, par)
                 found.decode_seconds += seconds
-            except DeepPartError:
-                restored = {}
+            except (DeepPartError, ValueError, MemoryError):
+                restored = {}  # the group's files cannot restore it: lost at L3
             for j, buf in restored.items():
                 if data_ok(g[j], buf):
                     found.held[g[j]] = buf
@@ -335,11 +339,13 @@ def recover(
     agree(comm, err)
     missing = [r for r in range(world) if r not in found.sources]
     if missing:
-        tried = "L1" + (f"-L{st.level}" if st.level > 1 else "")
+        tried = ["L1 (own files)"]
+        if st.level > 1:
+            tried.append(f"L{st.level} ({_LEVEL_NAMES[st.level]})")
         why = (
-            f"step {st.step} was written by {world} ranks; on these {comm.size}, the data "
-            f"of old rank(s) {missing} is lost at every level tried ({tried}: own files, "
-            f"partner copies, parity decoding, global copy as the step has them)"
+            f"written by {world} ranks, loaded on {comm.size}: the data of old rank(s) "
+            f"{missing} is lost at every level tried, {' and '.join(tried)}, on the "
+            f"nodes of this job"
         )
         if found.rejected:
             why += "; rejected: " + "; ".join(found.rejected)

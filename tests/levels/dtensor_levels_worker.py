@@ -234,7 +234,9 @@ def scenario_two(d: Path) -> None:
     # load() skips steps 7 and 6 (L1: lost), naming them, for step 5
     # (L2), whose partner copies of ranks 2 and 3 are on node 0.
     lose_nodes(d, "fsdp", 1)
-    expect_error(lambda: be.load(7), UnrecoverableError, "step 7", "old rank(s) [2, 3]", "L1")
+    expect_error(
+        lambda: be.load(7), UnrecoverableError, "step 7: written by 4 ranks", "old rank(s) [2, 3]"
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out, report = be.load(into=into())

@@ -167,7 +167,8 @@ def phase_two(shared: Path, local: Path, cases: list[str]) -> None:
         backend(shared, local, "g2").load(2)
     except UnrecoverableError as e:
         text = str(e)
-        assert "step 2" in text and "old rank(s) [0, 1]" in text and "L1-L3" in text, text
+        assert "step 2: written by 4 ranks, loaded on 2" in text, text
+        assert "old rank(s) [0, 1]" in text and "L3 (Reed-Solomon decoding)" in text, text
     else:
         raise AssertionError("g2: step 2 loaded without its group's two nodes")
     with warnings.catch_warnings(record=True) as caught:

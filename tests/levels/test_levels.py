@@ -436,7 +436,9 @@ def test_matrix_4_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     own1.write_bytes(bytes(data))
     with pytest.raises(
         UnrecoverableError,
-        match=r"step 3 .*old rank\(s\) \[1, 3\] .*rejected: L1 own file of old rank 1",
+        match=r"step 3: written by 4 ranks, loaded on 1: .*old rank\(s\) \[1, 3\] .*"
+        r"L1 \(own files\) and L3 \(Reed-Solomon decoding\).*"
+        r"rejected: L1 own file of old rank 1",
     ):
         be.load(3)
 
