@@ -16,7 +16,10 @@ torch.distributed's). Phases:
 - ``three`` (3 ranks on nodes 0-2, node 3's storage gone): first the damage
   (a flipped byte in node 0's partner copy of rank 3 in ``p2c``, and in
   node 1's own file of rank 1 in ``p3c``), then every case loaded into
-  FSDP2 over 3 ranks, bitwise against ``SHARED/ref``.
+  FSDP2 over 3 ranks, bitwise against ``SHARED/ref``; ``pr`` (each rank's
+  own loader position and bytes beside FSDP2, at L2) refused without
+  ``per_rank=`` and, with ``per_rank=3``, old rank 3's versions (from its
+  partner copy) on every rank.
 - ``two`` (2 ranks on nodes 2 and 3, nodes 0 and 1 gone): ``g2``'s L3 step
   lost with its group: ``load(2)`` names it, ``load()`` falls back to the
   L4 step with an ``OlderStepWarning``.
@@ -52,7 +55,7 @@ from levels_worker import flip_byte as flip
 import deeppart
 from bench.dtensor import build, sharded_state
 from deeppart.comm import SingleComm
-from deeppart.errors import OlderStepWarning, UnrecoverableError
+from deeppart.errors import OlderStepWarning, PerRankStateError, UnrecoverableError
 from deeppart.format import data_file_name
 from deeppart.levels import LevelConfig, RecoveryReport
 from deeppart.levels.engine import BuiltinBackend
@@ -66,7 +69,16 @@ CASES: dict[str, tuple[int, tuple[tuple[int, int], ...]]] = {
     "p3c": (4, ((1, 3),)),
     "g2": (2, ((1, 4), (2, 3))),
     "mem": (4, ((1, 2), (2, 3), (3, 2))),
+    "pr": (4, ((1, 2),)),
 }
+
+
+def per_rank_items(rank: int) -> dict[str, Any]:
+    """What each rank of the ``pr`` case saves beside its FSDP2 state: its
+    own loader position and RNG-like bytes (kept per rank)."""
+    import torch
+
+    return {"loader_pos": 100 + rank, "rng": torch.full((8,), rank, dtype=torch.uint8)}
 
 
 def backend(shared: Path, local: Path, case: str, **kw: Any) -> BuiltinBackend:
@@ -128,8 +140,9 @@ def phase_save(shared: Path, local: Path, cases: list[str]) -> None:
         deeppart.save(full, shared / "ref", comm=SingleComm())
     for case in cases:
         be = backend(shared, local, case)
+        mine = {**state, **per_rank_items(dist.get_rank())} if case == "pr" else state
         for step, level in CASES[case][1]:
-            be.save(step, state, level=level)
+            be.save(step, mine, level=level)
 
 
 def phase_three(shared: Path, local: Path, cases: list[str]) -> None:
@@ -150,6 +163,23 @@ def phase_three(shared: Path, local: Path, cases: list[str]) -> None:
     r = load_case(shared, local, "p3c", ref)
     assert r.levels == [1, 3, 1, 3], r
     assert any("own file of old rank 1" in x for x in r.rejected), r
+    # Per-rank values at another world size: deeppart.load's rules. Without
+    # per_rank=, named; with per_rank=3, old rank 3's versions (from its
+    # partner copy) on every rank, beside the FSDP2 state resharded.
+    m, opt = build("fsdp", seed=7)
+    target = {**sharded_state(m, opt), **per_rank_items(50)}
+    try:
+        backend(shared, local, "pr").load(into=target)
+    except PerRankStateError as e:
+        assert "loader_pos" in str(e) and "rng" in str(e), e
+    else:
+        raise AssertionError("per-rank values loaded on 3 ranks without per_rank=")
+    out, r = backend(shared, local, "pr").load(into=target, per_rank=3)
+    assert r.levels == [1, 1, 1, 2], r
+    assert out["loader_pos"] == 103, out["loader_pos"]
+    equal(out["rng"], per_rank_items(3)["rng"], "pr rng")
+    equal(to_full({"model": out["model"], "optim": out["optim"]}), ref, "pr on 3 ranks")
+    record(shared, "pr", r)
     # The L2 step: rank 3's only copy corrupt, no other level: step 2 is
     # skipped with a warning naming it, step 1 (L4) served: rank 3 from
     # the global copy, the others from their own files.

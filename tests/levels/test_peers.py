@@ -62,11 +62,12 @@ def test_restart_on_fewer_nodes_reshards_from_peers() -> None:
     """Saved by 4 nodes (one group of 4); node 3 lost; restarted on nodes
     0-2 (world size 3): L2 and L3 served from the survivors; a flipped
     byte in rank 1's own file rejected and rank 1 decoded; rank 3's only
-    partner copy corrupt: that step skipped for the older L4 one."""
+    partner copy corrupt: that step skipped for the older L4 one; per-rank
+    values by per_rank= (old rank 3's, from its partner copy)."""
     cluster.sweep()
     c = cluster.Cluster(4)
     try:
-        launch(c, [0, 1, 2, 3], "save", "p2", "p3", "p2c", "p3c")
+        launch(c, [0, 1, 2, 3], "save", "p2", "p3", "p2c", "p3c", "pr")
         c.replace(3)  # node 3 killed: its storage is gone
         rows = launch(c, [0, 1, 2], "three")
         got = {case: (r[0]["step"], r[0]["levels"], r[0]["world_size"]) for case, r in rows.items()}
@@ -75,6 +76,7 @@ def test_restart_on_fewer_nodes_reshards_from_peers() -> None:
             "p3": (1, [1, 1, 1, 3], 3),
             "p3c": (1, [1, 3, 1, 3], 3),
             "p2c": (1, [1, 1, 1, 4], 3),
+            "pr": (1, [1, 1, 1, 2], 3),
         }, rows
         assert rows["p3c"][0]["rejected"] == [
             "L1 own file of old rank 1 (rank-00001.bin) failed verification"
