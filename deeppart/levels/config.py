@@ -536,5 +536,8 @@ class LevelConfig:
             if nodes % self.group_size:
                 raise LevelConfigError(
                     f"{nodes} nodes ({world_size} ranks / node_size {self.node_size}) is not "
-                    f"a multiple of group_size = {self.group_size}"
+                    f"a multiple of group_size = {self.group_size} (a job restarted on fewer "
+                    f"nodes still recovers the steps saved by the old ones with ckpt_l2 = "
+                    f"ckpt_l3 = 0, or a group_size that fits: the saved layout comes from "
+                    f"each step's metadata)"
                 )

@@ -634,7 +634,10 @@ class BuiltinBackend:
         if st.foreign:
             # Another world size or node layout: from what the survivors
             # hold, resharded (deeppart.levels.peers).
-            return peers.recover(c, layout, st, mine, t0)
+            got_peers = peers.recover(c, layout, st, mine, t0)
+            if got_peers is None:  # only the global copy: loaded whole
+                return recovery.load_global(c, layout, step, into, self.exchange, t0, per_rank)
+            return got_peers
         survey, held, moved = recovery.survey(c, layout, st, deep=True)
         if not survey.levels:
             if st.level == 4 and recovery.global_ok(c, layout, step):

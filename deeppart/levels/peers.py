@@ -112,6 +112,10 @@ class _Found:
     rejected: list[str] = field(default_factory=list)
     #: CPU seconds of Reed-Solomon decoding on this rank.
     decode_seconds: float = 0.0
+    #: Nothing node-local survives but the step has its global copy: it is
+    #: loaded whole by :func:`deeppart.load` (each piece read once, by a
+    #: rank that needs it), not file by file.
+    whole_global: bool = False
 
 
 def _expected(st: recovery.Step) -> dict[str, int]:
@@ -216,6 +220,9 @@ def _find(comm: Comm, layout: Layout, st: recovery.Step) -> _Found:
         and layout.has_global()
         and recovery.global_ok(comm, layout, st.step)
     ):
+        if not found.sources:
+            found.whole_global = True
+            return found
         where = layout.global_step(st.step)
 
         def reader(r: int) -> Any:
@@ -322,13 +329,15 @@ def recover(
     st: recovery.Step,
     mine: recovery.OwnTargets,
     t0: float,
-) -> tuple[Any, RecoveryReport] | str:
+) -> tuple[Any, RecoveryReport] | str | None:
     """Restores ``st`` (written by another world size or node layout) on
     this job from what the survivors hold, resharded (collective; the
     module docstring); ``mine``: this rank's targets on the new layout
     (:func:`~deeppart.levels.recovery.own_targets`). Returns the state and
     the report (``levels[r]``: the level that served old rank ``r``), or,
-    when some old rank's data is lost at every level, why."""
+    when some old rank's data is lost at every level, why; None when
+    nothing node-local survives and the step's global copy is to be
+    loaded whole (:func:`~deeppart.levels.recovery.load_global`)."""
     world = st.meta.world_size
     err: BaseException | None = None
     found = _Found()
@@ -337,6 +346,8 @@ def recover(
     except CorruptCheckpointError as e:  # the same metadata: raised alike
         err = e
     agree(comm, err)
+    if found.whole_global:
+        return None
     missing = [r for r in range(world) if r not in found.sources]
     if missing:
         tried = ["L1 (own files)"]

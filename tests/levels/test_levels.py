@@ -423,6 +423,11 @@ def test_matrix_4_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     state, report = be.load()
     assert report.step == 4 and report.levels == [1, 1, 4, 4] and report.world_size == 1
     mc.assert_bitwise_equal(mc.make_state(4), state)
+    # Node 0's files of the L4 step gone too: the global copy, loaded whole.
+    shutil.rmtree(tmp_path / "local" / "node0" / "none" / "step-00000004")
+    state, report = be.load(4)
+    assert report.levels == [4] * 4, report
+    mc.assert_bitwise_equal(mc.make_state(4), state)
     # The L3 step: node 0 holds 2 of each group's 4 files (ranks 0 and 1's
     # own files and parity shards): ranks 2 and 3 decoded here.
     state, report = be.load(3)
