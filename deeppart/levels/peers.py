@@ -146,7 +146,7 @@ def _verify(
     what: str,
 ) -> dict[int, U8]:
     """One level's round (collective): ``asks`` maps an old rank to (file,
-    the new rank chosen to read it, what to read: a path or a callable);
+    the new rank chosen to read it, a function that reads it);
     that rank reads and verifies it (``check(old rank, bytes)``). Returns
     the verified bytes this rank read, by old rank; records every rank's
     rejections in ``found`` (alike on every rank)."""
@@ -167,9 +167,9 @@ def _verify(
             bad.append(f"L{level} {what} of old rank {r} ({name}) failed verification")
     rows = comm.allgather_varbytes(json.dumps([sorted(ok), bad]).encode())
     for row in rows:
-        passed, rejected = json.loads(row)
+        verified, rejected = json.loads(row)
         found.rejected.extend(rejected)
-        for r in passed:
+        for r in verified:
             found.sources[r] = (level, asks[r][1])
     return ok
 
