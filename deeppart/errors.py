@@ -179,7 +179,10 @@ class LevelConfigError(CheckpointError):
 
 class TopologyMismatchError(CheckpointError):
     """A node-local (L1-L3) checkpoint was written by another world size or
-    node layout; only L4 (global) checkpoints can be restored there."""
+    node layout and cannot be restored there. The built-in level engine no
+    longer raises it: it recovers such a step from what the survivors hold,
+    resharded, or raises :class:`UnrecoverableError` naming the old ranks
+    and the levels tried."""
 
 
 class UnrecoverableError(CheckpointError):
@@ -245,8 +248,8 @@ class NotInPlaceWarning(UserWarning):
 class OlderStepWarning(UserWarning):
     """A multi-level restore without a step loaded an older step than the
     newest committed one, which could not be recovered here (the message
-    names each skipped step and why: a node's files lost, or a step of
-    levels 1-3 at another world size, where only L4 serves)."""
+    names each skipped step and why: a node's files lost, or a copy that
+    failed verification, at this or another world size)."""
 
 
 class RngStateWarning(UserWarning):

@@ -86,15 +86,17 @@ def open_backend(
     engine), ``"fti"`` (libfti through ctypes; an error if unavailable) or
     ``"auto"`` (FTI when it imports, libfti is found and the job runs on
     MPI, else built-in;
-    always built-in for an ``s3://`` glbl_dir, which FTI cannot write).
+    always built-in for an ``s3://`` glbl_dir, which FTI cannot write, and
+    for the memory tier, ``memory = 1``).
     ``options`` go to the built-in engine (e.g. ``compression``)."""
     if backend not in BACKENDS:
         raise LevelConfigError(f"backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
     cfg = LevelConfig.coerce(config)
-    if backend == "auto" and cfg.global_in_object_store:
+    if backend == "auto" and (cfg.global_in_object_store or cfg.memory):
         backend = "builtin"
     if backend == "fti":
         cfg.check_fti_global()  # before libfti is looked for
+        cfg.check_fti_memory()
     if backend == "auto" and not _mpi_job(comm):
         backend = "builtin"  # libfti runs on MPI: torch.distributed gets the built-in engine
     if backend == "fti" or (backend == "auto" and fti_available()):

@@ -59,6 +59,14 @@ class RecoveryReport:
     #: The newer committed steps that could not be recovered, each with why
     #: (a restore without a step that fell back to an older one).
     skipped: list[str] = field(default_factory=list)
+    #: Copies read and rejected because they failed verification (a
+    #: corrupt or truncated own file, partner copy or parity shard), each
+    #: with its level and old rank, when another level served instead.
+    rejected: list[str] = field(default_factory=list)
+    #: The world size that loaded the step, when it differs from the one
+    #: that saved it (``levels`` is per rank of the saving job; the state
+    #: was resharded into the new layout), else None.
+    world_size: int | None = None
 
     def summary(self) -> str:
         by: dict[int, list[int]] = {}
@@ -66,6 +74,10 @@ class RecoveryReport:
             by.setdefault(level, []).append(rank)
         parts = ", ".join(f"L{lv}: ranks {rs}" for lv, rs in sorted(by.items()))
         extra = f", {len(self.moved)} file(s) moved between nodes" if self.moved else ""
+        if self.world_size is not None:
+            extra += f", resharded onto {self.world_size} rank(s)"
+        if self.rejected:
+            extra += f"; rejected: {'; '.join(self.rejected)}"
         if self.skipped:
             extra += f"; newer step(s) skipped: {'; '.join(self.skipped)}"
         return f"recovered step {self.step} ({parts}{extra}) in {self.seconds:.2f} s"

@@ -64,6 +64,8 @@ _INT_KEYS = {
     "verbosity",
     "local_test",
     "keep",
+    "memory",
+    "memory_keep",
 }
 _STR_KEYS = {"ckpt_dir", "glbl_dir", "meta_dir", "exec_id"}
 _SECTION_OF = {
@@ -82,6 +84,9 @@ _SECTION_OF = {
     "local_test": "advanced",
     "exec_id": "restart",
     "keep": "deeppart",
+    "memory": "deeppart",
+    "memory_budget": "deeppart",
+    "memory_keep": "deeppart",
 }
 _FTI_ONLY = {
     "basic": {
@@ -114,6 +119,24 @@ _FTI_ONLY = {
     },
     "deeppart": set(),
 }
+
+
+_SIZE_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _parse_size(key: str, value: Any) -> int:
+    """Bytes from an integer or ``<n>[K|M|G|T]`` (binary units; ``B``/``iB`` allowed)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    text = str(value).strip().upper().removesuffix("IB").removesuffix("B")
+    unit = text[-1:] if text[-1:] in _SIZE_SUFFIX else ""
+    number = text[: len(text) - len(unit)].strip()
+    try:
+        return int(number, 10) * _SIZE_SUFFIX[unit]
+    except ValueError:
+        raise LevelConfigError(
+            f"{key} = {str(value).strip()!r}: not a size (bytes, or a number with K, M, G or T)"
+        ) from None
 
 
 def _parse_int(key: str, value: Any) -> int:
@@ -154,6 +177,16 @@ class LevelConfig:
     local_test: int = 0
     exec_id: str = "deeppart"
     keep: int = 2
+    #: ``[deeppart] memory = 1``: the memory tier. ``ckpt_dir`` must be on a
+    #: memory file system (tmpfs, e.g. ``/dev/shm/deeppart-<job>``), which
+    #: outlives the training process; each save checks the node's budget
+    #: first, and only the newest ``memory_keep`` steps stay there.
+    memory: int = 0
+    #: Bytes of node-local memory a node may hold (0: only the file system's
+    #: free space bounds it); ``2G``, ``512M`` in a file.
+    memory_budget: int = 0
+    #: Steps whose node-local files stay in memory (the newest committed ones).
+    memory_keep: int = 1
     #: FTI-only keys as given, ``(section, key, value)`` (for the FTI backend).
     fti_options: tuple[tuple[str, str, str], ...] = field(default=(), compare=False)
     #: The INI file this came from, if any.
@@ -204,6 +237,18 @@ class LevelConfig:
             raise LevelConfigError(f"verbosity = {self.verbosity}: must be 0..4")
         if self.keep < 1:
             raise LevelConfigError(f"keep = {self.keep}: must be at least 1")
+        if isinstance(self.memory_budget, bool) or not isinstance(self.memory_budget, int):
+            raise LevelConfigError(f"memory_budget = {self.memory_budget!r}: not a size")
+        if self.memory not in (0, 1):
+            raise LevelConfigError(f"memory = {self.memory}: must be 0 or 1")
+        if self.memory_budget < 0:
+            raise LevelConfigError(f"memory_budget = {self.memory_budget}: must be >= 0")
+        if self.memory_keep < 1:
+            raise LevelConfigError(f"memory_keep = {self.memory_keep}: must be at least 1")
+        if not self.memory and (self.memory_budget or self.memory_keep != 1):
+            raise LevelConfigError(
+                "memory_budget and memory_keep apply to the memory tier: set memory = 1"
+            )
         if not self.exec_id or "/" in self.exec_id or self.exec_id in (".", ".."):
             raise LevelConfigError(f"exec_id = {self.exec_id!r}: must be a plain directory name")
 
@@ -222,6 +267,8 @@ class LevelConfig:
                 raise LevelConfigError(f"unknown config key {key!r}")
             if key in _INT_KEYS:
                 kwargs[key] = _parse_int(key, value)
+            elif key == "memory_budget":
+                kwargs[key] = _parse_size(key, value)
             elif key in _STR_KEYS:
                 kwargs[key] = os.fspath(value) if hasattr(value, "__fspath__") else value
             else:
@@ -425,6 +472,17 @@ class LevelConfig:
                 "for an s3:// glbl_dir"
             )
 
+    def check_fti_memory(self) -> None:
+        """Refuses (:class:`LevelConfigError`) the memory tier for the FTI
+        backend: libfti keeps its own files and neither checks a budget nor
+        evicts steps."""
+        if self.memory:
+            raise LevelConfigError(
+                "memory = 1: the memory tier (budget, eviction) is the built-in engine's; "
+                "use backend='builtin', or point the FTI backend's ckpt_dir at a tmpfs "
+                "with memory = 0"
+            )
+
     def global_root(self) -> Location:
         """``glbl_dir/<exec_id>``: a directory or an ``s3://`` URL."""
         return self.global_location() / self.exec_id
@@ -478,5 +536,8 @@ class LevelConfig:
             if nodes % self.group_size:
                 raise LevelConfigError(
                     f"{nodes} nodes ({world_size} ranks / node_size {self.node_size}) is not "
-                    f"a multiple of group_size = {self.group_size}"
+                    f"a multiple of group_size = {self.group_size} (a job restarted on fewer "
+                    f"nodes still recovers the steps saved by the old ones with ckpt_l2 = "
+                    f"ckpt_l3 = 0, or a group_size that fits: the saved layout comes from "
+                    f"each step's metadata)"
                 )

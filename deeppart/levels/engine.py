@@ -53,11 +53,10 @@ from deeppart.errors import (
     CheckpointError,
     LevelConfigError,
     OlderStepWarning,
-    TopologyMismatchError,
     UnrecoverableError,
 )
-from deeppart.format import MARKER, data_file_name, fsync_dir, new_save_id
-from deeppart.levels import erasure, partner, recovery
+from deeppart.format import HEADER_SIZE, MARKER, data_file_name, fsync_dir, new_save_id
+from deeppart.levels import erasure, memory, partner, peers, recovery
 from deeppart.levels.backend import LevelSaveStats, RecoveryReport
 from deeppart.levels.config import LevelConfig
 from deeppart.levels.erasure import STRIPE_BYTES
@@ -134,6 +133,9 @@ class BuiltinBackend:
         if keep is not None and keep < 1:
             raise LevelConfigError("keep must be at least 1")
         self.layout = Layout(self.config, self.comm.size, hosts)
+        if self.config.memory:
+            # The memory tier: every node's ckpt_dir on a tmpfs (collective).
+            memory.check_memory_fs(self.comm, self.layout)
         self.compression = compression
         self.zstd_level = zstd_level
         self.stripe = stripe_bytes
@@ -233,6 +235,12 @@ class BuiltinBackend:
         # rank's own version, deeppart.state.union), and every rank raises
         # if any failed above.
         prep, _ = prepare_save(c, err, state, self.compression, self.plans, self.meta_step(step))
+        if self.config.memory:
+            # The memory tier: every node's share of the step against its
+            # budget and free memory, before anything is written (every
+            # rank raises alike).
+            bounds = [b + HEADER_SIZE for b in prep.plan.rank_bytes()]
+            memory.check_budget(c, self.layout, step, lv, bounds, self.stripe)
         try:
             if c.rank == 0 and self.meta_step(step).exists():
                 # Re-saving a step: uncommit it first, so a crash never
@@ -478,6 +486,9 @@ class BuiltinBackend:
                 if s in doomed_steps or (kept is not None and s < newest and s not in kept):
                     with contextlib.suppress(OSError):
                         _remove_owned(root / step_name(s), level_file)
+            if self.config.memory and kept is not None:
+                # Only the newest memory_keep committed steps stay in memory.
+                memory.evict(root, newest, sorted(kept), self.config.memory_keep)
         c.barrier()
 
     def _cleanup_roots(self, newest: int, seq: int, leftovers: dict[int, set[str]]) -> bytes:
@@ -535,6 +546,8 @@ class BuiltinBackend:
         st, _ = recovery.read_step(c, layout, step)
         if st is None:
             return recovery.global_ok(c, layout, step)
+        if st.foreign:
+            return peers.recoverable(c, layout, st)
         survey, _, _ = recovery.survey(c, layout, st, deep=False)
         return bool(survey.levels)
 
@@ -594,9 +607,7 @@ class BuiltinBackend:
                 if step is None
                 else f"step {step}: no such committed checkpoint"
             )
-        topology = all(recovery.TOPOLOGY in r for r in reasons)
-        cls = TopologyMismatchError if topology else UnrecoverableError
-        raise cls("no checkpoint can be recovered: " + "; ".join(reasons))
+        raise UnrecoverableError("no checkpoint can be recovered: " + "; ".join(reasons))
 
     def _try_load(
         self, step: int, into: Any, t0: float, per_rank: Any = None
@@ -613,12 +624,20 @@ class BuiltinBackend:
         mine: recovery.OwnTargets | None = None
         try:
             # This rank's own view (its versions of per-rank values, the
-            # items it held); checks into= before any I/O.
-            mine = recovery.own_targets(st.meta, c.rank, c.size, into, shards=True)
+            # items it held; at another world size as deeppart.load's
+            # rules and per_rank= say); checks into= before any I/O.
+            mine = recovery.own_targets(st.meta, c.rank, c.size, into, True, per_rank)
         except BaseException as e:
             err = e
         agree(c, err)
         assert mine is not None
+        if st.foreign:
+            # Another world size or node layout: from what the survivors
+            # hold, resharded (deeppart.levels.peers).
+            got_peers = peers.recover(c, layout, st, mine, t0)
+            if got_peers is None:  # only the global copy: loaded whole
+                return recovery.load_global(c, layout, step, into, self.exchange, t0, per_rank)
+            return got_peers
         survey, held, moved = recovery.survey(c, layout, st, deep=True)
         if not survey.levels:
             if st.level == 4 and recovery.global_ok(c, layout, step):

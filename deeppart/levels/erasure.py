@@ -278,3 +278,38 @@ def restore_parity(
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)  # e.g. ``final`` is a directory
     return done
+
+
+def decode_whole(
+    sizes: Sequence[int],
+    stripe: int,
+    data: dict[int, U8],
+    parity: dict[int, U8],
+) -> tuple[dict[int, U8], float]:
+    """Restores, in one process, the data files of a group's members that
+    ``data`` lacks, from at least ``len(sizes)`` of the group's files:
+    ``data`` and ``parity`` by member index, ``sizes`` every member's data
+    file size, ``stripe`` the step's (the parity shards as :func:`encode`
+    wrote them: stripe by stripe, member ``j``'s shard of each). A
+    recovery at another world size, where the members' ranks are gone
+    (:mod:`deeppart.levels.peers`). Returns the restored files and the CPU
+    seconds spent; raises :class:`~deeppart._planner.DeepPartError` if the
+    shards cannot restore them."""
+    g = len(sizes)
+    nstripes = -(-max(sizes, default=0) // stripe)
+    lost = [j for j in range(g) if j not in data]
+    out = {j: np.empty(sizes[j], dtype=np.uint8) for j in lost}
+    seconds = 0.0
+    poff = 0
+    for t in range(nstripes):
+        lens = [chunk_len(s, t, stripe) for s in sizes]
+        slen = shard_len(lens)
+        originals = {j: d[t * stripe : t * stripe + lens[j]].data for j, d in data.items()}
+        recovery = {j: p[poff : poff + slen].data for j, p in parity.items()}
+        poff += slen
+        t0 = time.thread_time()
+        restored = rs_reconstruct(g, g, originals, recovery, lens)
+        seconds += time.thread_time() - t0
+        for j in lost:
+            out[j][t * stripe : t * stripe + lens[j]] = np.frombuffer(restored[j], dtype=np.uint8)
+    return out, seconds

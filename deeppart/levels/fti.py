@@ -172,6 +172,7 @@ def check_fti_options(config: LevelConfig) -> None:
     the backend does not support (an ``s3://`` glbl_dir; in its FTI-only
     keys: heads, offline levels...)."""
     config.check_fti_global()
+    config.check_fti_memory()
     for sec, key, value in config.fti_options:
         want = REQUIRED.get((sec, key))
         if want is not None and value.strip() != want[0]:

@@ -77,11 +77,6 @@ from deeppart.storage.url import Location
 # Status bits a rank reports for a step during recovery.
 OWN, COPY, PARITY, GLOBAL = 1, 2, 4, 8
 
-#: Why a step written by another layout cannot be restored (also how
-#: :meth:`~deeppart.levels.engine.BuiltinBackend.load` tells a topology
-#: mismatch from a loss).
-TOPOLOGY = "only L4 checkpoints can be restored on another world size or node layout"
-
 
 @dataclass
 class Step:
@@ -94,6 +89,9 @@ class Step:
     stripe: int
     parity_sizes: list[int]
     parity_xxh3: list[int]
+    #: Written by another world size or node layout: served from what the
+    #: survivors hold (:mod:`deeppart.levels.peers`), resharded.
+    foreign: bool = False
 
 
 @dataclass
@@ -176,7 +174,9 @@ def candidates(comm: Comm, layout: Layout, step: int | None) -> list[int]:
 
 
 def read_step(comm: Comm, layout: Layout, step: int) -> tuple[Step | None, str]:
-    """The step's node-local metadata (collective), or None and why."""
+    """The step's node-local metadata (collective), or None and why. A
+    step written by another world size or node layout comes back with
+    ``foreign`` set, and the difference as the second value."""
     err: BaseException | None = None
     meta: Metadata | None = None
     digest = b""
@@ -208,10 +208,11 @@ def read_step(comm: Comm, layout: Layout, step: int) -> tuple[Step | None, str]:
     except (KeyError, TypeError, ValueError) as e:
         raise CorruptCheckpointError(f"{where}: bad levels section: {e}") from e
     if st.layout != layout.describe() or meta.world_size != comm.size:
-        return None, (
+        st.foreign = True
+        return st, (
             f"written by {meta.world_size} ranks as nodes {st.layout['nodes']} "
             f"(node_size {st.layout['node_size']}, group_size {st.layout['group_size']}), "
-            f"this job is {comm.size} ranks as nodes {layout.describe()['nodes']}; " + TOPOLOGY
+            f"this job is {comm.size} ranks as nodes {layout.describe()['nodes']}"
         )
     return st, ""
 
@@ -517,7 +518,7 @@ class OwnTargets:
 
 
 def own_targets(
-    meta: Metadata, rank: int, world: int, into: Any, shards: bool = False
+    meta: Metadata, rank: int, world: int, into: Any, shards: bool = False, per_rank: Any = None
 ) -> OwnTargets:
     """This rank's view of a step saved through the levels by ``world``
     ranks, as :func:`deeppart.load` gives it at the save's world size
@@ -530,11 +531,13 @@ def own_targets(
     :func:`deeppart.load` finds them (:func:`~deeppart.loading.reshard.shard_targets`;
     only with ``shards``, for a caller that places them with
     :func:`distribute_shards`: the built-in engine; without, every leaf is a
-    plain one, as for the FTI backend, which stores no DTensor). Checks
+    plain one, as for the FTI backend, which stores no DTensor). At
+    another world size (a recovery from the survivors, resharded),
+    ``per_rank`` decides the per-rank values as for :func:`deeppart.load`. Checks
     ``into`` before any I/O; the same metadata gives every rank of one
     world size the same decisions, so errors are raised alike."""
     flat = flatten(into) if into is not None else None
-    view = own_view(meta, rank, world, None, into, flat=flat)
+    view = own_view(meta, rank, world, per_rank, into, flat=flat)
     mine = view.meta
     sharded = shard_targets(mine, into, None, True, flat) if shards else ShardTargets()
     chosen = [
@@ -581,15 +584,17 @@ def _compact(own: U8, plain: dict[int, Piece], originals: list[Piece]) -> U8:
 
 
 def distribute(
-    comm: Comm, meta: Metadata, where: Path, own: U8, targets: list[Target | None],
-    shard_leaves: set[int],
+    comm: Comm, meta: Metadata, where: Path, own: U8 | dict[int, U8],
+    targets: list[Target | None], shard_leaves: set[int], holders: list[int] | None = None,
 ) -> None:  # fmt: skip
     """Every rank holds its own data file (``own``): the plain leaves'
     pieces of each are broadcast in turn (a file of DTensor shards only is
     not: :func:`distribute_shards` sends those to the ranks that need them)
     and every rank places the pieces it needs into ``targets`` (None: a
     leaf this rank does not read; ``where``: the step's metadata
-    directory, for messages)."""
+    directory, for messages). ``holders``: per data file, the rank that
+    holds it (``own`` then maps data file -> bytes; a recovery at another
+    world size); None: rank ``f`` holds file ``f``."""
     plain = _plain_pieces(meta, shard_leaves)
     files = by_rank(meta)
     prog = Progress("load", 0, enabled=False)
@@ -606,11 +611,12 @@ def distribute(
     for f in range(meta.world_size):
         if not plain[f]:
             continue  # the same on every rank
-        if f == comm.rank:
-            buf = _compact(own, plain[f], files[f])
+        root = f if holders is None else holders[f]
+        if root == comm.rank:
+            buf = _compact(own[f] if isinstance(own, dict) else own, plain[f], files[f])
         else:
             buf = np.empty(HEADER_SIZE + sum(p.stored for p in plain[f].values()), np.uint8)
-        comm.bcast_u8(buf, root=f)
+        comm.bcast_u8(buf, root=root)
         mine = [
             plain[f][id(p)] for p in files[f] if id(p) in plain[f] and targets[p.leaf] is not None
         ]
@@ -625,7 +631,12 @@ def distribute(
 
 
 def distribute_shards(
-    comm: Comm, meta: Metadata, where: Path, own: U8, shards: ShardTargets
+    comm: Comm,
+    meta: Metadata,
+    where: Path,
+    own: U8 | dict[int, U8],
+    shards: ShardTargets,
+    holders: list[int] | None = None,
 ) -> dict[int, Any]:
     """The DTensor shards (collective, when the step or ``into=`` has
     any): every rank's needed regions are exchanged
@@ -633,12 +644,13 @@ def distribute_shards(
     stored piece that some rank needs goes from the rank whose data file
     holds it (``own``) to those ranks only, point to point, and each rank
     copies the intersections into its tensors. Returns the new full tensors
-    by leaf (no ``into=``), as :func:`~deeppart.loading.reshard.fill_shards`."""
+    by leaf (no ``into=``), as :func:`~deeppart.loading.reshard.fill_shards`.
+    ``holders``: as for :func:`distribute`."""
     if not shards.active:
         return {}
     err: BaseException | None = None
     filled: dict[int, Any] = {}
-    sr = plan_shard_reads(comm, meta, shards, held=True)
+    sr = plan_shard_reads(comm, meta, shards, held=True if holders is None else holders)
     try:
         read_held_shards(where, meta, sr, own)
     except BaseException as e:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -306,7 +307,11 @@ def _piece_region(meta: Metadata, shard: ShardRecord, p: Piece) -> Region:
 
 
 def plan_shard_reads(
-    c: Comm, meta: Metadata, st: ShardTargets, read_own: bool = False, held: bool = False
+    c: Comm,
+    meta: Metadata,
+    st: ShardTargets,
+    read_own: bool = False,
+    held: bool | Sequence[int] = False,
 ) -> ShardReads:
     """Collective: exchanges every rank's needed regions and assigns each
     needed piece to one of the ranks that need it (deterministic), who
@@ -316,7 +321,9 @@ def plan_shard_reads(
     each needed piece comes from the rank whose data file holds it (the
     multi-level engine's recovery: every rank of the saving job holds its
     own file in memory, :func:`read_held_shards`), sent to the other ranks
-    that need it."""
+    that need it; ``held`` a sequence: per data file, the rank that holds
+    it in memory (a recovery at another world size, where a rank may hold
+    several files of the saving job, or none)."""
     records = _records(meta)
     by_path = {tuple(lf.path): i for i, lf in enumerate(meta.leaves)}
 
@@ -358,7 +365,12 @@ def plan_shard_reads(
                     out.mine.setdefault(p.rank, []).append(p)
                     out.read_raw += p.length
             else:
-                reader = p.rank if held else min(needers, key=lambda r: (load[r], r))
+                if held is True:
+                    reader = p.rank
+                elif held is not False:
+                    reader = held[p.rank]
+                else:
+                    reader = min(needers, key=lambda r: (load[r], r))
                 load[reader] += p.stored
                 if reader == c.rank:
                     out.mine.setdefault(p.rank, []).append(p)
@@ -427,9 +439,12 @@ def read_shards(
     return n
 
 
-def read_held_shards(directory: CheckpointDir, meta: Metadata, sr: ShardReads, own: U8) -> int:
+def read_held_shards(
+    directory: CheckpointDir, meta: Metadata, sr: ShardReads, own: U8 | Mapping[int, U8]
+) -> int:
     """A ``held`` plan's reads (:func:`plan_shard_reads`): this rank's
-    pieces taken from its own data file ``own``, whose every piece was
+    pieces taken from its own data file ``own`` (or, by data file, the
+    files it holds), whose every piece was
     verified against its checksum when it was recovered (a compressed
     piece's stored bytes are checked again as they are decoded); each goes
     to its slot, or, when only other ranks need it, to a buffer of its own
@@ -441,7 +456,8 @@ def read_held_shards(directory: CheckpointDir, meta: Metadata, sr: ShardReads, o
                 out = _slot(meta, sr, p)
             else:
                 out = sr.held[id(p)] = np.empty(p.length, np.uint8)
-            stored = own[p.offset : p.offset + p.stored]
+            src = own[f] if isinstance(own, Mapping) else own
+            stored = src[p.offset : p.offset + p.stored]
             if p.codec == "none":
                 out[:] = stored
             else:

@@ -19,11 +19,14 @@ the partner copy; an L1 step that lost a node: ``load(step)`` names the
 lost ranks, ``load()`` falls back to the older step with a warning. PP x
 FSDP2: each stage its own tree, restored after its node is lost (L3).
 
-``two``: the 4-rank job's FSDP2 L4 step loaded on 2 ranks into FSDP2 over
-2 ranks (resharded) through the engine and ``Checkpointer(config=)``,
-bitwise against the full tensors; its L1 step refused naming L4; ``load()``
-skips the newer L1 step with a warning naming it; the PP x FSDP2 L4 step
-through ``Checkpointer(config=).load(per_rank=...)``.
+``two``: the 4-rank job's FSDP2 steps loaded on 2 ranks (one a fake node)
+into FSDP2 over 2 ranks, resharded from the node-local files (the recovery
+from peers, :mod:`deeppart.levels.peers`) through the engine and
+``Checkpointer(config=)``, bitwise against the full tensors; after node 1
+is gone, the L4 step serves its ranks from the global copy, an L1 step is
+refused naming the lost old ranks, and ``load()`` skips the L1 steps with
+a warning for the L2 step; the PP x FSDP2 L4 step through
+``Checkpointer(config=).load(per_rank=...)``.
 
 Each rank prints ``OK <job> rank <r>/<size>`` when its checks pass.
 """
@@ -50,7 +53,7 @@ from own_state_worker import clone, pp_mesh, pp_state, rng_bytes, same
 
 import deeppart
 from bench.dtensor import build, sharded_state
-from deeppart.errors import PerRankStateError, TopologyMismatchError, UnrecoverableError
+from deeppart.errors import PerRankStateError, UnrecoverableError
 from deeppart.format import data_file_name
 from deeppart.levels import LevelConfig
 from deeppart.levels.engine import BuiltinBackend
@@ -198,34 +201,49 @@ def scenario_pp(d: Path) -> None:
 
 
 def scenario_two(d: Path) -> None:
-    """2 ranks: the 4-rank job's L4 steps, resharded."""
+    """2 ranks (one a fake node): the 4-rank job's steps, resharded."""
     from deeppart.checkpointer import Checkpointer
 
     ref = deeppart.load(d / "fsdp-ref")
-    for how in ("engine", "checkpointer"):
+
+    def into() -> Any:
         m, opt = build("fsdp", seed=7)
-        target = sharded_state(m, opt)
+        return sharded_state(m, opt)
+
+    # Step 4 (L4): old node 0's files are seen by new node 0 (L1); old
+    # node 1's were lost with step 6 (the global copy serves its ranks);
+    # resharded onto 2 ranks.
+    for how in ("engine", "checkpointer"):
+        target = into()
         if how == "engine":
             out, report = backend(d, "fsdp", node_size=1).load(4, into=target)
-            assert report.levels == [4] * 4, report
         else:
             ck = Checkpointer(d / "unused", config=config(d, "fsdp", node_size=1))
             out = ck.load(4, into=target)
-            assert ck.last_recovery is not None and ck.last_recovery.levels == [4] * 4
+            assert ck.last_recovery is not None
+            report = ck.last_recovery
+        assert report.levels == [1, 1, 4, 4] and report.world_size == 2, report
         assert out["model"]["0.weight"] is target["model"]["0.weight"]
         equal(to_full(out), ref, f"fsdp 4 -> 2 ranks ({how})")
-    # An L1 step at 2 ranks: refused, naming L4. load() skips the newer
-    # steps 7 (L1), 6 (L1) and 5 (L2) with a warning naming them and why,
-    # and loads the newest L4 step, 4.
+    # Step 7 (L1), saved after: every file seen by one of the new nodes.
     be = backend(d, "fsdp", node_size=1)
-    expect_error(lambda: be.load(7), TopologyMismatchError, "only L4", "written by 4 ranks")
+    out, report = be.load(7, into=into())
+    assert report.levels == [1] * 4, report
+    equal(to_full(out), ref, "fsdp L1 step 7 at 2 ranks")
+    # Node 1 (old ranks 2 and 3) gone again: step 7 refused naming them;
+    # load() skips steps 7 and 6 (L1: lost), naming them, for step 5
+    # (L2), whose partner copies of ranks 2 and 3 are on node 0.
+    lose_nodes(d, "fsdp", 1)
+    expect_error(
+        lambda: be.load(7), UnrecoverableError, "step 7: written by 4 ranks", "old rank(s) [2, 3]"
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out, report = be.load()
-    assert report.step == 4, report
-    equal(out, ref, "fsdp load() at 2 ranks")
+        out, report = be.load(into=into())
+    assert report.step == 5 and report.levels == [1, 1, 2, 2], report
+    equal(to_full(out), ref, "fsdp load() at 2 ranks")
     text = " ".join(str(w.message) for w in caught)
-    assert "step 7" in text and "only L4" in text and "step 4" in text, text
+    assert "step 7" in text and "step 6" in text and "step 5" in text, text
     # PP x FSDP2's L4 step on 2 ranks: versioned paths (loader, rng) need
     # per_rank=; with per_rank="drop" every stage's model, full.
     ck = Checkpointer(d / "unused", config=config(d, "pp", node_size=1))

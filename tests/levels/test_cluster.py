@@ -14,7 +14,6 @@ a cluster: ``Checkpointer.steps()`` with ``config=``, ``deeppart inspect
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -82,14 +81,7 @@ def launch(
             name = s.partition(":")[0]
             oks = [r for r in range(nranks) if (c.shared / "ok" / f"{name}.{r}").exists()]
             assert len(oks) == nranks, f"{name}: only ranks {oks} passed\n{out[-12000:]}"
-    rows: dict[str, list[dict[str, Any]]] = {}
-    path = c.shared / "results.jsonl"
-    if path.exists():
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
-            rows.setdefault(row["scenario"], []).append(row)
-        path.unlink()
-    return rows, out
+    return cluster.take_results(c.shared / "results.jsonl", "scenario"), out
 
 
 def levels(rows: dict[str, list[dict[str, Any]]], name: str) -> list[list[int]]:

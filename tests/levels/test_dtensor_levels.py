@@ -2,8 +2,9 @@
 built-in multi-level engine (issue 48), on real torch FSDP2 with gloo under
 torchrun: tests/levels/dtensor_levels_worker.py. One 4-rank job saves at
 each level and loads back bitwise, after a node's files are lost or one is
-corrupted; one 2-rank job loads its L4 steps resharded and is refused the
-others, naming L4."""
+corrupted; one 2-rank job loads its steps resharded, from what the
+survivors hold (L1, L2) or the global copy (L4), and is refused an L1 step
+that lost a node, naming its old ranks."""
 
 from __future__ import annotations
 
@@ -55,8 +56,10 @@ def test_dtensor_state_through_every_level(four: Path) -> None:
 
 @pytest.mark.multirank
 def test_dtensor_levels_on_another_world_size(four: Path) -> None:
-    """2 ranks: the L4 steps loaded resharded (FSDP2 over 2, through the
-    engine and Checkpointer(config=); PP x FSDP2 with per_rank="drop"),
-    bitwise; an L1 step refused naming L4; load() skipping the newer steps
-    with a warning naming each (the worker's checks)."""
+    """2 ranks: the 4-rank job's steps loaded resharded from the
+    node-local files (FSDP2 over 2, through the engine and
+    Checkpointer(config=)), from the global copy for a lost node's ranks
+    (L4; PP x FSDP2 with per_rank="drop"), bitwise; an L1 step that lost a
+    node refused naming the old ranks; load() skipping those steps with a
+    warning naming each (the worker's checks)."""
     run_ranks(WORKER, 2, "two", str(four), timeout_s=300)

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 import deeppart
@@ -19,7 +20,7 @@ from deeppart.errors import (
     CheckpointError,
     LevelConfigError,
     PerRankStateError,
-    TopologyMismatchError,
+    UnrecoverableError,
 )
 from deeppart.levels import LevelConfig, open_backend
 from deeppart.levels.engine import BuiltinBackend
@@ -222,6 +223,62 @@ def test_validation_fails_before_any_file(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+def test_memory_tier_config_and_refusals(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The memory tier's keys (FTI-style INI, ``[deeppart]``), and its
+    refusals in one process: ckpt_dir not on a tmpfs (named, with what it
+    is on); a step over the file system's free memory (named, by how
+    much), nothing written; the FTI backend refusing memory = 1."""
+    from deeppart.levels import memory
+
+    text = (
+        INI.format(root=tmp_path) + "[deeppart]\nmemory = 1\nmemory_budget = 2G\nmemory_keep = 3\n"
+    )
+    c = LevelConfig.from_string(text)
+    assert (c.memory, c.memory_budget, c.memory_keep) == (1, 2 << 30, 3)
+    assert "memory_budget = 2147483648" in c.to_ini()
+    with pytest.raises(LevelConfigError, match="memory_budget = 'lots': not a size"):
+        cfg(memory=1, memory_budget="lots")
+    with pytest.raises(LevelConfigError, match="apply to the memory tier: set memory = 1"):
+        cfg(memory_keep=2)
+    with pytest.raises(LevelConfigError, match="memory_keep = 0: must be at least 1"):
+        cfg(memory=1, memory_keep=0)
+    with pytest.raises(LevelConfigError, match=r"memory tier .* is the built-in engine's"):
+        open_backend(cfg(memory=1), backend="fti")
+    # ckpt_dir on the test's disk, not a tmpfs.
+    disk = cfg(
+        ckpt_dir=str(tmp_path / "local"),
+        meta_dir=str(tmp_path / "meta"),
+        local_test=1,
+        memory=1,
+    )
+    kind, _ = memory.fs_type(tmp_path)
+    if kind not in memory.MEMORY_FS:
+        with pytest.raises(LevelConfigError, match=rf"not on a memory file system .*node0: {kind}"):
+            BuiltinBackend(disk)
+    # On a tmpfs: a step larger than the free memory is refused, nothing written.
+    shm = Path("/dev/shm")
+    if memory.fs_type(shm)[0] not in memory.MEMORY_FS:
+        pytest.skip("no tmpfs at /dev/shm")
+    local = shm / f"deeppart-test-{tmp_path.name}-{id(tmp_path)}"
+    try:
+        be = BuiltinBackend(disk.replace(ckpt_dir=str(local)))
+        be.save(1, {"x": np.arange(1000, dtype=np.int64)})
+        monkeypatch.setattr(memory, "free_bytes", lambda path: 100)
+        with pytest.raises(
+            deeppart.NoSpaceError,
+            match=r"node node0: step 2 at L1 needs \d+ bytes \(own files \d+\), "
+            r"but .* has 100 bytes free there: \d+ bytes short",
+        ):
+            be.save(2, {"x": np.arange(1000, dtype=np.int64)})
+        assert sorted(p.name for p in (local / "node0" / "deeppart").iterdir()) == ["step-00000001"]
+        assert not (tmp_path / "meta" / "deeppart" / "step-00000002").exists()
+        monkeypatch.undo()
+        state, report = be.load()
+        assert report.step == 1 and np.array_equal(state["x"], np.arange(1000))
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+
+
 @pytest.mark.parametrize("codec", [None, "zstd"])
 def test_single_process_l1_and_l4(tmp_path: Path, codec: str | None) -> None:
     """One process without MPI: L1 and L4 round trips (raw and compressed),
@@ -351,19 +408,43 @@ def test_matrix_4_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert lv["l3twice"] == [(13, [1, 1, 3, 3]), (13, [3, 3, 1, 1])]
     inspect_multi_level(tmp_path, capsys)
 
-    # Another world size and layout (1 process, no MPI): only L4 serves.
+    # Another world size and layout (1 process, no MPI, node 0's files
+    # only): recovered from what it holds, the rest from L4 or decoded.
     one = cfg(
         ckpt_dir=str(tmp_path / "local"),
         meta_dir=str(tmp_path / "meta"),
         glbl_dir=str(tmp_path / "global"),
         exec_id="none",
+        local_test=1,
+        node_size=1,
     )
     be = BuiltinBackend(one)
     assert be.latest() == 4
     state, report = be.load()
-    assert report.step == 4 and report.levels == [4] * 4
+    assert report.step == 4 and report.levels == [1, 1, 4, 4] and report.world_size == 1
     mc.assert_bitwise_equal(mc.make_state(4), state)
-    with pytest.raises(TopologyMismatchError, match=r"written by 4 ranks as nodes .* only L4"):
+    # Node 0's files of the L4 step gone too: the global copy, loaded whole.
+    shutil.rmtree(tmp_path / "local" / "node0" / "none" / "step-00000004")
+    state, report = be.load(4)
+    assert report.levels == [4] * 4, report
+    mc.assert_bitwise_equal(mc.make_state(4), state)
+    # The L3 step: node 0 holds 2 of each group's 4 files (ranks 0 and 1's
+    # own files and parity shards): ranks 2 and 3 decoded here.
+    state, report = be.load(3)
+    assert report.levels == [1, 1, 3, 3], report
+    mc.assert_bitwise_equal(mc.make_state(3), state)
+    # A flipped byte in rank 1's own file of the L3 step: rejected by its
+    # checksums; its group (ranks 1 and 3) keeps only rank 1's parity.
+    own1 = tmp_path / "local" / "node0" / "none" / "step-00000003" / "rank-00001.bin"
+    data = bytearray(own1.read_bytes())
+    data[-1] ^= 0xFF
+    own1.write_bytes(bytes(data))
+    with pytest.raises(
+        UnrecoverableError,
+        match=r"step 3: written by 4 ranks, loaded on 1: .*old rank\(s\) \[1, 3\] .*"
+        r"L1 \(own files\) and L3 \(Reed-Solomon decoding\).*"
+        r"rejected: L1 own file of old rank 1",
+    ):
         be.load(3)
 
 

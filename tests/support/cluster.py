@@ -28,6 +28,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 BASE = Path("/tmp/deeppart-cluster")
 ROOT = Path(__file__).resolve().parents[2]
@@ -311,6 +312,20 @@ class Cluster:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def take_results(path: Path, key: str) -> dict[str, list[dict[str, Any]]]:
+    """The rows a launch's rank 0 appended to ``path`` (JSON lines),
+    grouped by ``key``; the file is removed for the next launch."""
+    import json
+
+    rows: dict[str, list[dict[str, Any]]] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            rows.setdefault(row[key], []).append(row)
+        path.unlink()
+    return rows
 
 
 if __name__ == "__main__":
