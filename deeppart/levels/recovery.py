@@ -584,9 +584,14 @@ def _compact(own: U8, plain: dict[int, Piece], originals: list[Piece]) -> U8:
 
 
 def distribute(
-    comm: Comm, meta: Metadata, where: Path, own: U8 | dict[int, U8],
-    targets: list[Target | None], shard_leaves: set[int], holders: list[int] | None = None,
-) -> None:  # fmt: skip
+    comm: Comm,
+    meta: Metadata,
+    where: Path,
+    own: U8 | dict[int, U8],
+    targets: list[Target | None],
+    shard_leaves: set[int],
+    holders: list[int] | None = None,
+) -> None:
     """Every rank holds its own data file (``own``): the plain leaves'
     pieces of each are broadcast in turn (a file of DTensor shards only is
     not: :func:`distribute_shards` sends those to the ranks that need them)

@@ -38,7 +38,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -306,6 +306,23 @@ def _piece_region(meta: Metadata, shard: ShardRecord, p: Piece) -> Region:
     return shard.region.rows(p.start // row, -(-p.stop // row))
 
 
+def _record_finder(
+    meta: Metadata,
+) -> tuple[dict[tuple[Any, ...], DTensorRecord], Callable[[tuple[Any, ...]], DTensorRecord]]:
+    """The step's DTensor records by path, and a lookup that also makes one
+    (and keeps it there) for a plain tensor that some rank needs resharded
+    (``into=`` holds it as a DTensor)."""
+    records = _records(meta)
+    by_path = {tuple(lf.path): i for i, lf in enumerate(meta.leaves)}
+
+    def record(key: tuple[Any, ...]) -> DTensorRecord:
+        if key not in records:
+            records[key] = _record_of_leaf(meta, by_path[key])
+        return records[key]
+
+    return records, record
+
+
 def plan_shard_reads(
     c: Comm,
     meta: Metadata,
@@ -324,14 +341,7 @@ def plan_shard_reads(
     that need it; ``held`` a sequence: per data file, the rank that holds
     it in memory (a recovery at another world size, where a rank may hold
     several files of the saving job, or none)."""
-    records = _records(meta)
-    by_path = {tuple(lf.path): i for i, lf in enumerate(meta.leaves)}
-
-    def record(key: tuple[Any, ...]) -> DTensorRecord:
-        if key not in records:  # a plain tensor that some rank needs resharded
-            records[key] = _record_of_leaf(meta, by_path[key])
-        return records[key]
-
+    records, record = _record_finder(meta)
     specs = [NeedSpec(n.path, n.region, n.layout, n.full) for n in st.needs]
     wants, _ = exchange_needs(c, specs, lambda key: Region.full(record(key).shape))
     for key in wants:
@@ -392,13 +402,10 @@ def local_shard_reads(meta: Metadata, st: ShardTargets) -> ShardReads:
     stored shard leaf that meets one of this rank's regions, which the
     caller fills piece by piece (:func:`shard_slot`) before
     :func:`fill_shards`."""
-    records = _records(meta)
-    by_path = {tuple(lf.path): i for i, lf in enumerate(meta.leaves)}
+    records, record = _record_finder(meta)
     out = ShardReads(st, records)
     for need in st.needs:
-        if need.path not in records:  # a plain tensor that into= holds as a DTensor
-            records[need.path] = _record_of_leaf(meta, by_path[need.path])
-        for shard in records[need.path].shards:
+        for shard in record(need.path).shards:
             if shard.leaf not in out.buffers and shard.region.intersect(need.region) is not None:
                 out.buffers[shard.leaf] = np.empty(meta.leaves[shard.leaf].nbytes, np.uint8)
     return out
