@@ -273,32 +273,59 @@ def _box_bounds(regions: Sequence[Region]) -> tuple[I64, I64] | None:
     return b[:, :, 0], b[:, :, 1]
 
 
-#: At most this many (span, region, dimension) comparisons in one array.
+#: At most this many (span, candidate region, dimension) comparisons in one array.
 _BOX_CHUNK = 1 << 21
+
+
+def _ranges(first: I64, counts: I64) -> I64:
+    """``first[i], first[i] + 1, ..., first[i] + counts[i] - 1`` for every
+    ``i``, concatenated."""
+    total = int(counts.sum())
+    shift = np.repeat(first - np.cumsum(counts) + counts, counts)
+    return shift + np.arange(total, dtype=np.int64)
 
 
 def _box_needers(
     lo: I64, hi: I64, offsets: I64, flat: I64, s_lo: I64, s_hi: I64
 ) -> list[list[int]]:
     """The sorted needers of each box span ``s_lo``/``s_hi`` among box
-    regions ``lo``/``hi`` (their ranks: ``flat[offsets[i]:offsets[i + 1]]``)."""
+    regions ``lo``/``hi`` (their ranks: ``flat[offsets[i]:offsets[i + 1]]``).
+
+    A sweep along the dimension whose region starts differ most: the
+    regions sorted by their start there, a span's candidates are the run
+    of them that start before it ends and (by the running maximum of their
+    ends) do not all end before it starts; only those are met in every
+    dimension. On the tilings FSDP and TP make that is a few regions a
+    span, not all of them."""
     out: list[list[int]] = []
     if s_lo.shape[1] != lo.shape[1]:
         raise ValueError(f"spans of {s_lo.shape[1]} dimensions, regions of {lo.shape[1]}")
     world = int(flat.max()) + 1 if len(flat) else 1
-    step = max(1, _BOX_CHUNK // max(1, lo.shape[0] * lo.shape[1]))
-    for first in range(0, len(s_lo), step):
-        a, b = s_lo[first : first + step], s_hi[first : first + step]
-        meet = np.all((lo[None] < b[:, None]) & (a[:, None] < hi[None]), axis=2)
-        span_of, region_of = np.nonzero(meet)
-        counts = offsets[region_of + 1] - offsets[region_of]
-        starts = np.repeat(offsets[region_of] - np.cumsum(counts) + counts, counts)
-        ranks = flat[starts + np.arange(int(counts.sum()), dtype=np.int64)]
-        keys = np.unique(np.repeat(span_of, counts) * world + ranks)
-        ends = np.searchsorted(keys // world, np.arange(1, len(a) + 1), side="left")
+    dim = max(range(lo.shape[1]), key=lambda d: (len(np.unique(lo[:, d])), -d))
+    order = np.argsort(lo[:, dim], kind="stable")
+    lo, hi = lo[order], hi[order]
+    reach = np.maximum.accumulate(hi[:, dim])  # the furthest end among the first i + 1
+    start = np.searchsorted(reach, s_lo[:, dim], side="right")
+    stop = np.maximum(np.searchsorted(lo[:, dim], s_hi[:, dim], side="left"), start)
+    step = max(1, _BOX_CHUNK // lo.shape[1])  # candidate pairs at once
+    cum = np.cumsum(stop - start)
+    first = 0
+    while first < len(s_lo):
+        base = int(cum[first - 1]) if first else 0
+        last = max(first + 1, int(np.searchsorted(cum, base + step, side="right")))
+        counts = stop[first:last] - start[first:last]
+        span_of = np.repeat(np.arange(first, last, dtype=np.int64), counts)
+        cand = _ranges(start[first:last], counts)
+        meet = np.all((lo[cand] < s_hi[span_of]) & (s_lo[span_of] < hi[cand]), axis=1)
+        span_of, region_of = span_of[meet] - first, order[cand[meet]]
+        per = offsets[region_of + 1] - offsets[region_of]
+        ranks = flat[_ranges(offsets[region_of], per)]
+        keys = np.unique(np.repeat(span_of, per) * world + ranks)
+        ends = np.searchsorted(keys // world, np.arange(1, last - first + 1), side="left")
         found = (keys % world).tolist()
-        start = 0
+        at = 0
         for end in ends.tolist():
-            out.append(found[start:end])
-            start = end
+            out.append(found[at:end])
+            at = end
+        first = last
     return out
