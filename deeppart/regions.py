@@ -32,6 +32,7 @@ __all__ = [
     "DTensorRecord",
     "Region",
     "ShardRecord",
+    "concat_ranges",
     "parse_records",
     "placement_region",
     "runs_of",
@@ -157,9 +158,14 @@ def _positions(runs: Runs, within: Runs) -> I64:
     lengths = r[:, 1] - r[:, 0]
     if len(r) == 1:
         return np.arange(first[0], first[0] + lengths[0], dtype=np.int64)
-    # Each run's positions: its first position plus 0..length-1, in one pass.
-    at = np.repeat(first - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
-    return at + np.arange(int(lengths.sum()), dtype=np.int64)
+    return concat_ranges(first, lengths)
+
+
+def concat_ranges(first: I64, counts: I64) -> I64:
+    """``first[i], first[i] + 1, ..., first[i] + counts[i] - 1`` for every
+    ``i``, concatenated, in one pass (no loop over ``i``)."""
+    shift = np.repeat(first - np.cumsum(counts) + counts, counts)
+    return shift + np.arange(int(counts.sum()), dtype=np.int64)
 
 
 def _span(runs: Runs, within: Runs) -> tuple[int, int] | None:

@@ -36,7 +36,7 @@ import numpy as np
 
 from deeppart.comm import Comm
 from deeppart.errors import CheckpointError
-from deeppart.regions import I64, Region
+from deeppart.regions import I64, Region, concat_ranges
 from deeppart.state.dtensor import Layout, layout_regions
 
 __all__ = [
@@ -233,9 +233,9 @@ class RegionIndex:
     def needers_many(self, spans: Sequence[Region]) -> list[list[int]]:
         """:meth:`needers` of each span, at once. When every region and span
         is a box (one run per dimension: what FSDP, TP and their products
-        make), all spans are met against all regions in a few array
-        operations (:func:`_box_needers`), several times faster than one
-        span at a time for the hundred thousand pieces of a large load."""
+        make), in array operations by a sweep (:func:`_box_needers`),
+        several times faster than one span at a time for the hundred
+        thousand pieces of a large load."""
         boxes = self._boxes()
         span_bounds = _box_bounds(spans) if boxes is not None else None
         if boxes is None or span_bounds is None:
@@ -277,14 +277,6 @@ def _box_bounds(regions: Sequence[Region]) -> tuple[I64, I64] | None:
 _BOX_CHUNK = 1 << 21
 
 
-def _ranges(first: I64, counts: I64) -> I64:
-    """``first[i], first[i] + 1, ..., first[i] + counts[i] - 1`` for every
-    ``i``, concatenated."""
-    total = int(counts.sum())
-    shift = np.repeat(first - np.cumsum(counts) + counts, counts)
-    return shift + np.arange(total, dtype=np.int64)
-
-
 def _box_needers(
     lo: I64, hi: I64, offsets: I64, flat: I64, s_lo: I64, s_hi: I64
 ) -> list[list[int]]:
@@ -315,11 +307,11 @@ def _box_needers(
         last = max(first + 1, int(np.searchsorted(cum, base + step, side="right")))
         counts = stop[first:last] - start[first:last]
         span_of = np.repeat(np.arange(first, last, dtype=np.int64), counts)
-        cand = _ranges(start[first:last], counts)
+        cand = concat_ranges(start[first:last], counts)
         meet = np.all((lo[cand] < s_hi[span_of]) & (s_lo[span_of] < hi[cand]), axis=1)
         span_of, region_of = span_of[meet] - first, order[cand[meet]]
         per = offsets[region_of + 1] - offsets[region_of]
-        ranks = flat[_ranges(offsets[region_of], per)]
+        ranks = flat[concat_ranges(offsets[region_of], per)]
         keys = np.unique(np.repeat(span_of, per) * world + ranks)
         ends = np.searchsorted(keys // world, np.arange(1, last - first + 1), side="left")
         found = (keys % world).tolist()
