@@ -12,7 +12,9 @@ several GB of memory (over 7 GB once rank 0 merges); ``--bytes-only``
 makes every rank's payload (about 2 CPU minutes, 3 GB) without rank 0's
 merge.
 
-The exchange (:func:`deeppart.saving.prepare.prepare_save`): one agreement of a
+The exchange (:func:`deeppart.saving.prepare.prepare_save`): one sum over
+the ranks of 288 bytes (whether every rank reuses its cached union,
+:func:`deeppart.saving.union_cache.reuse_agreed`), then one agreement of a
 122-byte row per rank (structure digest, sampled-tensor and plain-value
 digests, a flag, the digest of the store the rank addresses, the union
 cache's column: :mod:`deeppart.saving.union_cache`); when the
@@ -28,7 +30,9 @@ manifest and plans it, and a last agreement of a 33-byte row checks that.
 A load with DTensor targets exchanges too
 (:func:`deeppart.loading.reshard.plan_shard_reads`: every rank's needed regions).
 A second save of the same structure reuses the first's union and plan
-(the agreement only; reported after the first).
+(the sum only: a ring allreduce receives about twice its 288 bytes,
+whatever the ranks; reported after the first), and its rank's own
+description (:mod:`deeppart.saving.own_structure`: no DTensor expanded again).
 
 **measured** (``--part measured``): ``mpiexec -n 8`` ranks of this file,
 gloo initialised beside MPI, a torchtitan-like Llama stage per pipeline
@@ -165,6 +169,21 @@ class CountingComm(MPIComm):
             len(data) + 8,  # and its length (one float64)
             lambda rows: _others(rows, self.rank) + 8 * (self.size - 1),
         )
+
+    def allreduce_sum_i64(self, values: Any) -> Any:
+        n = 8 * len(values)
+        return self.counter.counted(
+            "allreduce_sum_i64",
+            lambda: super(CountingComm, self).allreduce_sum_i64(values),
+            n,
+            lambda _: _allreduce_received(n, self.size),
+        )
+
+
+def _allreduce_received(nbytes: int, world: int) -> int:
+    """What a rank receives in a ring allreduce of ``nbytes``: the
+    reduce-scatter's and the allgather's ``(world - 1) / world`` each."""
+    return 2 * nbytes * (world - 1) // world
 
 
 # ----------------------------------------------------------------------------
@@ -482,6 +501,30 @@ class SimComm:
             "allgather_bytes", gather, width, lambda rows: width * (self.size - 1)
         )
 
+    def allreduce_sum_i64(self, values: Any) -> Any:
+        """The sum of every rank's :func:`~deeppart.saving.union_cache.reuse_terms`
+        (the first collective of a save's prepare), each made from its row."""
+        from deeppart.saving.prepare import ROW_WIDTH
+        from deeppart.saving.union_cache import reuse_terms
+        from deeppart.storage.identity import IDENTITY_BYTES
+
+        def reduce() -> Any:
+            at = ROW_WIDTH + 1
+            terms = [
+                reuse_terms(
+                    False, r[at + IDENTITY_BYTES :], r[ROW_WIDTH], r[at : at + IDENTITY_BYTES]
+                )
+                for r in self.rows
+            ]
+            if not np.array_equal(terms[self.rank], values):
+                raise AssertionError("this rank's terms differ from the ones computed before")
+            return np.sum(np.stack(terms), axis=0, dtype=np.int64)
+
+        n = 8 * len(values)
+        return self.counter.counted(
+            "allreduce_sum_i64", reduce, n, lambda _: _allreduce_received(n, self.size)
+        )
+
     def allgather_varbytes(self, data: bytes) -> list[bytes]:
         def gather() -> list[bytes]:
             payloads = self.rounds[self._round]
@@ -577,8 +620,8 @@ def _computed(
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from deeppart.saving import own_structure, union_cache
     from deeppart.saving import prepare as prepare_module
-    from deeppart.saving import union_cache
     from deeppart.saving.planning import PlanProvider
     from deeppart.saving.prepare import (
         ROW_WIDTH,
@@ -695,7 +738,9 @@ def _computed(
     out["load"] = _computed_load(states, reps, world, dp * tp)
     if bytes_only:
         # What rank 0's three gathers carry with these rows and payloads.
+        terms = 8 * union_cache.REUSE_TERMS
         ops: list[list[Any]] = [
+            ["prepare_save", "allreduce_sum_i64", terms, _allreduce_received(terms, world)],
             ["prepare_save", "allgather_bytes", row_bytes, row_bytes * (world - 1)],
             *(["_exchange_round", "allgather_varbytes", len(ps[0]) + 8,
                _others(ps, 0) + 8 * (world - 1)] for ps in rounds),
@@ -718,6 +763,7 @@ def _computed(
 
     prepare_module.build_union = keeping  # type: ignore[attr-defined]
     try:
+        own_structure.forget()  # rank 0 describes its tree afresh, as a first save does
         _freeze_simulation()
         t0 = time.process_time()
         prep, _ = prepare_save(cast("Comm", c), None, states[0], None, plan_for, path)
@@ -887,6 +933,12 @@ def _cached_save(
     prep, _ = prepare_save(cast("Comm", c), None, state, None, plan_for, path)
     t_total = time.process_time() - t0
     agree_at = c.counter.log[0][4] - t0
+    # The simulated sum (every rank's terms made from its row here) is not
+    # rank 0's work: a real rank's CPU in it is its own terms' reduction.
+    simulated = sum(x[5] - x[4] for x in c.counter.log)
+    t_total -= simulated
+    if [x[1] for x in c.counter.log] != ["allreduce_sum_i64"]:
+        raise AssertionError(f"the second save gathered more than the sum: {c.counter.log}")
     if prep.manifest.fingerprint != first.manifest.fingerprint:
         raise AssertionError("the cached save's manifest is not the first save's")
     if prep.plan.fingerprint != first.plan.fingerprint:
@@ -897,6 +949,7 @@ def _cached_save(
         "cpu_seconds": {
             "own prepare and the cache's row": agree_at,
             "after the agreement": t_total - agree_at,
+            "(the simulated collective, not counted)": simulated,
             "rank 0 prepare_save in all": t_total,
         },
     }

@@ -338,7 +338,7 @@ def _go(
     writer thread (which proves ``proof`` first)."""
     directory = handle.directory
     live = planned.prep
-    if any(planned.flags):
+    if planned.flagged:
         snap.discard()
         why = why or "another rank cannot save in the background"
         warnings.warn(
@@ -406,7 +406,7 @@ def _proved(
     proof: PendingProof,
     live: Prepared,
     local: Callable[[Prepared], int] | None,
-) -> tuple[Prepared, list[int]] | None:
+) -> tuple[Prepared, bool] | None:
     """Proves ``proof`` (collective over ``comm``): None when the copies
     agree; else the save prepared again (``deeppart.saving.prepare.replan``,
     with ``local``: the new snapshot), in which each rank's copy is its own.

@@ -40,6 +40,7 @@ _TAG = 7100
 U8 = npt.NDArray[np.uint8]
 U64 = npt.NDArray[np.uint64]
 F64 = npt.NDArray[np.float64]
+I64 = npt.NDArray[np.int64]
 
 
 class InFlight(Protocol):
@@ -82,6 +83,12 @@ class Comm(Protocol):
 
     def allgather_varbytes(self, data: bytes) -> list[bytes]:
         """Every rank's ``data``, of any length (two collectives)."""
+        ...
+
+    def allreduce_sum_i64(self, values: I64) -> I64:
+        """The element-wise sum over the ranks of every rank's equal-length
+        int64 ``values`` (one collective of a fixed size: what a rank
+        receives does not grow with the ranks)."""
         ...
 
     def gatherv_u64(self, values: U64, counts: list[int], root: int = 0) -> U64 | None:
@@ -142,6 +149,9 @@ class SingleComm:
 
     def allgather_varbytes(self, data: bytes) -> list[bytes]:
         return [bytes(data)]
+
+    def allreduce_sum_i64(self, values: I64) -> I64:
+        return np.array(values, dtype=np.int64).reshape(-1)
 
     def gatherv_u64(self, values: U64, counts: list[int], root: int = 0) -> U64 | None:
         return np.ascontiguousarray(values, dtype=np.uint64).copy()
@@ -261,6 +271,13 @@ class MPIComm(_Ranked):
             "Allgatherv", [send, self._MPI.BYTE], [recv, counts, displs, self._MPI.BYTE]
         )
         return [recv[displs[r] : displs[r] + counts[r]].tobytes() for r in range(self._size)]
+
+    def allreduce_sum_i64(self, values: I64) -> I64:
+        send = np.array(values, dtype=np.int64).reshape(-1)
+        recv = np.empty_like(send)
+        mpi = self._MPI
+        self._yielding("Allreduce", [send, mpi.INT64_T], [recv, mpi.INT64_T], op=mpi.SUM)
+        return recv
 
     def gatherv_u64(self, values: U64, counts: list[int], root: int = 0) -> U64 | None:
         send = np.ascontiguousarray(values, dtype=np.uint64)
@@ -462,6 +479,14 @@ class TorchDistComm(_Ranked):
         counts = [int(n) for n in lengths]  # small: error messages
         rows = self.allgather_bytes(data, max(1, max(counts)))
         return [rows[r][: counts[r]] for r in range(self._size)]
+
+    def allreduce_sum_i64(self, values: I64) -> I64:
+        arr = np.array(values, dtype=np.int64).reshape(-1)
+        t = self._dev(arr)
+        self._dist.all_reduce(t, op=self._dist.ReduceOp.SUM, group=self.group)
+        self._settle([t])
+        self._back(t, arr)
+        return arr
 
     def gatherv_u64(self, values: U64, counts: list[int], root: int = 0) -> U64 | None:
         send = np.ascontiguousarray(values, dtype=np.uint64).reshape(-1)

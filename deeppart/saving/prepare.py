@@ -37,6 +37,7 @@ from deeppart.compression import check_codec
 from deeppart.errors import CheckpointError, StateMismatchError
 from deeppart.regions import DTensorRecord, Region, ShardRecord
 from deeppart.saving.digests import digest_all, digest_threads
+from deeppart.saving.own_structure import describe, holders_of, structure_digest
 from deeppart.saving.union_cache import (
     COLUMN_WIDTH,
     FINGERPRINT_BYTES,
@@ -48,9 +49,10 @@ from deeppart.saving.union_cache import (
     checks_hold,
     fingerprints_digest,
     remember,
-    structure_fingerprint,
+    reuse_agreed,
+    reuse_terms,
 )
-from deeppart.state.dtensor import HolderGroups, expand
+from deeppart.state.dtensor import HolderGroups
 from deeppart.state.state import FlatLeaf, check_has_data, flatten
 from deeppart.state.tensors import U8, readable, u8_view
 from deeppart.state.union import (
@@ -69,6 +71,7 @@ from deeppart.storage.url import Location, location_key
 __all__ = [
     "Prepared",
     "StagedPiece",
+    "located_digest",
     "prepare_save",
     "replan",
     "replica_classes",
@@ -129,7 +132,7 @@ class Prepared:
     unproved: dict[int, Any] = field(default_factory=dict)
     #: With ``unproved``: the save's prepare again, should their proof find
     #: copies that differ (:func:`replan`).
-    replan: Callable[..., tuple[Prepared, list[int]]] | None = None
+    replan: Callable[..., tuple[Prepared, bool]] | None = None
     #: A save that reuses a cached union (:mod:`deeppart.saving.union_cache`)
     #: and left part of its check to the deferred proof: this rank's check
     #: value of the digests it takes (by leaf of ``leaves``), which that
@@ -196,15 +199,13 @@ def save_digest(
     (``records_json``: ``records``' JSON, when the caller has it)."""
     if records_json is None:
         records_json = [r.to_json() for r in records]
-    h = hashlib.sha256()
-    h.update(plan.fingerprint.encode())
-    h.update(plan.assignment_digest().encode())
-    h.update(manifest.fingerprint.encode())
-    h.update(json.dumps(skeleton, separators=(",", ":")).encode())
-    h.update(codec.encode())
-    h.update(location_key(directory).encode())
-    h.update(json.dumps(records_json, separators=(",", ":")).encode())
-    return h.digest()
+    part = structure_digest(plan, manifest, skeleton, codec, records_json)
+    return located_digest(part, directory)
+
+
+def located_digest(part: bytes, directory: Location) -> bytes:
+    """A save's digest from its :func:`structure_digest` and its directory."""
+    return hashlib.sha256(part + location_key(directory).encode()).digest()
 
 
 def _differing(
@@ -262,7 +263,7 @@ def verify_replicas(c: Comm, prep: Prepared) -> None:
     if not partial and len(set(rows)) == 1:
         return
     per_rank = c.allgather_varbytes(digests)
-    holders = [_holders_of(lf, groups, c.size) for lf in leaves]
+    holders = [holders_of(lf, groups, c.size) for lf in leaves]
     differ = _differing(per_rank, holders)
     if not differ:
         return
@@ -302,14 +303,6 @@ class _Own:
     structure: bytes = b""
 
 
-def _holders_of(desc: dict[str, Any], groups: list[list[int]], world: int) -> list[int]:
-    if desc.get("owner") is not None:
-        return [int(desc["owner"])]
-    if desc.get("holders") is not None:
-        return list(groups[desc["holders"]])
-    return list(range(world))
-
-
 def _hex8(data: bytes | memoryview) -> str:
     return hashlib.blake2b(data, digest_size=8).hexdigest()
 
@@ -333,36 +326,22 @@ def _own_prepare(
         state = {namespace(group_ranks(group, rank, world)): state}
     flat, skeleton = flatten(state)
     check_has_data(flat)
-    ex = expand(flat, skeleton, replica_dims)
-    manifest = Manifest.from_leaves(ex.descs, ex.groups or None)
-    plan = plan_for(manifest)
-    digest = save_digest(plan, manifest, ex.skeleton, codec, directory, ex.records)
+    struct, leaves = describe(flat, skeleton, replica_dims, codec, kind, rank, world)
+    ex = struct.expanded
+    plan = plan_for(struct.manifest)
+    digest = located_digest(struct.digest_part(plan, codec), directory)
     # Ranks that pass different kinds of group= never agree (nor hang).
     digest = hashlib.sha256(digest + kind.encode()).digest()
-    prep = Prepared(ex.leaves, ex.skeleton, manifest, plan, codec, digest, ex.records)
+    prep = Prepared(leaves, ex.skeleton, struct.manifest, plan, codec, digest, ex.records)
     where = location_key(directory)
     common = hashlib.sha256(f"{codec}\0{where}\0{kind}".encode()).hexdigest()
-    described = Described([], ex.skeleton, [], common)
-    held: list[tuple[int, FlatLeaf, int]] = []
-    for i, (leaf, desc) in enumerate(zip(ex.leaves, ex.descs, strict=True)):
-        d = {k: v for k, v in desc.items() if k not in ("owner", "holders")}
-        holders = _holders_of(desc, ex.groups, world)
-        if leaf.encoded is not None or leaf.tensor is not None:
-            held.append((i, leaf, len(holders)))
-        if "owner" in desc or "holders" in desc:
-            d["holders"] = holders
-        described.descs.append(d)
+    described = Described(struct.descs, ex.skeleton, struct.records, common)
+    held = [(e, leaves[e], holders) for e, _, holders in struct.held]
     digests, sample, values, deferred = digest_held(held, digest_threads(world), defer_from)
-    for rec, ranks in zip(ex.records, ex.ranks, strict=True):
-        described.records.append(
-            {"path": rec.path, "dtype": rec.dtype, "shape": rec.shape, "ranks": ranks,
-             "shards": [[s.leaf, s.region.to_json()] for s in rec.shards]}
-        )  # fmt: skip
     prep.samples = {i: bytes.fromhex(v) for i, v in digests.samples.items()}
-    structure = structure_fingerprint(described, ex.layouts, codec, kind, world)
     return _Own(
         prep, described, digests, sample, values, plan_for, directory, deferred, ex.layouts,
-        structure,
+        struct.structure,
     )  # fmt: skip
 
 
@@ -458,7 +437,7 @@ def prepare_save(
     store: bytes = b"",
     declared: bool = False,
     defer_proof: bool = False,
-) -> tuple[Prepared, list[int]]:
+) -> tuple[Prepared, bool]:
     """The prepare stage of :func:`deeppart.save` and its agreement
     (collective over ``c``): each rank passes its own tree (see
     :mod:`deeppart.state.union`). Fast path: one agreement of a 122-byte row per
@@ -467,10 +446,12 @@ def prepare_save(
     rank addresses, :func:`deeppart.storage.identity.identity_text`; ranks
     whose stores differ raise StoreConfigError naming the settings that
     differ, after one more collective; the union cache's column:
-    :mod:`deeppart.saving.union_cache`). When every rank's structure is the
+    :mod:`deeppart.saving.union_cache`), after one sum over the ranks of
+    a fixed size that decides alone when every rank's structure is the
     one of the last union save in this process and every copy that union
-    stores once is still equal among its holders, that union and its plan
-    are this save's (no exchange, no merge; not with ``group="auto"``). When
+    stores once is still equal among its holders: that union and its plan
+    are then this save's (no row gathered, no exchange, no merge; not with
+    ``group="auto"``). When
     all ranks hold the same structure, the whole-byte digests of their
     shared tensors agree within each replica class and their plain values
     agree, the plan every rank made of its own tree is the job's. Otherwise the ranks exchange
@@ -478,7 +459,7 @@ def prepare_save(
     rank builds the union manifest alike, and a second agreement checks
     the plan. ``failed``: this rank's error in an earlier step;
     ``local``: run on this rank's final :class:`Prepared` (an asynchronous
-    save's snapshot), its byte shared with the others (the returned list).
+    save's snapshot); returned: whether its byte is set on any rank.
     ``declared``: plain tensors that every rank holds are declared
     replicas (``verify_replicas=True``): a difference is refused with
     ReplicaMismatchError instead of stored per rank. ``defer_proof``: on
@@ -513,8 +494,21 @@ def prepare_save(
             flag = local(own.prep)
     except BaseException as e:
         err = e
+    identity = identity_digest(store)
+    # Whether every rank reuses its cached union: one sum of a fixed size.
+    total = c.allreduce_sum_i64(reuse_terms(err is not None, column, flag, identity))
+    reused, late, flagged = reuse_agreed(total, c.size)
+    if reused and reuse is not None:
+        # The union and plan of the last save: no exchange, no merge. Copies
+        # whose proof is deferred are proved by its caller, on every rank.
+        assert own is not None
+        if late:
+            reuse.prep.unproved = reuse.unproved
+            reuse.prep.proof_check = functools.partial(check_of, reuse.late)
+            reuse.prep.replan = functools.partial(_replan_reused, own, fingerprint, reuse.local_of)
+        return reuse.prep, flagged
     row = own.prep.digest + own.sample + own.values if own is not None else b"\0" * ROW_WIDTH
-    row += bytes([flag]) + identity_digest(store) + column
+    row += bytes([flag]) + identity + column
     rows = agree(c, err, row, width=ROW_WIDTH + 1 + IDENTITY_BYTES + COLUMN_WIDTH)
     assert own is not None
     if len({r[ROW_WIDTH + 1 : ROW_WIDTH + 1 + IDENTITY_BYTES] for r in rows}) != 1:
@@ -529,7 +523,7 @@ def prepare_save(
             reuse.prep.unproved = reuse.unproved
             reuse.prep.proof_check = functools.partial(check_of, reuse.late)
             reuse.prep.replan = functools.partial(_replan, own, rows, fingerprints, reuse.local_of)
-        return reuse.prep, flags
+        return reuse.prep, any(flags)
     tried = any(
         col[FINGERPRINT_BYTES : FINGERPRINT_BYTES + TAG_BYTES].strip(b"\0") for col in columns
     )
@@ -543,7 +537,7 @@ def prepare_save(
             own.prep.unproved = own.deferred
             if own.deferred:
                 own.prep.replan = functools.partial(_replan, own, rows, fingerprints, None)
-            return own.prep, flags
+            return own.prep, any(flags)
     if own.prep.staged is not None:
         own.prep.staged = None  # the optimistic snapshot: taken again of the union's plan
     _prove_deferred(own, c.size)
@@ -636,7 +630,7 @@ def _replan(
     c: Comm,
     proved: dict[int, bytes],
     local: Callable[[Prepared], int] | None,
-) -> tuple[Prepared, list[int]]:
+) -> tuple[Prepared, bool]:
     """The prepare of a save whose deferred proof found shared tensors that
     differ between their holders (``proved``: this rank's digests of the
     tensors it left unproved, by leaf of the save's ``leaves``; ``local_of``
@@ -650,12 +644,29 @@ def _replan(
     return _union_prepare(c, own, [r[:ROW_WIDTH] for r in rows], False, local, False, fingerprints)
 
 
+def _replan_reused(
+    own: _Own,
+    fingerprint: bytes,
+    local_of: dict[int, int],
+    c: Comm,
+    proved: dict[int, bytes],
+    local: Callable[[Prepared], int] | None,
+) -> tuple[Prepared, bool]:
+    """:func:`_replan` of a save that reused its cached union on the sum
+    alone (no rank's row was gathered): the rows and fingerprints it needs
+    are gathered first (collective over ``c``)."""
+    row = own.prep.digest + own.sample + own.values + fingerprint
+    got = agree(c, None, row, width=ROW_WIDTH + FINGERPRINT_BYTES)
+    rows, fingerprints = [g[:ROW_WIDTH] for g in got], [g[ROW_WIDTH:] for g in got]
+    return _replan(own, rows, fingerprints, local_of, c, proved, local)
+
+
 def replan(
     prep: Prepared,
     c: Comm,
     proved: dict[int, bytes],
     local: Callable[[Prepared], int] | None = None,
-) -> tuple[Prepared, list[int]]:
+) -> tuple[Prepared, bool]:
     """``prep``'s save prepared again over ``c`` once the proof of its
     ``unproved`` tensors found copies that differ (``proved``: this rank's
     digests of them): the job's union plan, in which those copies are each
@@ -949,7 +960,7 @@ def _union_prepare(
     local: Callable[[Prepared], int] | None,
     declared: bool = False,
     fingerprints: list[bytes] | None = None,
-) -> tuple[Prepared, list[int]]:
+) -> tuple[Prepared, bool]:
     """The exchange, the union manifest and its agreement (every rank
     raises alike on replicas that differ, or on trees that do not merge).
     With ``fingerprints`` (every rank's structure fingerprint), the union
@@ -986,7 +997,7 @@ def _union_prepare(
             c.rank, fingerprints, u, prep.manifest, prep.plan, prep.skeleton, prep.dtensors,
             prep.union, prep.leaves,
         )  # fmt: skip
-    return prep, [r[32] for r in out]
+    return prep, any(r[32] for r in out)
 
 
 def _union_prepared(u: Union, own: _Own, rank: int) -> Prepared:

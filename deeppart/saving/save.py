@@ -22,7 +22,7 @@ import os
 import struct
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypedDict, Unpack
 
 import numpy as np
@@ -153,8 +153,8 @@ class PlannedSave:
     progress: bool | None
     verbose: bool
     staging_bytes: int | None
-    #: Each rank's byte from ``plan_save(local=...)`` (empty without it).
-    flags: list[int] = field(default_factory=list)
+    #: Whether any rank's byte from ``plan_save(local=...)`` is set.
+    flagged: bool = False
     #: Where it writes and how it commits (a file system directory or an
     #: object store: :mod:`deeppart.storage.target`).
     target: SaveTarget | None = None
@@ -291,7 +291,7 @@ def plan_save(
 
     ``local``: a step run on this rank once it is prepared (an asynchronous
     save's snapshot), before the agreement; it returns one byte (0-255)
-    that the same collective shares (``PlannedSave.flags``), and its
+    that the same collective shares (``PlannedSave.flagged``: set on any rank), and its
     failure fails the agreement on every rank. ``defer_proof``: the
     large shared tensors' replica proof may be left to the caller
     (``PlannedSave.prep.unproved``, :mod:`deeppart.saving.deferred_proof`):
@@ -317,7 +317,7 @@ def plan_save(
         store = identity_text(target.identity())
     except BaseException as e:
         err = e
-    prep, flags = prepare_save(
+    prep, flagged = prepare_save(
         c,
         err,
         state,
@@ -342,7 +342,7 @@ def plan_save(
         o.get("progress"),
         o.get("verbose", False),
         w.staging_bytes,
-        flags,
+        flagged,
         target,
         o.get("keep"),
     )

@@ -38,6 +38,21 @@ sums zero prove every copy the union stores once; a non-zero one prepares
 the save again by the full path, each rank's copy its own. When any rank
 has such terms every rank joins that agreement.
 
+The ranks learn whether to reuse the cache by one sum over the ranks
+(:func:`reuse_terms`, :func:`reuse_agreed`: a fixed 288 bytes whatever
+the world size, not a row per rank): the number of ranks that failed, of
+ranks with a cached union to reuse, of ``local`` flags and of late checks,
+and per 16-bit limb of the tag, of the store's identity and of the check
+value, their sum (and for the tag and the identity the sum of squares:
+``world * sum(x**2) == sum(x)**2`` exactly when every rank's limb is the
+same). The ranks reuse the union when none failed, all have it, the tags
+and identities are one and the checks sum to zero modulo the prime; any
+other sum sends every rank to the prepare's agreement of full rows, which
+decides as before (and raises every failure on every rank). Equal tags
+name one cached union, which names every rank's fingerprint when it was
+made; a rank has a union to reuse only while its own fingerprint is that
+one, so equal tags prove every rank's structure unchanged.
+
 The check proves, without exchanging per-leaf digests, that the holders
 of every item the cached union stores once still hold equal copies (the
 values change every step; the union's grouping of copies must still be
@@ -61,6 +76,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from deeppart._planner import Manifest, Plan
 from deeppart.regions import DTensorRecord
 from deeppart.state.state import FlatLeaf
@@ -82,6 +100,8 @@ __all__ = [
     "fingerprints_digest",
     "forget",
     "remember",
+    "reuse_agreed",
+    "reuse_terms",
     "structure_fingerprint",
 ]
 
@@ -247,3 +267,64 @@ def cached(rank: int, world: int, fingerprint: bytes) -> UnionCache | None:
 def forget() -> None:
     """Drops every cached union of this process."""
     _CACHES.clear()
+
+
+#: 16-bit limbs of a tag, of a store identity, of a check value.
+_TAG_LIMBS = TAG_BYTES // 2
+_IDENTITY_LIMBS = 8
+_CHECK_LIMBS = CHECK_BYTES // 2
+#: :func:`reuse_terms`' length: four counts; sums and sums of squares of
+#: the tag's and the identity's limbs; sums of the check's limbs.
+REUSE_TERMS = 4 + 2 * _TAG_LIMBS + 2 * _IDENTITY_LIMBS + _CHECK_LIMBS
+
+
+def _limbs(data: bytes) -> npt.NDArray[np.int64]:
+    return np.frombuffer(data, dtype="<u2").astype(np.int64)
+
+
+def reuse_terms(failed: bool, column: bytes, flag: int, identity: bytes) -> npt.NDArray[np.int64]:
+    """This rank's terms of the sum that decides whether every rank reuses
+    its cached union (see the module docstring): ``column`` is this rank's
+    cache column (fingerprint, tag, check, late byte), its tag zeros when
+    it has no union to reuse; ``identity``: the digest of the store it
+    addresses (16 bytes)."""
+    out = np.zeros(REUSE_TERMS, dtype=np.int64)
+    if failed:
+        out[0] = 1
+        return out
+    tag = column[FINGERPRINT_BYTES : FINGERPRINT_BYTES + TAG_BYTES]
+    check = column[FINGERPRINT_BYTES + TAG_BYTES : FINGERPRINT_BYTES + TAG_BYTES + CHECK_BYTES]
+    if len(identity) != 2 * _IDENTITY_LIMBS:
+        raise ValueError(f"a store identity of {len(identity)} bytes, not {2 * _IDENTITY_LIMBS}")
+    out[1] = int(any(tag))
+    out[2] = int(flag != 0)
+    out[3] = column[-1]
+    t, i = _limbs(tag), _limbs(identity)
+    at = 4
+    for part in (t, t * t, i, i * i, _limbs(check)):
+        out[at : at + part.size] = part
+        at += part.size
+    return out
+
+
+def reuse_agreed(total: npt.NDArray[np.int64], world: int) -> tuple[bool, bool, bool]:
+    """From every rank's :func:`reuse_terms` summed: whether every rank
+    reuses its cached union, whether some rank left part of its check to
+    the deferred proof, whether some rank's ``local`` flag is set."""
+    failed, have, flags, late = (int(x) for x in total[:4])
+    at = 4
+
+    def take(n: int) -> list[int]:
+        nonlocal at
+        out = [int(x) for x in total[at : at + n]]
+        at += n
+        return out
+
+    tag, tag_sq = take(_TAG_LIMBS), take(_TAG_LIMBS)
+    ident, ident_sq = take(_IDENTITY_LIMBS), take(_IDENTITY_LIMBS)
+    check = take(_CHECK_LIMBS)
+    pairs = [*zip(tag, tag_sq, strict=True), *zip(ident, ident_sq, strict=True)]
+    one = all(world * q == s * s for s, q in pairs)
+    check_sum = sum(v << (16 * k) for k, v in enumerate(check))
+    reuse = not failed and have == world and one and check_sum % PRIME == 0
+    return reuse, late > 0, flags > 0

@@ -23,7 +23,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from deeppart.errors import StateError
 from deeppart.regions import SHARD_KEY, DTensorRecord, Region, ShardRecord, placement_region
@@ -39,6 +39,7 @@ __all__ = [
     "is_dtensor",
     "layout_regions",
     "local_region",
+    "mesh_identity",
     "mesh_regions",
     "renumber_skeleton",
 ]
@@ -82,12 +83,13 @@ def _region_at(
 _LAYOUTS: OrderedDict[tuple[Any, ...], list[tuple[Region, list[int]]]] = OrderedDict()
 _LAYOUT_CACHE = 4096
 #: Per device mesh object (by id): a weak reference to it, its ranks as
-#: nested tuples (a cache key), and numpy. Weak: a torch DeviceMesh holds
+#: nested tuples (a cache key), and numpy; its :func:`mesh_identity` once
+#: asked for. Weak: a torch DeviceMesh holds
 #: its process groups, and a mesh kept here would keep them past the user's
 #: destroy_process_group() into the interpreter's teardown, where a gloo
 #: group's destruction can abort the process ("terminate called without an
 #: active exception") after the program has finished.
-_MESHES: dict[int, tuple[weakref.ref[Any], tuple[Any, ...], Any]] = {}
+_MESHES: dict[int, list[Any]] = {}
 
 
 def _forget_mesh(key: int, ref: weakref.ref[Any]) -> None:
@@ -97,20 +99,44 @@ def _forget_mesh(key: int, ref: weakref.ref[Any]) -> None:
         _MESHES.pop(key, None)  # another thread may have cleared the cache
 
 
-def _mesh_ranks(mesh: Any) -> tuple[tuple[Any, ...], Any]:
-    """``mesh``'s ranks as a hashable key and as a numpy array (cached per
-    live mesh object; meshes live as long as the model, so few are held)."""
+def _mesh_entry(mesh: Any) -> list[Any]:
+    """``mesh``'s cache entry: ``[weak ref, ranks key, ranks, identity]``
+    (cached per live mesh object; meshes live as long as the model, so few
+    are held)."""
     hit = _MESHES.get(id(mesh))
     if hit is not None and hit[0]() is mesh:
-        return hit[1], hit[2]
+        return hit
     arr = mesh.mesh.cpu().numpy().astype("int64")
     key = (arr.shape, tuple(arr.reshape(-1).tolist()))
     if len(_MESHES) > 256:
         _MESHES.clear()
     mesh_id = id(mesh)
     ref = weakref.ref(mesh, lambda r: _forget_mesh(mesh_id, r))
-    _MESHES[mesh_id] = (ref, key, arr)
-    return key, arr
+    entry = [ref, key, arr, None]
+    _MESHES[mesh_id] = entry
+    return entry
+
+
+def _mesh_ranks(mesh: Any) -> tuple[tuple[Any, ...], Any]:
+    """``mesh``'s ranks as a hashable key and as a numpy array."""
+    entry = _mesh_entry(mesh)
+    return entry[1], entry[2]
+
+
+def mesh_identity(mesh: Any) -> tuple[Any, ...]:
+    """Everything of ``mesh`` that a DTensor's shards, holders and local
+    region depend on, hashable: its ranks and dimension names, its root
+    mesh's (the widening by ``replica_dims``), this rank's coordinate.
+    Cached per live mesh object, so that a save whose structure is
+    unchanged compares meshes in O(1) (:mod:`deeppart.saving.own_structure`)."""
+    entry = _mesh_entry(mesh)
+    if entry[3] is None:
+        root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+        root_part = None if root is mesh else (_mesh_ranks(root)[0], root.mesh_dim_names)
+        coord = mesh.get_coordinate()
+        at = None if coord is None else tuple(coord)
+        entry[3] = (entry[1], mesh.mesh_dim_names, root_part, at)
+    return cast("tuple[Any, ...]", entry[3])
 
 
 def _check_placements(dt: Any, path: Sequence[Any]) -> None:
@@ -270,6 +296,9 @@ class Expanded:
     #: Per record: the layout its shards come from (:func:`holder_layout`;
     #: None when the holders come from the root mesh, ``replica_dims=None``).
     layouts: list[Layout | None] = field(default_factory=list)
+    #: Per leaf of ``leaves``: the index of the flattened leaf it comes from
+    #: (a DTensor's shard leaves all name the DTensor's).
+    origin: list[int] = field(default_factory=list)
 
 
 class HolderGroups:
@@ -315,7 +344,8 @@ def expand(
     root-mesh dimensions (:func:`holder_regions`; the union model of
     :mod:`deeppart.state.union`)."""
     if not any(lf.tensor is not None and is_dtensor(lf.tensor) for lf in leaves):
-        return Expanded(leaves, [describe_leaf(lf) for lf in leaves], skeleton, [])
+        plain = [describe_leaf(lf) for lf in leaves]
+        return Expanded(leaves, plain, skeleton, [], origin=list(range(len(leaves))))
     out: list[FlatLeaf] = []
     descs: list[dict[str, Any]] = []
     records: list[DTensorRecord] = []
@@ -323,10 +353,12 @@ def expand(
     renumber: list[int] = []
     mesh_ranks: list[list[int]] = []
     layouts: list[Layout | None] = []
-    for lf in leaves:
+    origin: list[int] = []
+    for i, lf in enumerate(leaves):
         renumber.append(len(out))
         dt = lf.tensor
         if dt is None or not is_dtensor(dt):
+            origin.append(i)
             out.append(lf)
             descs.append(describe_leaf(lf))
             continue
@@ -352,6 +384,7 @@ def expand(
         for k, (region, holders) in enumerate(regions):
             path = (*lf.path, SHARD_KEY, k)
             held = local if region == mine else None
+            origin.append(i)
             out.append(FlatLeaf(path, held, None))
             descs.append(
                 {
@@ -371,6 +404,7 @@ def expand(
         groups.groups,
         mesh_ranks,
         layouts,
+        origin,
     )
 
 

@@ -11,12 +11,16 @@ pytest.importorskip("torch")
 
 from bench.exchange import Llama, computed, stage_params
 from deeppart.saving.prepare import ROW_WIDTH
-from deeppart.saving.union_cache import COLUMN_WIDTH
+from deeppart.saving.union_cache import COLUMN_WIDTH, REUSE_TERMS
 from deeppart.storage.identity import IDENTITY_BYTES
 
 #: The first agreement's row as it travels: the failure byte, the digests,
 #: the local byte, the store's identity, the union cache's column.
 ROW = 1 + ROW_WIDTH + 1 + IDENTITY_BYTES + COLUMN_WIDTH
+#: The sum that decides whether the cached union is reused: int64 terms.
+SUM = 8 * REUSE_TERMS
+#: What a rank receives of that sum in a ring allreduce over 8 ranks.
+SUM_RECEIVED = 2 * SUM * 7 // 8
 
 
 def test_computed_exchange_at_eight_ranks() -> None:
@@ -28,10 +32,13 @@ def test_computed_exchange_at_eight_ranks() -> None:
     # The union holds every stage's parameters and both AdamW moments.
     params = sum(len(stage_params(cfg, 2, s)) for s in range(2))
     assert res["union_dtensors"] == 3 * params
-    # Rank 0: the first agreement, the exchange's two rounds (the second:
-    # each rank's plain values that differ from its stage's lowest rank's,
-    # its loader position and RNG state), the union's agreement.
-    ops = res["rank0"]["ops"]
+    # Rank 0: the sum (no cached union to reuse), the first agreement, the
+    # exchange's two rounds (the second: each rank's plain values that
+    # differ from its stage's lowest rank's, its loader position and RNG
+    # state), the union's agreement.
+    total_ops = res["rank0"]["ops"]
+    assert total_ops[0] == ["prepare_save", "allreduce_sum_i64", SUM, SUM_RECEIVED]
+    ops = total_ops[1:]
     assert [op[1] for op in ops] == [
         "allgather_bytes",
         "allgather_varbytes",
@@ -55,11 +62,11 @@ def test_computed_exchange_at_eight_ranks() -> None:
     mine = (ops[1][2] - 8) + (ops[2][2] - 8)  # rank 0's own payloads, both rounds
     assert ops[1][3] + ops[2][3] == total - mine + 2 * 8 * 7  # what rank 0 gathers
     assert ops[1][2] == descriptions[0] + 8
-    assert res["rank0"]["sent"] == ROW + ops[1][2] + ops[2][2] + 34
+    assert res["rank0"]["sent"] == SUM + ROW + ops[1][2] + ops[2][2] + 34
     assert ops[0][2] == ROW and ops[0][3] == ROW * 7
 
-    # A second save of the same structure: the first agreement only (its
-    # row proves the cached union still fits), no exchange, no merge.
+    # A second save of the same structure: the sum only (it proves the
+    # cached union still fits), no row gathered, no exchange, no merge.
     cached = res["cached"]["rank0"]
-    assert cached["ops"] == [["prepare_save", "allgather_bytes", ROW, ROW * 7]]
+    assert cached["ops"] == [["prepare_save", "allreduce_sum_i64", SUM, SUM_RECEIVED]]
     assert cached["gathered"] < ops[1][3] / 10

@@ -347,3 +347,63 @@ def test_the_check_sums_to_zero_only_when_every_copy_is_equal() -> None:
     assert total(equal) != 0
     # A leaf without a digest cannot be proved.
     assert union_cache.check_value(terms[1], Digests(samples={0: "ab" * 16})) is None
+
+
+def test_a_cached_save_gathers_no_rank_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second save decides on the one sum of a fixed size: its prepare
+    runs no agreement of per-rank rows (what grows with the ranks)."""
+    comms = save_all(tmp_path, "a", [stage_state(r, 1) for r in range(4)])
+    rows: list[int] = []
+    inner = prepare_mod.agree
+
+    def counted(c: Any, *args: Any, **kwargs: Any) -> Any:
+        rows.append(c.rank)
+        return inner(c, *args, **kwargs)
+
+    monkeypatch.setattr(prepare_mod, "agree", counted)
+    states = [stage_state(r, 2) for r in range(4)]
+    save_all(tmp_path, "b", states, comms)
+    assert rows == []
+    for got, want in zip(load_all(tmp_path, "b", comms), states, strict=True):
+        assert_bitwise(got, want)
+
+
+def _column(tag: bytes, check: int = 0, late: int = 0) -> bytes:
+    fp = b"\1" * union_cache.FINGERPRINT_BYTES
+    return fp + tag + check.to_bytes(union_cache.CHECK_BYTES, "little") + bytes([late])
+
+
+def test_the_sum_reuses_only_when_every_rank_has_the_same_union_and_the_checks_cancel() -> None:
+    import numpy as np
+
+    terms, agreed = union_cache.reuse_terms, union_cache.reuse_agreed
+    tag, ident = bytes(range(1, 9)), bytes(range(16))
+    p = union_cache.PRIME
+    # Checks that cancel modulo the prime (each below it, as check_value makes them).
+    checks = [p - 5, 7, p - 2]
+
+    def total(rows: list[Any]) -> Any:
+        return np.sum(np.stack(rows), axis=0, dtype=np.int64)
+
+    good = [terms(False, _column(tag, c), 0, ident) for c in checks]
+    assert agreed(total(good), 3) == (True, False, False)
+    # A rank with another tag (another union, or its own structure changed: zeros).
+    for other in (bytes(range(2, 10)), b"\0" * 8, tag[:7] + b"\x09"):
+        rows = [*good[:2], terms(False, _column(other, checks[2]), 0, ident)]
+        assert agreed(total(rows), 3)[0] is False, other
+    # Checks that do not cancel: a copy differs.
+    rows = [*good[:2], terms(False, _column(tag, checks[2] - 1), 0, ident)]
+    assert agreed(total(rows), 3)[0] is False
+    # Another store on one rank; a failed rank; a missing rank.
+    rows = [*good[:2], terms(False, _column(tag, checks[2]), 0, bytes(16))]
+    assert agreed(total(rows), 3)[0] is False
+    rows = [*good[:2], terms(True, b"", 0, ident)]
+    assert agreed(total(rows), 3)[0] is False
+    assert agreed(total(good), 4)[0] is False
+    # Late checks and local flags are reported from any rank.
+    rows = [*good[:2], terms(False, _column(tag, checks[2], late=1), 1, ident)]
+    assert agreed(total(rows), 3) == (True, True, True)
+    # Limbs whose sums agree but whose values differ are told apart.
+    a, b = bytes([1, 0] * 4), bytes([3, 0] * 4)
+    rows = [terms(False, _column(x, 0), 0, ident) for x in (a, b, bytes([2, 0] * 4))]
+    assert agreed(total(rows), 3)[0] is False

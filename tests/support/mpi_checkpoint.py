@@ -592,8 +592,8 @@ class CountingComm(MPIComm):
     """MPI.COMM_WORLD, counting each collective DeepPart runs on it."""
 
     COLLECTIVES = (
-        "allgather_bytes", "allgather_f64", "allgather_varbytes", "gatherv_u64",
-        "bcast_u8", "start_bcast_u8", "sendrecv_u8", "barrier",
+        "allgather_bytes", "allgather_f64", "allgather_varbytes", "allreduce_sum_i64",
+        "gatherv_u64", "bcast_u8", "start_bcast_u8", "sendrecv_u8", "barrier",
     )  # fmt: skip
 
     def __init__(self, comm: Any) -> None:
@@ -631,6 +631,12 @@ def scenario_collectives(d: Path) -> None:
     assert len(stats.rank_seconds) == c.size and stats.seconds == max(stats.rank_seconds)
     total = sum((d / data_file_name(f)).stat().st_size for f in range(c.size))
     assert 0 < stats.stored_bytes < total, (stats.stored_bytes, total)  # each piece read once
+    # The save's one sum of a fixed size (the union cache's decision):
+    # int64, exact beyond float64's 53 bits, negative terms too.
+    n, r = c.size, c.rank
+    got = counting.allreduce_sum_i64(np.array([2**60 + r, -r, 1], dtype=np.int64))
+    assert got.dtype == np.int64, got.dtype
+    assert got.tolist() == [n * 2**60 + n * (n - 1) // 2, -n * (n - 1) // 2, n], got
     ok("collectives")
 
 

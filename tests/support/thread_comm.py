@@ -69,6 +69,10 @@ class ThreadComm(SingleComm):
     def allgather_varbytes(self, data: bytes) -> list[bytes]:
         return [bytes(d) for d in self._exchange(bytes(data))]
 
+    def allreduce_sum_i64(self, values: Any) -> Any:
+        rows = self._exchange(np.array(values, dtype=np.int64).reshape(-1))
+        return np.sum(np.stack(rows), axis=0, dtype=np.int64)
+
     def gatherv_u64(self, values: Any, counts: list[int], root: int = 0) -> Any:
         rows = self._exchange(np.ascontiguousarray(values, dtype=np.uint64).copy())
         if self._rank != root:
