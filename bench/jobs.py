@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 from dataclasses import dataclass
@@ -126,14 +127,24 @@ def mpi_env() -> dict[str, str]:
     )
 
 
-def job_result(cmd: list[str], env: dict[str, str]) -> dict[str, Any]:
+def job_result(cmd: list[str], env: dict[str, str], timeout: float | None = None) -> dict[str, Any]:
     """Runs a benchmark job (``cmd``, usually under mpiexec) and returns the
-    JSON its rank 0 printed after ``RESULT``; exits on failure."""
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    JSON its rank 0 printed after ``RESULT``; exits on failure. With
+    ``timeout`` (seconds) the job runs in its own session, whose processes
+    are all killed when it runs longer."""
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, text=True, start_new_session=timeout is not None
+    )
+    try:
+        stdout, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise SystemExit(f"{' '.join(cmd)} hung (over {timeout} s)") from None
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed with status {proc.returncode}")
-    for line in proc.stdout.splitlines():
+    for line in stdout.splitlines():
         if line.startswith("RESULT "):
             result: dict[str, Any] = json.loads(line[len("RESULT ") :])
             return result
-    raise SystemExit(f"no result from {' '.join(cmd)}:\n{proc.stdout}")
+    raise SystemExit(f"no result from {' '.join(cmd)}:\n{stdout}")

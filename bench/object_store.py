@@ -299,16 +299,40 @@ def s3_env(endpoint: str) -> dict[str, str]:
     }
 
 
+def tbf(ns: str, dev: str, rate: str) -> None:
+    """What ``dev`` in network namespace ``ns`` sends capped at ``rate``
+    (a token bucket queueing up to 50 ms)."""
+    subprocess.run(
+        ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+         "rate", rate, "burst", "512kb", "latency", "50ms"],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+
+
 def shape(c: Any, nodes: int, rate: str) -> None:
     """Every node's link capped at ``rate`` both ways (a token bucket on
     each end of its veth pair)."""
     for k in range(nodes):
         for ns, dev in ((f"{c.tag}n{k}", "eth0"), (f"{c.tag}head", f"v{k}")):
-            subprocess.run(
-                ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-                 "rate", rate, "burst", "512kb", "latency", "50ms"],
-                check=True, capture_output=True, text=True,
-            )  # fmt: skip
+            tbf(ns, dev, rate)
+
+
+def await_server(server: Server, ns: str, host: str, logfile: Path) -> None:
+    """Returns once ``server`` (in network namespace ``ns``) accepts a
+    connection at ``host``; :class:`Skip` if it exits first."""
+    connect = "import socket,sys; socket.create_connection((sys.argv[1], sys.argv[2]), 1)"
+    for _ in range(50):
+        time.sleep(0.2)
+        if server.proc.poll() is not None:
+            text = logfile.read_text(errors="replace")[-800:]
+            raise Skip(f"the {server.kind} server exited: {text}")
+        ready = subprocess.run(
+            ["nsenter", f"--net=/run/netns/{ns}", "--", sys.executable, "-c", connect, host,
+             str(PORT)],
+            capture_output=True,
+        )  # fmt: skip
+        if ready.returncode == 0:
+            return
 
 
 def host_tcp_cc() -> str:
@@ -1000,19 +1024,7 @@ def drive(args: argparse.Namespace) -> None:
         try:
             env = dict(os.environ, **s3_env(server.endpoint))
             head = ["nsenter", f"--net=/run/netns/{c.tag}head", "--"]
-            for _ in range(50):  # the server is up when a probe gets an answer
-                time.sleep(0.2)
-                if server.proc.poll() is not None:
-                    log_text = (c.dir / "server.log").read_text(errors="replace")[-800:]
-                    raise Skip(f"the {args.server} server exited: {log_text}")
-                connect = (
-                    "import socket,sys; socket.create_connection((sys.argv[1], sys.argv[2]), 1)"
-                )
-                ready = subprocess.run(
-                    [*head, sys.executable, "-c", connect, host, str(PORT)], capture_output=True
-                )
-                if ready.returncode == 0:
-                    break
+            await_server(server, f"{c.tag}head", host, c.dir / "server.log")
             raw = run_probe(head, env, PROBE_STREAMS, PROBE_BYTES)
             link = run_probe(c.nsenter(0), env, 1, PROBE_BYTES)
             log(f"server from the head: PUT {raw['put'] / 1e6:.0f} MB/s, "
