@@ -206,8 +206,15 @@ class Region:
             n *= d
         return n
 
-    def to_json(self) -> list[list[list[int]]]:
+    @functools.cached_property
+    def _json(self) -> list[list[list[int]]]:
         return [[[a, b] for a, b in r] for r in self.runs]
+
+    def to_json(self) -> list[list[list[int]]]:
+        """The runs as JSON lists (made once per region and shared: a
+        layout's regions serve every save, and a save writes each region's
+        JSON several times; not to be modified)."""
+        return self._json
 
     def intersect(self, other: Region) -> Region | None:
         """The common indices, or None when they share no element."""
