@@ -47,7 +47,8 @@ def scenario_comm() -> None:
     # Sums of int64 exact beyond float64's 53 bits, and negative ones.
     big = 2**60 + r
     s = c.allreduce_sum_i64(np.array([big, -r, 1], dtype=np.int64))
-    assert s.dtype == np.int64 and s.tolist() == [n * 2**60 + n * (n - 1) // 2, -n * (n - 1) // 2, n]
+    tri = n * (n - 1) // 2
+    assert s.dtype == np.int64 and s.tolist() == [n * 2**60 + tri, -tri, n], s
     counts = [k + 1 for k in range(n)]
     mine = np.arange(r + 1, dtype=np.uint64) + np.uint64(2**63 + 100 * r)  # high bit set
     got = c.gatherv_u64(mine, counts, root=n - 1)

@@ -33,8 +33,9 @@ def _fresh() -> Iterator[None]:
 @pytest.fixture
 def expansions(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """One entry per full description (a call of expand)."""
+    from deeppart.state.dtensor import expand as inner
+
     calls: list[int] = []
-    inner = own_structure.expand
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         calls.append(1)
@@ -156,7 +157,7 @@ def test_a_local_shard_of_another_shape_than_described_is_named(
     describe({"w": w})
     # The same global shape, placements and mesh; a local tensor of 2 rows.
     odd = DTensor.from_local(
-        torch.zeros(2, 4), w.device_mesh, w.placements, shape=(3, 4), stride=(4, 1)
+        torch.zeros(2, 4), w.device_mesh, w.placements, shape=torch.Size((3, 4)), stride=(4, 1)
     )
     with pytest.raises(StateError, match="w: the DTensor's local tensor has shape"):
         describe({"w": odd})

@@ -349,12 +349,15 @@ def test_the_check_sums_to_zero_only_when_every_copy_is_equal() -> None:
     assert union_cache.check_value(terms[1], Digests(samples={0: "ab" * 16})) is None
 
 
-def test_a_cached_save_gathers_no_rank_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_cached_save_gathers_no_rank_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The second save decides on the one sum of a fixed size: its prepare
     runs no agreement of per-rank rows (what grows with the ranks)."""
     comms = save_all(tmp_path, "a", [stage_state(r, 1) for r in range(4)])
+    from deeppart.agreement import agree as inner
+
     rows: list[int] = []
-    inner = prepare_mod.agree
 
     def counted(c: Any, *args: Any, **kwargs: Any) -> Any:
         rows.append(c.rank)
