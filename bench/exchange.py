@@ -6,6 +6,7 @@ computed for a 70B model on 4,096 ranks.
     .venv/bin/python bench/exchange.py --part measured   # 8 MPI ranks only (a minute)
     .venv/bin/python bench/exchange.py --part computed --bytes-only   # 4,096 ranks' payloads
     .venv/bin/python bench/exchange.py --part computed --dp 8         # 512 ranks, with the merge
+                                                                      # and DCP's planning
 
 At the default 4,096 ranks the computed part takes minutes of CPU and
 several GB of memory (over 7 GB once rank 0 merges); ``--bytes-only``
@@ -61,6 +62,21 @@ and gathers, the CPU seconds of each local phase on one process (every
 rank does the same work in parallel), and the collectives' time under a
 ring-allgather model, ``(p - 1) * latency + gathered bytes / bandwidth`` (defaults: 5 us,
 25 GB/s per rank, one 200 Gb/s NIC; ``--latency-us``, ``--bandwidth-gbs``).
+
+**DCP beside it** (``--dcp``; on by default at up to 512 ranks, ``--no-dcp``
+to leave it out): ``torch.distributed.checkpoint``'s planning of the same
+save, on the same states (each rank's real DTensors, on its own ``fake``
+process group): every rank's local step of DCP's ``_save_state_dict``
+(``DefaultSavePlanner(enable_plan_caching=True)`` and ``FileSystemWriter``:
+``set_up_planner``, ``create_local_plan``, ``prepare_local_plan``), its
+``SavePlan`` pickled as ``gather_object`` sends it, then rank 0's global step
+on them all (unpickle, ``create_global_plan``: dedup, global plans, metadata,
+validation; ``prepare_global_plan``; the global plans pickled for
+``scatter_object_list``), and a second save of the same state through DCP's
+plan cache (:func:`dcp_planning`). Printed beside DeepPart's first and
+cached ``prepare_save``, with the ratios of rank 0's CPU seconds. DeepPart's
+``prepare_save`` also digests every shared value (the replicas' proof),
+which DCP does not do at all.
 """
 
 from __future__ import annotations
@@ -765,9 +781,10 @@ def _computed(
     try:
         own_structure.forget()  # rank 0 describes its tree afresh, as a first save does
         _freeze_simulation()
-        t0 = time.process_time()
-        prep, _ = prepare_save(cast("Comm", c), None, states[0], None, plan_for, path)
-        t_total = time.process_time() - t0
+        with GcSeconds() as collector:
+            t0 = time.process_time()
+            prep, _ = prepare_save(cast("Comm", c), None, states[0], None, plan_for, path)
+            t_total = time.process_time() - t0
     finally:
         prepare_module.build_union = build  # type: ignore[attr-defined]
     marks = [(x[1], x[4] - t0, x[5] - t0) for x in c.counter.log]
@@ -788,12 +805,226 @@ def _computed(
     out["union_leaves"] = len(prep.manifest.leaves())
     out["union_dtensors"] = len(prep.dtensors)
     out["rank0"] = c.counter.totals(SAVE_EXCHANGE)
-    out["cpu_seconds"] = {**phases, "rank 0 prepare_save in all": t_total, **out["cpu_seconds"]}
+    out["cpu_seconds"] = {
+        **phases,
+        "rank 0 prepare_save in all": t_total,
+        "of which the garbage collector": collector.seconds,
+        **out["cpu_seconds"],
+    }
     out["same_union_on_reps"] = checked
     out["cached"] = _cached_save(
         world, rows, own_of, states[0], plan_for, path, prep, built[0], union_cache, _try_cache
     )
     return out
+
+
+def dcp_planning(cfg: Llama, pp: int, dp: int, tp: int) -> dict[str, Any]:
+    """DCP's planning of the same save (``--dcp``): every rank's real
+    ``SavePlan`` and the coordinator's global plan, as
+    ``torch.distributed.checkpoint.save`` makes them with
+    ``DefaultSavePlanner`` and ``FileSystemWriter``, on a ``fake`` process
+    group that is destroyed again when it returns."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise RuntimeError("dcp_planning() needs a process without torch.distributed initialised")
+    try:
+        return _dcp_planning(cfg, pp, dp, tp)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _dcp_planning(cfg: Llama, pp: int, dp: int, tp: int) -> dict[str, Any]:
+    """Each rank in turn (its own ``fake`` process group and mesh) builds
+    its state of real DTensors (:func:`synthetic_state`, as DeepPart's
+    computed part) and runs DCP's ``local_step`` of ``_save_state_dict``:
+    ``set_up_planner``, ``set_up_storage_writer``, ``create_local_plan``,
+    ``prepare_local_plan``; its plan is pickled as ``gather_object`` sends
+    it. Rank 0 (the coordinator) then runs ``global_step`` on the 511
+    others' unpickled plans and its own: ``create_global_plan`` (dedup,
+    the global plans and ``Metadata``, the plans' validation) and
+    ``prepare_global_plan``, and pickles each rank's global plan as
+    ``scatter_object_list`` sends it. Only the transport is left out: the
+    bytes are counted, not sent. With ``enable_plan_caching`` (DCP's cache
+    in one process) a second save of the same state is timed too: rank 0's
+    local step finds its plan unchanged and sends an empty one, and so,
+    each in its own process, would every other rank (their empty plans are
+    made, not planned here); the coordinator reuses its cached global plan
+    and metadata."""
+    import pickle
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    world = pp * dp * tp
+    for cache in (
+        SavePlanner._cached_save_plan,
+        SavePlanner._cached_final_save_plan,
+        SavePlanner._cached_all_plans,
+        SavePlanner._cached_global_plan,
+        SavePlanner._cached_metadata,
+    ):
+        cache.clear()
+    with tempfile.TemporaryDirectory(prefix="deeppart-dcp-plan-") as tmp:
+
+        def local_step(state: Any, rank: int) -> tuple[Any, FileSystemWriter, Any, float]:
+            planner = DefaultSavePlanner(enable_plan_caching=True)
+            writer = FileSystemWriter(tmp)
+            t0 = time.process_time()
+            planner.set_up_planner(state, writer.storage_meta(), rank == 0)
+            writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
+            plan = writer.prepare_local_plan(planner.create_local_plan())
+            return planner, writer, plan, time.process_time() - t0
+
+        # Every rank's local step, rank 0 last (its process group and
+        # state stay for the coordinator's step and the second save).
+        blobs: list[bytes] = [b""] * world
+        local_cpu: list[float] = [0.0] * world
+        items: list[int] = [0] * world
+        state0: Any = None
+        for r in reversed(range(world)):
+            if r % (dp * tp) == 0:
+                _progress(f"DCP: stage {r // (dp * tp)}'s {dp * tp} local plans")
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            dist.init_process_group("fake", store=FakeStore(), rank=r, world_size=world)
+            mesh = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+            state = synthetic_state(cfg, mesh, pp, r // (dp * tp), r)
+            planner, writer, plan, cpu = local_step(state, r)
+            t0 = time.process_time()
+            blobs[r] = pickle.dumps(plan)
+            local_cpu[r] = cpu + time.process_time() - t0
+            items[r] = len(plan.items)
+            if r == 0:
+                state0, planner0, writer0 = state, planner, writer
+            del state, planner, writer, plan
+
+        _progress("DCP: the coordinator's global plan")
+        _freeze_simulation()
+        with GcSeconds() as collector:
+            t0 = time.process_time()
+            plans = [pickle.loads(b) for b in blobs]
+            t_unpickle = time.process_time() - t0
+            t0 = time.process_time()
+            delta, metadata = planner0.create_global_plan(plans)
+            t_global = time.process_time() - t0
+            t0 = time.process_time()
+            delta = writer0.prepare_global_plan(delta)
+            scattered = [pickle.dumps(p) for p in delta]
+            t_scatter = time.process_time() - t0
+        planner0.finish_plan(pickle.loads(scattered[0]))
+        written = sum(len(p.items) for p in planner0.global_plan)
+        metadata_bytes = len(pickle.dumps(metadata))
+        del plans, delta
+
+        _progress("DCP: a second save of the same state (plan caching)")
+        _freeze_simulation()
+        with GcSeconds() as collector2:
+            planner2, writer2, plan2, cpu2 = local_step(state0, 0)
+            t0 = time.process_time()
+            blob2 = pickle.dumps(plan2)
+            cpu2 += time.process_time() - t0
+            if plan2.usable:
+                raise AssertionError("DCP's cache did not find rank 0's local plan unchanged")
+            empty = pickle.dumps(SavePlan([], usable=False))
+            blobs2 = [blob2] + [empty] * (world - 1)
+            t0 = time.process_time()
+            plans2 = [pickle.loads(b) for b in blobs2]
+            delta2, _ = planner2.create_global_plan(plans2)
+            delta2 = writer2.prepare_global_plan(delta2)
+            scattered2 = [pickle.dumps(p) for p in delta2]
+            t_coord2 = time.process_time() - t0
+        planner2.finish_plan(pickle.loads(scattered2[0]))
+        if planner2.plan.items != planner0.plan.items:
+            raise AssertionError("DCP's cached plan for rank 0 is not its first save's")
+    ordered = sorted(local_cpu)
+    first = {
+        "rank 0's local step (set up, local plan, pickle)": local_cpu[0],
+        "unpickle the gathered plans": t_unpickle,
+        "create_global_plan (dedup, metadata, validation)": t_global,
+        "prepare_global_plan, pickle the plans to scatter": t_scatter,
+    }
+    second = {
+        "rank 0's local step (plan compared with the cached one)": cpu2,
+        "the coordinator (unpickle, cached global plan, pickle)": t_coord2,
+    }
+    return {
+        "items per rank: min, median, max": [min(items), sorted(items)[world // 2], max(items)],
+        "write items after dedup": written,
+        "metadata chunks": sum(
+            len(getattr(md, "chunks", ())) for md in metadata.state_dict_metadata.values()
+        ),
+        "local step CPU per rank: min, median, max": [ordered[0], ordered[world // 2], ordered[-1]],
+        "first": {
+            "gathered by rank 0": sum(len(b) for b in blobs[1:]),
+            "scattered by rank 0": sum(len(b) for b in scattered[1:]),
+            "metadata bytes (pickled)": metadata_bytes,
+            "cpu_seconds": {
+                **first,
+                "rank 0 in all": sum(first.values()),
+                "of which the garbage collector (the global step)": collector.seconds,
+            },
+        },
+        "second": {
+            "gathered by rank 0": sum(len(b) for b in blobs2[1:]),
+            "scattered by rank 0": sum(len(b) for b in scattered2[1:]),
+            "cpu_seconds": {
+                **second,
+                "rank 0 in all": sum(second.values()),
+                "of which the garbage collector": collector2.seconds,
+            },
+        },
+    }
+
+
+def report_dcp(dcp: dict[str, Any], ours: dict[str, Any]) -> None:
+    """DCP's planning beside DeepPart's prepare_save (``ours``: the computed
+    part's results), with the ratios of rank 0's CPU seconds."""
+    first, second = dcp["first"], dcp["second"]
+    lo, med, hi = dcp["items per rank: min, median, max"]
+    print(
+        "  DCP on the same layout (DefaultSavePlanner(enable_plan_caching=True),"
+        " FileSystemWriter; real SavePlans from real DTensors on a fake process group):"
+    )
+    print(
+        f"    SavePlan items per rank {lo} / {med} / {hi} (min / median / max); "
+        f"{dcp['write items after dedup']} after dedup; metadata {dcp['metadata chunks']} "
+        f"chunks, {_mb(first['metadata bytes (pickled)'])} pickled"
+    )
+    lo_s, med_s, hi_s = dcp["local step CPU per rank: min, median, max"]
+    print(f"    each rank's local step: {lo_s:.2f} / {med_s:.2f} / {hi_s:.2f} s CPU")
+    ours_merge = ours["cpu_seconds"]["decode, merge, plan the union"]
+    runs = (
+        ("first save", first, ours["cpu_seconds"]),
+        ("second save", second, ours["cached"]["cpu_seconds"]),
+    )
+    for name, run, mine in runs:
+        print(
+            f"    {name}: rank 0 gathers {_mb(run['gathered by rank 0'])}, scatters "
+            f"{_mb(run['scattered by rank 0'])}"
+        )
+        cpu = run["cpu_seconds"]
+        for k, v in cpu.items():
+            print(f"      {k}: {v:.3f}")
+        total, collected = cpu["rank 0 in all"], next(v for k, v in cpu.items() if "garbage" in k)
+        ours_total = mine["rank 0 prepare_save in all"]
+        ours_collected = mine["of which the garbage collector"]
+        print(
+            f"      ratio, DCP's rank 0 / DeepPart's rank 0 prepare_save ({ours_total:.3f} s): "
+            f"{total / ours_total:.2f}x; without either's garbage collector "
+            f"({total - collected:.3f} / {ours_total - ours_collected:.3f} s): "
+            f"{(total - collected) / (ours_total - ours_collected):.2f}x"
+        )
+    glob = first["cpu_seconds"]["create_global_plan (dedup, metadata, validation)"]
+    print(
+        f"    ratio, create_global_plan / DeepPart's decode, merge, plan the union "
+        f"({ours_merge:.3f} s): {glob / ours_merge:.2f}x"
+    )
 
 
 class LoadSimComm:
@@ -892,6 +1123,29 @@ def _freeze_simulation() -> None:
     gc.freeze()
 
 
+class GcSeconds:
+    """The CPU seconds the garbage collector runs while this is entered
+    (timed from ``gc.callbacks``): how much of a timed step is the
+    collector's, as objects made there make its collections due."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._started = 0.0
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.process_time()
+        else:
+            self.seconds += time.process_time() - self._started
+
+    def __enter__(self) -> GcSeconds:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+
 def _cached_save(
     world: int,
     rows: list[bytes],
@@ -929,9 +1183,10 @@ def _cached_save(
     _progress("rank 0's second prepare_save")
     c = SimComm(0, world, rows2, [])
     _freeze_simulation()
-    t0 = time.process_time()
-    prep, _ = prepare_save(cast("Comm", c), None, state, None, plan_for, path)
-    t_total = time.process_time() - t0
+    with GcSeconds() as collector:
+        t0 = time.process_time()
+        prep, _ = prepare_save(cast("Comm", c), None, state, None, plan_for, path)
+        t_total = time.process_time() - t0
     agree_at = c.counter.log[0][4] - t0
     # The simulated sum (every rank's terms made from its row here) is not
     # rank 0's work: a real rank's CPU in it is its own terms' reduction.
@@ -951,6 +1206,7 @@ def _cached_save(
             "after the agreement": t_total - agree_at,
             "(the simulated collective, not counted)": simulated,
             "rank 0 prepare_save in all": t_total,
+            "of which the garbage collector": collector.seconds,
         },
     }
 
@@ -1057,6 +1313,14 @@ def main() -> None:
     p.add_argument(
         "--bytes-only", action="store_true", help="computed: the payloads only, not rank 0's merge"
     )
+    dcp = p.add_mutually_exclusive_group()
+    dcp.add_argument(
+        "--dcp",
+        action="store_true",
+        default=None,
+        help="computed: DCP's planning of the same save too (default: at up to 512 ranks)",
+    )
+    dcp.add_argument("--no-dcp", dest="dcp", action="store_false", help="computed: without DCP")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--rank-of", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -1073,6 +1337,12 @@ def main() -> None:
             cfg, args.pp, args.dp, args.tp, check_reps=args.check_reps, bytes_only=args.bytes_only
         )
         report_computed(res, args.latency_us, args.bandwidth_gbs)
+        world = args.pp * args.dp * args.tp
+        if args.dcp or (args.dcp is None and world <= 512 and not args.bytes_only):
+            if args.bytes_only:
+                p.error("--dcp compares with rank 0's prepare_save, which --bytes-only leaves out")
+            res["dcp"] = dcp_planning(cfg, args.pp, args.dp, args.tp)
+            report_dcp(res["dcp"], res)
         out["computed"] = res
     if args.json is not None:
         args.json.write_text(json.dumps(out, indent=1))

@@ -4,6 +4,8 @@
     .venv/bin/python bench/planner.py --zoo      # the zoo only (bench/zoo.py)
     .venv/bin/python bench/planner.py --quick    # a short run
     .venv/bin/python bench/planner.py --layouts  # holder groups: HSDP, TP, EP, PP x DP
+    .venv/bin/python bench/planner.py --layouts --layout-models bert-base+adamw \
+        --layout-kinds pp --no-at-scale          # one model's PP x DP cells only
 
 For each model manifest (bench/models.py, and the zoo of real transformers
 architectures committed by bench/zoo.py) and world size it plans with every
@@ -420,20 +422,38 @@ def bench_layout(name: str, layout: str, manifest: deeppart.Manifest, p: int) ->
 LAYOUT_MODELS = ("llama-3-8b", "mixtral-8x7b")
 LAYOUT_WORLD_SIZES = (256, 1024, 4096)
 LAYOUT_HEADER = (
-    f"{'model':<14} {'layout':<6} {'P':>5} | {'gap':>7} {'ms':>8} | {'DCP gap':>8} {'DCP ms':>9} "
+    f"{'model':<16} {'layout':<6} {'P':>5} | {'gap':>7} {'ms':>8} | {'DCP gap':>8} {'DCP ms':>9} "
     f"| {'Megatron':>8} {'ms':>8}"
 )
 
 
 def format_layout_row(r: LayoutRow) -> str:
     return (
-        f"{r.model:<14} {r.layout:<6} {r.world_size:>5} | {r.gap:>7.4f} {r.ms:>8.1f} | "
+        f"{r.model:<16} {r.layout:<6} {r.world_size:>5} | {r.gap:>7.4f} {r.ms:>8.1f} | "
         f"{r.dcp_gap:>8.3f} {r.dcp_ms:>9.0f} | {r.megatron_gap:>8.3f} {r.megatron_ms:>8.0f}"
     )
 
 
-def run_layouts(models_: Sequence[str], world_sizes: Sequence[int]) -> list[LayoutRow]:
-    """The layouts table, then the at-scale case."""
+def layout_state(name: str) -> deeppart.Manifest:
+    """A state of the layouts table: a zoo model, or a model of bench/models.py
+    (``bert-base+adamw``...)."""
+    if name in zoo.MANIFESTS:
+        return zoo.MANIFESTS[name]()
+    if name in models.MODELS:
+        return models.MODELS[name]()
+    raise SystemExit(
+        f"unknown layout model {name!r}: one of {', '.join([*zoo.MANIFESTS, *models.MODELS])}"
+    )
+
+
+def run_layouts(
+    models_: Sequence[str],
+    world_sizes: Sequence[int],
+    kinds: Sequence[str] | None = None,
+    scale: bool = True,
+) -> list[LayoutRow]:
+    """The layouts table (the layouts ``kinds``, default all), then the
+    at-scale case unless ``scale`` is false."""
     from bench import layouts
 
     print(
@@ -446,8 +466,8 @@ def run_layouts(models_: Sequence[str], world_sizes: Sequence[int]) -> list[Layo
     print("-" * len(LAYOUT_HEADER))
     rows: list[LayoutRow] = []
     for name in models_:
-        m = zoo.MANIFESTS[name]()
-        for layout in layouts.LAYOUTS:
+        m = layout_state(name)
+        for layout in kinds or layouts.LAYOUTS:
             for p in world_sizes:
                 lm = layouts.laid_out(m, layout, p)
                 if lm is None:
@@ -460,7 +480,13 @@ def run_layouts(models_: Sequence[str], world_sizes: Sequence[int]) -> list[Layo
             f"worst {what} gap: {getattr(worst, pick):.4f} "
             f"({worst.model} {worst.layout} P={worst.world_size})"
         )
-    at_scale()
+    over = [r for r in rows if r.gap > 1.01]
+    print(
+        f"target: every DeepPart cell within 1.01 of its bound: {len(rows) - len(over)} of "
+        f"{len(rows)} -> {'met' if not over else 'NOT met'}"
+    )
+    if scale:
+        at_scale()
     return rows
 
 
@@ -538,7 +564,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--layout-models",
         default=",".join(LAYOUT_MODELS),
-        help="zoo models of the layouts table, comma separated (default: %(default)s)",
+        help="models of the layouts table, comma separated: zoo models or bench/models.py's "
+        "(bert-base+adamw...) (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--layout-kinds",
+        default="hsdp,tp,ep,pp",
+        help="layouts of the layouts table, comma separated (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--layout-sizes",
+        default=",".join(map(str, LAYOUT_WORLD_SIZES)),
+        help="world sizes of the layouts table, comma separated (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--no-at-scale",
+        action="store_true",
+        help="the layouts table without the at-scale case (DeepSeek-V3 at 4096 ranks)",
     )
     args = ap.parse_args(argv)
 
@@ -546,7 +588,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.layouts:
         print(f"deeppart {deeppart.PLANNER_VERSION}, torch {torch.__version__}")
-        run_layouts(args.layout_models.split(","), LAYOUT_WORLD_SIZES)
+        from bench import layouts
+
+        kinds = args.layout_kinds.split(",")
+        if unknown := set(kinds) - set(layouts.LAYOUTS):
+            ap.error(f"unknown layouts {sorted(unknown)}: one of {', '.join(layouts.LAYOUTS)}")
+        run_layouts(
+            args.layout_models.split(","),
+            [int(p) for p in args.layout_sizes.split(",")],
+            kinds,
+            scale=not args.no_at_scale,
+        )
         return 0
 
     manifests: dict[str, Callable[[], deeppart.Manifest]] = {}

@@ -70,3 +70,35 @@ def test_computed_exchange_at_eight_ranks() -> None:
     cached = res["cached"]["rank0"]
     assert cached["ops"] == [["prepare_save", "allreduce_sum_i64", SUM, SUM_RECEIVED]]
     assert cached["gathered"] < ops[1][3] / 10
+
+
+def test_dcp_planning_at_eight_ranks() -> None:
+    """DCP's planning of the same save (``--dcp``): every rank's real
+    SavePlan from its DTensors, the coordinator's dedup, and DCP's plan
+    cache on a second save of the same state."""
+    import pickle
+
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    from bench.exchange import dcp_planning
+
+    cfg = Llama(layers=4, dim=64, ffn=128, vocab=128, heads=4, kv_heads=2)
+    res = dcp_planning(cfg, pp=2, dp=2, tp=2)
+
+    lo, _, hi = res["items per rank: min, median, max"]
+    # Every rank lists its shards and every replicated value; the
+    # coordinator keeps one write of each: fewer than the ranks listed,
+    # more than any one rank holds.
+    assert 0 < lo <= hi < res["write items after dedup"] < 8 * lo
+    first, second = res["first"], res["second"]
+    # Rank 0 gathers the 7 other ranks' pickled plans, each listing its
+    # items; on the second save each sends an empty plan (DCP's cache).
+    empty = len(pickle.dumps(SavePlan([], usable=False)))
+    assert second["gathered by rank 0"] == 7 * empty
+    assert first["gathered by rank 0"] > 7 * lo * 50
+    assert first["metadata bytes (pickled)"] > 0
+    cpu = first["cpu_seconds"]
+    assert cpu["rank 0 in all"] == pytest.approx(
+        sum(v for k, v in cpu.items() if k != "rank 0 in all" and "garbage" not in k)
+    )
+    assert cpu["create_global_plan (dedup, metadata, validation)"] > 0

@@ -10,7 +10,7 @@ use crate::model::manifest::Manifest;
 /// version plus an algorithm revision. Bump the `+algN` suffix whenever any
 /// algorithm's output can change, so that no cache ever serves a plan from an
 /// older planner.
-pub const PLANNER_VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), "+alg5");
+pub const PLANNER_VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), "+alg6");
 
 /// Largest supported world size.
 pub const MAX_WORLD_SIZE: u64 = 1 << 20;

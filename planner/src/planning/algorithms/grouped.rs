@@ -37,7 +37,11 @@
 //!    best few candidates are also filled *packed* (a group's uncuttable
 //!    leaves first, whole, largest first, each to the quota with the most
 //!    room; the cuttable ones streamed over what room is left), and the
-//!    winner is searched again with wider trades.
+//!    winner is searched again with wider trades. When it is still above,
+//!    they are also filled *fitted* ([`fit_then_stream`]: the leaves of at
+//!    most two pieces whole, each writer's share of them chosen so that its
+//!    quota ends where the stream of the other leaves can be cut), and that
+//!    fill's winner is searched wider too.
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -199,9 +203,9 @@ pub(super) fn plan(
             widen,
         );
     };
-    let try_fill = |level: f64, writers: &[u32], packed: bool, chosen: &mut Option<_>| {
+    let try_fill = |level: f64, writers: &[u32], how: Fill, chosen: &mut Option<_>| {
         let mut placed = fill(
-            manifest, &sorted, flow, cost, owned, writers, level, world_size, packed,
+            manifest, &sorted, flow, cost, owned, writers, level, world_size, how,
         );
         let unrefined = cost.node_bandwidth.is_some().then(|| placed.clone());
         if small {
@@ -215,39 +219,70 @@ pub(super) fn plan(
         }
     };
     for (level, writers) in &filled {
-        try_fill(*level, writers, false, &mut chosen);
+        try_fill(*level, writers, Fill::Stream, &mut chosen);
     }
-    // A small state whose winner is more than `WIDEN_ABOVE` above the bound
-    // and has uncuttable shared leaves also tries the packed fill
-    // (uncuttable leaves first) on the best few candidates.
     let above = |chosen: &Option<(f64, Vec<Vec<Piece>>)>| {
         small
             && chosen
                 .as_ref()
                 .is_some_and(|(t, _)| *t > lower * WIDEN_ABOVE)
     };
-    if above(&chosen)
-        && sorted
+    // A winner more than `WIDEN_ABOVE` above the bound gets a wider search
+    // (more writers to trade with); the fill's winner competes as it was.
+    let widen = |variant: Option<(f64, Vec<Vec<Piece>>)>, chosen: &mut Option<_>| {
+        let Some((_, placed)) = variant else {
+            return;
+        };
+        let mut wider = placed.clone();
+        keep(manifest, cost, topology, ranks, placed, chosen);
+        search(&mut wider, true);
+        keep(manifest, cost, topology, ranks, wider, chosen);
+    };
+    let has = |most: u64| {
+        sorted
             .iter()
             .flatten()
-            .any(|&i| cost.max_pieces(&manifest.leaves()[i as usize]) <= 1)
-    {
-        for (level, writers) in filled.iter().take(FILLED) {
-            try_fill(*level, writers, true, &mut chosen);
+            .any(|&i| cost.max_pieces(&manifest.leaves()[i as usize]) <= most)
+    };
+    // A small state whose winner is more than `WIDEN_ABOVE` above the
+    // bound: with uncuttable shared leaves, the packed fill (those first) on
+    // the best few candidates competes; the winner, still above, is
+    // searched wider.
+    if above(&chosen) {
+        if has(1) {
+            for (level, writers) in filled.iter().take(FILLED) {
+                try_fill(*level, writers, Fill::Packed, &mut chosen);
+            }
+        }
+        if above(&chosen) {
+            let winner = chosen.take();
+            widen(winner, &mut chosen);
         }
     }
-    // A winner more than `WIDEN_ABOVE` above the bound gets a wider search:
-    // more writers to trade with.
-    if above(&chosen) {
-        let mut wider = chosen.as_ref().expect("a winner").1.clone();
-        search(&mut wider, true);
-        keep(manifest, cost, topology, ranks, wider, &mut chosen);
+    // Still above, with leaves of at most two pieces: the fitted fill on
+    // the best few candidates, its winner searched wider (the search's end
+    // depends on where it starts: the fitted fill's winner is searched even
+    // when it loses to the winner so far).
+    if above(&chosen) && has(2) {
+        let mut fitted = None;
+        for (level, writers) in filled.iter().take(FILLED) {
+            try_fill(*level, writers, Fill::Fitted, &mut fitted);
+        }
+        widen(fitted, &mut chosen);
     }
     let placed = chosen.map(|(_, p)| p).unwrap_or_else(|| {
         // No candidate had a feasible level: cannot happen (every group's
         // ranks are in the world, and the largest candidate holds them all).
         fill(
-            manifest, &sorted, flow, cost, owned, &everyone, full, world_size, false,
+            manifest,
+            &sorted,
+            flow,
+            cost,
+            owned,
+            &everyone,
+            full,
+            world_size,
+            Fill::Stream,
         )
     });
     for (list, more) in ranks.iter_mut().zip(placed) {
@@ -361,7 +396,7 @@ fn fill(
     writers: &[u32],
     level: f64,
     world_size: u32,
-    packed: bool,
+    how: Fill,
 ) -> Vec<Vec<Piece>> {
     let routing = flow.routing(writers, owned, level);
     let classes = flow.classes();
@@ -416,13 +451,38 @@ fn fill(
                 .unwrap_or_else(|| flow.class_ranks[flow.reach[g][0] as usize][0]);
             quotas[g].push((r, 0.0));
         }
-        if packed {
-            pack_then_stream(leaves, order, &quotas[g], cost, &mut out);
-        } else {
-            stream(leaves, order, &quotas[g], cost, &mut out);
+        match how {
+            Fill::Stream => stream(leaves, order, &quotas[g], cost, &mut out),
+            Fill::Packed => pack_then_stream(leaves, order, &quotas[g], cost, &mut out),
+            Fill::Fitted => fit_then_stream(leaves, order, &quotas[g], cost, &mut out),
         }
     }
     out
+}
+
+/// How a candidate's quotas are filled with a flow group's leaves.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Fill {
+    /// [`stream`]: every leaf, largest first, end to end.
+    Stream,
+    /// [`pack_then_stream`]: the uncuttable leaves first, whole.
+    Packed,
+    /// [`fit_then_stream`]: the leaves of at most two pieces whole, so many
+    /// to each writer that its quota ends where the stream can be cut.
+    Fitted,
+}
+
+/// The leaves `order` of at most `most` pieces, and the others, each in
+/// the order given.
+fn split_by_pieces(
+    leaves: &[Leaf],
+    order: &[u32],
+    cost: &CostModel,
+    most: u64,
+) -> (Vec<u32>, Vec<u32>) {
+    order
+        .iter()
+        .partition(|&&i| cost.max_pieces(&leaves[i as usize]) <= most)
 }
 
 /// The packed variant of [`stream`]: the leaves that cannot be cut go
@@ -436,9 +496,7 @@ fn pack_then_stream(
     cost: &CostModel,
     out: &mut [Vec<Piece>],
 ) {
-    let (whole, cuttable): (Vec<u32>, Vec<u32>) = order
-        .iter()
-        .partition(|&&i| cost.max_pieces(&leaves[i as usize]) <= 1);
+    let (whole, cuttable) = split_by_pieces(leaves, order, cost, 1);
     let mut room: Vec<f64> = quotas.iter().map(|&(_, q)| q).collect();
     let mut heap: BinaryHeap<(Key, Reverse<usize>)> = room
         .iter()
@@ -464,6 +522,126 @@ fn pack_then_stream(
         .map(|(&(r, _), &left)| (r, left.max(0.0)))
         .collect();
     stream(leaves, &cuttable, &rest, cost, out);
+}
+
+/// The fitted variant of [`stream`]. The leaves of at most two pieces
+/// (uncuttable, or cuttable only within a window narrower than a minimum
+/// piece) are placed whole, the rest (*wide* leaves) streamed. Writers are
+/// taken in order; each gets about its share of the whole leaves (their
+/// cost in proportion to its quota, largest first), adjusted by up to two
+/// leaves so that its quota's end in the stream of wide leaves falls where
+/// a wide leaf can be cut (both sides at least `min_piece_bytes`) or on a
+/// leaf's edge. Where [`stream`] lays the narrow leaves last and the quotas
+/// that end among them are off by up to a minimum piece, which the local
+/// search cannot trade away (a slowest writer of whole leaves and pieces at
+/// the minimum: BERT-base under PP = 4 x DP, issue 46), here every quota
+/// ends on a cut at the grain.
+fn fit_then_stream(
+    leaves: &[Leaf],
+    order: &[u32],
+    quotas: &[(u32, f64)],
+    cost: &CostModel,
+    out: &mut [Vec<Piece>],
+) {
+    let (whole, wide) = split_by_pieces(leaves, order, cost, 2);
+    if whole.is_empty() || wide.is_empty() || quotas.len() < 2 {
+        return stream(leaves, order, quotas, cost, out);
+    }
+    // The wide leaves' ends along the stream (seconds).
+    let mut edges = Vec::with_capacity(wide.len());
+    let mut length = 0.0;
+    for &i in &wide {
+        length += cost.piece_cost(leaves[i as usize].nbytes);
+        edges.push(length);
+    }
+    let total: f64 = quotas.iter().map(|&(_, q)| q).sum();
+    let tolerance = total * 1e-12;
+    let least = cost.min_piece_bytes as f64 / cost.bandwidth;
+    // Whether the stream can end a writer's part at `e`.
+    let cuttable = |e: f64| {
+        if e <= tolerance || e >= length - tolerance {
+            return true;
+        }
+        let k = edges.partition_point(|&x| x <= e);
+        let from = if k == 0 { 0.0 } else { edges[k - 1] };
+        let (into, left) = (e - from - cost.piece_s, edges[k] - e);
+        e - from <= tolerance || left <= tolerance || (into >= least && left >= least)
+    };
+    let costs: Vec<f64> = whole
+        .iter()
+        .map(|&i| cost.piece_cost(leaves[i as usize].nbytes))
+        .collect();
+    let mut taken = vec![false; whole.len()];
+    let mut whole_left: f64 = costs.iter().sum();
+    let mut quota_left = total;
+    let mut pos = 0.0;
+    let mut rest = Vec::with_capacity(quotas.len());
+    for (j, &(r, q)) in quotas.iter().enumerate() {
+        let mut pick: Vec<usize> = Vec::new();
+        if j + 1 == quotas.len() {
+            pick.extend((0..whole.len()).filter(|&k| !taken[k]));
+        } else {
+            let target = if quota_left > 0.0 {
+                whole_left * q / quota_left
+            } else {
+                0.0
+            };
+            let mut sum = 0.0;
+            for k in (0..whole.len()).filter(|&k| !taken[k]) {
+                if sum + costs[k] <= target + tolerance {
+                    sum += costs[k];
+                    pick.push(k);
+                }
+            }
+            // Adjust by up to two leaves: the smallest unpicked added, or
+            // the smallest picked removed, nearest to the target first.
+            let spare: Vec<usize> = (0..whole.len())
+                .rev()
+                .filter(|&k| !taken[k] && !pick.contains(&k))
+                .take(2)
+                .collect();
+            let mut options: Vec<(f64, Vec<usize>)> = vec![(sum, pick.clone())];
+            let mut more = pick.clone();
+            let mut more_sum = sum;
+            for &k in &spare {
+                more.push(k);
+                more_sum += costs[k];
+                options.push((more_sum, more.clone()));
+            }
+            let mut less = pick.clone();
+            let mut less_sum = sum;
+            for _ in 0..2 {
+                let Some(k) = less.pop() else {
+                    break;
+                };
+                less_sum -= costs[k];
+                options.push((less_sum, less.clone()));
+            }
+            options.sort_by(|a, b| (a.0 - target).abs().total_cmp(&(b.0 - target).abs()));
+            if let Some((_, best)) = options
+                .iter()
+                .find(|(s, _)| *s <= q + tolerance && cuttable(pos + q - s))
+            {
+                pick.clone_from(best);
+            }
+        }
+        let sum: f64 = pick.iter().map(|&k| costs[k]).sum();
+        for &k in &pick {
+            taken[k] = true;
+            let i = whole[k];
+            out[r as usize].push(Piece {
+                leaf: i,
+                start: 0,
+                stop: leaves[i as usize].units(),
+            });
+        }
+        whole_left -= sum;
+        quota_left -= q;
+        let room = (q - sum).max(0.0);
+        pos += room;
+        rest.push((r, room));
+    }
+    stream(leaves, &wide, &rest, cost, out);
 }
 
 /// What to do with the rest of a leaf that crosses a quota's end.
@@ -598,6 +776,90 @@ fn stream(
             }
             start = stop;
             j += 1;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::dtype::DType;
+    use crate::model::manifest::PathKey;
+
+    /// A flow group like a pipeline stage of BERT-base + AdamW: wide
+    /// leaves (9 MiB, cuttable anywhere but their first and last MiB) and
+    /// narrow ones (2.25 MiB: legal cuts only between 1 and 1.25 MiB), over
+    /// writers whose quotas end among the narrow leaves.
+    fn stage() -> (Vec<Leaf>, Vec<u32>) {
+        let tensor = |i: usize, elements: u64| {
+            Leaf::tensor(
+                vec![PathKey::Int(i as i64)],
+                DType::Float32,
+                vec![elements],
+                None,
+            )
+            .unwrap()
+        };
+        let mut leaves: Vec<Leaf> = (0..6).map(|i| tensor(i, 9 << 18)).collect();
+        leaves.extend((6..42).map(|i| tensor(i, 9 << 16)));
+        // Largest first, as `group_members` orders a group.
+        let order = (0..leaves.len() as u32).collect();
+        (leaves, order)
+    }
+
+    /// The largest distance of a writer's cost from its quota.
+    fn worst_miss(
+        leaves: &[Leaf],
+        cost: &CostModel,
+        quotas: &[(u32, f64)],
+        out: &[Vec<Piece>],
+    ) -> f64 {
+        quotas
+            .iter()
+            .map(|&(r, q)| {
+                let load: f64 = out[r as usize]
+                    .iter()
+                    .map(|p| cost.piece_cost(leaves[p.leaf as usize].range_bytes(p.start, p.stop)))
+                    .sum();
+                (load - q).abs()
+            })
+            .fold(0.0, f64::max)
+    }
+
+    #[test]
+    fn fitted_fill_ends_every_quota_on_a_cut() {
+        let cost = CostModel::default();
+        let (leaves, order) = stage();
+        let total: f64 = leaves.iter().map(|l| cost.piece_cost(l.nbytes)).sum();
+        for writers in [7u32, 9, 11, 13] {
+            let quotas: Vec<(u32, f64)> = (0..writers)
+                .map(|r| (r, total / f64::from(writers)))
+                .collect();
+            let mut streamed = vec![Vec::new(); writers as usize];
+            stream(&leaves, &order, &quotas, &cost, &mut streamed);
+            let mut fitted = vec![Vec::new(); writers as usize];
+            fit_then_stream(&leaves, &order, &quotas, &cost, &mut fitted);
+            // Every unit of every leaf placed exactly once.
+            for out in [&streamed, &fitted] {
+                let mut covered = vec![0u64; leaves.len()];
+                for p in out.iter().flatten() {
+                    covered[p.leaf as usize] += p.stop - p.start;
+                }
+                for (l, c) in leaves.iter().zip(&covered) {
+                    assert_eq!(*c, l.units());
+                }
+            }
+            // Within a few pieces' overhead and one grain of each quota
+            // (every end on a legal cut), where the plain stream misses by
+            // a large part of a minimum piece (1.05 ms).
+            let slack = 4.0 * cost.piece_s + 4096.0 / cost.bandwidth;
+            let fit = worst_miss(&leaves, &cost, &quotas, &fitted);
+            let plain = worst_miss(&leaves, &cost, &quotas, &streamed);
+            assert!(fit <= slack, "{writers} writers: fitted misses by {fit} s");
+            assert!(
+                plain > 4.0 * slack,
+                "{writers} writers: the stream misses by {plain} s only"
+            );
         }
     }
 }
