@@ -634,8 +634,8 @@ def report(res: dict[str, Any]) -> str:
         )
     lines.append(
         "  (store bytes: IPv4 bytes of the store's interface, requests and answers with their "
-        "headers; after a load from the levels, rank 0 lists the L4 prefix and reads the line "
-        "record of a step there, for the next save's line: no data file)"
+        "headers; a load from the node-local levels sends the store no request: the next "
+        "save reads the L4 steps for its line)"
     )
     lines.append("")
     for kind in ("fsdp", "replicated"):

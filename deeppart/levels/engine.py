@@ -591,13 +591,8 @@ class BuiltinBackend:
                     stacklevel=2,
                 )
             self.last_recovery = result[1]
-            # The next save continues from this step (a new line if it is
-            # not the newest; a step without a record starts a fresh one).
-            lines = self.layout.lines() if self.rank == 0 else None
-            node = lines.nodes.get(s) if lines is not None else None
-            self._parent = node.link if node is not None else None
-            self._run = node.run if node is not None else None
-            self._seen = lines.max_seq() if lines is not None else 0
+            if self.rank == 0:
+                self._continue_from(s)
             if self.verbose and self.rank == 0:
                 print(f"deeppart levels: {result[1].summary()}", flush=True)
             return result
@@ -608,6 +603,29 @@ class BuiltinBackend:
                 else f"step {step}: no such committed checkpoint"
             )
         raise UnrecoverableError("no checkpoint can be recovered: " + "; ".join(reasons))
+
+    def _continue_from(self, step: int) -> None:
+        """Rank 0, after loading ``step``: the line the next save continues
+        (a new line if it is not the newest; a step without a record starts
+        a fresh one). Learnt from ``meta_dir`` alone when it holds the
+        step, so that a load served by the node-local levels reads nothing
+        from ``glbl_dir`` (an object store's listing and line records); the
+        next save reads every root before it numbers its step
+        (:meth:`_line_record`), so its ``seq`` is still above every
+        committed step's. Only a step that ``meta_dir`` does not hold (one
+        served by its L4 copy alone) needs ``glbl_dir``'s lines here.
+
+        ``_seen`` is then ``meta_dir``'s largest ``seq``: a step only
+        ``glbl_dir`` holds with a larger ``seq`` may have been committed
+        after this load (another job's, beside this one), so a rollback
+        never retires it."""
+        lines = lineage.scan(self.config.meta_root())
+        if step not in lines.nodes and step not in lines.legacy:
+            lines = self.layout.lines()
+        node = lines.nodes.get(step)
+        self._parent = node.link if node is not None else None
+        self._run = node.run if node is not None else None
+        self._seen = lines.max_seq()
 
     def _try_load(
         self, step: int, into: Any, t0: float, per_rank: Any = None

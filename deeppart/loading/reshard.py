@@ -28,7 +28,9 @@ The stages, which :func:`deeppart.load` runs beside the others:
    decoded), only the pieces whose rows meet a needed region;
 4. :func:`exchange_shards`: a piece that other ranks need too is sent
    from its reader to each of them, point to point (only the ranks that
-   need a piece receive it: a replica group exchanges among itself);
+   need a piece receive it: a replica group exchanges among itself), and
+   each of them receives only the rows of the piece that its regions take
+   (:class:`Part`; the reader verified the whole piece when it read it);
 5. :func:`fill_shards`: each rank copies the intersections of the stored
    shards with its regions into its tensors.
 """
@@ -262,6 +264,52 @@ def _direct_ranges(meta: Metadata, shard: ShardRecord, needs: list[Need]) -> lis
     return out
 
 
+@dataclass(frozen=True)
+class Part:
+    """The bytes ``[lo, hi)`` of a stored piece's raw bytes that one rank
+    receives from the piece's reader: the piece's rows that its needed
+    regions meet (where a region cuts a row's columns, the whole row goes,
+    and so do the rows between two regions that meet the piece)."""
+
+    piece: Piece
+    lo: int
+    hi: int
+
+    @property
+    def length(self) -> int:
+        return self.hi - self.lo
+
+
+def _part(
+    meta: Metadata, shard: ShardRecord, p: Piece, span: Region, regions: list[Region]
+) -> Part:
+    """What a needer whose regions of the tensor are ``regions`` takes of
+    piece ``p`` of ``shard`` (``span``: the rows it spans): the element
+    range of the rows that the regions meet, within the piece; the whole
+    piece where those rows are not consecutive in the shard
+    (``_StridedShard``) or the tensor has no rows."""
+    whole = Part(p, 0, p.length)
+    shape = shard.region.shape
+    row = 1
+    for n in shape[1:]:
+        row *= n
+    if not shape or row == 0:
+        return whole
+    lo, hi = p.stop, p.start
+    for region in regions:
+        common = region.intersect(span)
+        if common is None:
+            continue
+        rows = shard.region.spans(common)[0]
+        if rows is None:
+            return whole
+        lo, hi = min(lo, max(rows[0] * row, p.start)), max(hi, min(rows[1] * row, p.stop))
+    if lo >= hi:
+        return whole
+    isz = meta.leaves[p.leaf].itemsize
+    return Part(p, (lo - p.start) * isz, (hi - p.start) * isz)
+
+
 @dataclass
 class ShardReads:
     """Who reads which stored piece of the sharded tensors, and who needs it."""
@@ -270,9 +318,9 @@ class ShardReads:
     records: dict[tuple[Any, ...], DTensorRecord]
     #: The pieces this rank reads, by data file.
     mine: dict[int, list[Piece]] = field(default_factory=dict)
-    #: Per (reader, needer) pair of distinct ranks: the pieces the reader
-    #: sends to that needer, in plan order (the same on every rank).
-    sends: dict[tuple[int, int], list[Piece]] = field(default_factory=dict)
+    #: Per (reader, needer) pair of distinct ranks: the parts of pieces
+    #: the reader sends to that needer, in plan order (the same on every rank).
+    sends: dict[tuple[int, int], list[Part]] = field(default_factory=dict)
     #: The pieces this rank needs (read or received).
     needed: set[int] = field(default_factory=set)
     #: This rank's bytes of the needed shard leaves, by leaf.
@@ -356,6 +404,10 @@ def plan_shard_reads(
         mine_of.setdefault(need.path, []).append(need)
     for key in sorted(wants, key=lambda k: json.dumps(list(k))):
         index = RegionIndex(wants[key])
+        regions_of: dict[int, list[Region]] = {}
+        for region, ranks in wants[key]:
+            for r in ranks:
+                regions_of.setdefault(r, []).append(region)
         for shard in records[key].shards:
             raw = all(p.codec == "none" for p in pieces_of.get(shard.leaf, []))
             if read_own and raw and key in mine_of:
@@ -365,8 +417,9 @@ def plan_shard_reads(
         stored = [
             (shard, p) for shard in records[key].shards for p in pieces_of.get(shard.leaf, [])
         ]
-        found = index.needers_many([_piece_region(meta, shard, p) for shard, p in stored])
-        for (shard, p), needers in zip(stored, found, strict=True):
+        spans = [_piece_region(meta, shard, p) for shard, p in stored]
+        found = index.needers_many(spans)
+        for (shard, p), span, needers in zip(stored, spans, found, strict=True):
             if not needers:
                 continue
             out.total_raw += p.length
@@ -387,7 +440,8 @@ def plan_shard_reads(
                     out.read_raw += p.length
                 for r in needers:
                     if r != reader:
-                        out.sends.setdefault((reader, r), []).append(p)
+                        part = _part(meta, shard, p, span, regions_of[r])
+                        out.sends.setdefault((reader, r), []).append(part)
             if c.rank in needers:
                 out.needed.add(id(p))
                 if shard.leaf not in out.direct and shard.leaf not in out.buffers:
@@ -535,7 +589,9 @@ def _read_direct(
 def exchange_shards(c: Comm, sr: ShardReads, meta: Metadata) -> None:
     """Collective: each reader sends the pieces it read to the other ranks
     that need them, and to no one else (point to point; a replica group
-    exchanges only among its members). Rounds of a shifted ring: in round
+    exchanges only among its members), each needer only the part of the
+    piece its regions take (:class:`Part`), which lands at its place in
+    the needer's buffer of the stored shard. Rounds of a shifted ring: in round
     ``k`` rank ``r`` sends to ``r + k`` and receives from ``r - k`` (one
     ``sendrecv_u8`` per message, so no ordering deadlocks), packed in
     messages of at most :data:`MESSAGE_BYTES`.
@@ -571,20 +627,25 @@ def exchange_shards(c: Comm, sr: ShardReads, meta: Metadata) -> None:
 _EMPTY: U8 = np.empty(0, np.uint8)
 
 
-def _zeros(batch: list[Piece]) -> U8:
+def _zeros(batch: list[Part]) -> U8:
     return np.zeros(sum(p.length for p in batch), np.uint8)
 
 
-def _scratch(batch: list[Piece]) -> U8:
+def _scratch(batch: list[Part]) -> U8:
     return np.empty(sum(p.length for p in batch), np.uint8)
 
 
-def _messages(pieces: list[Piece]) -> list[list[Piece]]:
-    """``pieces`` in runs of at most :data:`MESSAGE_BYTES` (a longer piece
+def _bytes(meta: Metadata, sr: ShardReads, part: Part) -> U8:
+    """Where ``part``'s bytes are (the reader) or go (a needer)."""
+    return _slot(meta, sr, part.piece)[part.lo : part.hi]
+
+
+def _messages(parts: list[Part]) -> list[list[Part]]:
+    """``parts`` in runs of at most :data:`MESSAGE_BYTES` (a longer part
     alone; the communicator chunks it)."""
-    out: list[list[Piece]] = []
+    out: list[list[Part]] = []
     size = 0
-    for p in pieces:
+    for p in parts:
         if out and size + p.length <= MESSAGE_BYTES:
             out[-1].append(p)
             size += p.length
@@ -594,31 +655,31 @@ def _messages(pieces: list[Piece]) -> list[list[Piece]]:
     return out
 
 
-def _pack(meta: Metadata, sr: ShardReads, batch: list[Piece]) -> U8:
-    """A message's bytes (none for no pieces)."""
+def _pack(meta: Metadata, sr: ShardReads, batch: list[Part]) -> U8:
+    """A message's bytes (none for no parts)."""
     if not batch:
         return _EMPTY
     if len(batch) == 1:
-        return _slot(meta, sr, batch[0])
-    return np.concatenate([_slot(meta, sr, p) for p in batch])
+        return _bytes(meta, sr, batch[0])
+    return np.concatenate([_bytes(meta, sr, p) for p in batch])
 
 
-def _landing(meta: Metadata, sr: ShardReads, batch: list[Piece]) -> U8:
-    """Where a received message lands: the piece's own bytes when it is one
-    piece (no copy), else a buffer that :func:`_unpack` spreads."""
+def _landing(meta: Metadata, sr: ShardReads, batch: list[Part]) -> U8:
+    """Where a received message lands: the part's own place when it is one
+    part (no copy), else a buffer that :func:`_unpack` spreads."""
     if not batch:
         return _EMPTY
     if len(batch) == 1:
-        return _slot(meta, sr, batch[0])
+        return _bytes(meta, sr, batch[0])
     return np.empty(sum(p.length for p in batch), np.uint8)
 
 
-def _unpack(meta: Metadata, sr: ShardReads, batch: list[Piece], buf: U8) -> None:
+def _unpack(meta: Metadata, sr: ShardReads, batch: list[Part], buf: U8) -> None:
     if len(batch) < 2:
         return
     at = 0
     for p in batch:
-        _slot(meta, sr, p)[:] = buf[at : at + p.length]
+        _bytes(meta, sr, p)[:] = buf[at : at + p.length]
         at += p.length
 
 

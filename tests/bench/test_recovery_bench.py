@@ -107,14 +107,13 @@ def test_quick_run_recovers_bitwise_from_memory_without_the_store(tmp_path: Path
         "replicated memory L2": [1, 1, 1, 2],
         "replicated L4": [4, 4, 4, 4],
     }, levels
-    # Memory recovery reads no data from the store (only rank 0's listing
-    # of the L4 prefix, for the next save's line: under 2 KB here, no L4
-    # step); L4 and dcp.load read at least the whole state.
+    # Memory recovery sends the store no request (the next save reads its
+    # L4 steps for the line); L4 and dcp.load read at least the whole state.
     state = res["train"]["state_bytes"]
     for name, r in rec.items():
         read = r["store"][1]
         if "memory" in name:
-            assert read < 2048, (name, r["store"])
+            assert read == 0, (name, r["store"])
         else:
             assert read > state, (name, r["store"], state)
     # Every node holds its own file and a partner copy (L2), or its own

@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "state"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
 
 import torch.distributed as dist
-from dtensor_worker import equal, to_full
+from dtensor_worker import equal, exchanges, read_by, received_bytes, to_full
 from levels_worker import flip_byte as flip
 
 import deeppart
@@ -57,7 +57,7 @@ from bench.dtensor import build, sharded_state
 from deeppart.comm import SingleComm
 from deeppart.errors import OlderStepWarning, PerRankStateError, UnrecoverableError
 from deeppart.format import data_file_name
-from deeppart.levels import LevelConfig, RecoveryReport
+from deeppart.levels import LevelConfig, RecoveryReport, recovery
 from deeppart.levels.engine import BuiltinBackend
 from deeppart.levels.layout import partner_file, step_name
 
@@ -122,14 +122,33 @@ def load_case(
     shared: Path, local: Path, case: str, ref: Any, step: int | None = None
 ) -> RecoveryReport:
     """``case`` loaded into FSDP2 over this job's ranks: filled in place,
-    bitwise the saved full tensors."""
+    bitwise the saved full tensors; the shard exchange checked
+    (:func:`check_parts`)."""
     m, opt = build("fsdp", seed=7)
     target = sharded_state(m, opt)
-    out, report = backend(shared, local, case).load(step, into=target)
+    with exchanges(recovery) as calls:
+        out, report = backend(shared, local, case).load(step, into=target)
     assert out["model"]["0.weight"] is target["model"]["0.weight"], "into= not filled"
     equal(to_full(out), ref, f"{case} on {dist.get_world_size()} ranks")
+    check_parts(case, target, calls)
     record(shared, case, report)
     return report
+
+
+def check_parts(case: str, target: Any, calls: list[tuple[Any, Any]]) -> None:
+    """Each rank received exactly the rows its new shards take of the
+    stored pieces in the files it did not hold (the intersections, read
+    from torch's own local shards), and at another world size fewer bytes
+    than those pieces whole (over the job)."""
+    import torch
+
+    [(sr, meta)] = calls
+    parts, wholes = received_bytes(meta, target, read_by(sr))
+    assert sr.received == parts, (case, dist.get_rank(), sr.received, parts, wholes)
+    short = torch.tensor([float(wholes - parts)])
+    dist.all_reduce(short)
+    if meta.world_size != dist.get_world_size():
+        assert short.item() > 0, f"{case}: every piece a rank needed crossed whole"
 
 
 def phase_save(shared: Path, local: Path, cases: list[str]) -> None:

@@ -9,23 +9,28 @@ multi-rank case is the ``levels`` scenario of tests/storage/s3_worker.py."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from s3_server import DIE_MID_UPLOAD, uploads
+from thread_comm import run_ranks, thread_comms
 
 import deeppart
 from deeppart.errors import LevelConfigError, UnsupportedURLError
 from deeppart.format import MARKER
 from deeppart.levels import LevelConfig, open_backend
 from deeppart.levels.engine import BuiltinBackend
+from deeppart.levels.layout import Layout
+from deeppart.steps import lineage
 from deeppart.storage import S3URL, open_store
 from deeppart.storage.objects import read_marker, save_groups
 
@@ -116,6 +121,120 @@ def test_l4_in_s3_recovers_without_local_files(s3_url: str, tmp_path: Path) -> N
     # Step 1 was L1 only: lost with the node-local directories.
     with pytest.raises(deeppart.CheckpointError, match="step 1"):
         fresh.load(1)
+
+
+def rank_state(rank: int, seed: int) -> dict[str, Any]:
+    """Rank ``rank``'s own state (per-rank tensors and values)."""
+    return {**state(seed * 10 + rank), "n": seed * 10 + rank}
+
+
+def store_requests(server: Any, bucket: str) -> int:
+    """The requests for ``bucket`` that the server has logged, counted
+    once a request made now has been logged (each request's line is
+    written after its answer; one made after the others is logged after
+    theirs)."""
+    probe = f"probe-{os.urandom(6).hex()}"
+    assert server.get_raw(bucket, probe) is None
+    for _ in range(200):
+        lines = server.log.read_text(errors="replace").splitlines()
+        if any(probe in line for line in lines):
+            return sum(1 for line in lines if f"/{bucket}" in line and "probe-" not in line)
+        time.sleep(0.05)
+    raise AssertionError(f"{server.log}: the probe request was never logged")
+
+
+def test_memory_served_load_reads_nothing_from_the_store(
+    s3_url: str, s3_server: Any, tmp_path: Path
+) -> None:
+    """4 ranks (threads, one per node, groups of 4), L4 in the store, L2
+    steps beside it: with node 3's node-local files gone, a load served
+    by the survivors' files and partner copies sends no request to the
+    store (counted in the server's log), and the next saves still
+    continue the line from the store's steps too: an L4 save after it
+    numbers its step above every committed one with the loaded step as
+    parent, older steps intact; after a rollback, a step only the store
+    holds (newer than every step in ``meta_dir``) is outnumbered, not
+    retired, while the step of the line left behind is."""
+    glbl = f"{s3_url}/glbl"
+    bucket = s3_url[len("s3://") :]
+    c = config(tmp_path, glbl, local_test=1, node_size=1, group_size=4, ckpt_l2=1, keep=10)
+    world = 4
+
+    def backends() -> list[BuiltinBackend]:
+        comms = thread_comms(world)
+        return [BuiltinBackend(c, comms[r]) for r in range(world)]
+
+    def on_ranks(job: list[BuiltinBackend], fn: Any) -> list[Any]:
+        out = run_ranks([functools.partial(fn, job[r], r) for r in range(world)])
+        for _, err in out:
+            if err is not None:
+                raise err
+        return [got for got, _ in out]
+
+    def save(job: list[BuiltinBackend], step: int, level: int) -> Any:
+        return on_ranks(job, lambda be, r: be.save(step, rank_state(r, step), level=level))
+
+    def load_and_save(
+        step: int, then: int, level: int
+    ) -> tuple[list[Any], int, list[BuiltinBackend]]:
+        """Loads ``step`` on fresh backends, then saves ``then`` at
+        ``level`` with them; the store's requests during the load."""
+        job = backends()
+        before = store_requests(s3_server, bucket)
+        out = run_ranks([functools.partial(be.load, step) for be in job])
+        during = store_requests(s3_server, bucket) - before
+        loaded = []
+        for r, (got, err) in enumerate(out):
+            assert err is None, err
+            assert_bitwise(got[0], rank_state(r, step))
+            loaded.append(got[1])
+        save(job, then, level)
+        return loaded, during, job
+
+    first = backends()
+    save(first, 10, 4)
+    save(first, 20, 2)
+    save(first, 30, 2)
+    layout = Layout(c, world, None)  # rank 0's view of the roots
+    step10 = open_store(f"{glbl}/deeppart/{STEP.format(10)}")
+    marker10, names10 = read_marker(step10), names(f"{glbl}/deeppart/{STEP.format(10)}")
+    shutil.rmtree(tmp_path / "local" / "node3")
+
+    reports, during, job = load_and_save(30, 40, 4)
+    assert [r.levels for r in reports] == [[1, 1, 1, 2]] * world
+    assert during == 0, "a load from the node-local levels sent requests to the store"
+    lines = layout.lines()
+    seq = {n: lines.nodes[n].seq for n in (10, 20, 30, 40)}
+    assert lines.nodes[40].parent == lineage.Link(30, seq[30])
+    assert seq[40] == max(seq.values()) and seq[10] < seq[20] < seq[30] < seq[40]
+    assert lines.steps() == [10, 20, 30, 40]
+    assert read_marker(step10) == marker10  # step 10's L4 copy untouched
+    assert names(f"{glbl}/deeppart/{STEP.format(10)}") == names10
+    store_lines = layout.global_objects()
+    assert store_lines is not None
+    assert sorted(store_lines.lines()[0].nodes) == [10, 40]
+
+    # Step 50 at L4 on the same line, then gone from meta_dir: only the
+    # store holds it, and its seq is the largest. A rollback to 30 from
+    # memory.
+    save(job, 50, 4)
+    shutil.rmtree(tmp_path / "meta" / "deeppart" / STEP.format(50))
+    seq50 = store_lines.lines()[0].nodes[50].seq
+    reports, during, _ = load_and_save(30, 60, 2)
+    assert [r.levels for r in reports] == [[1, 1, 1, 1]] * world
+    assert during == 0, "a load from the node-local levels sent requests to the store"
+    lines = layout.lines()
+    assert lines.nodes[60].parent == lineage.Link(30, seq[30])
+    assert lines.nodes[60].seq == seq50 + 1, "numbered above the step only the store held"
+    assert lines.steps() == [10, 20, 30, 60]
+    # Step 40 (the line left behind, committed before the load) retired;
+    # step 50 (perhaps another job's, committed after it) kept.
+    assert lines.nodes[50].parent == lineage.Link(40, seq[40])
+    assert 40 not in lines.nodes and 50 in lines.nodes
+    assert sorted(store_lines.lines()[0].nodes) == [10, 50]
+    got, report = on_ranks(backends(), lambda be, r: be.load(60))[0]
+    assert report.levels == [1, 1, 1, 1]
+    assert_bitwise(got, rank_state(0, 60))
 
 
 def test_l4_in_s3_keep_removes_only_deeppart_objects(

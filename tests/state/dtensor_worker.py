@@ -15,6 +15,8 @@ step, then ``get_state_dict(model, opt)``: DTensors. Scenarios:
   the reference and that ``set_state_dict`` takes the result; prints each
   checkpoint's slowest data file over the ideal (unique bytes / ranks);
 - ``load2``: on 2 ranks, into FSDP over 2 ranks, bitwise;
+- ``load3``: on 3 ranks, into FSDP over 3 ranks with the cooperative
+  exchange, bitwise, each rank receiving only the rows it takes;
 - ``load1``: in one process, ``deeppart.load`` without a target gives the
   reference's full tensors, and ``into=`` a plain model's state too;
 - ``async``: ``deeppart.async_save`` of the DTensors, the shards overwritten
@@ -31,8 +33,10 @@ Each rank prints ``OK <scenario> rank <r>/<size>`` when its checks pass.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -244,20 +248,18 @@ class CountingReader:
         return Reader(str(path))
 
 
-def needed_bytes(d: Path, target: Any) -> int:
-    """The raw bytes of the stored shard pieces whose rows meet this rank's
-    local shards of ``target`` (their boxes from torch's own
-    ``compute_local_shape_and_global_offset``)."""
+def pieces_meeting(meta: Any, target: Any) -> Iterator[tuple[Any, Any, Any, int]]:
+    """The stored shard pieces whose rows meet this rank's local shards of
+    ``target`` (their boxes from torch's own
+    ``compute_local_shape_and_global_offset``): each with its shard, the
+    common box, and the elements in one row of the shard."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    from deeppart.loading.reader import open_checkpoint
     from deeppart.regions import Region
     from deeppart.state.state import flatten
 
-    _, meta, _ = open_checkpoint(d)
     records = {tuple(r.path): r for r in meta.dtensors}
-    total = 0
     for lf in flatten(target)[0]:
         dt = lf.tensor
         if not isinstance(dt, DTensor):
@@ -269,25 +271,83 @@ def needed_bytes(d: Path, target: Any) -> int:
         for shard in records[tuple(lf.path)].shards:
             row = max(1, int(torch.Size(shard.region.shape[1:]).numel()))
             for p in meta.pieces:
-                span = shard.region.rows(p.start // row, -(-p.stop // row))
-                if p.leaf == shard.leaf and span.intersect(box) is not None:
-                    total += p.length
-    return total
+                if p.leaf != shard.leaf:
+                    continue
+                common = shard.region.rows(p.start // row, -(-p.stop // row)).intersect(box)
+                if common is not None:
+                    yield shard, p, common, row
 
 
-def check_exchange(d: Path, target: Any, stats: Any) -> None:
-    """Each rank received exactly the shard bytes its local shards need less
-    what it read itself, and no rank received every piece that others read
-    (the exchange stays within each replica group, not a broadcast); each
-    stored piece was read once."""
+def needed_bytes(d: Path, target: Any) -> int:
+    """The raw bytes of the stored shard pieces whose rows meet this rank's
+    local shards of ``target`` (:func:`pieces_meeting`)."""
+    from deeppart.loading.reader import open_checkpoint
+
+    _, meta, _ = open_checkpoint(d)
+    return sum(p.length for _, p, _, _ in pieces_meeting(meta, target))
+
+
+@contextlib.contextmanager
+def exchanges(module: Any = None) -> Iterator[list[tuple[Any, Any]]]:
+    """The plan and metadata of each shard exchange in the loads within,
+    as ``exchange_shards`` got them (``module``: the caller's module,
+    default :mod:`deeppart.loading.load`); the plan's ``received`` is what
+    it received."""
+    from unittest import mock
+
+    from deeppart.loading import load as load_module
+
+    calls: list[tuple[Any, Any]] = []
+    where = load_module if module is None else module
+    with mock.patch.object(where, "exchange_shards", wraps=reshard.exchange_shards) as spy:
+        yield calls
+    calls.extend((call.args[1], call.args[2]) for call in spy.call_args_list)
+
+
+def read_by(sr: Any) -> set[tuple[int, int]]:
+    """The stored pieces (data file, offset) that a plan's rank read (or
+    held)."""
+    return {(p.rank, p.offset) for pieces in sr.mine.values() for p in pieces}
+
+
+def received_bytes(meta: Any, target: Any, read: set[tuple[int, int]]) -> tuple[int, int]:
+    """What this rank should receive of the stored shard pieces whose rows
+    meet its local shards of ``target`` (:func:`pieces_meeting`) and that
+    it did not read itself: the bytes of each piece's elements in the rows
+    the box takes (the boxes here take whole rows), and the bytes of those
+    pieces whole."""
+    parts = wholes = 0
+    for shard, p, common, row in pieces_meeting(meta, target):
+        if (p.rank, p.offset) in read:
+            continue
+        assert common.shape[1:] == shard.region.shape[1:], "a box cutting rows"
+        rows = shard.region.positions(common)[0].tolist() if common.runs else [0]
+        taken = sum(max(0, min((k + 1) * row, p.stop) - max(k * row, p.start)) for k in rows)
+        parts += taken * meta.leaves[p.leaf].itemsize
+        wholes += p.length
+    return parts, wholes
+
+
+def cooperative_load(d: Path, target: Any) -> tuple[Any, Any, list[tuple[Any, Any]]]:
+    """``deeppart.load`` of ``d`` into ``target`` with ``exchange="bcast"``:
+    the state, the load's stats and its shard exchanges (:func:`exchanges`)."""
+    with exchanges() as calls:
+        out = deeppart.load(d, into=target, loading=deeppart.LoadOptions(exchange="bcast"))
+    stats = last_stats("load")
+    assert stats is not None
+    return out, stats, calls
+
+
+def check_exchange(d: Path, target: Any, stats: Any, calls: list[tuple[Any, Any]]) -> int:
+    """Each rank received exactly the bytes of the rows its local shards
+    take of the stored pieces it did not read itself (not those pieces
+    whole), and no rank received every piece that others read (the
+    exchange stays within each replica group, not a broadcast). Returns
+    the bytes of those pieces whole less what was received."""
     r = dist.get_rank()
-    need = needed_bytes(d, target)
-    assert stats.rank_received[r] + stats.rank_shard_read[r] == need, (
-        r,
-        stats.rank_received[r],
-        stats.rank_shard_read[r],
-        need,
-    )
+    [(sr, meta)] = calls
+    parts, wholes = received_bytes(meta, target, read_by(sr))
+    assert stats.rank_received[r] == parts, (r, stats.rank_received[r], parts, wholes)
     total = sum(stats.rank_shard_read)
     assert all(
         got < total - mine
@@ -299,6 +359,7 @@ def check_exchange(d: Path, target: Any, stats: Any) -> None:
             + " ".join(map(str, stats.rank_received))
             + f" of {total}"
         )
+    return wholes - parts
 
 
 def scenario_eight(d: Path, layouts: list[str]) -> None:
@@ -322,15 +383,11 @@ def scenario_eight(d: Path, layouts: list[str]) -> None:
         ), own
         # Cooperative (exchange="bcast", the default across hosts): each
         # piece read once per job, sent to the other ranks that need it.
-        out = deeppart.load(
-            d / src, into=sharded_state(m2, opt2), loading=deeppart.LoadOptions(exchange="bcast")
-        )
+        out, stats, calls = cooperative_load(d / src, sharded_state(m2, opt2))
         equal(to_full(out), ref, f"{src}->{dst}")
-        stats = last_stats("load")
-        assert stats is not None
         ratio = stats.stored_bytes / saved.stored_bytes
         assert ratio <= 1.05, (stats.stored_bytes, saved.stored_bytes)
-        check_exchange(d / src, sharded_state(m2, opt2), stats)
+        check_exchange(d / src, sharded_state(m2, opt2), stats, calls)
         dcp_save(sharded_state(m, opt), checkpoint_id=str(d / f"{src}-dcp"))
         target = sharded_state(m2, opt2)
         reader = CountingReader.make(d / f"{src}-dcp")
@@ -342,6 +399,28 @@ def scenario_eight(d: Path, layouts: list[str]) -> None:
         if dist.get_rank() == 0:
             print_line(f"READ {src}->{dst} deeppart {ratio:.4f} dcp {float(counts[0]) / data:.4f}")
     ok("eight")
+
+
+def scenario_load3(d: Path, layouts: list[str]) -> None:
+    """On 3 ranks: each 4-rank checkpoint into FSDP2 over 3 ranks with the
+    cooperative exchange (``exchange="bcast"``), bitwise; each rank
+    received only the rows its new shards take of the pieces others read
+    (:func:`check_exchange`), less than those pieces whole on some rank
+    (30 rows as 8, 8, 7, 7 saved, 10, 10, 10 loaded)."""
+    for layout in layouts:
+        ref = deeppart.load(d / f"{layout}-ref")
+        m, opt = build("fsdp", seed=7)
+        out, stats, calls = cooperative_load(d / layout, sharded_state(m, opt))
+        equal(to_full(out), ref, f"{layout}->fsdp on 3 ranks")
+        assert stats.world_size == 3, stats
+        saved_whole = torch.tensor(
+            [float(check_exchange(d / layout, sharded_state(m, opt), stats, calls))]
+        )
+        dist.all_reduce(saved_whole)
+        assert saved_whole.item() > 0, "every piece crossed whole"
+        if dist.get_rank() == 0:
+            print_line(f"PARTS {layout} not sent {int(saved_whole.item())} bytes")
+    ok("load3")
 
 
 def scenario_load2(d: Path, layouts: list[str]) -> None:

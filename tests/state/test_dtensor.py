@@ -149,6 +149,18 @@ def test_load_on_two_ranks(saved: Path) -> None:
 
 @pytest.mark.multirank
 @pytest.mark.slow
+def test_load_on_three_ranks_moves_only_the_rows_taken(saved: Path) -> None:
+    """4 ranks' FSDP (1,4) and HSDP (2,2) checkpoints into FSDP over 3
+    ranks, exchanged between the readers (``exchange="bcast"``): bitwise,
+    and each rank received exactly the rows its new shards take of the
+    pieces it did not read (the worker's ``load3``), fewer bytes than
+    those pieces whole."""
+    out = run(3, "load3", str(saved), "fsdp", "hsdp")
+    assert re.search(r"PARTS fsdp not sent [1-9]\d* bytes", out), out[-3000:]
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
 def test_load_in_one_process(saved: Path) -> None:
     run(0, "load1", str(saved))
 
