@@ -23,7 +23,7 @@ from deeppart.errors import StateMismatchError
 from deeppart.options import PlanOptions
 from deeppart.saving.plan_cache import plan as plan_in_process
 
-__all__ = ["PlanProvider"]
+__all__ = ["PlanProvider", "in_process_options"]
 
 
 @dataclass
@@ -88,3 +88,15 @@ class PlanProvider:
         if self.cache is not None:
             kwargs["cache"] = self.cache
         return plan_in_process(manifest, self.world_size, **kwargs)
+
+
+def in_process_options(plan_for: object) -> PlanOptions | None:
+    """The options of ``plan_for`` when it is a :class:`PlanProvider` that
+    plans in process (no given plan, no service): the same manifest and
+    equal options then give the same plan. None otherwise."""
+    if not isinstance(plan_for, PlanProvider):
+        return None
+    options = plan_for.options
+    if options.plan is not None or options.planner is not None:
+        return None
+    return options

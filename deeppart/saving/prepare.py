@@ -38,6 +38,7 @@ from deeppart.errors import CheckpointError, StateMismatchError
 from deeppart.regions import DTensorRecord, Region, ShardRecord
 from deeppart.saving.digests import digest_all, digest_threads
 from deeppart.saving.own_structure import describe, holders_of, structure_digest
+from deeppart.saving.planning import in_process_options
 from deeppart.saving.union_cache import (
     COLUMN_WIDTH,
     FINGERPRINT_BYTES,
@@ -593,7 +594,11 @@ def _try_cache(own: _Own, rank: int, world: int, fingerprint: bytes) -> _Reuse |
     for k, i in entry.held:
         mine = own.prep.leaves[i]
         leaves[k] = FlatLeaf(leaves[k].path, mine.tensor, mine.encoded)
-    plan = own.plan_for(entry.manifest)
+    options = in_process_options(own.plan_for)
+    if options is not None and options == entry.planned_with:
+        plan = entry.plan  # planned in process from equal options: the same plan
+    else:
+        plan = own.plan_for(entry.manifest)
     h = hashlib.sha256(b"deeppart union cache\0" + entry.ident)
     h.update(plan.fingerprint.encode() + b"\0" + own.prep.codec.encode() + b"\0")
     h.update(own.described.common.encode())
@@ -995,7 +1000,7 @@ def _union_prepare(
     if fingerprints is not None and u is not None:
         remember(
             c.rank, fingerprints, u, prep.manifest, prep.plan, prep.skeleton, prep.dtensors,
-            prep.union, prep.leaves,
+            prep.union, prep.leaves, in_process_options(own.plan_for),
         )  # fmt: skip
     return prep, any(r[32] for r in out)
 

@@ -214,6 +214,10 @@ class UnionCache:
     held: list[tuple[int, int]]
     #: :func:`check_terms` of this rank.
     terms: list[tuple[int, int]]
+    #: The planning options whose in-process planning made :attr:`plan`
+    #: (deterministic: a save planning with equal options reuses it without
+    #: looking it up); None when it came from a given plan or a service.
+    planned_with: Any = None
 
 
 #: Per ``(rank, world size)``: the last union save's cache in this process.
@@ -235,6 +239,7 @@ def remember(
     records: list[DTensorRecord],
     union_meta: dict[str, Any] | None,
     leaves: list[FlatLeaf],
+    planned_with: Any = None,
 ) -> UnionCache:
     """Keeps ``rank``'s cache of a union save that every rank agreed on
     (``leaves``: that save's, one per union item; those holding nothing are
@@ -250,7 +255,7 @@ def remember(
         template[k] = FlatLeaf(template[k].path, None, None)
     entry = UnionCache(
         everyone, fingerprints[rank], ident, manifest, plan, skeleton, records, union_meta,
-        template, held, check_terms(u, rank),
+        template, held, check_terms(u, rank), planned_with,
     )  # fmt: skip
     _CACHES[(rank, world)] = entry
     return entry

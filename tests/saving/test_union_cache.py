@@ -410,3 +410,40 @@ def test_the_sum_reuses_only_when_every_rank_has_the_same_union_and_the_checks_c
     a, b = bytes([1, 0] * 4), bytes([3, 0] * 4)
     rows = [terms(False, _column(x, 0), 0, ident) for x in (a, b, bytes([2, 0] * 4))]
     assert agreed(total(rows), 3)[0] is False
+
+
+def test_the_cached_plan_is_reused_only_with_equal_in_process_options(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exchanges: list[int]
+) -> None:
+    """The cached union's plan is the one a save planning in process with
+    equal options would get (planning is deterministic): it is reused
+    without a lookup; other options plan the union again."""
+    from deeppart.saving import planning
+
+    comms = save_all(tmp_path, "a", [stage_state(r, 1) for r in range(4)])
+    union = union_cache._CACHES[(0, 4)].manifest.fingerprint
+    planned: list[str] = []
+    inner = planning.plan_in_process
+
+    def counted(manifest: Any, world: int, **kwargs: Any) -> Any:
+        planned.append(manifest.fingerprint)
+        return inner(manifest, world, **kwargs)
+
+    monkeypatch.setattr(planning, "plan_in_process", counted)
+
+    def save_with(name: str, step: int, options: Any) -> list[Any]:
+        states = [stage_state(r, step) for r in range(4)]
+
+        def save_rank(r: int) -> Any:
+            return deeppart.save(states[r], tmp_path / name, comm=comms[r], planning=options)
+
+        out = run_ranks([functools.partial(save_rank, r) for r in range(4)])
+        assert [e for _, e in out] == [None] * 4
+        return states
+
+    states = save_with("b", 2, deeppart.PlanOptions())
+    assert len(exchanges) == 4 and union not in planned  # reused, not looked up
+    states = save_with("c", 3, deeppart.PlanOptions(algorithm="lpt"))
+    assert union in planned  # other options: the union planned with them
+    for got, want in zip(load_all(tmp_path, "c", comms), states, strict=True):
+        assert_bitwise(got, want)
