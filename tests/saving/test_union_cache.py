@@ -419,11 +419,11 @@ def test_the_cached_plan_is_reused_only_with_equal_in_process_options(
     equal options would get (planning is deterministic): it is reused
     without a lookup; other options plan the union again."""
     from deeppart.saving import planning
+    from deeppart.saving.plan_cache import plan as inner
 
     comms = save_all(tmp_path, "a", [stage_state(r, 1) for r in range(4)])
     union = union_cache._CACHES[(0, 4)].manifest.fingerprint
     planned: list[str] = []
-    inner = planning.plan_in_process
 
     def counted(manifest: Any, world: int, **kwargs: Any) -> Any:
         planned.append(manifest.fingerprint)
