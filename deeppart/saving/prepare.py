@@ -47,8 +47,6 @@ from deeppart.saving.union_cache import (
     cached,
     check_of,
     check_value,
-    checks_hold,
-    fingerprints_digest,
     remember,
     reuse_agreed,
     reuse_terms,
@@ -517,14 +515,8 @@ def prepare_save(
     flags = [r[ROW_WIDTH] for r in rows]
     columns = [r[ROW_WIDTH + 1 + IDENTITY_BYTES :] for r in rows]
     fingerprints = [col[:FINGERPRINT_BYTES] for col in columns]
-    if reuse is not None and _cache_holds(reuse.entry, columns, fingerprints):
-        # The union and plan of the last save: no exchange, no merge. Copies
-        # whose proof is deferred are proved by its caller, on every rank.
-        if any(col[-1] for col in columns):
-            reuse.prep.unproved = reuse.unproved
-            reuse.prep.proof_check = functools.partial(check_of, reuse.late)
-            reuse.prep.replan = functools.partial(_replan, own, rows, fingerprints, reuse.local_of)
-        return reuse.prep, any(flags)
+    # (A cached union every rank can reuse was decided by the sum above:
+    # here some rank cannot, and a rank that could takes the full path.)
     tried = any(
         col[FINGERPRINT_BYTES : FINGERPRINT_BYTES + TAG_BYTES].strip(b"\0") for col in columns
     )
@@ -611,20 +603,6 @@ def _try_cache(own: _Own, rank: int, world: int, fingerprint: bytes) -> _Reuse |
     unproved = {item_of[i]: t for i, t in own.deferred.items()}
     column = tag + check + bytes([bool(late)])
     return _Reuse(entry, prep, column, unproved, late, {k: i for k, i in entry.held})
-
-
-def _cache_holds(entry: UnionCache, columns: list[bytes], fingerprints: list[bytes]) -> bool:
-    """Whether every rank reuses the same cached union (alike on every
-    rank): the same tag on every rank (the same union, plan, codec,
-    directory and kind of group=), the fingerprints the cache was made
-    with, and check values that sum to zero (every copy stored once is
-    still equal among its holders)."""
-    tags = {col[FINGERPRINT_BYTES : FINGERPRINT_BYTES + TAG_BYTES] for col in columns}
-    if len(tags) != 1 or tags == {b"\0" * TAG_BYTES}:
-        return False
-    if fingerprints_digest(fingerprints) != entry.fingerprints:
-        return False
-    return checks_hold([col[FINGERPRINT_BYTES + TAG_BYTES : -1] for col in columns])
 
 
 def _replan(

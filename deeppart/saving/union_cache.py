@@ -12,14 +12,14 @@ values: paths, dtypes, shapes, each DTensor's layout, mesh and placements,
 the holders, the codec, the kind of ``group=``, the world size) and this
 rank's *check terms*.
 
-The next save's first agreement row carries this rank's fingerprint, a
-tag naming the cached union it would reuse (with the save's directory and
+The next save's cache column holds this rank's fingerprint, a tag
+naming the cached union it would reuse (with the save's directory and
 plan; zeros when its own fingerprint changed), its check value and a byte
 saying whether part of its check is left to a deferred proof. The ranks
-reuse the cache only when every tag is the same and not zeros, every
-fingerprint is the one cached (one digest of every rank's fingerprint, in
-rank order: any rank's change, a world size that differs, sends every rank
-down the full path), and the check values sum to zero.
+reuse the cache only when every tag is the same and not zeros (the tag
+names every rank's fingerprint when the union was made: any rank's
+change, a world size that differs, sends every rank down the full path)
+and the check values sum to zero; they learn it from one sum (below).
 
 What the fingerprint names, and so what invalidates the cache: a changed
 mesh (its shape, its ranks, a DTensor's placements), a new leaf (a new
