@@ -950,36 +950,46 @@ def _union_prepare(
     is kept for the next save (:mod:`deeppart.saving.union_cache`)."""
     classes = _classes_of(rows)
     got = _exchange_round(c, lambda: _payload(own, rows, c.rank, classes[c.rank]))
-    with _no_gc():
-        ex = _read_exchange(got, rows, auto)
-    whole: dict[tuple[int, int], str] = {}
-    if ex.second_round:
-        whole = _read_second(_exchange_round(c, lambda: _second_payload(own, c.rank, ex)), ex)
-    states, digests = ex.states, ex.digests
     err: BaseException | None = None
     prep: Prepared | None = None
     flag = 0
-    u: Union | None = None
-    try:
-        with _no_gc():
-            u = build_union(states, classes, digests, whole, auto, declared, ex.units)
+    # One pause of the collector from the descriptions to the union's
+    # cache, and the intermediates (descriptions, units, the union's
+    # items: most of the objects made here) freed before it runs again,
+    # so that its next collections meet only what the save keeps.
+    with _no_gc():
+        ex = _read_exchange(got, rows, auto)
+        del got
+        whole: dict[tuple[int, int], str] = {}
+        if ex.second_round:
+            second = functools.partial(_second_payload, own, c.rank, ex)
+            whole = _read_second(_exchange_round(c, second), ex)
+            del second
+        u: Union | None = None
+        try:
+            u = build_union(ex.states, classes, ex.digests, whole, auto, declared, ex.units)
             prep = _union_prepared(u, own, c.rank)
-        if local is not None:
-            flag = local(prep)
-    except BaseException as e:
-        err = e
-    out = agree(c, err, (prep.digest if prep else b"\0" * 32) + bytes([flag]), width=33)
-    assert prep is not None
-    if len({r[:32] for r in out}) != 1:
-        raise StateMismatchError(
-            "ranks built different union manifests (a bug, or ranks running different "
-            "DeepPart versions); nothing was written"
-        )
-    if fingerprints is not None and u is not None:
-        remember(
-            c.rank, fingerprints, u, prep.manifest, prep.plan, prep.skeleton, prep.dtensors,
-            prep.union, prep.leaves, in_process_options(own.plan_for),
-        )  # fmt: skip
+        except BaseException as e:
+            err = e
+        del ex, whole
+        if err is None and local is not None:
+            try:
+                flag = local(cast("Prepared", prep))
+            except BaseException as e:
+                err = e
+        out = agree(c, err, (prep.digest if prep else b"\0" * 32) + bytes([flag]), width=33)
+        assert prep is not None
+        if len({r[:32] for r in out}) != 1:
+            raise StateMismatchError(
+                "ranks built different union manifests (a bug, or ranks running different "
+                "DeepPart versions); nothing was written"
+            )
+        if fingerprints is not None and u is not None:
+            remember(
+                c.rank, fingerprints, u, prep.manifest, prep.plan, prep.skeleton, prep.dtensors,
+                prep.union, prep.leaves, in_process_options(own.plan_for),
+            )  # fmt: skip
+        del u
     return prep, any(r[32] for r in out)
 
 
