@@ -131,8 +131,29 @@ def structure_digest(
     h.update(manifest.fingerprint.encode())
     h.update(json.dumps(skeleton, separators=(",", ":")).encode())
     h.update(codec.encode())
-    h.update(json.dumps(records_json, separators=(",", ":")).encode())
+    h.update(_records_text(records_json))
     return h.digest()
+
+
+def _records_text(records_json: Any) -> bytes:
+    """DTensor records (their JSON form) as one text for the digest: per
+    record its path, dtype, shape and number of shards, then each shard's
+    leaf and region; each distinct region object's JSON made once (the
+    regions of one layout are shared by its records)."""
+    texts: dict[int, tuple[Any, str]] = {}
+    parts: list[str] = []
+    dumps = json.JSONEncoder(separators=(",", ":")).encode
+    for r in records_json:
+        shards = r["shards"]
+        parts.append(dumps([r["path"], r["dtype"], r["shape"], len(shards)]))
+        for s in shards:
+            index = s["index"]
+            hit = texts.get(id(index))
+            if hit is None or hit[0] is not index:
+                hit = (index, dumps(index))
+                texts[id(index)] = hit
+            parts.append(f"{s['leaf']}={hit[1]}")
+    return "".join(parts).encode()
 
 
 #: Per ``(rank, world size)``: this process's last :class:`OwnStructure`.

@@ -296,6 +296,7 @@ class _Unit:
     shards: list[tuple[Any, list[int], int]] = field(default_factory=list)
     ranks: list[int] = field(default_factory=list)  # a DTensor's mesh ranks
     _signature: str | None = None
+    holders_key: tuple[tuple[int, ...], ...] | None = None
 
     def signature(self, memo: dict[tuple[Any, ...], str] | None = None) -> str:
         """What units that may hold the same item have alike: ``"object"``,
@@ -344,9 +345,7 @@ def _units(states: dict[int, Described]) -> dict[str, list[_Unit]]:
                 continue
             seen_rec.add(rk)
             rec = st.records[rk]
-            shards = [
-                (region, list(st.descs[leaf]["holders"]), leaf) for leaf, region in rec["shards"]
-            ]
+            shards = [(region, st.descs[leaf]["holders"], leaf) for leaf, region in rec["shards"]]
             unit = _Unit(
                 c, "dtensor", rec["shards"][0][0],
                 {"path": rec["path"], "dtype": rec["dtype"], "shape": rec["shape"]},
@@ -417,9 +416,12 @@ class _Version:
     ranks: set[int]
     #: Non-DTensor: rank -> local leaf.
     source: dict[int, int] = field(default_factory=dict)
-    #: DTensor: per shard, (region, holders, {rank: local leaf}).
-    shards: list[tuple[Any, set[int], dict[int, int]]] = field(default_factory=list)
+    #: DTensor: per shard, (region, sorted holders, {rank: local leaf}),
+    #: from ``units`` (:func:`_merged_shards`).
+    shards: list[tuple[Any, list[int], dict[int, int]]] = field(default_factory=list)
     content: Any = None
+    #: DTensor: the classes' units merged into this version.
+    units: list[_Unit] = field(default_factory=list)
 
 
 def _samples_differ(
@@ -435,6 +437,42 @@ def _samples_differ(
     if len(by) <= 1:
         return None
     return sorted((sorted(g) for g in by.values()), key=lambda g: g[0])
+
+
+def _holders_key(u: _Unit) -> tuple[tuple[int, ...], ...]:
+    """A DTensor unit's holders, shard by shard (hashable, made once)."""
+    if u.holders_key is None:
+        u.holders_key = tuple(tuple(h) for _, h, _ in u.shards)
+    return u.holders_key
+
+
+def _shard_digests(u: _Unit, whole: dict[tuple[int, int], str]) -> list[str | None]:
+    """A DTensor unit's whole-byte digest of each shard (by its lowest
+    holder), None where none was taken."""
+    return [whole.get((min(h), leaf)) for _, h, leaf in u.shards]
+
+
+def _merged_shards(
+    units: Sequence[_Unit], classes: Sequence[int]
+) -> list[tuple[Any, list[int], dict[int, int]]]:
+    """Per shard of the DTensor version that ``units`` make: its region,
+    its sorted holders (every unit's), and each holder's local leaf where
+    its own class described it."""
+    if len(units) == 1:
+        (u,) = units
+        return [
+            (region, h, {r: leaf for r in h if classes[r] == u.cls}) for region, h, leaf in u.shards
+        ]
+    shards: list[tuple[Any, set[int], dict[int, int]]] = [
+        (s[0], set(), {}) for s in units[0].shards
+    ]
+    for u in units:
+        for k, (_, h, leaf) in enumerate(u.shards):
+            shards[k][1].update(h)
+            for r in h:
+                if classes[r] == u.cls:
+                    shards[k][2][r] = leaf
+    return [(region, sorted(hs), src) for region, hs, src in shards]
 
 
 def build_union(
@@ -477,7 +515,7 @@ def build_union(
         if hit is None or hit[0] is not region:
             hit = (region, _region_shape(region))
             shapes[id(region)] = hit
-        return list(hit[1])
+        return hit[1]  # shared by the items of equal regions (never changed)
 
     # Per class, by local leaf: its ranks whose plain value differs from
     # the class's lowest rank's (most ranks hold most values alike).
@@ -545,31 +583,30 @@ def build_union(
                     match.ranks.add(r)
                     match.source[r] = u.leaf
                 continue
-            # A DTensor.
-            holders_key = tuple(tuple(s[1]) for s in u.shards)
-            shard_digests = [whole.get((min(h), leaf)) for _, h, leaf in u.shards]
+            # A DTensor: merged with a version of the same signature
+            # (dtype, shape, regions) whose shards have the same holders
+            # (one mesh) or, shard by shard, the same bytes (disjoint meshes).
+            sig = u.signature()
             merged = None
             for x in found:
-                if x.kind != "dtensor" or x.content[0] != u.signature():
+                if x.kind != "dtensor" or x.content[0] != sig:
                     continue
-                same_holders = x.content[1] == holders_key
-                same_bytes = None not in shard_digests and x.content[2] == shard_digests
-                if same_holders or same_bytes:
+                first = x.units[0]
+                if _holders_key(first) == _holders_key(u):
+                    merged = x
+                    break
+                mine = _shard_digests(u, whole)
+                if None not in mine and _shard_digests(first, whole) == mine:
                     merged = x
                     break
             if merged is None:
-                merged = _Version(
-                    "dtensor", u.desc, set(),
-                    shards=[(s[0], set(), {}) for s in u.shards],
-                    content=(u.signature(), holders_key, shard_digests),
-                )  # fmt: skip
+                merged = _Version("dtensor", u.desc, set(), content=(sig,))
                 found.append(merged)
             merged.ranks.update(u.ranks)
-            for k, (_, h, leaf) in enumerate(u.shards):
-                merged.shards[k][1].update(h)
-                for r in h:
-                    if classes[r] == u.cls:
-                        merged.shards[k][2][r] = leaf
+            merged.units.append(u)
+        for x in found:
+            if x.kind == "dtensor":
+                x.shards = _merged_shards(x.units, classes)
         # Replicas of DTensor shards (same mesh, or merged): their samples agree.
         for x in found:
             for _region, _h, src in x.shards:
@@ -588,15 +625,14 @@ def build_union(
                 continue
             first_leaf.append(len(items))
             shards = []
+            dtype = x.desc["dtype"]
             for j, (region, hs, src) in enumerate(x.shards):
                 shards.append({"leaf": len(items), "index": region})
                 items.append(
                     UnionItem(
-                        [*base, _SHARD_KEY, j],
-                        {"dtype": x.desc["dtype"], "shape": shape_of(region)},
-                        sorted(hs), dict(src),
+                        [*base, _SHARD_KEY, j], {"dtype": dtype, "shape": shape_of(region)}, hs, src
                     )
-                )  # fmt: skip
+                )
             records.append(
                 {"path": path, "dtype": x.desc["dtype"], "shape": x.desc["shape"],
                  "ranks": sorted(x.ranks), "shards": shards}
