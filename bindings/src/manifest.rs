@@ -27,6 +27,89 @@ impl Manifest {
     }
 }
 
+/// A leaf read straight from its description dict, when it is a valid
+/// one of the usual form (`path` of str and int keys, `dtype`/`shape` or
+/// `kind="object"`/`nbytes`, `owner`, `holders`); None for anything else,
+/// which the JSON form's parser then reads (and names what is wrong): a
+/// union of a million shard leaves is described in these dicts.
+fn leaf_from_dict(d: &Bound<'_, PyDict>) -> Option<core::Leaf> {
+    use core::model::manifest::{MAX_DIMS, MAX_PATH_DEPTH};
+    use pyo3::types::{PyBool, PyInt, PyString};
+
+    fn int(v: &Bound<'_, PyAny>) -> Option<i64> {
+        if v.cast::<PyBool>().is_ok() || v.cast::<PyInt>().is_err() {
+            return None;
+        }
+        v.extract::<i64>().ok()
+    }
+    fn items<'py>(v: &Bound<'py, PyAny>) -> Option<Vec<Bound<'py, PyAny>>> {
+        if let Ok(l) = v.cast::<PyList>() {
+            return Some(l.iter().collect());
+        }
+        v.cast::<PyTuple>().ok().map(|t| t.iter().collect())
+    }
+    fn small(v: &Bound<'_, PyAny>) -> Option<Option<u32>> {
+        if v.is_none() {
+            return Some(None);
+        }
+        u32::try_from(int(v)?).ok().map(Some)
+    }
+    let (mut path, mut dtype, mut shape, mut kind, mut nbytes) = (None, None, None, None, None);
+    let (mut owner, mut holders) = (None, None);
+    for (k, v) in d.iter() {
+        match k.cast::<PyString>().ok()?.to_str().ok()? {
+            "path" => {
+                let keys = items(&v)?;
+                if keys.is_empty() || keys.len() > MAX_PATH_DEPTH {
+                    return None;
+                }
+                let mut out = Vec::with_capacity(keys.len());
+                for key in keys {
+                    if let Ok(s) = key.cast::<PyString>() {
+                        out.push(core::PathKey::Str(s.to_str().ok()?.to_owned()));
+                    } else {
+                        out.push(core::PathKey::Int(int(&key)?));
+                    }
+                }
+                path = Some(out);
+            }
+            "dtype" => {
+                dtype = Some(core::DType::parse(
+                    v.cast::<PyString>().ok()?.to_str().ok()?,
+                )?)
+            }
+            "shape" => {
+                let dims = items(&v)?;
+                if dims.len() > MAX_DIMS {
+                    return None;
+                }
+                let dims: Option<Vec<u64>> =
+                    dims.iter().map(|n| u64::try_from(int(n)?).ok()).collect();
+                shape = Some(dims?);
+            }
+            "kind" => kind = Some(v.cast::<PyString>().ok()?.to_str().ok()?.to_owned()),
+            "nbytes" => nbytes = Some(u64::try_from(int(&v)?).ok()?),
+            "owner" => owner = small(&v)?,
+            "holders" => holders = small(&v)?,
+            _ => return None,
+        }
+    }
+    let leaf = match kind.as_deref().unwrap_or("tensor") {
+        "tensor" => {
+            let leaf = core::Leaf::tensor(path?, dtype?, shape?, owner).ok()?;
+            if nbytes.is_some_and(|n| n != leaf.nbytes) {
+                return None;
+            }
+            leaf
+        }
+        "object" if dtype.is_none() && shape.is_none() => {
+            core::Leaf::object(path?, nbytes?, owner).ok()?
+        }
+        _ => return None,
+    };
+    Some(leaf.with_holders(holders))
+}
+
 #[pymethods]
 impl Manifest {
     /// Parses the JSON interchange form.
@@ -60,7 +143,14 @@ impl Manifest {
         };
         let mut parsed = Vec::new();
         for (index, item) in leaves.try_iter()?.enumerate() {
-            let value = to_json(&item?, 0)?;
+            let item = item?;
+            if let Some(leaf) = item.cast::<PyDict>().ok().and_then(|d| leaf_from_dict(d)) {
+                parsed.push(leaf);
+                continue;
+            }
+            // Anything else (or anything wrong) through the JSON form, whose
+            // parser names what is wrong.
+            let value = to_json(&item, 0)?;
             parsed
                 .push(core::model::manifest::leaf_from_json(index, &value).map_err(manifest_err)?);
         }

@@ -636,3 +636,59 @@ def test_group_rank_beyond_world_size_fails_at_plan_time() -> None:
     assert "holder group 1 lists rank 3, but the world size is 3" in str(info.value)
     assert "leaf 1 (shard1)" in str(info.value)
     deeppart.plan(m, 4)
+
+
+# ----------------------------------------------------------------------------
+# from_leaves reads the usual description dicts directly (a union of a
+# million shard leaves is described in them); anything else goes through
+# the JSON form's parser. Both must give the same manifest, or the same error.
+
+_SAME_AS_JSON = [
+    {"path": ["w", 0, "<shard>", 3], "dtype": "float32", "shape": [4, 5]},
+    {"path": ("t",), "dtype": "bfloat16", "shape": (2, 0, 7), "owner": 1},
+    {"path": ["n"], "dtype": "int64", "shape": [], "nbytes": 8, "owner": None, "holders": None},
+    {"path": ["g", -2], "dtype": "uint8", "shape": [9], "holders": 0},
+    {"path": ["cfg"], "kind": "object", "nbytes": 17},
+    {"path": ["pos"], "kind": "object", "nbytes": 3, "owner": 2},
+    {"path": ["big"], "dtype": "float64", "shape": [1 << 20, 1 << 10]},
+]
+
+
+def test_from_leaves_equals_the_json_form() -> None:
+    groups = [[0, 1]]
+    direct = deeppart.Manifest.from_leaves(_SAME_AS_JSON, groups)
+    text = json.dumps({"version": 2, "leaves": _SAME_AS_JSON, "groups": groups})
+    assert direct == deeppart.Manifest.from_json(text)
+    assert direct.fingerprint == deeppart.Manifest.from_json(text).fingerprint
+
+
+@pytest.mark.parametrize(
+    ("leaf", "message"),
+    [
+        (
+            {"path": ["a", True], "dtype": "float32", "shape": [1]},
+            "neither a string nor an integer",
+        ),
+        ({"path": ["a"], "dtype": "float32", "shape": [True]}, "shape dimension true"),
+        ({"path": ["a"], "dtype": "float32", "shape": [-1]}, "shape dimension -1"),
+        ({"path": ["a"], "dtype": "float32", "shape": [2], "nbytes": 7}, "nbytes 7 does not match"),
+        ({"path": ["a"], "kind": "object", "nbytes": 3, "dtype": "float32"}, "takes nbytes"),
+        ({"path": ["a"], "dtype": "float32", "shape": [1] * 65}, "more than 64"),
+        ({"path": "a", "dtype": "float32", "shape": [1]}, "array of strings and integers"),
+        ({"path": [], "dtype": "float32", "shape": [1]}, "path is empty"),
+        ({"path": ["a"], "dtype": "float32", "shape": [1], "extra": 1}, 'unknown key "extra"'),
+        ({"path": ["a"], "dtype": "float32", "shape": [1], "owner": -1}, "owner -1"),
+        ({"path": ["a"], "dtype": "float32", "shape": [1], "owner": 1 << 40}, "out of range"),
+        ({"path": ["a"], "kind": "thing", "nbytes": 3}, 'unknown kind "thing"'),
+        ({"path": ["a"], "dtype": "float32", "shape": [1 << 62, 1 << 62]}, "a"),
+    ],
+)
+def test_from_leaves_names_what_is_wrong_as_the_json_form_does(
+    leaf: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(deeppart.ManifestError) as direct:
+        deeppart.Manifest.from_leaves([leaf])
+    with pytest.raises(deeppart.ManifestError) as parsed:
+        deeppart.Manifest.from_json(json.dumps({"version": 1, "leaves": [leaf]}))
+    assert message in str(direct.value)
+    assert str(direct.value) == str(parsed.value)
