@@ -643,7 +643,7 @@ def test_group_rank_beyond_world_size_fails_at_plan_time() -> None:
 # million shard leaves is described in them); anything else goes through
 # the JSON form's parser. Both must give the same manifest, or the same error.
 
-_SAME_AS_JSON = [
+_SAME_AS_JSON: list[dict[str, Any]] = [
     {"path": ["w", 0, "<shard>", 3], "dtype": "float32", "shape": [4, 5]},
     {"path": ("t",), "dtype": "bfloat16", "shape": (2, 0, 7), "owner": 1},
     {"path": ["n"], "dtype": "int64", "shape": [], "nbytes": 8, "owner": None, "holders": None},
