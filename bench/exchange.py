@@ -780,7 +780,7 @@ def _computed(
     prepare_module.build_union = keeping  # type: ignore[attr-defined]
     try:
         own_structure.forget()  # rank 0 describes its tree afresh, as a first save does
-        _freeze_simulation()
+        _age_simulation()
         with GcSeconds() as collector:
             t0 = time.process_time()
             prep, _ = prepare_save(cast("Comm", c), None, states[0], None, plan_for, path)
@@ -811,6 +811,7 @@ def _computed(
         "of which the garbage collector": collector.seconds,
         **out["cpu_seconds"],
     }
+    out["full_collections"] = collector.full
     out["same_union_on_reps"] = checked
     out["cached"] = _cached_save(
         world, rows, own_of, states[0], plan_for, path, prep, built[0], union_cache, _try_cache
@@ -905,7 +906,7 @@ def _dcp_planning(cfg: Llama, pp: int, dp: int, tp: int) -> dict[str, Any]:
             del state, planner, writer, plan
 
         _progress("DCP: the coordinator's global plan")
-        _freeze_simulation()
+        _age_simulation()
         with GcSeconds() as collector:
             t0 = time.process_time()
             plans = [pickle.loads(b) for b in blobs]
@@ -923,7 +924,7 @@ def _dcp_planning(cfg: Llama, pp: int, dp: int, tp: int) -> dict[str, Any]:
         del plans, delta
 
         _progress("DCP: a second save of the same state (plan caching)")
-        _freeze_simulation()
+        _age_simulation()
         with GcSeconds() as collector2:
             planner2, writer2, plan2, cpu2 = local_step(state0, 0)
             t0 = time.process_time()
@@ -1092,7 +1093,7 @@ def _computed_load(
     def unexpected(path: Any) -> Any:
         raise AssertionError(f"{path}: no plain tensor is needed whole here")
 
-    _freeze_simulation()
+    _age_simulation()
     t0 = time.process_time()
     wants, _ = exchange_needs(cast("Comm", c), specs0, unexpected)
     t_decode = time.process_time() - t0
@@ -1113,14 +1114,18 @@ def _computed_load(
     }
 
 
-def _freeze_simulation() -> None:
+def _age_simulation() -> None:
     """Moves every object alive now (the simulated ranks' states, rows and
     payloads: hundreds of ranks' worth, where a real rank holds its own)
-    out of the garbage collector's reach before rank 0's timed CPU
-    seconds, so that they do not count the collector scanning the
-    simulation's heap (about 0.9 s of the own prepare at 512 ranks)."""
+    into the garbage collector's oldest generation by one full collection
+    before rank 0's timed CPU seconds, as a real rank's long-lived state
+    is: the young collections in the timed steps then walk only what those
+    steps make. (A full collection there would walk the simulation too,
+    which a real rank does not hold; none ran in the runs reported. Not
+    ``gc.freeze``: DeepPart moves what a union keeps into the oldest
+    generation by freezing and unfreezing, which it does not do in a
+    process that keeps frozen objects of its own.)"""
     gc.collect()
-    gc.freeze()
 
 
 class GcSeconds:
@@ -1130,6 +1135,8 @@ class GcSeconds:
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        #: How many of its collections were full ones (generation 2).
+        self.full = 0
         self._started = 0.0
 
     def _callback(self, phase: str, info: dict[str, int]) -> None:
@@ -1137,6 +1144,7 @@ class GcSeconds:
             self._started = time.process_time()
         else:
             self.seconds += time.process_time() - self._started
+            self.full += info["generation"] == 2
 
     def __enter__(self) -> GcSeconds:
         gc.callbacks.append(self._callback)
@@ -1182,7 +1190,7 @@ def _cached_save(
         rows2.append(rows[r][:head] + fingerprint + tag + check + b"\0")  # nothing deferred
     _progress("rank 0's second prepare_save")
     c = SimComm(0, world, rows2, [])
-    _freeze_simulation()
+    _age_simulation()
     with GcSeconds() as collector:
         t0 = time.process_time()
         prep, _ = prepare_save(cast("Comm", c), None, state, None, plan_for, path)
@@ -1208,6 +1216,7 @@ def _cached_save(
             "rank 0 prepare_save in all": t_total,
             "of which the garbage collector": collector.seconds,
         },
+        "full_collections": collector.full,
     }
 
 
@@ -1241,6 +1250,8 @@ def report_computed(res: dict[str, Any], latency_us: float, bandwidth_gbs: float
     for k, v in t.items():
         vs = ", ".join(f"{x:.2f}" for x in v) if isinstance(v, list) else f"{v:.2f}"
         print(f"    {k}: {vs}")
+    if "full_collections" in res:
+        print(f"    full collections of the garbage collector in it: {res['full_collections']}")
     print(
         f"  rank 0's gathers at {bandwidth_gbs:g} GB/s, {latency_us:g} us/step (ring): "
         f"{model:.3f} s" + (f"; with its local phases: {model + local:.2f} s" if local else "")
@@ -1269,6 +1280,7 @@ def report_computed(res: dict[str, Any], latency_us: float, bandwidth_gbs: float
         print(f"    gathered by every rank: {_mb(got['gathered'])} (sent {got['sent']} B)")
         for k, v in cached["cpu_seconds"].items():
             print(f"    {k}: {v:.3f}")
+        print(f"    full collections of the garbage collector in it: {cached['full_collections']}")
 
 
 def _mb(n: int) -> str:
