@@ -388,7 +388,9 @@ class ShareTaker:
     between preparing and the agreement, into ``snap``; its byte is 1 if
     this rank must save synchronously (no writer, ``can_write`` False;
     or a share over ``background.max_staging_bytes``), and ``why`` says
-    why. ``staged``: the snapshot's :class:`Prepared` (None: not taken)."""
+    why. ``staged``: the snapshot's :class:`Prepared` (None: not taken);
+    ``seconds``: the time its copies took (all of them, when a union's
+    prepare takes it again)."""
 
     def __init__(
         self, rank: int, snap: ShareSnapshot, background: AsyncOptions, can_write: bool, why: str
@@ -396,6 +398,7 @@ class ShareTaker:
         self.rank, self.snap, self.background = rank, snap, background
         self.can_write, self.why = can_write, why
         self.staged: Prepared | None = None
+        self.seconds = 0.0
 
     def __call__(self, prep: Prepared) -> int:
         need = share_bytes(prep, self.rank)
@@ -409,7 +412,9 @@ class ShareTaker:
         if not self.can_write:
             return 1
         on_device = self.background.snapshot_on_device
+        t0 = time.perf_counter()
         self.staged = self.snap.take(prep, self.rank, on_device=on_device)
+        self.seconds += time.perf_counter() - t0
         return 0
 
 

@@ -108,6 +108,9 @@ class _Begun:
     prep: Prepared
     #: When the save began (its stats count from here).
     t0: float
+    #: Seconds of the caller's stages: ``prepare`` (with the snapshot, if
+    #: any), ``budget`` (the memory tier's check).
+    phases: dict[str, float]
 
 
 def _remove_owned(path: Path, ours: Callable[[str], bool] = checkpoint_file) -> None:
@@ -284,6 +287,9 @@ class BuiltinBackend:
             return handle
         assert writer is not None and take.staged is not None
         snap.issue()  # the copies from CUDA devices, now that the agreement is past
+        # The snapshot's seconds apart from the prepare's that held them.
+        begun.phases["snapshot"] = take.seconds
+        begun.phases["prepare"] -= take.seconds
         handle.snapshot_seconds = time.perf_counter() - t0
         handle.staged_bytes, handle.staging_capacity = snap.staged_bytes, snap.capacity
         # The writer thread sees the snapshot only, never the live state.
@@ -353,17 +359,21 @@ class BuiltinBackend:
         # tensors that differ between the ranks are kept per rank (each
         # rank's own version, deeppart.state.union), and every rank raises
         # if any failed above.
+        t = time.perf_counter()
         prep, flagged = prepare_save(
             c, err, state, self.compression, self.plans, self.meta_step(step),
             local=local, store=store,
         )  # fmt: skip
+        phases = {"prepare": time.perf_counter() - t}
         if self.config.memory:
             # The memory tier: every node's share of the step against its
             # budget and free memory, before anything is written (every
             # rank raises alike).
+            t = time.perf_counter()
             bounds = [b + HEADER_SIZE for b in prep.plan.rank_bytes()]
             memory.check_budget(c, self.layout, step, lv, bounds, self.stripe)
-        return _Begun(step, lv, user, prep, t0), flagged
+            phases["budget"] = time.perf_counter() - t
+        return _Begun(step, lv, user, prep, t0, phases), flagged
 
     def _finish(self, c: Comm, begun: _Begun) -> LevelSaveStats:
         """The rest of a save once :meth:`_begin` is past on every rank
@@ -375,7 +385,7 @@ class BuiltinBackend:
         ranks is agreed: a failure raises on every rank, and nothing is
         committed."""
         step, lv, prep = begun.step, begun.level, begun.prep
-        phases: dict[str, float] = {}
+        phases = dict(begun.phases)
         err: BaseException | None = None
         value: Any = {"step": step, "user": begun.user}
         link, run = lineage.Link(step, 0), self._run or ""

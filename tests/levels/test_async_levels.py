@@ -96,6 +96,10 @@ def test_async_level_saves_in_one_process(tmp_path: Path, shm: Path) -> None:
         stats = handle.wait()
         assert isinstance(stats, LevelSaveStats)
         assert stats.level == (4 if step == 2 else 1) and stats.step == step, stats
+        # The caller's stages and the writer's, each timed.
+        caller = {"prepare", "budget", "snapshot"}
+        assert caller | {"l1", "commit"} <= set(stats.phases), stats.phases
+        assert sum(stats.phases[k] for k in caller) <= handle.snapshot_seconds
     assert ck.steps() == [2, 3]  # step 1: L1 only, evicted from memory
     assert [p.name for p in (shm / "node0" / "deeppart").iterdir()] == ["step-00000003"]
     for step in (2, 3):
