@@ -29,11 +29,15 @@ random batches:
    save (``Checkpointer(async_=True)`` into the shared directory): its
    stall, the time until ``save`` returns;
 3. ``--steps`` steps saving every ``--every`` through
-   ``deeppart.Checkpointer(config=...)`` with the memory tier on
-   (``memory = 1``, ``ckpt_dir`` each node's tmpfs, ``memory_keep = 1``):
-   L2 (partner copies), and every ``--l4-every``-th checkpoint L4 to
-   ``s3://`` instead; the last one is L2. The stall per save and the
-   step times with saves.
+   ``deeppart.Checkpointer(config=..., async_=True)`` with the memory tier
+   on (``memory = 1``, ``ckpt_dir`` each node's tmpfs, ``memory_keep =
+   1``): L2 (partner copies), and every ``--l4-every``-th checkpoint L4 to
+   ``s3://`` instead; the last one is L2. Asynchronous level saves: the
+   caller's thread prepares and snapshots its share, a writer thread
+   writes L1, the partner copy or the L4 copy and commits
+   (``BuiltinBackend.save_async``). The stall per save (until ``save``
+   returns), the step times with saves, and each save's time on its
+   writer (the handle's stats).
 
 Then, untimed for the training loop, the state of the last step saved
 again: at L3 (another ``exec_id``: the parity's size and the L3 save's
@@ -310,15 +314,29 @@ def phase_train(args: argparse.Namespace) -> dict[str, Any]:
     asy = loop(async_save)
     acp.close()
     log_rank0(f"async: stalls {[round(x, 3) for x in asy[1]]}")
-    cp = deeppart.Checkpointer("unused", comm="torch", config=level_config(args, TRAIN, NODES))
+    cp = deeppart.Checkpointer(
+        "unused", comm="torch", config=level_config(args, TRAIN, NODES), async_=True
+    )
+    handles: list[Any] = []
 
     def level_save(s: int) -> int:
-        stats = cp.save(s, state_of(m, opt)).wait()
-        assert isinstance(stats, LevelSaveStats), stats
-        return stats.level
+        handles.append(cp.save(s, state_of(m, opt)))  # the next save waits for it
+        return 0
 
     mem = loop(level_save)
-    log_rank0(f"memory tier: stalls {[round(x, 3) for x in mem[1]]} at levels {mem[2]}")
+    cp.close()
+    written = [h.wait() for h in handles]
+    assert all(isinstance(st, LevelSaveStats) for st in written), written
+    mem = (mem[0], mem[1], [st.level for st in written])
+    behind = {
+        "seconds": [st.seconds for st in written],
+        "phases": [st.phases for st in written],
+        "snapshot": [h.snapshot_seconds for h in handles],
+    }
+    log_rank0(
+        f"memory tier (async): stalls {[round(x, 3) for x in mem[1]]} at levels {mem[2]}; "
+        f"on the writer {[round(x, 3) for x in behind['seconds']]} s"
+    )
     if mem[2][-1] not in (2, 3):
         raise SystemExit(f"the last save was at L{mem[2][-1]}: choose --steps/--l4-every")
     last = step
@@ -349,7 +367,7 @@ def phase_train(args: argparse.Namespace) -> dict[str, Any]:
         "state_bytes": state_bytes,
         "base": base[0],
         "async": {"times": asy[0], "stalls": asy[1]},
-        "memory": {"times": mem[0], "stalls": mem[1], "levels": mem[2]},
+        "memory": {"times": mem[0], "stalls": mem[1], "levels": mem[2], **behind},
         "saves": saves,
         "node_bytes": per_node,
     }
@@ -575,7 +593,8 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
 def overhead(train: dict[str, Any], every: int) -> dict[str, float]:
     """The training-step overhead of the memory-tier saves, two ways: the
     median stall over ``every`` median baseline steps, and the save phase's
-    whole time (steps and stalls) over the baseline phase's."""
+    whole time (steps and stalls) over the baseline phase's (the target's:
+    with asynchronous saves the writer threads may slow the steps too)."""
     base = statistics.median(train["base"])
     mem = train["memory"]
     pairs = list(zip(mem["stalls"], mem["levels"], strict=True))
@@ -607,8 +626,9 @@ def report(res: dict[str, Any]) -> str:
         f"training ({meta['steps']} steps per phase, a save every {meta['every']}):",
         f"  median step without saves {o['base_step']:.3f} s, in the memory-tier phase "
         f"{o['save_step']:.3f} s",
-        f"  stall per save: memory tier L2 median {o['stall_l2']:.3f} s "
-        f"(levels {train['memory']['levels']}, each {_secs(train['memory']['stalls'])}); "
+        f"  stall per save: memory tier (async) L2 median {o['stall_l2']:.3f} s "
+        f"(levels {train['memory']['levels']}, each {_secs(train['memory']['stalls'])}; "
+        f"each on its writer thread {_secs(train['memory'].get('seconds', []))}); "
         f"the L4 save {o['stall_l4']:.3f} s (0: none); async save median {o['stall_async']:.3f} s "
         f"(each {_secs(train['async']['stalls'])})",
         f"  overhead at a save every {meta['every']}: median L2 stall / {meta['every']} "
@@ -676,8 +696,16 @@ def targets(o: dict[str, float], rec: dict[str, Any]) -> list[tuple[str, bool, s
             f"{o['stall_l2']:.3f} s vs {o['stall_async']:.3f} s",
         )
     )
+    # The saves are asynchronous: what they cost the loop is its stalls and
+    # whatever the writer threads take from the steps (the CPU, the links),
+    # so the whole phase against the baseline, not the stalls alone.
     out.append(
-        ("overhead <= 2% at a save every 10", o["amortized"] <= 0.02, f"{o['amortized']:.1%}")
+        (
+            "overhead <= 2% at a save every 10",
+            o["phase"] <= 0.02,
+            f"{o['phase']:+.1%} (the whole phase vs the baseline; median stall / 10 median "
+            f"steps {o['amortized']:.1%}; the async save's phase {o['async_phase']:+.1%})",
+        )
     )
     return out
 

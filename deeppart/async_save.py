@@ -272,32 +272,12 @@ def start(
     writing it (collective over ``c``); ``after`` runs once the save is
     committed (on the writer thread). ``background``: see
     :func:`async_save`; ``step``: the handle's step."""
-    max_staging_bytes = background.max_staging_bytes
     snapshot_on_device = background.snapshot_on_device
-    writer, why = writer_comm(c)
-    if isinstance(writer, TorchDistComm):
-        guard_teardown()  # destroy_process_group() waits for this save
-    settle_pending(c)
+    writer, why = writer_for(c)
 
     t0 = time.perf_counter()
-    staged: Prepared | None = None
     snap = snapshot if snapshot is not None else ShareSnapshot()
-
-    def take(prep: Prepared) -> int:
-        """This rank's snapshot, between preparing and the agreement; 1 if
-        this rank must save synchronously."""
-        nonlocal staged, why
-        need = share_bytes(prep, c.rank)
-        if max_staging_bytes is not None and need > max_staging_bytes:
-            why = (
-                f"this rank's share of the state ({need} tensor bytes) exceeds "
-                f"max_staging_bytes={max_staging_bytes}"
-            )
-            return 1
-        if writer is None:
-            return 1
-        staged = snap.take(prep, c.rank, on_device=snapshot_on_device)
-        return 0
+    take = ShareTaker(c.rank, snap, background, writer is not None, why)
 
     # Planning and prepare as save() does them, then the snapshot; one
     # agreement: every rank prepared the same save and has its snapshot (or
@@ -312,7 +292,7 @@ def start(
     proof = None if unproved is None else hold(unproved)
     handle.proof = proof
     try:
-        return _go(c, planned, handle, proof, snap, staged, writer, why, after, t0,
+        return _go(c, planned, handle, proof, snap, take.staged, writer, take.why, after, t0,
                    snapshot_on_device)  # fmt: skip
     except BaseException:
         if proof is not None:
@@ -378,13 +358,83 @@ def _go(
         check_unchanged(proof)
         return 0
 
+    def work() -> Stats:
+        # At the loop's priority: its next optimizer step waits for it.
+        if proof is not None and _proved(writer, proof, live, take_again) is not None:
+            snap.issue()
+        background_priority()
+        return background.finish(writer)
+
+    run_writer(c, handle, snap, work, after)
+    return handle
+
+
+def writer_for(c: Comm) -> tuple[Comm | None, str]:
+    """The background writer's communicator of ``c``
+    (:func:`deeppart.comm.writer_comm`: None and why when there is none),
+    once the asynchronous save in flight on ``c`` is settled (its unseen
+    error raised); ``torch.distributed.destroy_process_group()`` waits for
+    the saves in flight from now on."""
+    writer, why = writer_comm(c)
+    if isinstance(writer, TorchDistComm):
+        guard_teardown()  # destroy_process_group() waits for this save
+    settle_pending(c)
+    return writer, why
+
+
+class ShareTaker:
+    """The ``local`` step of an asynchronous save's prepare
+    (:func:`deeppart.saving.prepare.prepare_save`): this rank's snapshot,
+    between preparing and the agreement, into ``snap``; its byte is 1 if
+    this rank must save synchronously (no writer, ``can_write`` False;
+    or a share over ``background.max_staging_bytes``), and ``why`` says
+    why. ``staged``: the snapshot's :class:`Prepared` (None: not taken);
+    ``seconds``: the time its copies took (all of them, when a union's
+    prepare takes it again)."""
+
+    def __init__(
+        self, rank: int, snap: ShareSnapshot, background: AsyncOptions, can_write: bool, why: str
+    ) -> None:
+        self.rank, self.snap, self.background = rank, snap, background
+        self.can_write, self.why = can_write, why
+        self.staged: Prepared | None = None
+        self.seconds = 0.0
+
+    def __call__(self, prep: Prepared) -> int:
+        need = share_bytes(prep, self.rank)
+        limit = self.background.max_staging_bytes
+        if limit is not None and need > limit:
+            self.why = (
+                f"this rank's share of the state ({need} tensor bytes) exceeds "
+                f"max_staging_bytes={limit}"
+            )
+            return 1
+        if not self.can_write:
+            return 1
+        on_device = self.background.snapshot_on_device
+        t0 = time.perf_counter()
+        self.staged = self.snap.take(prep, self.rank, on_device=on_device)
+        self.seconds += time.perf_counter() - t0
+        return 0
+
+
+def run_writer(
+    c: Comm,
+    handle: AsyncSave,
+    snap: ShareSnapshot,
+    work: Callable[[], Stats],
+    after: Callable[[], None] | None = None,
+) -> None:
+    """Starts ``handle``'s writer thread, the save in flight on ``c``
+    (:mod:`deeppart.saving.in_flight`): it runs ``work`` (the save from the
+    snapshot ``snap``, over the writer's communicator), then ``after`` once
+    committed; ``work``'s error is the handle's, raised by ``wait()`` (on
+    every rank, as ``work`` fails on every rank) or the next save."""
+    directory = handle.directory
+
     def run() -> None:
         try:
-            # At the loop's priority: its next optimizer step waits for it.
-            if proof is not None and _proved(writer, proof, live, take_again) is not None:
-                snap.issue()
-            background_priority()
-            stats = background.finish(writer)
+            stats = work()
         except BaseException as e:  # surfaced by wait() or the next save
             handle._finish(None, e)
             return
@@ -398,7 +448,6 @@ def _go(
     handle._thread = thread
     add(c, handle)
     thread.start()
-    return handle
 
 
 def _proved(

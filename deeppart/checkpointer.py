@@ -59,6 +59,20 @@ def _step_index(step: Any, state: Any) -> int:
     return n
 
 
+def _async_backend(backend: str) -> str:
+    """The level backend of a ``Checkpointer(config=..., async_=True)``:
+    the built-in engine (``"auto"`` picks it); FTI is refused, naming why."""
+    if backend == "fti":
+        raise ValueError(
+            "async_=True with the FTI backend (backend='fti') is not supported: libfti's "
+            "FTI_Checkpoint is a collective call over FTI's own communicator that reads the "
+            "protected (live) buffers and is not thread-safe, so it cannot run on a writer "
+            "thread beside training; use backend='builtin' (or 'auto'), whose engine saves "
+            "the levels asynchronously, or async_=False"
+        )
+    return "builtin" if backend == "auto" else backend
+
+
 class Checkpointer:
     """Numbered checkpoints ``ROOT/step-00000100`` in one root directory,
     or under an object store prefix (``Checkpointer("s3://bucket/run")``,
@@ -88,8 +102,9 @@ class Checkpointer:
     ``planning``, ``writing``: its saves' :class:`deeppart.PlanOptions` and
     :class:`deeppart.WriteOptions`; ``loading``: its loads'
     :class:`deeppart.LoadOptions`; ``config``, ``backend``: multi-level
-    storage (docs/LEVELS.md). The old keywords (``compression=``, ...) work
-    for one release, with a DeprecationWarning.
+    storage (docs/LEVELS.md; with ``async_=True``, the built-in engine's
+    asynchronous level saves; the FTI backend refuses it). The old keywords
+    (``compression=``, ...) work for one release, with a DeprecationWarning.
     """
 
     PREFIX = STEP_PREFIX
@@ -127,7 +142,7 @@ class Checkpointer:
         if keep_last is not None and keep_last < 1:
             raise ValueError("keep_last must be at least 1")
         if config is not None and async_ is not False:
-            raise ValueError("async_=True is not supported with config= (multi-level storage)")
+            backend = _async_backend(backend)
         #: Where the steps are read from: a directory or an object store
         #: prefix (a path or s3://; other URLs are refused).
         self.source = checkpoint_source(parse_location(root))
@@ -160,8 +175,11 @@ class Checkpointer:
         #: another job's beside it, never retired.
         self._seen = 0
         self._async: AsyncCheckpointer | None = None
-        if async_ is not False:
+        if async_ is not False and config is None:
             self._async = AsyncCheckpointer(self.comm, background)
+        #: With ``config=`` and ``async_``: the levels' saves in the
+        #: background (:meth:`BuiltinBackend.save_async`), with these options.
+        self._levels_async: AsyncOptions | None = None
         #: Multi-level storage (docs/LEVELS.md): with ``config=`` (a
         #: LevelConfig or an FTI-style INI path), save/latest/load go through
         #: a LevelBackend and ``root`` is unused; ``last_recovery`` is the
@@ -180,6 +198,9 @@ class Checkpointer:
                 exchange=self.loading.exchange,
                 verbose=verbose,
             )
+            if async_ is not False:
+                assert isinstance(self.levels, BuiltinBackend)
+                self._levels_async = background
 
     @property
     def compression(self) -> str:
@@ -252,9 +273,12 @@ class Checkpointer:
         """Saves ``state`` as ``step`` (collective); returns its
         :class:`deeppart.SaveHandle`, whose ``wait()`` gives the save's
         :class:`Stats` (with ``config=``, a :class:`deeppart.LevelSaveStats`)
-        or raises its error. Synchronous saves and saves through the levels
-        return a handle that is already done; with ``async_=True`` it is an
-        :class:`deeppart.AsyncSave`, done once the background write commits.
+        or raises its error. Synchronous saves return a handle that is
+        already done; with ``async_=True`` it is an
+        :class:`deeppart.AsyncSave`, done once the background write commits
+        (with ``config=``: the built-in engine's
+        :meth:`~deeppart.levels.engine.BuiltinBackend.save_async`, every
+        level written and committed on its writer thread).
         A step that is already
         committed is refused with :class:`CheckpointError`, as
         :func:`deeppart.save` refuses an existing checkpoint, unless
@@ -263,6 +287,9 @@ class Checkpointer:
         does."""
         step = _step_index(step, state)
         if self.levels is not None:
+            if self._levels_async is not None:
+                assert isinstance(self.levels, BuiltinBackend)
+                return self.levels.save_async(step, state, background=self._levels_async)
             return SaveHandle.finished(step, self.levels.save(step, state))
         if self._async is not None:
             self._async.wait()  # the line continues from the save in flight
@@ -547,8 +574,11 @@ class Checkpointer:
         return chosen, lines
 
     def wait(self) -> Stats | None:
-        """Waits for the asynchronous save in flight, if any; returns its
-        Stats, or raises its error if nobody has seen it yet."""
+        """Waits for the asynchronous save in flight, if any (with
+        ``config=``, the built-in engine's); returns its Stats, or raises
+        its error if nobody has seen it yet."""
+        if isinstance(self.levels, BuiltinBackend):
+            return self.levels.wait()
         return self._async.wait() if self._async is not None else None
 
     def close(self) -> None:

@@ -34,7 +34,9 @@ class LevelSaveStats(Stats):
     step: int
     level: int
     #: This rank's seconds per phase, e.g. {"l1": 0.3, "l2": 0.2} or
-    #: {"l3_encode": 0.1}.
+    #: {"l3_encode": 0.1}; the built-in engine's also ``prepare`` and, with
+    #: the memory tier, ``budget`` (and for an asynchronous save
+    #: ``snapshot``: the stages on the caller's thread).
     phases: dict[str, float] = field(default_factory=dict)
 
 

@@ -41,6 +41,7 @@ import socket
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -48,8 +49,16 @@ import numpy as np
 import numpy.typing as npt
 
 from deeppart.agreement import agree, from_root
+from deeppart.async_save import (
+    AsyncSave,
+    ShareTaker,
+    background_priority,
+    run_writer,
+    writer_for,
+)
 from deeppart.comm import Comm, resolve
 from deeppart.errors import (
+    AsyncSaveWarning,
     CheckpointError,
     LevelConfigError,
     OlderStepWarning,
@@ -62,15 +71,18 @@ from deeppart.levels.config import LevelConfig
 from deeppart.levels.erasure import STRIPE_BYTES
 from deeppart.levels.layout import Layout, step_name, steps_in
 from deeppart.loading.reader import assemble
-from deeppart.options import PlanOptions, WriteOptions, fold, reject_unknown
+from deeppart.options import AsyncOptions, PlanOptions, fold, reject_unknown
 from deeppart.progress import Progress
 from deeppart.saving.metadata import metadata_json
 from deeppart.saving.planning import PlanProvider
 from deeppart.saving.prepare import Prepared, prepare_save
-from deeppart.saving.save import save
+from deeppart.saving.save import PlannedSave
+from deeppart.saving.snapshot import ShareSnapshot
 from deeppart.saving.writer import RECORD_FIELDS, write_pieces
+from deeppart.state.state import encode_plain
 from deeppart.steps import lineage
 from deeppart.storage.commit import commit_dir, remove_temp_dir
+from deeppart.storage.identity import identity_text
 from deeppart.storage.ownership import (
     check_target,
     checkpoint_file,
@@ -82,6 +94,23 @@ from deeppart.storage.target import save_target
 from deeppart.storage.url import Location, location_key
 
 _T = TypeVar("_T")
+
+
+@dataclass
+class _Begun:
+    """A save past :meth:`BuiltinBackend._begin` on every rank."""
+
+    step: int
+    level: int
+    #: The user value (rank 0's is written, with its line record).
+    user: Any
+    #: The prepared save: the live state's, or its snapshot's (``staged``).
+    prep: Prepared
+    #: When the save began (its stats count from here).
+    t0: float
+    #: Seconds of the caller's stages: ``prepare`` (with the snapshot, if
+    #: any), ``budget`` (the memory tier's check).
+    phases: dict[str, float]
 
 
 def _remove_owned(path: Path, ours: Callable[[str], bool] = checkpoint_file) -> None:
@@ -158,6 +187,10 @@ class BuiltinBackend:
         #: data (all members' stripe chunks) it decoded, since creation.
         self.decode_seconds = 0.0
         self.decode_bytes = 0
+        #: The asynchronous save in flight (:meth:`save_async`), and the
+        #: host buffer its snapshots reuse.
+        self._pending: AsyncSave | None = None
+        self._snapshot = ShareSnapshot()
 
     # ------------------------------------------------------------------
     # Paths.
@@ -189,36 +222,126 @@ class BuiltinBackend:
     def save(
         self, step: int, state: Any, *, level: int | None = None, user: Any = None
     ) -> LevelSaveStats:
-        """Checkpoints ``state`` as ``step`` at ``level`` (collective). In
-        order: prepare (:func:`~deeppart.saving.prepare.prepare_save`: each
-        rank's own tree, every rank agrees), the L1 write of this rank's data
-        file, the level's extra step (L2 :func:`~deeppart.levels.partner.send_copy`,
-        L3 :func:`~deeppart.levels.erasure.encode`, L4 :func:`deeppart.save`
-        to ``glbl_dir``), the renames to final names, rank 0's commit of the
-        metadata, and the removal of old steps (:meth:`_cleanup`)."""
+        """Checkpoints ``state`` as ``step`` at ``level`` (collective), once
+        the save in flight (:meth:`save_async`) is done. In order:
+        prepare (:meth:`_begin`: each rank's own tree, every rank agrees; the
+        memory tier's budget), then :meth:`_finish`: the L1 write of this
+        rank's data file, the level's extra step (L2
+        :func:`~deeppart.levels.partner.send_copy`, L3
+        :func:`~deeppart.levels.erasure.encode`, L4 the same pieces as a
+        :func:`deeppart.save` checkpoint in ``glbl_dir``), the renames to
+        final names, rank 0's commit of the metadata, and the removal of
+        old steps (:meth:`_cleanup`)."""
+        self.wait()
+        begun, _ = self._begin(step, state, level, user)
+        return self._finish(self.comm, begun)
+
+    def save_async(
+        self,
+        step: int,
+        state: Any,
+        *,
+        level: int | None = None,
+        user: Any = None,
+        background: AsyncOptions | None = None,
+    ) -> AsyncSave:
+        """:meth:`save` in the background (collective): once the save in
+        flight is done (its unseen error raised here), the caller's thread
+        prepares the save, checks the memory tier's budget (a refusal is
+        raised here, on every rank, before anything is written) and copies
+        this rank's planned pieces into a reused host buffer
+        (:class:`~deeppart.saving.snapshot.ShareSnapshot`, as
+        :func:`deeppart.async_save`); a writer thread then writes the L1
+        file from that snapshot, runs the level's step and commits, over
+        the writer's own communicator (:func:`deeppart.comm.writer_comm`).
+        Returns its :class:`deeppart.AsyncSave`, whose ``wait()`` gives the
+        :class:`LevelSaveStats` or raises the save's error on every rank.
+        The state may change as soon as it returns. The next save, load,
+        :meth:`latest`, :meth:`steps`, :meth:`wait` or :meth:`close`
+        waits for it first. ``background``: as :func:`deeppart.async_save`'s
+        (a share over ``max_staging_bytes``, or no writer communicator: the
+        save runs synchronously, with an :class:`AsyncSaveWarning`)."""
+        options = background if background is not None else AsyncOptions()
+        self.wait()
+        c = self.comm
+        writer, why = writer_for(c)
+        t0 = time.perf_counter()
+        snap = self._snapshot
+        take = ShareTaker(c.rank, snap, options, writer is not None, why)
+        try:
+            begun, flagged = self._begin(step, state, level, user, local=take)
+        except BaseException:
+            snap.discard()
+            raise
+        handle = AsyncSave(self.meta_step(step), step)
+        if flagged:
+            snap.discard()
+            warnings.warn(
+                f"deeppart levels: step {step} saved synchronously: "
+                f"{take.why or 'another rank cannot save in the background'}",
+                AsyncSaveWarning,
+                stacklevel=2,
+            )
+            handle.synchronous = True
+            handle._finish(self._finish(c, begun), None)
+            return handle
+        assert writer is not None and take.staged is not None
+        snap.issue()  # the copies from CUDA devices, now that the agreement is past
+        # The snapshot's seconds apart from the prepare's that held them.
+        begun.phases["snapshot"] = take.seconds
+        begun.phases["prepare"] -= take.seconds
+        handle.snapshot_seconds = time.perf_counter() - t0
+        handle.staged_bytes, handle.staging_capacity = snap.staged_bytes, snap.capacity
+        # The writer thread sees the snapshot only, never the live state.
+        staged = dataclasses.replace(begun, prep=take.staged)
+        del begun
+
+        def work() -> LevelSaveStats:
+            background_priority()
+            return self._finish(writer, staged)
+
+        self._pending = handle
+        run_writer(c, handle, snap, work)
+        return handle
+
+    def wait(self) -> LevelSaveStats | None:
+        """Waits for the save in flight (:meth:`save_async`), if any;
+        returns its stats, or raises its error if nobody has seen it yet."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        pending.settle()
+        stats = pending.stats
+        assert stats is None or isinstance(stats, LevelSaveStats)
+        return stats
+
+    def _begin(
+        self,
+        step: int,
+        state: Any,
+        level: int | None,
+        user: Any,
+        local: Callable[[Prepared], int] | None = None,
+    ) -> tuple[_Begun, bool]:
+        """The part of a save that sees the live state, on the caller's
+        thread (collective over the engine's communicator): the level, the
+        targets' checks (only DeepPart's files may be replaced; an L4
+        target's store the same on every rank), the prepare (its plan,
+        cached while the structure stays the same; ``local``: the
+        snapshot, :func:`~deeppart.saving.prepare.prepare_save`) and the
+        memory tier's budget. Raises on every rank; nothing is written.
+        Also whether any rank's ``local`` byte is set."""
         c = self.comm
         t0 = time.perf_counter()
         self.count += 1
         lv = self.config.level_for(self.count) if level is None else level
         self._check_level(lv)  # the same on every rank: raises everywhere
-        phases: dict[str, float] = {}
         err: BaseException | None = None
-        value: Any = {"step": step, "user": user}
-        link, run = lineage.Link(step, 0), self._run or ""
-        leftovers: dict[int, set[str]] = {}
+        store = b""
         try:
             if step < 0:
                 raise CheckpointError(f"step {step}: must be >= 0")
-            if c.rank == 0:  # only rank 0's user value is written
-                value, link, run = self._line_record(step, user)
-                objects = self.layout.global_objects()
-                if objects is not None:
-                    # What interrupted L4 saves left in the object store,
-                    # removed after this save commits (see _cleanup).
-                    leftovers = objects.leftovers(below=step)
             if user is not None:
-                from deeppart.state.state import encode_plain
-
                 encode_plain(user, ("<user>",))
             # Every rank checks its node's directory: only DeepPart's files
             # may be replaced (the decision is agreed below).
@@ -227,40 +350,73 @@ class BuiltinBackend:
             if lv == 4:
                 # A directory: only DeepPart's files; an object store: the
                 # save refuses a foreign marker and touches nothing else.
-                save_target(self.global_step(step)).check()
+                target = save_target(self.global_step(step))
+                target.check()
+                store = identity_text(target.identity())  # agreed in the prepare
         except BaseException as e:
             err = e
         # deeppart.save's prepare: each rank passes its own tree; values and
         # tensors that differ between the ranks are kept per rank (each
         # rank's own version, deeppart.state.union), and every rank raises
         # if any failed above.
-        prep, _ = prepare_save(c, err, state, self.compression, self.plans, self.meta_step(step))
+        t = time.perf_counter()
+        prep, flagged = prepare_save(
+            c, err, state, self.compression, self.plans, self.meta_step(step),
+            local=local, store=store,
+        )  # fmt: skip
+        phases = {"prepare": time.perf_counter() - t}
         if self.config.memory:
             # The memory tier: every node's share of the step against its
             # budget and free memory, before anything is written (every
             # rank raises alike).
+            t = time.perf_counter()
             bounds = [b + HEADER_SIZE for b in prep.plan.rank_bytes()]
             memory.check_budget(c, self.layout, step, lv, bounds, self.stripe)
+            phases["budget"] = time.perf_counter() - t
+        return _Begun(step, lv, user, prep, t0, phases), flagged
+
+    def _finish(self, c: Comm, begun: _Begun) -> LevelSaveStats:
+        """The rest of a save once :meth:`_begin` is past on every rank
+        (collective over ``c``: the engine's communicator, or an
+        asynchronous save's writer communicator, on its writer thread):
+        the line record, the writes of every level from ``begun.prep``
+        (the live state's leaves, or the snapshot's ``staged`` pieces), the
+        commit, the removal of old steps. Every stage that can fail on some
+        ranks is agreed: a failure raises on every rank, and nothing is
+        committed."""
+        step, lv, prep = begun.step, begun.level, begun.prep
+        phases = dict(begun.phases)
+        err: BaseException | None = None
+        value: Any = {"step": step, "user": begun.user}
+        link, run = lineage.Link(step, 0), self._run or ""
+        leftovers: dict[int, set[str]] = {}
         try:
-            if c.rank == 0 and self.meta_step(step).exists():
-                # Re-saving a step: uncommit it first, so a crash never
-                # leaves a marker over mixed files.
-                (self.meta_step(step) / MARKER).unlink(missing_ok=True)
+            if c.rank == 0:  # only rank 0's user value is written
+                value, link, run = self._line_record(step, begun.user)
+                objects = self.layout.global_objects()
+                if objects is not None:
+                    # What interrupted L4 saves left in the object store,
+                    # removed after this save commits (see _cleanup).
+                    leftovers = objects.leftovers(below=step)
+                if self.meta_step(step).exists():
+                    # Re-saving a step: uncommit it first, so a crash never
+                    # leaves a marker over mixed files.
+                    (self.meta_step(step) / MARKER).unlink(missing_ok=True)
         except BaseException as e:
             err = e
         agree(c, err)
 
         # L1: every rank writes its own file (temporary name).
         local = self.local_step(step)
-        own_tmp = local / (data_file_name(self.rank) + ".tmp")
-        renames: list[tuple[Path, Path]] = [(own_tmp, local / data_file_name(self.rank))]
+        own_tmp = local / (data_file_name(c.rank) + ".tmp")
+        renames: list[tuple[Path, Path]] = [(own_tmp, local / data_file_name(c.rank))]
         records = np.zeros(0, dtype=np.uint64)
         size = 0
         t = time.perf_counter()
         try:
             local.mkdir(parents=True, exist_ok=True)
             prog = Progress("save", 0, enabled=False)
-            recs, size = write_pieces(own_tmp, self.rank, prep, self.zstd_level, prog)
+            recs, size = write_pieces(own_tmp, c.rank, prep, self.zstd_level, prog)
             records = recs.reshape(-1)
         except BaseException as e:
             err = e
@@ -272,17 +428,19 @@ class BuiltinBackend:
         parity_size, parity_xxh = 0, 0
         if lv == 2:
             self._phase(
+                c,
                 phases,
                 "l2",
                 lambda: partner.send_copy(c, self.layout, local, own_tmp, sizes, renames),
             )
         elif lv == 3:
             parity_size, parity_xxh = self._phase(
+                c,
                 phases,
                 "l3",
                 lambda: erasure.encode(
                     c,
-                    self.layout.group(self.rank),
+                    self.layout.group(c.rank),
                     local,
                     own_tmp,
                     sizes,
@@ -292,16 +450,14 @@ class BuiltinBackend:
                 ),
             )
         elif lv == 4:
+            # The same pieces as a deeppart.save checkpoint in glbl_dir
+            # (the prepare above is its prepare: its target checked, its
+            # store agreed).
             t = time.perf_counter()
-            save(
-                state,
-                str(self.global_step(step)),
-                comm=c,
-                overwrite=True,
-                user=value,
-                planning=self.plans,
-                writing=WriteOptions(self.compression, self.zstd_level),
-            )
+            PlannedSave(
+                prep, self.global_step(step), self.zstd_level, overwrite=True, user=value,
+                progress=False, verbose=False, staging_bytes=None,
+            ).finish(c)  # fmt: skip
             phases["l4"] = time.perf_counter() - t
 
         # Every rank's files get their final names; then rank 0 commits.
@@ -326,10 +482,10 @@ class BuiltinBackend:
         self._parent, self._run = link, run
         phases["commit"] = time.perf_counter() - t
         t = time.perf_counter()
-        self._cleanup(step, link.seq, leftovers)
+        self._cleanup(c, step, link.seq, leftovers)
         phases["cleanup"] = time.perf_counter() - t
         # Every rank's time, so that the stats are the same on every rank.
-        mine_seconds = np.array([time.perf_counter() - t0], dtype=np.float64)
+        mine_seconds = np.array([time.perf_counter() - begun.t0], dtype=np.float64)
         rank_seconds = [float(x) for x in c.allgather_f64(mine_seconds)[:, 0]]
         stats = LevelSaveStats(
             op="save",
@@ -363,9 +519,9 @@ class BuiltinBackend:
         seq = lineage.next_seq(lines, parent)
         return lineage.record(step, user, run, seq, parent), lineage.Link(step, seq), run
 
-    def _phase(self, phases: dict[str, float], name: str, fn: Callable[[], _T]) -> _T:
-        """Runs ``fn`` on every rank, then agrees (every rank raises if one
-        failed); records its seconds as ``phases[name]``."""
+    def _phase(self, c: Comm, phases: dict[str, float], name: str, fn: Callable[[], _T]) -> _T:
+        """Runs ``fn`` on every rank of ``c``, then agrees (every rank raises
+        if one failed); records its seconds as ``phases[name]``."""
         t = time.perf_counter()
         err: BaseException | None = None
         out: _T | None = None
@@ -373,7 +529,7 @@ class BuiltinBackend:
             out = fn()
         except BaseException as e:
             err = e
-        agree(self.comm, err)
+        agree(c, err)
         phases[name] = time.perf_counter() - t
         return out  # type: ignore[return-value]  # set: no rank failed
 
@@ -441,8 +597,11 @@ class BuiltinBackend:
         """Committed steps (node-local or global), oldest first."""
         return self.layout.committed_steps()
 
-    def _cleanup(self, newest: int, seq: int, leftovers: dict[int, set[str]] | None = None) -> None:
-        """After step ``newest`` committed as ``seq``: removes, in every
+    def _cleanup(
+        self, c: Comm, newest: int, seq: int, leftovers: dict[int, set[str]] | None = None
+    ) -> None:
+        """After step ``newest`` committed as ``seq`` (collective over
+        ``c``, the save's communicator): removes, in every
         root, the steps of its line beyond ``keep`` and the steps of the
         lines it left (:meth:`deeppart.steps.lineage.Lines.abandoned`), uncommitted
         older ones, and leftovers of interrupted commits: only step
@@ -459,7 +618,6 @@ class BuiltinBackend:
         save began (:meth:`~deeppart.steps.object_steps.ObjectSteps.leftovers`)
         are removed the same way; nothing else under the prefix is touched.
         The save has committed: a failure here is a warning."""
-        c = self.comm
 
         def roots() -> bytes:
             try:
@@ -475,13 +633,13 @@ class BuiltinBackend:
         doomed_steps = set(json.loads(from_root(c, roots) or b"[]"))
         # One rank per node removes that node's local leftovers.
         hosts = self.layout
-        if all(hosts.node(r) != hosts.node(self.rank) for r in range(self.rank)):
+        if all(hosts.node(r) != hosts.node(c.rank) for r in range(c.rank)):
             kept: set[int] | None
             try:
                 kept = set(self.committed_steps())
             except Exception:  # an object store that does not answer
                 kept = None
-            root = self.layout.local_root(self.rank)
+            root = self.layout.local_root(c.rank)
             for s in steps_in(root, False):
                 if s in doomed_steps or (kept is not None and s < newest and s not in kept):
                     with contextlib.suppress(OSError):
@@ -553,7 +711,9 @@ class BuiltinBackend:
 
     def latest(self) -> int | None:
         """The newest committed step whose files (checked by size, not
-        read) suffice to recover it, or None."""
+        read) suffice to recover it, or None (once the save in flight is
+        done)."""
+        self.wait()
         for s in recovery.candidates(self.comm, self.layout, None):
             if self._recoverable(s):
                 return s
@@ -562,6 +722,7 @@ class BuiltinBackend:
     def steps(self) -> list[int]:
         """Every committed step that :meth:`latest` would accept, oldest
         first (its last is :meth:`latest`)."""
+        self.wait()
         candidates = recovery.candidates(self.comm, self.layout, None)
         return sorted(s for s in candidates if self._recoverable(s))
 
@@ -574,7 +735,9 @@ class BuiltinBackend:
         A newer step skipped is reported (:class:`~deeppart.errors.OlderStepWarning`
         naming it and why, and ``RecoveryReport.skipped``). ``per_rank``: as
         for :func:`deeppart.load`, where a step is loaded from its L4 copy at
-        another world size (the only level that serves one)."""
+        another world size (the only level that serves one). The save in
+        flight (:meth:`save_async`) is done first."""
+        self.wait()
         t0 = time.perf_counter()
         reasons: list[str] = []
         for s in recovery.candidates(self.comm, self.layout, step):
@@ -687,4 +850,5 @@ class BuiltinBackend:
         return state, report
 
     def close(self) -> None:
-        return None
+        """Waits for the save in flight (:meth:`wait`)."""
+        self.wait()
