@@ -170,8 +170,12 @@ class ShareSnapshot:
         del sources, flat
         self.staged_bytes = sum(sizes) + kept
         self.capacity = int(buf.numel())
-        # The writer reads only ``staged``; the leaves keep their paths.
-        leaves = [FlatLeaf(leaf.path, None, None) for leaf in prep.leaves]
+        # The writer reads only ``staged``; the leaves keep their paths
+        # (those that hold nothing, most of a union's, shared as they are).
+        leaves = [
+            lf if lf.tensor is None and lf.encoded is None else FlatLeaf(lf.path, None, None)
+            for lf in prep.leaves
+        ]
         ready = self._copied if self._pending else None
         return dataclasses.replace(prep, leaves=leaves, staged=staged, staged_ready=ready)
 
