@@ -931,8 +931,13 @@ def _no_gc() -> Iterator[None]:
     objects are walked only by the rare full collections: otherwise the
     next young collection walks them all once more (0.3 s at 512 ranks).
     Not when the process keeps frozen objects of its own (``unfreeze``
-    would release them)."""
+    would release them). The young generations are collected first (they
+    hold only the caller's recent objects then: cheap), so that no garbage
+    of the caller's (a cycle holding tensors) is moved out of their reach
+    with what the union keeps."""
     enabled = gc.isenabled()
+    if enabled:
+        gc.collect(1)
     gc.disable()
     try:
         yield

@@ -45,3 +45,21 @@ def test_the_collector_is_enabled_again_after_an_error() -> None:
     except KeyError:
         pass
     assert gc.isenabled()
+
+
+class _Node:
+    def __init__(self) -> None:
+        self.other: _Node | None = None
+
+
+def test_the_callers_young_garbage_is_collected_not_moved_out_of_reach() -> None:
+    import weakref
+
+    a, b = _Node(), _Node()
+    a.other, b.other = b, a  # a cycle: only the collector frees it
+    gone = weakref.ref(a)
+    del a, b
+    with _no_gc():
+        kept = [[i] for i in range(1000)]
+    assert gone() is None
+    assert kept
