@@ -323,7 +323,7 @@ class Checkpointer:
             def committed() -> None:
                 self._parent, self._run = link, run
                 if self.comm.rank == 0:
-                    self._cleanup_or_warn(step, link.seq, leftovers)
+                    self._cleanup_or_warn(step, link, leftovers)
 
             target = self.location(step)
             where = parse_location(target)
@@ -336,7 +336,7 @@ class Checkpointer:
         # The save succeeded everywhere: a failed cleanup is a warning on
         # every rank (one small collective), never one rank's exception.
         message = from_root(
-            self.comm, lambda: self._cleanup_or_warn(step, link.seq, leftovers, warn=False).encode()
+            self.comm, lambda: self._cleanup_or_warn(step, link, leftovers, warn=False).encode()
         ).decode()
         if message:
             warnings.warn(message, stacklevel=2)
@@ -374,8 +374,8 @@ class Checkpointer:
             # step takes its place in the line.
             parent = at.parent
         seq = lineage.next_seq(lines, parent)
-        value = lineage.record(step, user, run, seq, parent)
-        return value, lineage.Link(step, seq), run, replace, keep
+        value, link = lineage.record(step, user, run, seq, parent)
+        return value, link, run, replace, keep
 
     def _abandoned_name(self, step: int) -> str:
         """A fresh name for a retired step moved aside:
@@ -396,7 +396,7 @@ class Checkpointer:
         return True
 
     def _cleanup_or_warn(
-        self, newest: int, seq: int, leftovers: dict[int, set[str]], *, warn: bool = True
+        self, newest: int, link: lineage.Link, leftovers: dict[int, set[str]], *, warn: bool = True
     ) -> str:
         """Runs :meth:`_cleanup` (in an object store
         :meth:`_cleanup_objects`, with the ``leftovers`` the save saw when
@@ -404,9 +404,9 @@ class Checkpointer:
         it if ``warn``."""
         try:
             if self.objects is not None:
-                failures = self._cleanup_objects(self.objects, newest, seq, leftovers)
+                failures = self._cleanup_objects(self.objects, newest, link, leftovers)
             else:
-                failures = self._cleanup(newest, seq)
+                failures = self._cleanup(newest, link)
         except OSError as e:
             failures = [f"{self.root}: cannot list or remove ({e})"]
         except Exception as e:  # the object store client's errors: one rank's, never raised
@@ -423,8 +423,8 @@ class Checkpointer:
             warnings.warn(message, stacklevel=2)
         return message
 
-    def _cleanup(self, newest: int, seq: int) -> list[str]:
-        """After step ``newest`` committed as ``seq``: removes the steps of
+    def _cleanup(self, newest: int, link: lineage.Link) -> list[str]:
+        """After step ``newest`` committed as the commit ``link`` names: removes the steps of
         its line beyond ``keep_last``, retires the steps of the lines it
         left (:meth:`deeppart.steps.lineage.Lines.abandoned`: removed with
         ``keep_last``, else moved aside), and removes leftovers of
@@ -437,7 +437,7 @@ class Checkpointer:
         stays while it is the only committed copy of step N (unless step N
         itself is pruned)."""
         lines = self.lines()
-        line = lines.line_of(newest, seq)
+        line = lines.line_of(link)
         pruned = line[self.keep_last :] if self.keep_last is not None else []
         left = lines.abandoned(line, self._seen)
         doomed: list[Path] = []
@@ -498,7 +498,7 @@ class Checkpointer:
         return failures
 
     def _cleanup_objects(
-        self, objects: ObjectSteps, newest: int, seq: int, leftovers: dict[int, set[str]]
+        self, objects: ObjectSteps, newest: int, link: lineage.Link, leftovers: dict[int, set[str]]
     ) -> list[str]:
         """:meth:`_cleanup` in an object store: removes the steps of the
         line beyond ``keep_last`` and, with ``keep_last``, the steps of the
@@ -510,7 +510,7 @@ class Checkpointer:
         ``latest()``). Returns one line per object that failed or stayed."""
         objects.remove_leftovers(leftovers)
         lines, _, committed = objects.lines()
-        line = lines.line_of(newest, seq)
+        line = lines.line_of(link)
         if not line:
             return []  # replaced meanwhile: a newer commit's cleanup decides
         pruned = line[self.keep_last :] if self.keep_last is not None else []

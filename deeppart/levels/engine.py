@@ -482,7 +482,7 @@ class BuiltinBackend:
         self._parent, self._run = link, run
         phases["commit"] = time.perf_counter() - t
         t = time.perf_counter()
-        self._cleanup(c, step, link.seq, leftovers)
+        self._cleanup(c, step, link, leftovers)
         phases["cleanup"] = time.perf_counter() - t
         # Every rank's time, so that the stats are the same on every rank.
         mine_seconds = np.array([time.perf_counter() - begun.t0], dtype=np.float64)
@@ -517,7 +517,8 @@ class BuiltinBackend:
             # Saving again the step it came from: the new one takes its place.
             parent = at.parent
         seq = lineage.next_seq(lines, parent)
-        return lineage.record(step, user, run, seq, parent), lineage.Link(step, seq), run
+        value, link = lineage.record(step, user, run, seq, parent)
+        return value, link, run
 
     def _phase(self, c: Comm, phases: dict[str, float], name: str, fn: Callable[[], _T]) -> _T:
         """Runs ``fn`` on every rank of ``c``, then agrees (every rank raises
@@ -598,9 +599,9 @@ class BuiltinBackend:
         return self.layout.committed_steps()
 
     def _cleanup(
-        self, c: Comm, newest: int, seq: int, leftovers: dict[int, set[str]] | None = None
+        self, c: Comm, newest: int, link: lineage.Link, leftovers: dict[int, set[str]] | None = None
     ) -> None:
-        """After step ``newest`` committed as ``seq`` (collective over
+        """After step ``newest`` committed as the commit ``link`` names (collective over
         ``c``, the save's communicator): removes, in every
         root, the steps of its line beyond ``keep`` and the steps of the
         lines it left (:meth:`deeppart.steps.lineage.Lines.abandoned`), uncommitted
@@ -621,7 +622,7 @@ class BuiltinBackend:
 
         def roots() -> bytes:
             try:
-                return self._cleanup_roots(newest, seq, leftovers or {})
+                return self._cleanup_roots(newest, link, leftovers or {})
             except Exception as e:
                 warnings.warn(
                     f"deeppart levels: step {newest} committed, but removing old steps "
@@ -649,11 +650,13 @@ class BuiltinBackend:
                 memory.evict(root, newest, sorted(kept), self.config.memory_keep)
         c.barrier()
 
-    def _cleanup_roots(self, newest: int, seq: int, leftovers: dict[int, set[str]]) -> bytes:
+    def _cleanup_roots(
+        self, newest: int, link: lineage.Link, leftovers: dict[int, set[str]]
+    ) -> bytes:
         """Rank 0's part of :meth:`_cleanup`, in ``meta_dir`` and
         ``glbl_dir``; returns the steps whose node-local files go (JSON)."""
         lines = self.layout.lines()
-        line = lines.line_of(newest, seq)
+        line = lines.line_of(link)
         retired = line[self.keep :] + lines.abandoned(line, self._seen)
         doomed = {n.step for n in retired}
         committed = self.committed_steps()
@@ -671,13 +674,13 @@ class BuiltinBackend:
                 roots.append(copy_at)
             for d in roots:
                 _, got = lineage.read_node(d, node.step)
-                if isinstance(got, lineage.Node) and got.seq == node.seq:
+                if isinstance(got, lineage.Node) and node.link.names(got):
                     _remove_owned(d)
         if objects is not None:
             stored, _, save_ids = objects.lines()
             for node in retired:
                 copy = stored.nodes.get(node.step)
-                if copy is not None and copy.seq == node.seq:
+                if copy is not None and node.link.names(copy):
                     objects.remove_step(node.step, save_ids[node.step])
         for s in sorted(doomed - {n.step for n in retired}):
             # Uncommitted everywhere: what an interrupted save left.

@@ -6,19 +6,26 @@ Every step saved through a ``Checkpointer`` carries, in its
 ``metadata.json`` (the ``user`` value, under the marker's hash, so it is
 part of the committed checkpoint), a line record::
 
-    {"step": N, "user": ..., "line": {"run": "<16 hex>", "seq": S, "parent": [P, PS] | null}}
+    {"step": N, "user": ..., "line": {"run": "<16 hex>", "seq": S, "id": "<16 hex>",
+                                     "parent": [P, PS, PID] | null}}
 
 - ``seq``: one more than the largest ``seq`` of any committed step in the
   root when the save began, and than the parent's (:func:`next_seq`): the
   commit order, whatever the step numbers;
-- ``parent``: the step (and its ``seq``) that this Checkpointer last loaded
-  or saved, null for the first save of a fresh one;
+- ``id``: drawn afresh for every save: two jobs that save independently
+  (a requeued job and its zombie) can commit the same step number with
+  the same ``seq`` once the step both numbered from has left the root, and
+  only the ``id`` tells those commits apart;
+- ``parent``: the step (its ``seq`` and its ``id``) that this
+  Checkpointer last loaded or saved, null for the first save of a fresh
+  one (a record written before ids has ``[P, PS]``, and so names the
+  parent by step and ``seq`` alone);
 - ``run``: the line's family: a fresh Checkpointer's first save draws one,
   and a save after a load inherits the loaded step's.
 
 The *head* is the committed step with the largest ``(seq, step)``; the
 *live line* is the head and its ancestors, following each ``parent`` link
-while the step it names is committed with that ``seq`` (a replaced or
+while the step it names is committed with that ``seq`` and ``id`` (a replaced or
 removed parent ends the line). ``latest()`` is the head, a restart resumes
 from it, and ``keep_last`` counts the live line only. A step of the line's
 ``run`` that is not on it but was committed after the parent of the line's
@@ -94,10 +101,21 @@ _OLD = re.compile(r"\.old-(.+)-[0-9a-f]{12}")
 
 @dataclass(frozen=True)
 class Link:
-    """A step as a parent: its number and its ``seq``."""
+    """A step as a parent: its number, its ``seq`` and its record's ``id``
+    (None for a record written before ids: it names the step by number
+    and ``seq`` alone)."""
 
     step: int
     seq: int
+    ident: str | None = None
+
+    def names(self, node: Node) -> bool:
+        """Whether ``node`` is the very commit this link names."""
+        return (
+            node.step == self.step
+            and node.seq == self.seq
+            and (self.ident is None or node.ident == self.ident)
+        )
 
 
 @dataclass(frozen=True)
@@ -111,10 +129,12 @@ class Node:
     path: Path
     #: The user value the Checkpointer stored with the step.
     user: Any = None
+    #: The record's own id (None for a record written before ids).
+    ident: str | None = None
 
     @property
     def link(self) -> Link:
-        return Link(self.step, self.seq)
+        return Link(self.step, self.seq, self.ident)
 
 
 @dataclass(frozen=True)
@@ -126,7 +146,7 @@ class Legacy:
 
 
 def new_run() -> str:
-    """A fresh line family id (16 hex digits)."""
+    """A fresh line family id (16 hex digits); also a record's own ``id``."""
     return os.urandom(8).hex()
 
 
@@ -140,18 +160,22 @@ def next_seq(lines: Lines, parent: Link | None) -> int:
     return max(lines.max_seq(), parent.seq if parent is not None else 0) + 1
 
 
-def record(step: int, user: Any, run: str, seq: int, parent: Link | None) -> dict[str, Any]:
-    """The ``user`` value of a Checkpointer's step: the step, the caller's
-    value, and the line record."""
-    return {
+def record(
+    step: int, user: Any, run: str, seq: int, parent: Link | None
+) -> tuple[dict[str, Any], Link]:
+    """The ``user`` value of a Checkpointer's step (the step, the caller's
+    value, and the line record, with a fresh ``id``) and the new step as
+    a parent."""
+    ident = new_run()
+    link: list[Any] | None = None
+    if parent is not None:
+        link = [parent.step, parent.seq] + ([parent.ident] if parent.ident is not None else [])
+    value = {
         "step": step,
         "user": user,
-        LINE_KEY: {
-            "run": run,
-            "seq": seq,
-            "parent": None if parent is None else [parent.step, parent.seq],
-        },
+        LINE_KEY: {"run": run, "seq": seq, "id": ident, "parent": link},
     }
+    return value, Link(step, seq, ident)
 
 
 def _int(v: Any) -> int | None:
@@ -172,15 +196,21 @@ def parse(user: Any, step: int, path: Path) -> Node | Legacy | None:
     run, seq, parent = line.get("run"), _int(line.get("seq")), line.get("parent")
     if not isinstance(run, str) or not _RUN.fullmatch(run) or seq is None:
         return None
+    ident = line.get("id")
+    if ident is not None and not (isinstance(ident, str) and _RUN.fullmatch(ident)):
+        return None
     link: Link | None = None
     if parent is not None:
-        if not isinstance(parent, list) or len(parent) != 2:
+        if not isinstance(parent, list) or len(parent) not in (2, 3):
             return None
         ps, pq = _int(parent[0]), _int(parent[1])
+        pid = parent[2] if len(parent) == 3 else None
         if ps is None or pq is None or pq >= seq:
             return None
-        link = Link(ps, pq)
-    return Node(step, seq, run, link, path, user.get("user"))
+        if len(parent) == 3 and not (isinstance(pid, str) and _RUN.fullmatch(pid)):
+            return None
+        link = Link(ps, pq, pid)
+    return Node(step, seq, run, link, path, user.get("user"), ident)
 
 
 def node_of(metadata: bytes, step: int, where: Path) -> Node | Legacy | None:
@@ -299,25 +329,25 @@ class Lines:
 
     def ancestry(self, start: Node | None) -> list[Node]:
         """``start`` and its ancestors, newest first, while each parent is
-        committed with the recorded ``seq``."""
+        committed with the recorded ``seq`` and ``id`` (:meth:`Link.names`)."""
         out: list[Node] = []
         node = start
         while node is not None:
             out.append(node)
             p = node.parent
             nxt = self.nodes.get(p.step) if p is not None else None
-            node = nxt if nxt is not None and p is not None and nxt.seq == p.seq else None
+            node = nxt if nxt is not None and p is not None and p.names(nxt) else None
         return out
 
     def live(self) -> list[Node]:
         """The live line, newest first (empty without record-bearing steps)."""
         return self.ancestry(self.head())
 
-    def line_of(self, step: int, seq: int) -> list[Node]:
-        """The line ending at ``step`` if it is committed with ``seq`` (the
-        step a save just committed), newest first; else []."""
-        node = self.nodes.get(step)
-        return self.ancestry(node) if node is not None and node.seq == seq else []
+    def line_of(self, link: Link) -> list[Node]:
+        """The line ending at the commit ``link`` names (the step a save
+        just committed), newest first; [] if that commit is gone."""
+        node = self.nodes.get(link.step)
+        return self.ancestry(node) if node is not None and link.names(node) else []
 
     def steps(self) -> list[int]:
         """The live line's steps, oldest first; without any record-bearing

@@ -127,7 +127,9 @@ class Node:
     step: int
     seq: int
     run: int
-    parent: tuple[int, int] | None
+    #: The parent: its step, its seq and its value (each save's value is
+    #: new, so it names that very commit, as the record's id does).
+    parent: tuple[int, int, int] | None
     value: int
 
 
@@ -248,7 +250,7 @@ class CheckpointerModel(RuleBasedStateMachine):
         self.foreign: dict[str, bytes] = {}
         #: Directory names that are the user's (the Checkpointer must refuse them).
         self.foreign_steps: set[int] = set()
-        self.parent: tuple[int, int] | None = None
+        self.parent: tuple[int, int, int] | None = None
         self.run: int | None = None
         #: The largest seq committed when the Checkpointer last loaded a
         #: step (0 before): only steps committed by then can be left by it.
@@ -259,7 +261,7 @@ class CheckpointerModel(RuleBasedStateMachine):
         #: zombie) and its line state (parent, run, seen) for the oracle;
         #: the largest seq when it was requeued.
         self.zombie: deeppart.Checkpointer | None = None
-        self.zombie_line: tuple[tuple[int, int] | None, int | None, int] = (None, None, 0)
+        self.zombie_line: tuple[tuple[int, int, int] | None, int | None, int] = (None, None, 0)
         self.requeued_at = 0
         #: Damaged steps moved out of the root (their evidence, kept).
         self.evidence: dict[Path, dict[str, bytes]] = {}
@@ -287,7 +289,11 @@ class CheckpointerModel(RuleBasedStateMachine):
             out.append(node)
             p = node.parent
             nxt = self.nodes.get(p[0]) if p is not None else None
-            node = nxt if nxt is not None and p is not None and nxt.seq == p[1] else None
+            node = (
+                nxt
+                if nxt is not None and p is not None and nxt.seq == p[1] and nxt.value == p[2]
+                else None
+            )
         return out
 
     def head(self) -> Node | None:
@@ -300,7 +306,7 @@ class CheckpointerModel(RuleBasedStateMachine):
 
     def resume_from(self, step: int) -> None:
         node = self.nodes.get(step)
-        self.parent = (node.step, node.seq) if node is not None else None
+        self.parent = (node.step, node.seq, node.value) if node is not None else None
         self.run = node.run if node is not None else None
         self.seen = self.max_seq()
 
@@ -321,7 +327,8 @@ class CheckpointerModel(RuleBasedStateMachine):
         at = self.nodes.get(step)
         if at is not None and self.parent is not None and at.run == self.run:
             base = self.nodes.get(self.parent[0])
-            ours = self.ancestry(base) if base is not None and base.seq == self.parent[1] else []
+            named = base is not None and (base.seq, base.value) == self.parent[1:]
+            ours = self.ancestry(base) if named else []
             since = ours[-1].parent[1] if ours and ours[-1].parent else ours[-1].seq if ours else 0
             if ours and since < at.seq <= self.seen and all(n.step != step for n in ours):
                 event("a rollback saves a step of the line it leaves")
@@ -346,13 +353,13 @@ class CheckpointerModel(RuleBasedStateMachine):
         parent = self.parent
         if parent is not None and parent[0] == step:
             at = self.nodes.get(step)
-            if at is not None and at.seq == parent[1] and at.parent is not None:
+            if at is not None and (at.seq, at.value) == parent[1:] and at.parent is not None:
                 parent = at.parent  # takes the replaced step's place
         seq = max(self.max_seq(), parent[1] if parent is not None else 0) + 1
         node = Node(step, seq, run, parent, value)
         self.nodes[step] = node
         self.others.pop(step, None)
-        self.parent, self.run = (step, node.seq), run
+        self.parent, self.run = (step, node.seq, value), run
         self.cleanup(node)
 
     def new_run(self) -> int:

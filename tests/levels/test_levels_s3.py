@@ -67,6 +67,12 @@ def config(tmp_path: Path, glbl: str, **kw: Any) -> LevelConfig:
     )
 
 
+def parent_of(lines: lineage.Lines, step: int) -> tuple[int, int] | None:
+    """Step ``step``'s parent, as its step and seq."""
+    p = lines.nodes[step].parent
+    return None if p is None else (p.step, p.seq)
+
+
 def names(url: str) -> list[str]:
     return sorted(o.name for o in open_store(url).list())
 
@@ -205,7 +211,7 @@ def test_memory_served_load_reads_nothing_from_the_store(
     assert during == 0, "a load from the node-local levels sent requests to the store"
     lines = layout.lines()
     seq = {n: lines.nodes[n].seq for n in (10, 20, 30, 40)}
-    assert lines.nodes[40].parent == lineage.Link(30, seq[30])
+    assert parent_of(lines, 40) == (30, seq[30])
     assert seq[40] == max(seq.values()) and seq[10] < seq[20] < seq[30] < seq[40]
     assert lines.steps() == [10, 20, 30, 40]
     assert read_marker(step10) == marker10  # step 10's L4 copy untouched
@@ -224,12 +230,12 @@ def test_memory_served_load_reads_nothing_from_the_store(
     assert [r.levels for r in reports] == [[1, 1, 1, 1]] * world
     assert during == 0, "a load from the node-local levels sent requests to the store"
     lines = layout.lines()
-    assert lines.nodes[60].parent == lineage.Link(30, seq[30])
+    assert parent_of(lines, 60) == (30, seq[30])
     assert lines.nodes[60].seq == seq50 + 1, "numbered above the step only the store held"
     assert lines.steps() == [10, 20, 30, 60]
     # Step 40 (the line left behind, committed before the load) retired;
     # step 50 (perhaps another job's, committed after it) kept.
-    assert lines.nodes[50].parent == lineage.Link(40, seq[40])
+    assert parent_of(lines, 50) == (40, seq[40])
     assert 40 not in lines.nodes and 50 in lines.nodes
     assert sorted(store_lines.lines()[0].nodes) == [10, 50]
     got, report = on_ranks(backends(), lambda be, r: be.load(60))[0]

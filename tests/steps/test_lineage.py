@@ -5,6 +5,7 @@ never resumed, in ``Checkpointer`` and in the multi-level engine."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -445,3 +446,106 @@ def test_engine_zombie_beside_its_requeued_job_retires_none_of_its_steps(
         assert (root / step_dir_name(4)).is_dir(), f"the live job's save retired step 4 in {root}"
     got, report = BuiltinBackend(c).load()
     assert report.step == 5 and got["step"] == 5
+
+
+# ----------------------------------------------------------------------------
+# A requeued job and its zombie: two commits with one step number and one seq.
+
+
+@pytest.mark.parametrize("resumed", [False, True])
+def test_a_zombie_never_takes_the_live_jobs_step_for_its_parent(
+    tmp_path: Path, resumed: bool
+) -> None:
+    """A job is requeued while it still runs: the live job and its zombie
+    save into one root (``resumed``: both from the step they loaded, one
+    run; else each a fresh run). The zombie's step 1 is damaged and moved
+    out of the root; the live job then commits its own step 1, with the
+    very seq the zombie's had (each numbers from what the root holds).
+    The zombie's next save names its step 1 as parent: before records
+    carried an id, that link named the live job's step 1, put it on the
+    zombie's line, and keep_last=1 removed it (and step 0) — the live
+    job's newest step lost. Now the link names only the zombie's own
+    commit: both of the live job's steps stay, loadable."""
+    root = tmp_path / "ck"
+    first = deeppart.Checkpointer(root, keep_last=1)
+    first.save(0, state(0))
+    live, zombie = deeppart.Checkpointer(root, keep_last=1), first
+    if resumed:
+        check(live, 0)
+        check(zombie, 0)
+    zombie.save(1, state(1))
+    zombie.path(1).rename(tmp_path / "evidence")  # what an operator does with a damaged step
+    live.save(1, state(101))
+    seq = {n: node.seq for n, node in lineage.scan(root).nodes.items()}
+    zombie.save(2, state(2))
+    lines = lineage.scan(root)
+    assert lines.nodes[1].seq == seq[1] and 1 in lines.nodes, "the zombie retired the live step 1"
+    check(deeppart.Checkpointer(root), 101, 1)
+    assert lines.nodes[2].parent is not None and not lines.nodes[2].parent.names(lines.nodes[1])
+    # The zombie's step is the newest commit; its line holds only it.
+    assert deeppart.Checkpointer(root).steps() == [2]
+    assert live.latest() == 2
+
+
+def test_engine_zombie_never_takes_the_live_jobs_step_for_its_parent(tmp_path: Path) -> None:
+    """:func:`test_a_zombie_never_takes_the_live_jobs_step_for_its_parent`
+    in the multi-level engine (keep=1): the live job's step 11, committed
+    with the seq of the zombie's removed step 11, stays."""
+    c = engine_config(tmp_path, keep=1)
+    zombie = BuiltinBackend(c)
+    zombie.save(10, state(10))
+    live = BuiltinBackend(c)
+    live.load(10)
+    zombie.save(11, state(11))
+    for i, root in enumerate((tmp_path / "meta", tmp_path / "global")):
+        for copy in root.rglob(step_dir_name(11)):
+            copy.rename(tmp_path / f"evidence-{i}")
+    live.save(11, state(111))
+    zombie.save(12, state(12))
+    assert 11 in live.committed_steps(), "the zombie retired the live job's step 11"
+    got, _ = BuiltinBackend(c).load(11)
+    assert got["step"] == 111 and torch.equal(got["w"], state(111)["w"])
+
+
+def test_records_written_before_ids_still_form_a_line(tmp_path: Path) -> None:
+    """Steps whose records have no ``id`` and name their parent as
+    ``[step, seq]`` (DeepPart before this change) stay a line: a new
+    Checkpointer resumes the newest, and its next save continues that
+    line, naming the old parent by step and seq."""
+    root = tmp_path / "ck"
+    ck = deeppart.Checkpointer(root, keep_last=3)
+    ck.save(1, state(1))
+    ck.save(2, state(2))
+    for step in (1, 2):
+        meta_path = ck.path(step) / METADATA
+        raw = json.loads(meta_path.read_bytes())
+        line = raw["user"]["line"]
+        assert isinstance(line.pop("id"), str)
+        if line["parent"] is not None:
+            assert len(line["parent"]) == 3
+            line["parent"] = line["parent"][:2]
+        meta = json.dumps(raw).encode()
+        meta_path.write_bytes(meta)
+        (ck.path(step) / MARKER).write_bytes(marker_text(meta))
+    fresh = deeppart.Checkpointer(root, keep_last=3)
+    assert fresh.steps() == [1, 2]
+    check(fresh, 2)
+    fresh.save(3, state(3))
+    lines = lineage.scan(root)
+    assert fresh.steps() == [1, 2, 3]
+    assert lines.nodes[3].parent == lineage.Link(2, lines.nodes[2].seq)
+    assert lines.nodes[2].ident is None and lines.nodes[3].ident is not None
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        {"run": "0" * 16, "seq": 2, "id": "xyz", "parent": None},
+        {"run": "0" * 16, "seq": 2, "id": 7, "parent": None},
+        {"run": "0" * 16, "seq": 2, "parent": [1, 1, "not hex"]},
+        {"run": "0" * 16, "seq": 2, "parent": [1, 1, "0" * 16, 4]},
+        {"run": "0" * 16, "seq": 2, "parent": [1, 1, None]},
+    ],
+)
+def test_a_malformed_id_is_no_line_record(line: dict[str, Any], tmp_path: Path) -> None:
+    assert lineage.parse({"step": 3, "user": None, "line": line}, 3, tmp_path) is None
