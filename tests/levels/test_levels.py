@@ -387,12 +387,15 @@ def test_matrix_4_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     (no local_test) as one node; an injected I/O error in the L2 transfer
     and in the L3 coding (every rank raises, no hang, nothing committed);
     per-rank values and tensors, each rank's own back at every level and
-    after a node loss (issue 48: before, every rank got rank 0's value).
+    after a node loss (issue 48: before, every rank got rank 0's value);
+    asynchronous level saves over MPI (the writer threads on their own
+    communicator beside the main thread's collectives, the live state
+    trampled at once; L2 and L3 recover a lost node from what they wrote).
     Bitwise
     identical state every time (checked in the worker). Then one process
     with another layout reads only the L4 checkpoint."""
     names = ["none", "l2node", "l3node", "l4all", "corrupt", "fallback", "toomuch", "cadence"]
-    more = ["checkpointer", "hosts", "ioerror", "l2twice", "l3twice", "perrank"]
+    more = ["checkpointer", "hosts", "ioerror", "l2twice", "l3twice", "perrank", "async"]
     lv = launch(4, tmp_path, 2, 2, *names, *more)
     assert lv["none"] == [(s, [1] * 4) for s in (1, 2, 3, 4, 4)]
     assert lv["l2node"] == [(7, [1, 1, 2, 2]), (7, [1, 1, 1, 1])]
