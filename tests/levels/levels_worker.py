@@ -28,11 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
 
 import mpi_checkpoint as mc
 
+from deeppart.async_save import AsyncSave
 from deeppart.checkpointer import Checkpointer
 from deeppart.comm import Comm, resolve
 from deeppart.errors import CheckpointError, LevelConfigError
 from deeppart.format import HEADER_SIZE, data_file_name
-from deeppart.levels import LevelConfig, RecoveryReport
+from deeppart.levels import LevelConfig, LevelSaveStats, RecoveryReport
 from deeppart.levels.engine import BuiltinBackend
 from deeppart.levels.layout import step_name
 from deeppart.saving import writer
@@ -490,7 +491,9 @@ def s_async(x: Ctx) -> None:
     for step in (1, 2, 3, 4):
         live = own(step)
         handle = ck.save(step, live)
-        assert not handle.synchronous, "the level save ran on the caller's thread"
+        assert isinstance(handle, AsyncSave) and not handle.synchronous, (
+            "the level save ran on the caller's thread"
+        )
         with torch.no_grad():
             for t in live_tensors(live):
                 t.fill_(7) if t.dtype.is_floating_point else t.fill_(3)
@@ -500,6 +503,7 @@ def s_async(x: Ctx) -> None:
             got = x.comm.allgather_f64(np.array([float(r + k)]))
             assert [float(v) for v in got[:, 0]] == [float(q + k) for q in range(x.comm.size)]
         stats = handle.wait()
+        assert isinstance(stats, LevelSaveStats), stats
         levels.append(stats.level)
     assert levels == [1, 2, 3, 4], levels
     for step in (1, 2, 3, 4):
