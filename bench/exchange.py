@@ -804,6 +804,9 @@ def _computed(
             checked[str(reps[s])] = other.digest == prep.digest
     out["union_leaves"] = len(prep.manifest.leaves())
     out["union_dtensors"] = len(prep.dtensors)
+    # The union's save digest (its plan, manifest, skeleton, codec and
+    # DTensor records): equal across code versions that build it alike.
+    out["union_digest"] = prep.digest.hex()
     out["rank0"] = c.counter.totals(SAVE_EXCHANGE)
     out["cpu_seconds"] = {
         **phases,
@@ -1241,6 +1244,7 @@ def report_computed(res: dict[str, Any], latency_us: float, bandwidth_gbs: float
     print(f"computed: PP {lay['pp']} x FSDP {lay['dp']} x TP {lay['tp']} = {world} ranks")
     if "union_leaves" in res:
         print(f"  union: {res['union_leaves']} leaves, {res['union_dtensors']} DTensor records")
+        print(f"  union's save digest (plan, manifest, skeleton, records): {res['union_digest']}")
     desc = pb["description (each stage's lowest rank)"]
     print(f"  description per stage (its lowest rank): {_mb(min(desc))} .. {_mb(max(desc))}")
     lo, med, hi = pb["other ranks: min, median, max"]

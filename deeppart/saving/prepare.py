@@ -888,10 +888,19 @@ def _read_second(per_rank: list[bytes], ex: _Exchanged) -> dict[tuple[int, int],
     for r, leaf in ex.need:
         whole[(r, leaf)] = per_rank[r][at[r] * width : (at[r] + 1) * width].hex()
         at[r] += 1
+    differ = set(ex.values_differ)
     for r, data in enumerate(per_rank):
         vals, pos = _read_pairs(data, count[r] * width)
         samples, _ = _read_pairs(data, pos)
-        ex.digests[r].values.update({i: v.hex() for i, v in vals.items()})
+        if r in differ:
+            # Its values are a copy of its class's lowest rank's: the ones it
+            # sent are the leaves that differ (build_union's versions).
+            rep = ex.digests[ex.classes[r]].values
+            sent = {i: v.hex() for i, v in vals.items()}
+            ex.digests[r].values.update(sent)
+            ex.digests[r].differs = {i for i, v in sent.items() if rep.get(i) != v}
+        elif vals:
+            raise StateMismatchError(f"rank {r} sent plain values it was not asked for (a bug)")
         ex.digests[r].samples.update({i: v.hex() for i, v in samples.items()})
     return whole
 

@@ -310,19 +310,30 @@ class HolderGroups:
         self.groups: list[list[int]] = []
         self._index: dict[tuple[int, ...], int] = {}
         self._every = list(range(world))
+        #: The field of each holders list met, by identity (the shards of
+        #: one decoded layout share their lists), with the list kept alive.
+        self._seen: dict[int, tuple[list[int], dict[str, Any]]] = {}
 
     def field(self, holders: list[int]) -> dict[str, Any]:
         """How a leaf held by ``holders`` is described to the planner:
-        nothing (every rank), ``owner`` (one rank) or ``holders`` (a group)."""
+        nothing (every rank), ``owner`` (one rank) or ``holders`` (a group).
+        The same dict for the same list object: read it, never change it."""
+        hit = self._seen.get(id(holders))
+        if hit is not None and hit[0] is holders and hit[0] == holders:
+            return hit[1]
+        out: dict[str, Any]
         if len(holders) == self.world and holders == self._every:
-            return {}
-        if len(holders) == 1:
-            return {"owner": holders[0]}
-        key = tuple(holders)
-        if key not in self._index:
-            self._index[key] = len(self.groups)
-            self.groups.append(list(holders))
-        return {"holders": self._index[key]}
+            out = {}
+        elif len(holders) == 1:
+            out = {"owner": holders[0]}
+        else:
+            key = tuple(holders)
+            if key not in self._index:
+                self._index[key] = len(self.groups)
+                self.groups.append(list(holders))
+            out = {"holders": self._index[key]}
+        self._seen[id(holders)] = (holders, out)
+        return out
 
 
 def _world() -> int:

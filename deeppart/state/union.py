@@ -194,6 +194,10 @@ class Digests:
     #: of their whole bytes (``deeppart.saving.digests.tensor_digest``; the name
     #: is kept from when they were sampled).
     samples: dict[int, str] = field(default_factory=dict)
+    #: The leaves whose plain values differ from this rank's class's lowest
+    #: rank's, when the exchange says so (the ones it sent again); None:
+    #: found by comparing ``values`` with that rank's.
+    differs: set[int] | None = None
 
 
 @dataclass
@@ -527,8 +531,11 @@ def build_union(
             theirs = digests[r].values
             if theirs is lowest:
                 continue
-            changed = {k for k, _ in theirs.items() - lowest.items()}
-            for leaf in changed | (lowest.keys() - theirs.keys()):
+            changed = digests[r].differs
+            if changed is None:
+                changed = {k for k, _ in theirs.items() - lowest.items()}
+                changed |= lowest.keys() - theirs.keys()
+            for leaf in changed:
                 per_leaf.setdefault(leaf, []).append(r)
         value_diffs[c] = per_leaf
     by_path = units if units is not None else _units(states)
