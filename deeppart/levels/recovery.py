@@ -30,6 +30,7 @@ with sizes only (no reads).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import time
@@ -40,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from deeppart.agreement import agree
+from deeppart.agreement import agree, from_root
 from deeppart.comm import Comm
 from deeppart.errors import CheckpointError, CorruptCheckpointError, UnrecoverableError
 from deeppart.format import HEADER_SIZE, Metadata, Piece, checksum, data_file_name
@@ -70,6 +71,7 @@ from deeppart.options import LoadOptions
 from deeppart.progress import Progress
 from deeppart.state.own_view import own_view
 from deeppart.state.state import flatten
+from deeppart.steps import lineage
 from deeppart.storage.files import read_all, size_is
 from deeppart.storage.source import checkpoint_source
 from deeppart.storage.url import Location
@@ -165,12 +167,17 @@ def candidates(comm: Comm, layout: Layout, step: int | None) -> list[int]:
     else every rank raises)."""
     if step is not None:
         return [step]
-    steps = layout.lines().steps()
-    # Every rank must try the same steps.
-    rows = comm.allgather_varbytes(json.dumps(steps).encode())
-    if len(set(rows)) != 1:
+    # Every rank must try the same steps: each checks that ``meta_dir``
+    # shows it the same line (a ``meta_dir`` that is not shared would
+    # not), and rank 0 alone reads both roots' line records, so that an
+    # object store in ``glbl_dir`` is listed once per load, not once per
+    # rank; its error (a store that does not answer) reaches every rank.
+    meta_line = json.dumps(lineage.scan(layout.config.meta_root()).steps()).encode()
+    seen = comm.allgather_bytes(hashlib.sha256(meta_line).digest(), 32)
+    if len(set(seen)) != 1:
         raise CheckpointError(f"{layout.config.meta_root()}: ranks see different checkpoints")
-    return steps[::-1]
+    steps = json.loads(from_root(comm, lambda: json.dumps(layout.lines().steps()).encode()))
+    return [int(s) for s in steps[::-1]]
 
 
 def read_step(comm: Comm, layout: Layout, step: int) -> tuple[Step | None, str]:

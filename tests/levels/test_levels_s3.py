@@ -202,6 +202,16 @@ def test_memory_served_load_reads_nothing_from_the_store(
     save(first, 20, 2)
     save(first, 30, 2)
     layout = Layout(c, world, None)  # rank 0's view of the roots
+    # The steps to try are read from the store by rank 0 alone: a load's
+    # candidates cost one rank's listing and line records, not every
+    # rank's (before, each of the 4 ranks listed the store).
+    before = store_requests(s3_server, bucket)
+    assert layout.lines().steps() == [10, 20, 30]
+    one = store_requests(s3_server, bucket) - before
+    assert one > 0, "the store's lines were read without a request"
+    before = store_requests(s3_server, bucket)
+    assert on_ranks(backends(), lambda be, r: be.latest()) == [30] * world
+    assert store_requests(s3_server, bucket) - before == one
     step10 = open_store(f"{glbl}/deeppart/{STEP.format(10)}")
     marker10, names10 = read_marker(step10), names(f"{glbl}/deeppart/{STEP.format(10)}")
     shutil.rmtree(tmp_path / "local" / "node3")
