@@ -328,7 +328,7 @@ def _go(
         )
         handle.synchronous = True
         if proof is not None:
-            again = _proved(c, proof, live, None)
+            again = prove_or_replan(c, proof, live, None)
             if again is not None:
                 planned = dataclasses.replace(planned, prep=again[0])
         stats = planned.finish(c, t0)
@@ -360,7 +360,7 @@ def _go(
 
     def work() -> Stats:
         # At the loop's priority: its next optimizer step waits for it.
-        if proof is not None and _proved(writer, proof, live, take_again) is not None:
+        if proof is not None and prove_or_replan(writer, proof, live, take_again) is not None:
             snap.issue()
         background_priority()
         return background.finish(writer)
@@ -450,7 +450,7 @@ def run_writer(
     thread.start()
 
 
-def _proved(
+def prove_or_replan(
     comm: Comm,
     proof: PendingProof,
     live: Prepared,

@@ -53,6 +53,7 @@ from deeppart.async_save import (
     AsyncSave,
     ShareTaker,
     background_priority,
+    prove_or_replan,
     run_writer,
     writer_for,
 )
@@ -73,10 +74,11 @@ from deeppart.levels.layout import Layout, step_name, steps_in
 from deeppart.loading.reader import assemble
 from deeppart.options import AsyncOptions, PlanOptions, fold, reject_unknown
 from deeppart.progress import Progress
+from deeppart.saving.deferred_proof import PendingProof, check_unchanged, hold, release
 from deeppart.saving.metadata import metadata_json
 from deeppart.saving.planning import PlanProvider
 from deeppart.saving.prepare import Prepared, prepare_save
-from deeppart.saving.save import PlannedSave
+from deeppart.saving.save import PlannedSave, take_unproved
 from deeppart.saving.snapshot import ShareSnapshot
 from deeppart.saving.writer import RECORD_FIELDS, write_pieces
 from deeppart.state.state import encode_plain
@@ -269,20 +271,59 @@ class BuiltinBackend:
         snap = self._snapshot
         take = ShareTaker(c.rank, snap, options, writer is not None, why)
         try:
-            begun, flagged = self._begin(step, state, level, user, local=take)
+            begun, flagged = self._begin(step, state, level, user, local=take, defer_proof=True)
         except BaseException:
             snap.discard()
             raise
         handle = AsyncSave(self.meta_step(step), step)
+        # The large shared tensors' replica proof, left to the writer thread
+        # as deeppart.async_save leaves it: optimizer steps wait for it from
+        # now on (deeppart.saving.deferred_proof).
+        live = begun.prep
+        unproved = take_unproved(c, live)
+        proof = None if unproved is None else hold(unproved)
+        handle.proof = proof
+        try:
+            return self._go(c, begun, handle, proof, snap, take, writer, flagged, options, t0)
+        except BaseException:
+            if proof is not None:
+                release(proof)  # optimizer steps never wait for a proof that will not run
+            raise
+
+    def _go(
+        self,
+        c: Comm,
+        begun: _Begun,
+        handle: AsyncSave,
+        proof: PendingProof | None,
+        snap: ShareSnapshot,
+        take: ShareTaker,
+        writer: Comm | None,
+        flagged: bool,
+        options: AsyncOptions,
+        t0: float,
+    ) -> AsyncSave:
+        """The rest of :meth:`save_async` once every rank prepared and took
+        its snapshot: the synchronous road if any rank must take it, else
+        the writer thread, which proves ``proof`` first. Copies found to
+        differ make the save prepared again there, each rank's copy its
+        own (its snapshot taken again while optimizer steps still wait,
+        the memory tier's budget checked again for the new plan)."""
+        live = begun.prep
         if flagged:
             snap.discard()
             warnings.warn(
-                f"deeppart levels: step {step} saved synchronously: "
+                f"deeppart levels: step {begun.step} saved synchronously: "
                 f"{take.why or 'another rank cannot save in the background'}",
                 AsyncSaveWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
             handle.synchronous = True
+            if proof is not None:
+                again = prove_or_replan(c, proof, live, None)
+                if again is not None:
+                    begun = dataclasses.replace(begun, prep=again[0])
+                    self._check_budget(c, begun)
             handle._finish(self._finish(c, begun), None)
             return handle
         assert writer is not None and take.staged is not None
@@ -292,11 +333,28 @@ class BuiltinBackend:
         begun.phases["prepare"] -= take.seconds
         handle.snapshot_seconds = time.perf_counter() - t0
         handle.staged_bytes, handle.staging_capacity = snap.staged_bytes, snap.capacity
-        # The writer thread sees the snapshot only, never the live state.
+        # The writer thread sees the snapshot only, never the live state
+        # (but the tensors it proves, which optimizer steps leave alone
+        # until then).
         staged = dataclasses.replace(begun, prep=take.staged)
         del begun
 
+        def take_again(prep: Prepared) -> int:
+            """The snapshot of this rank's share of the save prepared
+            again, taken while optimizer steps still wait; every tensor
+            unchanged."""
+            nonlocal staged
+            assert proof is not None
+            on_device = options.snapshot_on_device
+            staged = dataclasses.replace(staged, prep=snap.take(prep, c.rank, on_device=on_device))
+            check_unchanged(proof)
+            return 0
+
         def work() -> LevelSaveStats:
+            # At the loop's priority: its next optimizer step waits for it.
+            if proof is not None and prove_or_replan(writer, proof, live, take_again) is not None:
+                snap.issue()
+                self._check_budget(writer, staged)
             background_priority()
             return self._finish(writer, staged)
 
@@ -322,6 +380,7 @@ class BuiltinBackend:
         level: int | None,
         user: Any,
         local: Callable[[Prepared], int] | None = None,
+        defer_proof: bool = False,
     ) -> tuple[_Begun, bool]:
         """The part of a save that sees the live state, on the caller's
         thread (collective over the engine's communicator): the level, the
@@ -362,18 +421,23 @@ class BuiltinBackend:
         t = time.perf_counter()
         prep, flagged = prepare_save(
             c, err, state, self.compression, self.plans, self.meta_step(step),
-            local=local, store=store,
+            local=local, store=store, defer_proof=defer_proof,
         )  # fmt: skip
         phases = {"prepare": time.perf_counter() - t}
-        if self.config.memory:
-            # The memory tier: every node's share of the step against its
-            # budget and free memory, before anything is written (every
-            # rank raises alike).
-            t = time.perf_counter()
-            bounds = [b + HEADER_SIZE for b in prep.plan.rank_bytes()]
-            memory.check_budget(c, self.layout, step, lv, bounds, self.stripe)
-            phases["budget"] = time.perf_counter() - t
-        return _Begun(step, lv, user, prep, t0, phases), flagged
+        begun = _Begun(step, lv, user, prep, t0, phases)
+        self._check_budget(c, begun)
+        return begun, flagged
+
+    def _check_budget(self, c: Comm, begun: _Begun) -> None:
+        """The memory tier: every node's share of the step against its
+        budget and free memory, before anything is written (collective over
+        ``c``; every rank raises alike). Nothing without the memory tier."""
+        if not self.config.memory:
+            return
+        t = time.perf_counter()
+        bounds = [b + HEADER_SIZE for b in begun.prep.plan.rank_bytes()]
+        memory.check_budget(c, self.layout, begun.step, begun.level, bounds, self.stripe)
+        begun.phases["budget"] = begun.phases.get("budget", 0.0) + time.perf_counter() - t
 
     def _finish(self, c: Comm, begun: _Begun) -> LevelSaveStats:
         """The rest of a save once :meth:`_begin` is past on every rank

@@ -221,9 +221,12 @@ def scenario_own_rng(d: Path) -> None:
     ok("own_rng")
 
 
-def scenario_deferred_proof(d: Path) -> None:
+def scenario_deferred_proof(d: Path, levels: bool = False) -> None:
     """Issue 49, the async stall: an asynchronous save proves its large
-    shared tensors on its writer thread, not in its call.
+    shared tensors on its writer thread, not in its call. ``levels``: the
+    same through the multi-level engine (issue 48:
+    ``Checkpointer(config=..., async_=True)``, 2 fake nodes, a partner
+    copy each save), whose asynchronous saves proved them in the call.
 
     1. Replicas alike: the proof ran after the call returned (held by a
        patched digest until the main thread let it go); the optimizer step
@@ -258,7 +261,25 @@ def scenario_deferred_proof(d: Path) -> None:
     model = torch.nn.Linear(1024, 512)  # a 2 MiB weight: proved on the writer thread
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     model(torch.randn(4, 1024)).sum().backward()
-    cp = deeppart.Checkpointer(d / "cp", async_=True)
+    if levels:
+        from deeppart.levels import LevelConfig
+
+        config = LevelConfig.from_dict(
+            {
+                "ckpt_dir": str(d / "local"),
+                "meta_dir": str(d / "meta"),
+                "glbl_dir": str(d / "global"),
+                "node_size": 1,
+                "group_size": 2,
+                "ckpt_l1": 1,
+                "ckpt_l2": 1,
+                "local_test": 1,
+                "keep": 10,
+            }
+        )
+        cp = deeppart.Checkpointer(d / "unused", async_=True, config=config)
+    else:
+        cp = deeppart.Checkpointer(d / "cp", async_=True)
 
     # 1. The proof runs after the call; the next optimizer step waits for it.
     state = {"model": model.state_dict()}
@@ -304,7 +325,14 @@ def scenario_deferred_proof(d: Path) -> None:
     cp.close()
     assert cp.steps() == [1, 2], cp.steps()
     digests.digest_all = real
-    ok("deferred_proof")
+    ok("deferred_proof_levels" if levels else "deferred_proof")
+
+
+def scenario_deferred_proofs(d: Path) -> None:
+    """One job: the plain Checkpointer's deferred proof, then the
+    multi-level engine's."""
+    scenario_deferred_proof(d / "plain")
+    scenario_deferred_proof(d / "levels", levels=True)
 
 
 def main() -> None:
@@ -322,7 +350,7 @@ def main() -> None:
         "per_rank": scenario_per_rank,
         "own_tensors": scenario_own_tensors,
         "own_rng": scenario_own_rng,
-        "deferred_proof": scenario_deferred_proof,
+        "deferred_proof": scenario_deferred_proofs,
     }
     scenarios[args.scenario](args.dir)
     sys.stdout.flush()

@@ -57,9 +57,13 @@ def test_async_saves_prove_replicas_on_the_writer_thread(tmp_path: Path) -> None
     """Issue 49 (the async stall): large shared tensors are proved after
     the call returns; the next optimizer step waits for the proof; copies
     that differ are each rank's own; a tensor changed in place under the
-    proof fails the save on every rank (tests/state/mpi_values.py)."""
+    proof fails the save on every rank (tests/state/mpi_values.py). The
+    same through the multi-level engine's asynchronous saves
+    (``Checkpointer(config=..., async_=True)``, issue 48), which proved
+    them in the call before."""
     out = _run(2, "deferred_proof", str(tmp_path))
-    assert out.count("OK deferred_proof") == 2, out
+    assert out.count("OK deferred_proof rank") == 2, out
+    assert out.count("OK deferred_proof_levels") == 2, out
 
 
 def test_values_keys_and_strict_on_three_ranks(tmp_path: Path) -> None:
