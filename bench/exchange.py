@@ -1205,6 +1205,16 @@ def _cached_save(
     t_total -= simulated
     if [x[1] for x in c.counter.log] != ["allreduce_sum_i64"]:
         raise AssertionError(f"the second save gathered more than the sum: {c.counter.log}")
+    if PROFILE_CACHED is not None:
+        # Once more (the cache still holds), under cProfile, untimed.
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        prepare_save(cast("Comm", SimComm(0, world, rows2, [])), None, state, None, plan_for, path)
+        profiler.disable()
+        profiler.dump_stats(PROFILE_CACHED)
+        _progress(f"the cached save's profile: {PROFILE_CACHED}")
     if prep.manifest.fingerprint != first.manifest.fingerprint:
         raise AssertionError("the cached save's manifest is not the first save's")
     if prep.plan.fingerprint != first.plan.fingerprint:
@@ -1221,6 +1231,11 @@ def _cached_save(
         },
         "full_collections": collector.full,
     }
+
+
+#: ``--profile-cached FILE``: where rank 0's cached save, run once more
+#: under cProfile, leaves its stats (None: not profiled).
+PROFILE_CACHED: Path | None = None
 
 
 def _progress(what: str) -> None:
@@ -1338,8 +1353,15 @@ def main() -> None:
     )
     dcp.add_argument("--no-dcp", dest="dcp", action="store_false", help="computed: without DCP")
     p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument(
+        "--profile-cached",
+        type=Path,
+        help="computed: run rank 0's cached save once more under cProfile, stats to this file",
+    )
     p.add_argument("--rank-of", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
+    global PROFILE_CACHED
+    PROFILE_CACHED = args.profile_cached
     if args.rank_of is not None:
         measured_rank(args.rank_of, args.reps)
         return
