@@ -37,7 +37,15 @@ random batches:
    writes L1, the partner copy or the L4 copy and commits
    (``BuiltinBackend.save_async``). The stall per save (until ``save``
    returns), the step times with saves, and each save's time on its
-   writer (the handle's stats).
+   writer (the handle's stats). ``--compression CODEC[,CODEC...]``: the
+   saves' codec (``WriteOptions(compression=...)``; default ``none``,
+   raw files); several run this phase once per codec, in order, each
+   under its own ``exec_id``, against the same baseline phase (the last
+   codec's saves, and the other saves below, serve the recoveries). Each
+   phase's bytes over the links: every node's ``eth0`` bytes sent during
+   the phase less those of the baseline phase (the same steps' collectives)
+   over the saves, beside each save's files (``stored_bytes``: what its
+   partner copy or L4 copy sends).
 
 Then, untimed for the training loop, the state of the last step saved
 again: at L3 (another ``exec_id``: the parity's size and the L3 save's
@@ -192,6 +200,26 @@ def make_model(args: argparse.Namespace) -> tuple[Any, Any]:
     return m, torch.optim.AdamW(m.parameters(), lr=1e-3)
 
 
+def codecs_of(text: str) -> list[str]:
+    """``--compression``'s codecs, in order (each one of
+    :data:`deeppart.compression.COMPRESSIONS`)."""
+    from deeppart.compression import COMPRESSIONS
+
+    names = [c.strip() for c in text.split(",") if c.strip()]
+    bad = [c for c in names if c not in COMPRESSIONS]
+    if not names or bad or len(set(names)) != len(names):
+        raise SystemExit(
+            f"--compression {text!r}: one or more distinct codecs of {', '.join(COMPRESSIONS)}"
+        )
+    return names
+
+
+def write_options(codec: str) -> Any:
+    from deeppart import WriteOptions
+
+    return WriteOptions(compression=None if codec == "none" else codec)
+
+
 def train_step(m: Any, opt: Any, step: int, args: argparse.Namespace) -> None:
     import torch
 
@@ -275,6 +303,8 @@ def phase_train(args: argparse.Namespace) -> dict[str, Any]:
     from deeppart.levels import LevelSaveStats
     from deeppart.levels.engine import BuiltinBackend
 
+    codecs = codecs_of(args.compression)
+
     shared = Path(args.shared)
     if dist.get_rank() == 0:  # moto starts without buckets
         with contextlib.suppress(Exception):
@@ -286,11 +316,14 @@ def phase_train(args: argparse.Namespace) -> dict[str, Any]:
         train_step(m, opt, step, args)
     state_bytes = deeppart.Manifest.from_state_dict(to_full(state_of(m, opt))).total_bytes
 
-    def loop(save: Any) -> tuple[list[float], list[float], list[int]]:
+    def loop(save: Any) -> tuple[list[float], list[float], list[int], list[float]]:
+        """The phase's step times, stalls, levels (0: not a level save) and
+        each node's link bytes sent during it (gathered after)."""
         nonlocal step
         times: list[float] = []
         stalls: list[float] = []
         levels: list[int] = []
+        sent0 = link_counters()[1]
         for i in range(1, args.steps + 1):
             step += 1
             t0 = time.perf_counter()
@@ -301,7 +334,8 @@ def phase_train(args: argparse.Namespace) -> dict[str, Any]:
                 got = save(step)
                 stalls.append(time.perf_counter() - t0)
                 levels.append(got)
-        return times, stalls, levels
+        sent = float(link_counters()[1] - sent0)
+        return times, stalls, levels, [row[0] for row in gather([sent])]
 
     base = loop(None)
     log_rank0(f"baseline: median step {statistics.median(base[0]):.3f} s")
@@ -314,31 +348,47 @@ def phase_train(args: argparse.Namespace) -> dict[str, Any]:
     asy = loop(async_save)
     acp.close()
     log_rank0(f"async: stalls {[round(x, 3) for x in asy[1]]}")
-    cp = deeppart.Checkpointer(
-        "unused", comm="torch", config=level_config(args, TRAIN, NODES), async_=True
-    )
-    handles: list[Any] = []
 
-    def level_save(s: int) -> int:
-        handles.append(cp.save(s, state_of(m, opt)))  # the next save waits for it
-        return 0
+    def memory_phase(codec: str, exec_id: str) -> dict[str, Any]:
+        cp = deeppart.Checkpointer(
+            "unused", comm="torch", config=level_config(args, exec_id, NODES), async_=True,
+            writing=write_options(codec),
+        )  # fmt: skip
+        handles: list[Any] = []
 
-    mem = loop(level_save)
-    cp.close()
-    written = [h.wait() for h in handles]
-    assert all(isinstance(st, LevelSaveStats) for st in written), written
-    mem = (mem[0], mem[1], [st.level for st in written])
-    behind = {
-        "seconds": [st.seconds for st in written],
-        "phases": [st.phases for st in written],
-        "snapshot": [h.snapshot_seconds for h in handles],
-    }
-    log_rank0(
-        f"memory tier (async): stalls {[round(x, 3) for x in mem[1]]} at levels {mem[2]}; "
-        f"on the writer {[round(x, 3) for x in behind['seconds']]} s"
-    )
-    if mem[2][-1] not in (2, 3):
-        raise SystemExit(f"the last save was at L{mem[2][-1]}: choose --steps/--l4-every")
+        def level_save(s: int) -> int:
+            handles.append(cp.save(s, state_of(m, opt)))  # the next save waits for it
+            return 0
+
+        mem = loop(level_save)
+        cp.close()
+        written = [h.wait() for h in handles]
+        assert all(isinstance(st, LevelSaveStats) for st in written), written
+        out = {
+            "codec": codec,
+            "times": mem[0],
+            "stalls": mem[1],
+            "levels": [st.level for st in written],
+            "link_sent": mem[3],
+            "stored": [st.stored_bytes for st in written],
+            "seconds": [st.seconds for st in written],
+            "phases": [st.phases for st in written],
+            "snapshot": [h.snapshot_seconds for h in handles],
+        }
+        log_rank0(
+            f"memory tier (async, {codec}): stalls {[round(x, 3) for x in mem[1]]} at levels "
+            f"{out['levels']}; on the writer {[round(x, 3) for x in out['seconds']]} s; "
+            f"files {[round(b / 1e6, 2) for b in out['stored']]} MB"
+        )
+        if out["levels"][-1] not in (2, 3):
+            last_level = out["levels"][-1]
+            raise SystemExit(f"the last save was at L{last_level}: choose --steps/--l4-every")
+        return out
+
+    runs: dict[str, Any] = {}
+    for i, codec in enumerate(codecs):
+        # The last codec's saves serve the recoveries (exec_id TRAIN).
+        runs[codec] = memory_phase(codec, TRAIN if i == len(codecs) - 1 else f"{TRAIN}-{codec}")
     last = step
     state = state_of(m, opt)
     full = to_full(state)
@@ -353,7 +403,10 @@ def phase_train(args: argparse.Namespace) -> dict[str, Any]:
         (REPL_L4, full, 4),
     )
     for exec_id, tree, level in extra:
-        be = BuiltinBackend(level_config(args, exec_id, NODES), "torch")
+        be = BuiltinBackend(
+            level_config(args, exec_id, NODES), "torch",
+            compression=write_options(codecs[-1]).compression,
+        )  # fmt: skip
         save = partial(be.save, last, tree, level=level)
         saves[f"{exec_id} L{level}"] = timed(save)[0]
     for name, tree in (("dcp", state), ("dcp-repl", full)):
@@ -366,8 +419,10 @@ def phase_train(args: argparse.Namespace) -> dict[str, Any]:
         "step": last,
         "state_bytes": state_bytes,
         "base": base[0],
+        "base_link_sent": base[3],
         "async": {"times": asy[0], "stalls": asy[1]},
-        "memory": {"times": mem[0], "stalls": mem[1], "levels": mem[2], **behind},
+        "memory": runs[codecs[-1]],
+        "codecs": runs,
         "saves": saves,
         "node_bytes": per_node,
     }
@@ -541,7 +596,7 @@ def worker_args(args: argparse.Namespace) -> list[str]:
         "--dim", str(args.dim), "--layers", str(args.layers), "--batch", str(args.batch),
         "--steps", str(args.steps), "--every", str(args.every),
         "--l4-every", str(args.l4_every), "--repeat", str(args.repeat),
-        "--budget", args.budget, "--dcp", args.dcp,
+        "--budget", args.budget, "--dcp", args.dcp, "--compression", args.compression,
     ]  # fmt: skip
 
 
@@ -590,13 +645,16 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
 # The report.
 
 
-def overhead(train: dict[str, Any], every: int) -> dict[str, float]:
-    """The training-step overhead of the memory-tier saves, two ways: the
+def overhead(
+    train: dict[str, Any], every: int, mem: dict[str, Any] | None = None
+) -> dict[str, float]:
+    """The training-step overhead of the memory-tier saves (``mem``: one
+    codec's phase; default the last), two ways: the
     median stall over ``every`` median baseline steps, and the save phase's
     whole time (steps and stalls) over the baseline phase's (the target's:
     with asynchronous saves the writer threads may slow the steps too)."""
     base = statistics.median(train["base"])
-    mem = train["memory"]
+    mem = train["memory"] if mem is None else mem
     pairs = list(zip(mem["stalls"], mem["levels"], strict=True))
     l2 = [s for s, lv in pairs if lv != 4]
     async_ = train["async"]
@@ -612,6 +670,35 @@ def overhead(train: dict[str, Any], every: int) -> dict[str, float]:
     }
 
 
+def link_bytes(train: dict[str, Any], mem: dict[str, Any]) -> list[float]:
+    """Per node, the bytes its link sent per save in ``mem``'s phase beyond
+    the baseline phase's (the same number of steps); [] where not measured."""
+    sent, base = mem.get("link_sent"), train.get("base_link_sent")
+    if not sent or not base:
+        return []
+    return [(a - b) / len(mem["stalls"]) for a, b in zip(sent, base, strict=True)]
+
+
+def codec_lines(train: dict[str, Any], every: int) -> list[str]:
+    """One line per ``--compression`` codec's memory-tier phase: its
+    overhead, stalls, and the bytes its saves sent over the links."""
+    mb = 1e6
+    lines = []
+    for codec, mem in train.get("codecs", {}).items():
+        o = overhead(train, every, mem)
+        sent = link_bytes(train, mem)
+        per_node = ", ".join(f"{b / mb:.2f}" for b in sent) if sent else "-"
+        lines.append(
+            f"  codec {codec}: whole phase {o['phase']:+.1%}, median step {o['save_step']:.3f} s, "
+            f"stalls {_secs(mem['stalls'])} at levels {mem['levels']}; each save's files "
+            f"on all nodes (what its partner or L4 copies send) "
+            f"[{', '.join(f'{b / mb:.2f}' for b in mem['stored'])}] MB; link bytes sent per save "
+            f"beyond the baseline's, nodes 0-3: {per_node} MB"
+            + (f" ({sum(sent) / mb:.2f} MB in all)" if sent else "")
+        )
+    return lines
+
+
 def report(res: dict[str, Any]) -> str:
     meta, train, rec = res["meta"], res["train"], res["recover"]
     mb = 1e6
@@ -623,7 +710,9 @@ def report(res: dict[str, Any]) -> str:
         f"behind one link of {meta['rate']}; TCP {meta['tcp_cc']}; load average at the end "
         f"{meta['loadavg_end']}",
         "",
-        f"training ({meta['steps']} steps per phase, a save every {meta['every']}):",
+        f"training ({meta['steps']} steps per phase, a save every {meta['every']}; the "
+        f"memory tier's codec: {meta.get('compression', 'none')}, the last of those below "
+        "when several):",
         f"  median step without saves {o['base_step']:.3f} s, in the memory-tier phase "
         f"{o['save_step']:.3f} s",
         f"  stall per save: memory tier (async) L2 median {o['stall_l2']:.3f} s "
@@ -634,6 +723,7 @@ def report(res: dict[str, Any]) -> str:
         f"  overhead at a save every {meta['every']}: median L2 stall / {meta['every']} "
         f"median steps = {o['amortized']:.1%}; whole phase vs baseline: memory tier "
         f"{o['phase']:+.1%}, async {o['async_phase']:+.1%}",
+        *codec_lines(train, meta["every"]),
         "  the last step's other saves (s): "
         + ", ".join(f"{k} {v:.2f}" for k, v in train["saves"].items()),
         "",
@@ -730,6 +820,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="every Nth memory-tier checkpoint goes to L4 (3)")  # fmt: skip
     p.add_argument("--repeat", type=int, default=3, help="rounds of the recoveries (3)")
     p.add_argument("--budget", default="256M", help="memory_budget per node (256M)")
+    p.add_argument(
+        "--compression", default="none",
+        help="the memory-tier saves' codec (none, zstd, lz4, shuffle-zstd, auto); several, "
+        "comma-separated, run the memory-tier phase once per codec (none)",
+    )  # fmt: skip
     p.add_argument("--rate", default="100mbit", help="each link's and the store's rate")
     p.add_argument("--tcp-cc", default="reno", help="TCP congestion control (reno; host)")
     p.add_argument("--server", default="moto", choices=("moto", "s3s-fs"))
@@ -741,6 +836,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--local", default=None, help=argparse.SUPPRESS)
     p.add_argument("--step", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    codecs_of(args.compression)  # refused here, before any job starts
     if args.quick:
         args.dim, args.layers, args.steps, args.every, args.l4_every = 64, 2, 4, 2, 3
         args.repeat = 1

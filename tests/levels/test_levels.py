@@ -450,6 +450,30 @@ def test_matrix_4_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
 
 @pytest.mark.mpi
 @needs_mpi
+def test_compressed_level_saves_4_ranks(tmp_path: Path) -> None:
+    """Compressed level saves (shuffle-zstd; issue 48: fewer bytes over the
+    links), 4 ranks as 2 fake nodes, groups of 2: the L1 files and the L4
+    copy hold compressed pieces, each partner copy is its rank's compressed
+    file byte for byte; loads bitwise from L1, from L2 and L3 with node 1
+    lost, from L4 with every node's files lost; a flipped byte in a
+    compressed file is caught (the partner's copy serves), and with node 1
+    lost and the copy of rank 2 corrupted the load falls back to the
+    previous step, its lost ranks served by its L4 copy. The checks of
+    each step are in the worker (s_compressed, s_compressed_corrupt)."""
+    lv = launch(4, tmp_path, 2, 2, "compressed", "compcorrupt")
+    assert lv["compressed"] == [
+        (50, [1] * 4),
+        (51, [1] * 4),
+        (52, [1] * 4),
+        (51, [1, 1, 2, 2]),
+        (52, [1, 1, 3, 3]),
+        (50, [4] * 4),
+    ], lv["compressed"]
+    assert lv["compcorrupt"] == [(61, [1, 2, 1, 1]), (60, [1, 1, 4, 4])], lv["compcorrupt"]
+
+
+@pytest.mark.mpi
+@needs_mpi
 def test_per_rank_values_2_ranks(tmp_path: Path) -> None:
     """Issue 48's job: 2 ranks (2 fake nodes, one group) save their own
     loader positions, RNG states and items only some hold beside a shared
