@@ -39,7 +39,8 @@ random batches:
    returns), the step times with saves, and each save's time on its
    writer (the handle's stats). ``--compression CODEC[,CODEC...]``: the
    saves' codec (``WriteOptions(compression=...)``; default ``none``,
-   raw files); several run this phase once per codec, in order, each
+   raw files), or ``CODEC@RATE``: the partner copies paced to ``RATE``
+   bytes per second as well (``l2_rate``); several run this phase once each, in order, each
    under its own ``exec_id``, against the same baseline phase (the last
    codec's saves, and the other saves below, serve the recoveries). Each
    phase's bytes over the links: every node's ``eth0`` bytes sent during
@@ -151,11 +152,11 @@ def dcp_kind() -> str:
 # The workers (one rank per node, gloo over the node's link).
 
 
-def level_config(args: argparse.Namespace, exec_id: str, world: int) -> Any:
+def level_config(args: argparse.Namespace, exec_id: str, world: int, l2_rate: str = "0") -> Any:
     """The memory tier's config: ``ckpt_dir`` each node's private tmpfs,
     ``meta_dir`` shared, L4 in the store. On the 3 survivors L2/L3 are off
     (groups of 4 do not fit 3 nodes; the saved steps' layout comes from
-    their metadata)."""
+    their metadata). ``l2_rate``: the partner copies' pace (0: none)."""
     from deeppart.levels import LevelConfig
 
     return LevelConfig.from_dict(
@@ -175,6 +176,7 @@ def level_config(args: argparse.Namespace, exec_id: str, world: int) -> Any:
             "memory": 1,
             "memory_budget": args.budget,
             "memory_keep": 1,
+            "l2_rate": l2_rate,
         }
     )
 
@@ -201,17 +203,32 @@ def make_model(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def codecs_of(text: str) -> list[str]:
-    """``--compression``'s codecs, in order (each one of
-    :data:`deeppart.compression.COMPRESSIONS`)."""
+    """``--compression``'s variants, in order: each ``CODEC`` (one of
+    :data:`deeppart.compression.COMPRESSIONS`) or ``CODEC@RATE`` (the
+    partner copies paced to ``l2_rate = RATE``, e.g. ``2M``)."""
     from deeppart.compression import COMPRESSIONS
+    from deeppart.errors import LevelConfigError
+    from deeppart.levels import LevelConfig
 
     names = [c.strip() for c in text.split(",") if c.strip()]
-    bad = [c for c in names if c not in COMPRESSIONS]
+    bad = [c for c in names if variant(c)[0] not in COMPRESSIONS]
+    for c in names:
+        try:
+            LevelConfig.from_dict({"ckpt_dir": "x", "meta_dir": "y", "l2_rate": variant(c)[1]})
+        except LevelConfigError:
+            bad.append(c)
     if not names or bad or len(set(names)) != len(names):
         raise SystemExit(
-            f"--compression {text!r}: one or more distinct codecs of {', '.join(COMPRESSIONS)}"
+            f"--compression {text!r}: one or more distinct CODEC or CODEC@RATE, the codecs "
+            f"of {', '.join(COMPRESSIONS)}, RATE bytes per second (2M)"
         )
     return names
+
+
+def variant(item: str) -> tuple[str, str]:
+    """``CODEC[@RATE]``: the codec and the partner copies' ``l2_rate`` ("0": none)."""
+    codec, _, rate = item.partition("@")
+    return codec, rate or "0"
 
 
 def write_options(codec: str) -> Any:
@@ -349,10 +366,11 @@ def phase_train(args: argparse.Namespace) -> dict[str, Any]:
     acp.close()
     log_rank0(f"async: stalls {[round(x, 3) for x in asy[1]]}")
 
-    def memory_phase(codec: str, exec_id: str) -> dict[str, Any]:
+    def memory_phase(item: str, exec_id: str) -> dict[str, Any]:
+        codec, rate = variant(item)
         cp = deeppart.Checkpointer(
-            "unused", comm="torch", config=level_config(args, exec_id, NODES), async_=True,
-            writing=write_options(codec),
+            "unused", comm="torch", config=level_config(args, exec_id, NODES, rate),
+            async_=True, writing=write_options(codec),
         )  # fmt: skip
         handles: list[Any] = []
 
@@ -366,6 +384,7 @@ def phase_train(args: argparse.Namespace) -> dict[str, Any]:
         assert all(isinstance(st, LevelSaveStats) for st in written), written
         out = {
             "codec": codec,
+            "l2_rate": rate,
             "times": mem[0],
             "stalls": mem[1],
             "levels": [st.level for st in written],
@@ -376,7 +395,7 @@ def phase_train(args: argparse.Namespace) -> dict[str, Any]:
             "snapshot": [h.snapshot_seconds for h in handles],
         }
         log_rank0(
-            f"memory tier (async, {codec}): stalls {[round(x, 3) for x in mem[1]]} at levels "
+            f"memory tier (async, {item}): stalls {[round(x, 3) for x in mem[1]]} at levels "
             f"{out['levels']}; on the writer {[round(x, 3) for x in out['seconds']]} s; "
             f"files {[round(b / 1e6, 2) for b in out['stored']]} MB"
         )
@@ -386,9 +405,9 @@ def phase_train(args: argparse.Namespace) -> dict[str, Any]:
         return out
 
     runs: dict[str, Any] = {}
-    for i, codec in enumerate(codecs):
-        # The last codec's saves serve the recoveries (exec_id TRAIN).
-        runs[codec] = memory_phase(codec, TRAIN if i == len(codecs) - 1 else f"{TRAIN}-{codec}")
+    for i, item in enumerate(codecs):
+        # The last variant's saves serve the recoveries (exec_id TRAIN).
+        runs[item] = memory_phase(item, TRAIN if i == len(codecs) - 1 else f"{TRAIN}-{i}")
     last = step
     state = state_of(m, opt)
     full = to_full(state)
@@ -405,7 +424,7 @@ def phase_train(args: argparse.Namespace) -> dict[str, Any]:
     for exec_id, tree, level in extra:
         be = BuiltinBackend(
             level_config(args, exec_id, NODES), "torch",
-            compression=write_options(codecs[-1]).compression,
+            compression=write_options(variant(codecs[-1])[0]).compression,
         )  # fmt: skip
         save = partial(be.save, last, tree, level=level)
         saves[f"{exec_id} L{level}"] = timed(save)[0]
@@ -822,8 +841,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", default="256M", help="memory_budget per node (256M)")
     p.add_argument(
         "--compression", default="none",
-        help="the memory-tier saves' codec (none, zstd, lz4, shuffle-zstd, auto); several, "
-        "comma-separated, run the memory-tier phase once per codec (none)",
+        help="the memory-tier saves' codec (none, zstd, lz4, shuffle-zstd, auto), or CODEC@RATE: "
+        "with the partner copies paced to RATE bytes per second (l2_rate, e.g. 2M); several, "
+        "comma-separated, run the memory-tier phase once each (none)",
     )  # fmt: skip
     p.add_argument("--rate", default="100mbit", help="each link's and the store's rate")
     p.add_argument("--tcp-cc", default="reno", help="TCP congestion control (reno; host)")

@@ -27,12 +27,13 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
 
 import mpi_checkpoint as mc
+import numpy as np
 
 from deeppart.checkpointer import Checkpointer
 from deeppart.comm import Comm, resolve
 from deeppart.errors import CheckpointError, LevelConfigError
 from deeppart.format import HEADER_SIZE, PIECE_FIELDS, data_file_name
-from deeppart.levels import LevelConfig, RecoveryReport
+from deeppart.levels import LevelConfig, RecoveryReport, partner
 from deeppart.levels.engine import BuiltinBackend
 from deeppart.levels.layout import partner_file, step_name
 from deeppart.saving import writer
@@ -514,6 +515,27 @@ def s_compressed_corrupt(x: Ctx) -> None:
     assert got.levels == [4 if q in lost else 1 for q in range(x.comm.size)], got
 
 
+def s_paced(x: Ctx) -> None:
+    """A paced partner copy (``l2_rate``), compressed: the exchange in 1 KiB
+    slices (the ranks' files differ in size, so a rank's last slices are
+    empty while its partner's are not), at most ``l2_rate`` bytes per
+    second (the L2 phase takes at least the file's size over the rate);
+    then the last node lost: its ranks served bitwise by the paced copies."""
+    name, rate = "paced", 100_000
+    partner.PACE_CHUNK = 1024
+    be = BuiltinBackend(x.config(name, l2_rate=rate), x.comm, compression=COMPRESSED)
+    stats = be.save(70, mc.make_state(70), level=2)
+    own = x.file(name, 70, x.comm.rank).stat().st_size
+    sizes = x.comm.allgather_f64(np.array([float(own)]))[:, 0]
+    assert len(set(sizes.tolist())) > 1, sizes  # uneven files: uneven slices
+    assert max(sizes) > 4 * partner.PACE_CHUNK, sizes
+    assert stats.phases["l2"] >= own / rate, (stats.phases, own, rate)
+    x.lose_nodes(name, x.nodes - 1)
+    lost = set(range((x.nodes - 1) * x.node_size, x.comm.size))
+    got = x.restore(name, 70)
+    assert got.levels == [2 if q in lost else 1 for q in range(x.comm.size)], got
+
+
 SCENARIOS: dict[str, Callable[[Ctx], None]] = {
     "none": s_none,
     "l2node": s_l2_node,
@@ -534,6 +556,7 @@ SCENARIOS: dict[str, Callable[[Ctx], None]] = {
     "perrank": s_per_rank,
     "compressed": s_compressed,
     "compcorrupt": s_compressed_corrupt,
+    "paced": s_paced,
 }
 
 

@@ -459,8 +459,9 @@ def test_compressed_level_saves_4_ranks(tmp_path: Path) -> None:
     compressed file is caught (the partner's copy serves), and with node 1
     lost and the copy of rank 2 corrupted the load falls back to the
     previous step, its lost ranks served by its L4 copy. The checks of
-    each step are in the worker (s_compressed, s_compressed_corrupt)."""
-    lv = launch(4, tmp_path, 2, 2, "compressed", "compcorrupt")
+    each step are in the worker (s_compressed, s_compressed_corrupt). And
+    a paced partner copy (``l2_rate``, s_paced)."""
+    lv = launch(4, tmp_path, 2, 2, "compressed", "compcorrupt", "paced")
     assert lv["compressed"] == [
         (50, [1] * 4),
         (51, [1] * 4),
@@ -470,6 +471,20 @@ def test_compressed_level_saves_4_ranks(tmp_path: Path) -> None:
         (50, [4] * 4),
     ], lv["compressed"]
     assert lv["compcorrupt"] == [(61, [1, 2, 1, 1]), (60, [1, 1, 4, 4])], lv["compcorrupt"]
+    # l2_rate: the paced copy (1 KiB slices, uneven files), then node 1 lost.
+    assert lv["paced"] == [(70, [1, 1, 2, 2])], lv["paced"]
+
+
+def test_l2_rate_key() -> None:
+    """``[deeppart] l2_rate``: a size (bytes per second; 0, the default, is
+    not paced), written back by to_ini; negative or not a size: refused."""
+    c = cfg(l2_rate="2M")
+    assert c.l2_rate == 2 << 20 and cfg().l2_rate == 0
+    assert LevelConfig.from_string(c.to_ini()) == c
+    with pytest.raises(LevelConfigError, match=r"l2_rate = -1: must be >= 0"):
+        cfg(l2_rate=-1)
+    with pytest.raises(LevelConfigError, match=r"l2_rate = 'fast': not a size"):
+        cfg(l2_rate="fast")
 
 
 @pytest.mark.mpi
