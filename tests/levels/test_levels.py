@@ -485,6 +485,11 @@ def test_l2_rate_key() -> None:
         cfg(l2_rate=-1)
     with pytest.raises(LevelConfigError, match=r"l2_rate = 'fast': not a size"):
         cfg(l2_rate="fast")
+    from deeppart.levels.fti import check_fti_options
+
+    check_fti_options(cfg())
+    with pytest.raises(LevelConfigError, match=r"l2_rate = 2097152: .*backend='builtin'"):
+        check_fti_options(c)
 
 
 @pytest.mark.mpi
