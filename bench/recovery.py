@@ -44,8 +44,8 @@ random batches:
    under its own ``exec_id``, against the same baseline phase (the last
    codec's saves, and the other saves below, serve the recoveries). Each
    phase's bytes over the links: every node's ``eth0`` bytes sent during
-   the phase less those of the baseline phase (the same steps' collectives)
-   over the saves, beside each save's files (``stored_bytes``: what its
+   the phase and its closing wait for the last save, less those of the
+   baseline phase (the same steps' collectives), over the saves, beside each save's files (``stored_bytes``: what its
    partner copy or L4 copy sends).
 
 Then, untimed for the training loop, the state of the last step saved
@@ -333,9 +333,12 @@ def phase_train(args: argparse.Namespace) -> dict[str, Any]:
         train_step(m, opt, step, args)
     state_bytes = deeppart.Manifest.from_state_dict(to_full(state_of(m, opt))).total_bytes
 
-    def loop(save: Any) -> tuple[list[float], list[float], list[int], list[float]]:
+    def loop(
+        save: Any, finish: Any = None
+    ) -> tuple[list[float], list[float], list[int], list[float]]:
         """The phase's step times, stalls, levels (0: not a level save) and
-        each node's link bytes sent during it (gathered after)."""
+        each node's link bytes sent during it, up to the end of ``finish()``
+        (the saves' close: the last save's copy runs after the last step)."""
         nonlocal step
         times: list[float] = []
         stalls: list[float] = []
@@ -351,6 +354,8 @@ def phase_train(args: argparse.Namespace) -> dict[str, Any]:
                 got = save(step)
                 stalls.append(time.perf_counter() - t0)
                 levels.append(got)
+        if finish is not None:
+            finish()
         sent = float(link_counters()[1] - sent0)
         return times, stalls, levels, [row[0] for row in gather([sent])]
 
@@ -378,8 +383,7 @@ def phase_train(args: argparse.Namespace) -> dict[str, Any]:
             handles.append(cp.save(s, state_of(m, opt)))  # the next save waits for it
             return 0
 
-        mem = loop(level_save)
-        cp.close()
+        mem = loop(level_save, cp.close)
         written = [h.wait() for h in handles]
         assert all(isinstance(st, LevelSaveStats) for st in written), written
         out = {
