@@ -40,13 +40,15 @@ random batches:
    writer (the handle's stats). ``--compression CODEC[,CODEC...]``: the
    saves' codec (``WriteOptions(compression=...)``; default ``none``,
    raw files), or ``CODEC@RATE``: the partner copies paced to ``RATE``
-   bytes per second as well (``l2_rate``); several run this phase once each, in order, each
-   under its own ``exec_id``, against the same baseline phase (the last
-   codec's saves, and the other saves below, serve the recoveries). Each
+   bytes per second as well (``l2_rate``); several run this phase once
+   each, in order, each under its own ``exec_id``, against the same
+   baseline phase (the last one's saves, and the other saves below, serve
+   the recoveries). Each
    phase's bytes over the links: every node's ``eth0`` bytes sent during
    the phase and its closing wait for the last save, less those of the
-   baseline phase (the same steps' collectives), over the saves, beside each save's files (``stored_bytes``: what its
-   partner copy or L4 copy sends).
+   baseline phase (the same steps' collectives), over the saves, beside
+   each save's files (``stored_bytes``: what its partner copy or L4 copy
+   sends).
 
 Then, untimed for the training loop, the state of the last step saved
 again: at L3 (another ``exec_id``: the parity's size and the L3 save's
