@@ -37,7 +37,18 @@ random batches:
    writes L1, the partner copy or the L4 copy and commits
    (``BuiltinBackend.save_async``). The stall per save (until ``save``
    returns), the step times with saves, and each save's time on its
-   writer (the handle's stats).
+   writer (the handle's stats). ``--compression CODEC[,CODEC...]``: the
+   saves' codec (``WriteOptions(compression=...)``; default ``none``,
+   raw files), or ``CODEC@RATE``: the partner copies paced to ``RATE``
+   bytes per second as well (``l2_rate``); several run this phase once
+   each, in order, each under its own ``exec_id``, against the same
+   baseline phase (the last one's saves, and the other saves below, serve
+   the recoveries). Each
+   phase's bytes over the links: every node's ``eth0`` bytes sent during
+   the phase and its closing wait for the last save, less those of the
+   baseline phase (the same steps' collectives), over the saves, beside
+   each save's files (``stored_bytes``: what its partner copy or L4 copy
+   sends).
 
 Then, untimed for the training loop, the state of the last step saved
 again: at L3 (another ``exec_id``: the parity's size and the L3 save's
@@ -143,11 +154,11 @@ def dcp_kind() -> str:
 # The workers (one rank per node, gloo over the node's link).
 
 
-def level_config(args: argparse.Namespace, exec_id: str, world: int) -> Any:
+def level_config(args: argparse.Namespace, exec_id: str, world: int, l2_rate: str = "0") -> Any:
     """The memory tier's config: ``ckpt_dir`` each node's private tmpfs,
     ``meta_dir`` shared, L4 in the store. On the 3 survivors L2/L3 are off
     (groups of 4 do not fit 3 nodes; the saved steps' layout comes from
-    their metadata)."""
+    their metadata). ``l2_rate``: the partner copies' pace (0: none)."""
     from deeppart.levels import LevelConfig
 
     return LevelConfig.from_dict(
@@ -167,6 +178,7 @@ def level_config(args: argparse.Namespace, exec_id: str, world: int) -> Any:
             "memory": 1,
             "memory_budget": args.budget,
             "memory_keep": 1,
+            "l2_rate": l2_rate,
         }
     )
 
@@ -190,6 +202,41 @@ def make_model(args: argparse.Namespace) -> tuple[Any, Any]:
             fully_shard(layer, mesh=mesh)
     fully_shard(m, mesh=mesh)
     return m, torch.optim.AdamW(m.parameters(), lr=1e-3)
+
+
+def codecs_of(text: str) -> list[str]:
+    """``--compression``'s variants, in order: each ``CODEC`` (one of
+    :data:`deeppart.compression.COMPRESSIONS`) or ``CODEC@RATE`` (the
+    partner copies paced to ``l2_rate = RATE``, e.g. ``2M``)."""
+    from deeppart.compression import COMPRESSIONS
+    from deeppart.errors import LevelConfigError
+    from deeppart.levels import LevelConfig
+
+    names = [c.strip() for c in text.split(",") if c.strip()]
+    bad = [c for c in names if variant(c)[0] not in COMPRESSIONS]
+    for c in names:
+        try:
+            LevelConfig.from_dict({"ckpt_dir": "x", "meta_dir": "y", "l2_rate": variant(c)[1]})
+        except LevelConfigError:
+            bad.append(c)
+    if not names or bad or len(set(names)) != len(names):
+        raise SystemExit(
+            f"--compression {text!r}: one or more distinct CODEC or CODEC@RATE, the codecs "
+            f"of {', '.join(COMPRESSIONS)}, RATE bytes per second (2M)"
+        )
+    return names
+
+
+def variant(item: str) -> tuple[str, str]:
+    """``CODEC[@RATE]``: the codec and the partner copies' ``l2_rate`` ("0": none)."""
+    codec, _, rate = item.partition("@")
+    return codec, rate or "0"
+
+
+def write_options(codec: str) -> Any:
+    from deeppart import WriteOptions
+
+    return WriteOptions(compression=None if codec == "none" else codec)
 
 
 def train_step(m: Any, opt: Any, step: int, args: argparse.Namespace) -> None:
@@ -275,6 +322,8 @@ def phase_train(args: argparse.Namespace) -> dict[str, Any]:
     from deeppart.levels import LevelSaveStats
     from deeppart.levels.engine import BuiltinBackend
 
+    codecs = codecs_of(args.compression)
+
     shared = Path(args.shared)
     if dist.get_rank() == 0:  # moto starts without buckets
         with contextlib.suppress(Exception):
@@ -286,11 +335,17 @@ def phase_train(args: argparse.Namespace) -> dict[str, Any]:
         train_step(m, opt, step, args)
     state_bytes = deeppart.Manifest.from_state_dict(to_full(state_of(m, opt))).total_bytes
 
-    def loop(save: Any) -> tuple[list[float], list[float], list[int]]:
+    def loop(
+        save: Any, finish: Any = None
+    ) -> tuple[list[float], list[float], list[int], list[float]]:
+        """The phase's step times, stalls, levels (0: not a level save) and
+        each node's link bytes sent during it, up to the end of ``finish()``
+        (the saves' close: the last save's copy runs after the last step)."""
         nonlocal step
         times: list[float] = []
         stalls: list[float] = []
         levels: list[int] = []
+        sent0 = link_counters()[1]
         for i in range(1, args.steps + 1):
             step += 1
             t0 = time.perf_counter()
@@ -301,7 +356,10 @@ def phase_train(args: argparse.Namespace) -> dict[str, Any]:
                 got = save(step)
                 stalls.append(time.perf_counter() - t0)
                 levels.append(got)
-        return times, stalls, levels
+        if finish is not None:
+            finish()
+        sent = float(link_counters()[1] - sent0)
+        return times, stalls, levels, [row[0] for row in gather([sent])]
 
     base = loop(None)
     log_rank0(f"baseline: median step {statistics.median(base[0]):.3f} s")
@@ -314,31 +372,48 @@ def phase_train(args: argparse.Namespace) -> dict[str, Any]:
     asy = loop(async_save)
     acp.close()
     log_rank0(f"async: stalls {[round(x, 3) for x in asy[1]]}")
-    cp = deeppart.Checkpointer(
-        "unused", comm="torch", config=level_config(args, TRAIN, NODES), async_=True
-    )
-    handles: list[Any] = []
 
-    def level_save(s: int) -> int:
-        handles.append(cp.save(s, state_of(m, opt)))  # the next save waits for it
-        return 0
+    def memory_phase(item: str, exec_id: str) -> dict[str, Any]:
+        codec, rate = variant(item)
+        cp = deeppart.Checkpointer(
+            "unused", comm="torch", config=level_config(args, exec_id, NODES, rate),
+            async_=True, writing=write_options(codec),
+        )  # fmt: skip
+        handles: list[Any] = []
 
-    mem = loop(level_save)
-    cp.close()
-    written = [h.wait() for h in handles]
-    assert all(isinstance(st, LevelSaveStats) for st in written), written
-    mem = (mem[0], mem[1], [st.level for st in written])
-    behind = {
-        "seconds": [st.seconds for st in written],
-        "phases": [st.phases for st in written],
-        "snapshot": [h.snapshot_seconds for h in handles],
-    }
-    log_rank0(
-        f"memory tier (async): stalls {[round(x, 3) for x in mem[1]]} at levels {mem[2]}; "
-        f"on the writer {[round(x, 3) for x in behind['seconds']]} s"
-    )
-    if mem[2][-1] not in (2, 3):
-        raise SystemExit(f"the last save was at L{mem[2][-1]}: choose --steps/--l4-every")
+        def level_save(s: int) -> int:
+            handles.append(cp.save(s, state_of(m, opt)))  # the next save waits for it
+            return 0
+
+        mem = loop(level_save, cp.close)
+        written = [h.wait() for h in handles]
+        assert all(isinstance(st, LevelSaveStats) for st in written), written
+        out = {
+            "codec": codec,
+            "l2_rate": rate,
+            "times": mem[0],
+            "stalls": mem[1],
+            "levels": [st.level for st in written],
+            "link_sent": mem[3],
+            "stored": [st.stored_bytes for st in written],
+            "seconds": [st.seconds for st in written],
+            "phases": [st.phases for st in written],
+            "snapshot": [h.snapshot_seconds for h in handles],
+        }
+        log_rank0(
+            f"memory tier (async, {item}): stalls {[round(x, 3) for x in mem[1]]} at levels "
+            f"{out['levels']}; on the writer {[round(x, 3) for x in out['seconds']]} s; "
+            f"files {[round(b / 1e6, 2) for b in out['stored']]} MB"
+        )
+        if out["levels"][-1] not in (2, 3):
+            last_level = out["levels"][-1]
+            raise SystemExit(f"the last save was at L{last_level}: choose --steps/--l4-every")
+        return out
+
+    runs: dict[str, Any] = {}
+    for i, item in enumerate(codecs):
+        # The last variant's saves serve the recoveries (exec_id TRAIN).
+        runs[item] = memory_phase(item, TRAIN if i == len(codecs) - 1 else f"{TRAIN}-{i}")
     last = step
     state = state_of(m, opt)
     full = to_full(state)
@@ -353,7 +428,10 @@ def phase_train(args: argparse.Namespace) -> dict[str, Any]:
         (REPL_L4, full, 4),
     )
     for exec_id, tree, level in extra:
-        be = BuiltinBackend(level_config(args, exec_id, NODES), "torch")
+        be = BuiltinBackend(
+            level_config(args, exec_id, NODES), "torch",
+            compression=write_options(variant(codecs[-1])[0]).compression,
+        )  # fmt: skip
         save = partial(be.save, last, tree, level=level)
         saves[f"{exec_id} L{level}"] = timed(save)[0]
     for name, tree in (("dcp", state), ("dcp-repl", full)):
@@ -366,8 +444,10 @@ def phase_train(args: argparse.Namespace) -> dict[str, Any]:
         "step": last,
         "state_bytes": state_bytes,
         "base": base[0],
+        "base_link_sent": base[3],
         "async": {"times": asy[0], "stalls": asy[1]},
-        "memory": {"times": mem[0], "stalls": mem[1], "levels": mem[2], **behind},
+        "memory": runs[codecs[-1]],
+        "codecs": runs,
         "saves": saves,
         "node_bytes": per_node,
     }
@@ -541,7 +621,7 @@ def worker_args(args: argparse.Namespace) -> list[str]:
         "--dim", str(args.dim), "--layers", str(args.layers), "--batch", str(args.batch),
         "--steps", str(args.steps), "--every", str(args.every),
         "--l4-every", str(args.l4_every), "--repeat", str(args.repeat),
-        "--budget", args.budget, "--dcp", args.dcp,
+        "--budget", args.budget, "--dcp", args.dcp, "--compression", args.compression,
     ]  # fmt: skip
 
 
@@ -590,13 +670,16 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
 # The report.
 
 
-def overhead(train: dict[str, Any], every: int) -> dict[str, float]:
-    """The training-step overhead of the memory-tier saves, two ways: the
+def overhead(
+    train: dict[str, Any], every: int, mem: dict[str, Any] | None = None
+) -> dict[str, float]:
+    """The training-step overhead of the memory-tier saves (``mem``: one
+    codec's phase; default the last), two ways: the
     median stall over ``every`` median baseline steps, and the save phase's
     whole time (steps and stalls) over the baseline phase's (the target's:
     with asynchronous saves the writer threads may slow the steps too)."""
     base = statistics.median(train["base"])
-    mem = train["memory"]
+    mem = train["memory"] if mem is None else mem
     pairs = list(zip(mem["stalls"], mem["levels"], strict=True))
     l2 = [s for s, lv in pairs if lv != 4]
     async_ = train["async"]
@@ -612,6 +695,35 @@ def overhead(train: dict[str, Any], every: int) -> dict[str, float]:
     }
 
 
+def link_bytes(train: dict[str, Any], mem: dict[str, Any]) -> list[float]:
+    """Per node, the bytes its link sent per save in ``mem``'s phase beyond
+    the baseline phase's (the same number of steps); [] where not measured."""
+    sent, base = mem.get("link_sent"), train.get("base_link_sent")
+    if not sent or not base:
+        return []
+    return [(a - b) / len(mem["stalls"]) for a, b in zip(sent, base, strict=True)]
+
+
+def codec_lines(train: dict[str, Any], every: int) -> list[str]:
+    """One line per ``--compression`` codec's memory-tier phase: its
+    overhead, stalls, and the bytes its saves sent over the links."""
+    mb = 1e6
+    lines = []
+    for codec, mem in train.get("codecs", {}).items():
+        o = overhead(train, every, mem)
+        sent = link_bytes(train, mem)
+        per_node = ", ".join(f"{b / mb:.2f}" for b in sent) if sent else "-"
+        lines.append(
+            f"  codec {codec}: whole phase {o['phase']:+.1%}, median step {o['save_step']:.3f} s, "
+            f"stalls {_secs(mem['stalls'])} at levels {mem['levels']}; each save's files "
+            f"on all nodes (what its partner or L4 copies send) "
+            f"[{', '.join(f'{b / mb:.2f}' for b in mem['stored'])}] MB; link bytes sent per save "
+            f"beyond the baseline's, nodes 0-3: {per_node} MB"
+            + (f" ({sum(sent) / mb:.2f} MB in all)" if sent else "")
+        )
+    return lines
+
+
 def report(res: dict[str, Any]) -> str:
     meta, train, rec = res["meta"], res["train"], res["recover"]
     mb = 1e6
@@ -623,7 +735,9 @@ def report(res: dict[str, Any]) -> str:
         f"behind one link of {meta['rate']}; TCP {meta['tcp_cc']}; load average at the end "
         f"{meta['loadavg_end']}",
         "",
-        f"training ({meta['steps']} steps per phase, a save every {meta['every']}):",
+        f"training ({meta['steps']} steps per phase, a save every {meta['every']}; the "
+        f"memory tier's codec: {meta.get('compression', 'none')}, the last of those below "
+        "when several):",
         f"  median step without saves {o['base_step']:.3f} s, in the memory-tier phase "
         f"{o['save_step']:.3f} s",
         f"  stall per save: memory tier (async) L2 median {o['stall_l2']:.3f} s "
@@ -634,6 +748,7 @@ def report(res: dict[str, Any]) -> str:
         f"  overhead at a save every {meta['every']}: median L2 stall / {meta['every']} "
         f"median steps = {o['amortized']:.1%}; whole phase vs baseline: memory tier "
         f"{o['phase']:+.1%}, async {o['async_phase']:+.1%}",
+        *codec_lines(train, meta["every"]),
         "  the last step's other saves (s): "
         + ", ".join(f"{k} {v:.2f}" for k, v in train["saves"].items()),
         "",
@@ -730,6 +845,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="every Nth memory-tier checkpoint goes to L4 (3)")  # fmt: skip
     p.add_argument("--repeat", type=int, default=3, help="rounds of the recoveries (3)")
     p.add_argument("--budget", default="256M", help="memory_budget per node (256M)")
+    p.add_argument(
+        "--compression", default="none",
+        help="the memory-tier saves' codec (none, zstd, lz4, shuffle-zstd, auto), or CODEC@RATE: "
+        "with the partner copies paced to RATE bytes per second (l2_rate, e.g. 2M); several, "
+        "comma-separated, run the memory-tier phase once each (none)",
+    )  # fmt: skip
     p.add_argument("--rate", default="100mbit", help="each link's and the store's rate")
     p.add_argument("--tcp-cc", default="reno", help="TCP congestion control (reno; host)")
     p.add_argument("--server", default="moto", choices=("moto", "s3s-fs"))
@@ -741,6 +862,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--local", default=None, help=argparse.SUPPRESS)
     p.add_argument("--step", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    codecs_of(args.compression)  # refused here, before any job starts
     if args.quick:
         args.dim, args.layers, args.steps, args.every, args.l4_every = 64, 2, 4, 2, 3
         args.repeat = 1

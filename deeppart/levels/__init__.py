@@ -86,13 +86,13 @@ def open_backend(
     engine), ``"fti"`` (libfti through ctypes; an error if unavailable) or
     ``"auto"`` (FTI when it imports, libfti is found and the job runs on
     MPI, else built-in;
-    always built-in for an ``s3://`` glbl_dir, which FTI cannot write, and
-    for the memory tier, ``memory = 1``).
+    always built-in for an ``s3://`` glbl_dir, which FTI cannot write, for
+    the memory tier, ``memory = 1``, and for a paced partner copy, ``l2_rate``).
     ``options`` go to the built-in engine (e.g. ``compression``)."""
     if backend not in BACKENDS:
         raise LevelConfigError(f"backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
     cfg = LevelConfig.coerce(config)
-    if backend == "auto" and (cfg.global_in_object_store or cfg.memory):
+    if backend == "auto" and (cfg.global_in_object_store or cfg.memory or cfg.l2_rate):
         backend = "builtin"
     if backend == "fti":
         cfg.check_fti_global()  # before libfti is looked for

@@ -87,6 +87,7 @@ _SECTION_OF = {
     "memory": "deeppart",
     "memory_budget": "deeppart",
     "memory_keep": "deeppart",
+    "l2_rate": "deeppart",
 }
 _FTI_ONLY = {
     "basic": {
@@ -187,6 +188,10 @@ class LevelConfig:
     memory_budget: int = 0
     #: Steps whose node-local files stay in memory (the newest committed ones).
     memory_keep: int = 1
+    #: Bytes per second each rank sends its L2 partner copy at (0: as fast
+    #: as the link takes it); ``2M`` in a file. A paced copy leaves most of
+    #: a shared link to the training's collectives (built-in engine).
+    l2_rate: int = 0
     #: FTI-only keys as given, ``(section, key, value)`` (for the FTI backend).
     fti_options: tuple[tuple[str, str, str], ...] = field(default=(), compare=False)
     #: The INI file this came from, if any.
@@ -241,6 +246,10 @@ class LevelConfig:
             raise LevelConfigError(f"memory_budget = {self.memory_budget!r}: not a size")
         if self.memory not in (0, 1):
             raise LevelConfigError(f"memory = {self.memory}: must be 0 or 1")
+        if isinstance(self.l2_rate, bool) or not isinstance(self.l2_rate, int):
+            raise LevelConfigError(f"l2_rate = {self.l2_rate!r}: not a size")
+        if self.l2_rate < 0:
+            raise LevelConfigError(f"l2_rate = {self.l2_rate}: must be >= 0 (0: not paced)")
         if self.memory_budget < 0:
             raise LevelConfigError(f"memory_budget = {self.memory_budget}: must be >= 0")
         if self.memory_keep < 1:
@@ -267,7 +276,7 @@ class LevelConfig:
                 raise LevelConfigError(f"unknown config key {key!r}")
             if key in _INT_KEYS:
                 kwargs[key] = _parse_int(key, value)
-            elif key == "memory_budget":
+            elif key in ("memory_budget", "l2_rate"):
                 kwargs[key] = _parse_size(key, value)
             elif key in _STR_KEYS:
                 kwargs[key] = os.fspath(value) if hasattr(value, "__fspath__") else value

@@ -495,7 +495,9 @@ class BuiltinBackend:
                 c,
                 phases,
                 "l2",
-                lambda: partner.send_copy(c, self.layout, local, own_tmp, sizes, renames),
+                lambda: partner.send_copy(
+                    c, self.layout, local, own_tmp, sizes, renames, self.config.l2_rate
+                ),
             )
         elif lv == 3:
             parity_size, parity_xxh = self._phase(

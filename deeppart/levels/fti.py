@@ -173,6 +173,11 @@ def check_fti_options(config: LevelConfig) -> None:
     keys: heads, offline levels...)."""
     config.check_fti_global()
     config.check_fti_memory()
+    if config.l2_rate:
+        raise LevelConfigError(
+            f"l2_rate = {config.l2_rate}: the paced partner copy is the built-in engine's "
+            "(libfti sends its own); use backend='builtin', or l2_rate = 0"
+        )
     for sec, key, value in config.fti_options:
         want = REQUIRED.get((sec, key))
         if want is not None and value.strip() != want[0]:

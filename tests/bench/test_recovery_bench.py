@@ -72,6 +72,36 @@ def test_report_says_which_targets_are_met() -> None:
     assert "replicated L4 / replicated memory L2: 3.00x" in text
 
 
+def test_report_gives_each_codec_its_overhead_and_link_bytes() -> None:
+    """``--compression none,shuffle-zstd``: a line per codec's phase, each
+    with its own whole-phase overhead against the one baseline, its files
+    and the bytes its links sent per save beyond the baseline phase's."""
+    res = _result()
+    train = res["train"]
+    train["base_link_sent"] = [10e6] * 4
+    raw = {"times": [1.0, 1.0, 1.2], "stalls": [0.1, 0.1], "levels": [2, 2],
+           "stored": [25.6e6, 25.6e6], "link_sent": [22.8e6] * 4}  # fmt: skip
+    packed = {"times": [1.0, 1.0, 1.2], "stalls": [0.05, 0.05], "levels": [2, 4],
+              "stored": [22.4e6, 22.4e6], "link_sent": [21.2e6] * 4}  # fmt: skip
+    train["codecs"] = {"none": raw, "shuffle-zstd@1M": packed}
+    train["memory"] = packed
+    res["meta"]["compression"] = "none,shuffle-zstd@1M"
+    text = recovery.report(res)
+    assert "the memory tier's codec: none,shuffle-zstd@1M" in text
+    # (3.2 + 0.2) / 3.2 - 1 = +6.2%; (3.2 + 0.1) / 3.2 - 1 = +3.1%.
+    assert "codec none: whole phase +6.2%" in text
+    assert "codec shuffle-zstd@1M: whole phase +3.1%" in text
+    # (22.8 - 10) / 2 saves = 6.4 MB a node; (21.2 - 10) / 2 = 5.6 MB.
+    assert "nodes 0-3: 6.40, 6.40, 6.40, 6.40 MB (25.60 MB in all)" in text
+    assert "nodes 0-3: 5.60, 5.60, 5.60, 5.60 MB (22.40 MB in all)" in text
+    assert "[22.40, 22.40] MB" in text
+    assert recovery.codecs_of("none, shuffle-zstd@2M") == ["none", "shuffle-zstd@2M"]
+    assert recovery.variant("shuffle-zstd@2M") == ("shuffle-zstd", "2M")
+    for bad in ("gzip", "none,none", "zstd@fast", ""):
+        with pytest.raises(SystemExit, match="--compression"):
+            recovery.codecs_of(bad)
+
+
 def _why_not() -> str | None:
     why = object_store.host_unavailable()
     if why:

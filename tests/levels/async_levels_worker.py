@@ -50,7 +50,7 @@ import deeppart
 from bench.dtensor import build, sharded_state
 from deeppart.checkpointer import Checkpointer
 from deeppart.format import MARKER
-from deeppart.levels import LevelConfig, LevelSaveStats
+from deeppart.levels import LevelConfig, LevelSaveStats, partner
 from deeppart.levels.engine import BuiltinBackend
 from deeppart.levels.layout import step_name
 from deeppart.saving.writer import WriteEvent, fault_hook
@@ -183,6 +183,32 @@ def scenario_levels(d: Path, shm: Path) -> None:
     be.close()
 
 
+def scenario_paced(d: Path, shm: Path) -> None:
+    """A compressed asynchronous L2 save with its partner copy paced
+    (``l2_rate``), on the writer thread's gloo communicator (the path of
+    bench/recovery.py): the exchange in 1 KiB slices takes at least the
+    file's size over the rate, and after node 1's memory is lost the paced
+    copy serves rank 1 bitwise."""
+    rate = 200_000
+    partner.PACE_CHUNK = 1024
+    be = BuiltinBackend(config(d, shm, "paced", l2_rate=rate), compression="shuffle-zstd")
+    state = make_state(7)
+    saved = clone(state)
+    stats = be.save_async(7, state, level=2).wait()
+    assert isinstance(stats, LevelSaveStats) and stats.level == 2, stats
+    own = (
+        shm / f"node{dist.get_rank()}" / "paced" / step_name(7) / f"rank-{dist.get_rank():05d}.bin"
+    )
+    size = own.stat().st_size
+    assert size > 4 * partner.PACE_CHUNK, size
+    assert stats.phases["l2"] >= size / rate, (stats.phases, size)
+    lose_node(shm, "paced", 1)
+    out, report = be.load(7, into=target())
+    assert report.levels == [1, 2], report
+    same(out, saved, "paced compressed L2 copy after node 1 was lost")
+    be.close()
+
+
 def make_full_weight(seed: int) -> torch.Tensor:
     weight: torch.Tensor = make_state(seed)["model"]["0.weight"].full_tensor()
     return weight
@@ -289,6 +315,7 @@ def main() -> None:
         scenario_load_waits(d, shm)
         scenario_failure(d, shm)
         scenario_budget(d, shm)
+        scenario_paced(d, shm)
         ok("async")
     finally:
         dist.destroy_process_group()

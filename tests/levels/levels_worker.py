@@ -27,15 +27,16 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
 
 import mpi_checkpoint as mc
+import numpy as np
 
 from deeppart.async_save import AsyncSave
 from deeppart.checkpointer import Checkpointer
 from deeppart.comm import Comm, resolve
 from deeppart.errors import CheckpointError, LevelConfigError
-from deeppart.format import HEADER_SIZE, data_file_name
-from deeppart.levels import LevelConfig, LevelSaveStats, RecoveryReport
+from deeppart.format import HEADER_SIZE, PIECE_FIELDS, data_file_name
+from deeppart.levels import LevelConfig, LevelSaveStats, RecoveryReport, partner
 from deeppart.levels.engine import BuiltinBackend
-from deeppart.levels.layout import step_name
+from deeppart.levels.layout import partner_file, step_name
 from deeppart.saving import writer
 
 
@@ -521,6 +522,96 @@ def s_async(x: Ctx) -> None:
     ck.close()
 
 
+def compressed_pieces(meta_dir: Path, codec: str) -> int:
+    """The pieces of the step whose metadata is in ``meta_dir`` stored with
+    ``codec`` (its metadata names ``codec`` as the save's)."""
+    meta = json.loads((meta_dir / "metadata.json").read_text())
+    assert meta["compression"] == codec, (meta_dir, meta["compression"])
+    col = PIECE_FIELDS.index("codec")
+    return sum(1 for row in meta["pieces"] if row[col] == codec)
+
+
+COMPRESSED = "shuffle-zstd"
+
+
+def s_compressed(x: Ctx) -> None:
+    """Compressed level saves (issue 48: fewer bytes over the links): the
+    L1 files hold compressed pieces, the L2 partner copy is the compressed
+    file byte for byte, the L3 parity codes it, the L4 copy's pieces are
+    compressed too; each loads bitwise from L1, from L2 and L3 after the
+    last node's files are lost, and from L4 with all node-local files lost."""
+    name = "compressed"
+    be = x.backend(name, compression=COMPRESSED, keep=3)
+    for step, lv in ((50, 4), (51, 2), (52, 3)):
+        be.save(step, mc.make_state(step), level=lv)
+        meta = x.root / "meta" / name / step_name(step)
+        assert compressed_pieces(meta, COMPRESSED) > 0, (step, "no piece compressed")
+    glbl = x.root / "global" / name / step_name(50)
+    assert compressed_pieces(glbl, COMPRESSED) > 0, "the L4 copy's pieces are raw"
+    # Every rank's partner copy of step 51 is its compressed own file.
+    r = x.comm.rank
+    holder = be.layout.partner(r) // x.node_size
+    copy = x.node_dir(name, holder) / step_name(51) / partner_file(r)
+    assert copy.read_bytes() == x.file(name, 51, r).read_bytes(), "the copy is not the file"
+    for step in (50, 51, 52):
+        assert x.restore(name, step, step).levels == [1] * x.comm.size
+    last = x.nodes - 1
+    lost = set(range(last * x.node_size, x.comm.size))
+    x.lose_nodes(name, last)
+    for step, lv in ((51, 2), (52, 3)):
+        got = x.restore(name, step, step, into=True)
+        assert got.levels == [lv if q in lost else 1 for q in range(x.comm.size)], got
+    x.lose_nodes(name, *range(x.nodes))
+    got = x.restore(name, 50, 50)
+    assert got.levels == [4] * x.comm.size, got
+
+
+def s_compressed_corrupt(x: Ctx) -> None:
+    """A corrupted compressed copy is detected and the load falls back: a
+    flipped byte in rank 1's compressed L1 file (its partner's copy serves
+    it); then the last node lost with a flipped byte in the partner copy
+    of its first rank: the newest step (L2) cannot be recovered, and the
+    load falls back to the previous one, whose L4 copy serves the lost ranks."""
+    name = "compcorrupt"
+    be = x.backend(name, compression=COMPRESSED)
+    be.save(60, mc.make_state(60), level=4)
+    be.save(61, mc.make_state(61), level=2)
+    x.on_root(lambda: flip_byte(x.file(name, 61, 1)))
+    got = x.restore(name, 61, 61)
+    assert got.levels == [2 if q == 1 else 1 for q in range(x.comm.size)], got
+    last = x.nodes - 1
+    first = last * x.node_size
+    holder = be.layout.partner(first) // x.node_size
+    copy = x.node_dir(name, holder) / step_name(61) / partner_file(first)
+    x.lose_nodes(name, last)
+    x.on_root(lambda: flip_byte(copy))
+    got = x.restore(name, 60)
+    lost = set(range(first, x.comm.size))
+    assert got.step == 60, got
+    assert got.levels == [4 if q in lost else 1 for q in range(x.comm.size)], got
+
+
+def s_paced(x: Ctx) -> None:
+    """A paced partner copy (``l2_rate``), compressed: the exchange in 1 KiB
+    slices (the ranks' files differ in size, so a rank's last slices are
+    empty while its partner's are not), at most ``l2_rate`` bytes per
+    second (the L2 phase takes at least the file's size over the rate);
+    then the last node lost: its ranks served bitwise by the paced copies."""
+    name, rate = "paced", 100_000
+    partner.PACE_CHUNK = 1024
+    be = BuiltinBackend(x.config(name, l2_rate=rate), x.comm, compression=COMPRESSED)
+    stats = be.save(70, mc.make_state(70), level=2)
+    own = x.file(name, 70, x.comm.rank).stat().st_size
+    sizes = x.comm.allgather_f64(np.array([float(own)]))[:, 0]
+    assert len(set(sizes.tolist())) > 1, sizes  # uneven files: uneven slices
+    assert max(sizes) > 4 * partner.PACE_CHUNK, sizes
+    assert stats.phases["l2"] >= own / rate, (stats.phases, own, rate)
+    x.lose_nodes(name, x.nodes - 1)
+    lost = set(range((x.nodes - 1) * x.node_size, x.comm.size))
+    got = x.restore(name, 70)
+    assert got.levels == [2 if q in lost else 1 for q in range(x.comm.size)], got
+
+
 SCENARIOS: dict[str, Callable[[Ctx], None]] = {
     "none": s_none,
     "l2node": s_l2_node,
@@ -540,6 +631,9 @@ SCENARIOS: dict[str, Callable[[Ctx], None]] = {
     "aftercrash": s_after_crash,
     "perrank": s_per_rank,
     "async": s_async,
+    "compressed": s_compressed,
+    "compcorrupt": s_compressed_corrupt,
+    "paced": s_paced,
 }
 
 

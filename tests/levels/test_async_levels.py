@@ -7,7 +7,9 @@ level (and after a node's memory is lost, from the partner copy and the
 parity the writer threads wrote); a load while a save is in flight waits
 for it; a failure on one rank's writer thread raised by ``wait()`` on every
 rank, the step before it intact; the budget refused before anything is
-written. And in one process: the save's snapshot, the sync fallback over
+written; a compressed L2 save's partner copy paced (``l2_rate``) on the
+writer's gloo communicator, at most that rate, serving a lost node
+bitwise. And in one process: the save's snapshot, the sync fallback over
 ``max_staging_bytes``, the FTI backend's refusal."""
 
 from __future__ import annotations

@@ -453,6 +453,50 @@ def test_matrix_4_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
 
 @pytest.mark.mpi
 @needs_mpi
+def test_compressed_level_saves_4_ranks(tmp_path: Path) -> None:
+    """Compressed level saves (shuffle-zstd; issue 48: fewer bytes over the
+    links), 4 ranks as 2 fake nodes, groups of 2: the L1 files and the L4
+    copy hold compressed pieces, each partner copy is its rank's compressed
+    file byte for byte; loads bitwise from L1, from L2 and L3 with node 1
+    lost, from L4 with every node's files lost; a flipped byte in a
+    compressed file is caught (the partner's copy serves), and with node 1
+    lost and the copy of rank 2 corrupted the load falls back to the
+    previous step, its lost ranks served by its L4 copy. The checks of
+    each step are in the worker (s_compressed, s_compressed_corrupt). And
+    a paced partner copy (``l2_rate``, s_paced)."""
+    lv = launch(4, tmp_path, 2, 2, "compressed", "compcorrupt", "paced")
+    assert lv["compressed"] == [
+        (50, [1] * 4),
+        (51, [1] * 4),
+        (52, [1] * 4),
+        (51, [1, 1, 2, 2]),
+        (52, [1, 1, 3, 3]),
+        (50, [4] * 4),
+    ], lv["compressed"]
+    assert lv["compcorrupt"] == [(61, [1, 2, 1, 1]), (60, [1, 1, 4, 4])], lv["compcorrupt"]
+    # l2_rate: the paced copy (1 KiB slices, uneven files), then node 1 lost.
+    assert lv["paced"] == [(70, [1, 1, 2, 2])], lv["paced"]
+
+
+def test_l2_rate_key() -> None:
+    """``[deeppart] l2_rate``: a size (bytes per second; 0, the default, is
+    not paced), written back by to_ini; negative or not a size: refused."""
+    c = cfg(l2_rate="2M")
+    assert c.l2_rate == 2 << 20 and cfg().l2_rate == 0
+    assert LevelConfig.from_string(c.to_ini()) == c
+    with pytest.raises(LevelConfigError, match=r"l2_rate = -1: must be >= 0"):
+        cfg(l2_rate=-1)
+    with pytest.raises(LevelConfigError, match=r"l2_rate = 'fast': not a size"):
+        cfg(l2_rate="fast")
+    from deeppart.levels.fti import check_fti_options
+
+    check_fti_options(cfg())
+    with pytest.raises(LevelConfigError, match=r"l2_rate = 2097152: .*backend='builtin'"):
+        check_fti_options(c)
+
+
+@pytest.mark.mpi
+@needs_mpi
 def test_per_rank_values_2_ranks(tmp_path: Path) -> None:
     """Issue 48's job: 2 ranks (2 fake nodes, one group) save their own
     loader positions, RNG states and items only some hold beside a shared
