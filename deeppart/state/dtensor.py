@@ -191,13 +191,16 @@ def layout_regions(
     """The regions of a tensor of ``shape`` with placements ``specs`` on the
     mesh whose ranks are ``ranks`` (numpy; ``key_ranks`` its cache key), of
     which the DTensor's mesh spans ``dims``, with their holders (see
-    :func:`mesh_regions`); cached per layout."""
+    :func:`mesh_regions`); cached per layout: the list and its holders
+    lists are the cache's, shared by every caller (read them, never change
+    them; :meth:`HolderGroups.field` recognises shared holders lists by
+    identity)."""
     shape = tuple(int(n) for n in shape)
     key = (key_ranks, tuple(dims), specs, shape)
     hit = _LAYOUTS.get(key)
     if hit is not None:
         _LAYOUTS.move_to_end(key)
-        return [(r, list(h)) for r, h in hit]
+        return hit
     sub_shape = [int(ranks.shape[d]) for d in dims]
     sharded = [m for m, p in enumerate(specs) if p is not None]
     found: dict[Region, list[int]] = {}
@@ -215,7 +218,7 @@ def layout_regions(
     _LAYOUTS[key] = out
     if len(_LAYOUTS) > _LAYOUT_CACHE:
         _LAYOUTS.popitem(last=False)
-    return [(r, list(h)) for r, h in out]
+    return out
 
 
 def holder_regions(
@@ -271,11 +274,12 @@ def local_region(dt: Any, path: Sequence[Any] = ()) -> Region:
     """The region of the global tensor this rank's local shard of ``dt`` holds."""
     _check_placements(dt, path)
     mesh = dt.device_mesh
-    coord = mesh.get_coordinate()
+    identity = mesh_identity(mesh)  # cached per mesh: its ranks and this rank's coordinate
+    coord = identity[3]
     if coord is None:
         raise StateError(f"{_where(path)}: this rank is not in the DTensor's device mesh")
     return placement_region(
-        list(dt.shape), list(mesh.mesh.shape), coord, _placement_specs(dt.placements)
+        list(dt.shape), list(identity[0][0]), coord, _placement_specs(dt.placements)
     )
 
 

@@ -464,6 +464,9 @@ def _merged_shards(
     its own class described it."""
     if len(units) == 1:
         (u,) = units
+        if all(classes[r] == u.cls for r in set().union(*(h for _, h, _ in u.shards))):
+            # Every holder described it in this class (one stage's mesh).
+            return [(region, h, dict.fromkeys(h, leaf)) for region, h, leaf in u.shards]
         return [
             (region, h, {r: leaf for r in h if classes[r] == u.cls}) for region, h, leaf in u.shards
         ]
