@@ -42,7 +42,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from deeppart.comm import Comm, TorchDistComm, resolve, writer_comm
@@ -285,19 +285,11 @@ def start(
     planned = plan_save(c, state, directory, local=take, defer_proof=True, **save_kwargs)
     handle = AsyncSave(directory, step)
     handle.snapshot_seconds = time.perf_counter() - t0
-    # The large shared tensors' replica proof, left to the writer thread:
-    # optimizer steps wait for it from now on (deeppart.saving.deferred_proof).
-    live = planned.prep
-    unproved = take_unproved(c, live)
-    proof = None if unproved is None else hold(unproved)
+    proof = hold_proof(c, planned.prep)
     handle.proof = proof
-    try:
+    with released_on_error(proof):
         return _go(c, planned, handle, proof, snap, take.staged, writer, take.why, after, t0,
                    snapshot_on_device)  # fmt: skip
-    except BaseException:
-        if proof is not None:
-            release(proof)  # optimizer steps never wait for a proof that will not run
-        raise
 
 
 def _go(
@@ -348,14 +340,11 @@ def _go(
     del planned
 
     def take_again(prep: Prepared) -> int:
-        """The snapshot of this rank's share of the save prepared again,
-        taken while optimizer steps still wait; every tensor unchanged."""
         nonlocal background
         assert proof is not None
         background = dataclasses.replace(
-            background, prep=snap.take(prep, c.rank, on_device=on_device)
+            background, prep=retake_share(snap, prep, c.rank, on_device, proof)
         )
-        check_unchanged(proof)
         return 0
 
     def work() -> Stats:
@@ -448,6 +437,39 @@ def run_writer(
     handle._thread = thread
     add(c, handle)
     thread.start()
+
+
+def hold_proof(c: Comm, live: Prepared) -> PendingProof | None:
+    """The replica proof of the large shared tensors that ``live`` left
+    unproved (:func:`deeppart.saving.save.take_unproved`), held for the
+    writer thread: optimizer steps wait for it from now on
+    (:mod:`deeppart.saving.deferred_proof`); None when there is none."""
+    unproved = take_unproved(c, live)
+    return None if unproved is None else hold(unproved)
+
+
+@contextlib.contextmanager
+def released_on_error(proof: PendingProof | None) -> Iterator[None]:
+    """Lets optimizer steps go when the save fails before its writer
+    thread took ``proof`` over: they never wait for a proof that will not
+    run."""
+    try:
+        yield
+    except BaseException:
+        if proof is not None:
+            release(proof)
+        raise
+
+
+def retake_share(
+    snap: ShareSnapshot, prep: Prepared, rank: int, on_device: bool, proof: PendingProof
+) -> Prepared:
+    """The snapshot of this rank's share of ``prep`` (the save prepared
+    again after its proof found copies that differ), taken while optimizer
+    steps still wait; every proved tensor checked unchanged since the call."""
+    staged = snap.take(prep, rank, on_device=on_device)
+    check_unchanged(proof)
+    return staged
 
 
 def prove_or_replan(

@@ -53,7 +53,10 @@ from deeppart.async_save import (
     AsyncSave,
     ShareTaker,
     background_priority,
+    hold_proof,
     prove_or_replan,
+    released_on_error,
+    retake_share,
     run_writer,
     writer_for,
 )
@@ -74,11 +77,11 @@ from deeppart.levels.layout import Layout, step_name, steps_in
 from deeppart.loading.reader import assemble
 from deeppart.options import AsyncOptions, PlanOptions, fold, reject_unknown
 from deeppart.progress import Progress
-from deeppart.saving.deferred_proof import PendingProof, check_unchanged, hold, release
+from deeppart.saving.deferred_proof import PendingProof
 from deeppart.saving.metadata import metadata_json
 from deeppart.saving.planning import PlanProvider
 from deeppart.saving.prepare import Prepared, prepare_save
-from deeppart.saving.save import PlannedSave, take_unproved
+from deeppart.saving.save import PlannedSave
 from deeppart.saving.snapshot import ShareSnapshot
 from deeppart.saving.writer import RECORD_FIELDS, write_pieces
 from deeppart.state.state import encode_plain
@@ -277,18 +280,11 @@ class BuiltinBackend:
             raise
         handle = AsyncSave(self.meta_step(step), step)
         # The large shared tensors' replica proof, left to the writer thread
-        # as deeppart.async_save leaves it: optimizer steps wait for it from
-        # now on (deeppart.saving.deferred_proof).
-        live = begun.prep
-        unproved = take_unproved(c, live)
-        proof = None if unproved is None else hold(unproved)
+        # as deeppart.async_save leaves it.
+        proof = hold_proof(c, begun.prep)
         handle.proof = proof
-        try:
+        with released_on_error(proof):
             return self._go(c, begun, handle, proof, snap, take, writer, flagged, options, t0)
-        except BaseException:
-            if proof is not None:
-                release(proof)  # optimizer steps never wait for a proof that will not run
-            raise
 
     def _go(
         self,
@@ -340,14 +336,10 @@ class BuiltinBackend:
         del begun
 
         def take_again(prep: Prepared) -> int:
-            """The snapshot of this rank's share of the save prepared
-            again, taken while optimizer steps still wait; every tensor
-            unchanged."""
             nonlocal staged
             assert proof is not None
-            on_device = options.snapshot_on_device
-            staged = dataclasses.replace(staged, prep=snap.take(prep, c.rank, on_device=on_device))
-            check_unchanged(proof)
+            again = retake_share(snap, prep, c.rank, options.snapshot_on_device, proof)
+            staged = dataclasses.replace(staged, prep=again)
             return 0
 
         def work() -> LevelSaveStats:

@@ -274,12 +274,12 @@ def local_region(dt: Any, path: Sequence[Any] = ()) -> Region:
     """The region of the global tensor this rank's local shard of ``dt`` holds."""
     _check_placements(dt, path)
     mesh = dt.device_mesh
-    identity = mesh_identity(mesh)  # cached per mesh: its ranks and this rank's coordinate
-    coord = identity[3]
+    coord = mesh_identity(mesh)[3]  # this rank's coordinate, cached per mesh
     if coord is None:
         raise StateError(f"{_where(path)}: this rank is not in the DTensor's device mesh")
+    _, ranks = _mesh_ranks(mesh)
     return placement_region(
-        list(dt.shape), list(identity[0][0]), coord, _placement_specs(dt.placements)
+        list(dt.shape), list(ranks.shape), coord, _placement_specs(dt.placements)
     )
 
 
