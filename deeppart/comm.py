@@ -835,7 +835,9 @@ def writer_comm(c: Comm) -> tuple[Comm | None, str]:
     """The dedicated communicator of ``c``'s background writer (made once per
     communicator, collectively), or None and the reason why a background
     writer cannot be used."""
-    if isinstance(c, SingleComm):
+    if isinstance(c, SingleComm) and c.size == 1:
+        # (Only one rank: a subclass spanning several, e.g. ranks as
+        # threads, has no writer here; a single one's would commit alone.)
         return _SINGLE, ""
     if isinstance(c, MPIComm):
         mpi = c._MPI

@@ -447,3 +447,24 @@ def test_the_cached_plan_is_reused_only_with_equal_in_process_options(
     assert union in planned  # other options: the union planned with them
     for got, want in zip(load_all(tmp_path, "c", comms), states, strict=True):
         assert_bitwise(got, want)
+
+
+def test_an_async_save_over_ranks_in_one_process_saves_synchronously_and_says_why(
+    tmp_path: Path,
+) -> None:
+    """Ranks as threads (a single-process communicator of size 4) have no
+    dedicated writer communicator: an asynchronous save of their union
+    saves synchronously, with a warning naming why, and loads bitwise
+    (before, the writer was given the one-rank communicator, and the
+    commit failed on every rank with an IndexError)."""
+    comms = thread_comms(4)
+    states = [stage_state(r, 1) for r in range(4)]
+
+    def save_rank(r: int) -> Any:
+        return deeppart.async_save(states[r], tmp_path / "a", comm=comms[r]).wait()
+
+    with pytest.warns(deeppart.AsyncSaveWarning, match="no dedicated writer communicator"):
+        out = run_ranks([functools.partial(save_rank, r) for r in range(4)])
+    assert [e for _, e in out] == [None] * 4
+    for got, want in zip(load_all(tmp_path, "a", list(comms)), states, strict=True):
+        assert_bitwise(got, want)
