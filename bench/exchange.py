@@ -652,7 +652,9 @@ def _computed(
         digest_held,
         prepare_save,
     )
+    from deeppart.state.dtensor import forget_layouts
     from deeppart.state.state import FlatLeaf, encode_plain
+    from deeppart.state.union import forget_decoded
     from deeppart.storage.identity import identity_digest
 
     world = pp * dp * tp
@@ -780,6 +782,11 @@ def _computed(
     prepare_module.build_union = keeping  # type: ignore[attr-defined]
     try:
         own_structure.forget()  # rank 0 describes its tree afresh, as a first save does
+        # ... and derives every layout's regions afresh: a real rank has not
+        # decoded the other stages' layouts before its first save (the
+        # simulation above did, for its rows and payloads).
+        forget_layouts()
+        forget_decoded()
         _age_simulation()
         with GcSeconds() as collector:
             t0 = time.process_time()

@@ -248,7 +248,7 @@ class Region:
         return Region((tuple(sel), *self.runs[1:]))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ShardRecord:
     """One stored shard: its planner leaf and its region of the global tensor."""
 

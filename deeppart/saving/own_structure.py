@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deeppart._planner import Manifest, Plan
-from deeppart.state.dtensor import Expanded, expand, mesh_identity
+from deeppart.state.dtensor import Expanded, expand, local_tensor, mesh_identity
 from deeppart.state.state import FlatLeaf, is_dtensor
 
 __all__ = ["OwnStructure", "describe", "forget", "holders_of", "structure_digest", "structure_key"]
@@ -99,7 +99,7 @@ class OwnStructure:
             lf = flat[i]
             if i in self.local_shapes:
                 assert lf.tensor is not None  # a DTensor's leaf, by the key
-                local = lf.tensor.to_local()
+                local = local_tensor(lf.tensor)
                 if tuple(local.shape) != self.local_shapes[i]:
                     return None
                 out[e] = FlatLeaf(self.empty[e].path, local, None)

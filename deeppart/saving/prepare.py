@@ -43,6 +43,7 @@ from deeppart.saving.union_cache import (
     COLUMN_WIDTH,
     FINGERPRINT_BYTES,
     TAG_BYTES,
+    OverlaidLeaves,
     UnionCache,
     cached,
     check_of,
@@ -105,7 +106,9 @@ class Prepared:
     (``plan.rank_pieces(rank)``, in that order), which the writer writes
     instead of reading ``leaves`` (an asynchronous save's snapshot)."""
 
-    leaves: list[FlatLeaf]
+    #: One per manifest leaf (a list, or a reused union's
+    #: :class:`~deeppart.saving.union_cache.OverlaidLeaves`); read only.
+    leaves: Sequence[FlatLeaf]
     skeleton: Any
     manifest: Manifest
     plan: Plan
@@ -582,10 +585,12 @@ def _try_cache(own: _Own, rank: int, world: int, fingerprint: bytes) -> _Reuse |
     if check is None:
         return None
     late = [(item_of[i], coeff) for i, coeff in entry.terms if i in own.deferred]
-    leaves = list(entry.template)
-    for k, i in entry.held:
-        mine = own.prep.leaves[i]
-        leaves[k] = FlatLeaf(leaves[k].path, mine.tensor, mine.encoded)
+    template = entry.template
+    mine = own.prep.leaves
+    leaves = OverlaidLeaves(
+        template,
+        {k: FlatLeaf(template[k].path, mine[i].tensor, mine[i].encoded) for k, i in entry.held},
+    )
     options = in_process_options(own.plan_for)
     if options is not None and options == entry.planned_with:
         plan = entry.plan  # planned in process from equal options: the same plan
@@ -1020,8 +1025,13 @@ def _union_prepared(u: Union, own: _Own, rank: int) -> Prepared:
     """This rank's :class:`Prepared` of the union: the job's manifest and
     plan, this rank's leaves where it holds them (nothing elsewhere)."""
     hg = HolderGroups(u.world)
-    descs = [{"path": it.path, **it.desc, **hg.field(it.holders)} for it in u.items]
+    # The holder groups first (the manifest reads them before its leaves),
+    # then each leaf's description made as the manifest reads it and freed
+    # at once: a list of them all would hold a dict per item.
+    fields = [hg.field(it.holders) for it in u.items]
+    descs = ({"path": it.path, **it.desc, **f} for it, f in zip(u.items, fields, strict=True))
     manifest = Manifest.from_leaves(descs, hg.groups or None)
+    del fields
     plan = own.plan_for(manifest)
     leaves = [
         FlatLeaf(tuple(it.path), None, None) if (i := it.source.get(rank)) is None

@@ -42,10 +42,12 @@ copies (``prep.staged_ready``) before it reads the buffer.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 from deeppart._planner import copy_into
 from deeppart.saving.prepare import Prepared, StagedPiece
+from deeppart.saving.union_cache import OverlaidLeaves
 from deeppart.state import staging as _staging
 from deeppart.state.state import FlatLeaf
 
@@ -172,10 +174,14 @@ class ShareSnapshot:
         self.capacity = int(buf.numel())
         # The writer reads only ``staged``; the leaves keep their paths
         # (those that hold nothing, most of a union's, shared as they are).
-        leaves = [
-            lf if lf.tensor is None and lf.encoded is None else FlatLeaf(lf.path, None, None)
-            for lf in prep.leaves
-        ]
+        leaves: Sequence[FlatLeaf]
+        if isinstance(prep.leaves, OverlaidLeaves):
+            leaves = prep.leaves.holding_nothing()  # a reused union's: its template
+        else:
+            leaves = [
+                lf if lf.tensor is None and lf.encoded is None else FlatLeaf(lf.path, None, None)
+                for lf in prep.leaves
+            ]
         ready = self._copied if self._pending else None
         return dataclasses.replace(prep, leaves=leaves, staged=staged, staged_ready=ready)
 

@@ -73,8 +73,9 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -91,6 +92,7 @@ __all__ = [
     "LATE_BYTES",
     "PRIME",
     "TAG_BYTES",
+    "OverlaidLeaves",
     "UnionCache",
     "cached",
     "check_of",
@@ -220,6 +222,47 @@ class UnionCache:
     planned_with: Any = None
 
 
+class OverlaidLeaves(Sequence[FlatLeaf]):
+    """The leaves of a save that reuses a cached union: the cache's
+    :attr:`UnionCache.template` (one leaf per union item, holding nothing;
+    shared by every such save, never changed) with this rank's own leaves
+    in their items' places. Reads as the list of them would, without a
+    copy of the template (911,736 items at 4,096 ranks, which each save
+    would copy and the garbage collector then walk); read-only."""
+
+    __slots__ = ("_own", "_template")
+
+    def __init__(self, template: list[FlatLeaf], own: dict[int, FlatLeaf]) -> None:
+        if any(not 0 <= k < len(template) for k in own):
+            raise IndexError("an own leaf outside the template (a bug)")
+        self._template = template
+        self._own = own
+
+    def __len__(self) -> int:
+        return len(self._template)
+
+    @overload
+    def __getitem__(self, k: int) -> FlatLeaf: ...
+    @overload
+    def __getitem__(self, k: slice) -> list[FlatLeaf]: ...
+    def __getitem__(self, k: int | slice) -> FlatLeaf | list[FlatLeaf]:
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(len(self._template)))]
+        leaf = self._template[k]  # IndexError as a list's
+        return self._own.get(k % len(self._template), leaf)
+
+    def holding_nothing(self) -> list[FlatLeaf]:
+        """These leaves with this rank's own holding nothing: the template
+        itself (shared, never changed; not a copy)."""
+        return self._template
+
+    def __iter__(self) -> Iterator[FlatLeaf]:
+        if not self._own:
+            return iter(self._template)
+        own = self._own
+        return (own.get(k, leaf) for k, leaf in enumerate(self._template))
+
+
 #: Per ``(rank, world size)``: the last union save's cache in this process.
 _CACHES: dict[tuple[int, int], UnionCache] = {}
 
@@ -238,7 +281,7 @@ def remember(
     skeleton: Any,
     records: list[DTensorRecord],
     union_meta: dict[str, Any] | None,
-    leaves: list[FlatLeaf],
+    leaves: Sequence[FlatLeaf],
     planned_with: Any = None,
 ) -> UnionCache:
     """Keeps ``rank``'s cache of a union save that every rank agreed on

@@ -34,11 +34,13 @@ __all__ = [
     "HolderGroups",
     "Layout",
     "expand",
+    "forget_layouts",
     "holder_layout",
     "holder_regions",
     "is_dtensor",
     "layout_regions",
     "local_region",
+    "local_tensor",
     "mesh_identity",
     "mesh_regions",
     "renumber_skeleton",
@@ -90,6 +92,13 @@ _LAYOUT_CACHE = 4096
 #: group's destruction can abort the process ("terminate called without an
 #: active exception") after the program has finished.
 _MESHES: dict[int, list[Any]] = {}
+
+
+def forget_layouts() -> None:
+    """Drops the cached layouts' regions (the next expansion computes them
+    afresh, as a new process does: ``bench/exchange.py`` times a first save
+    so)."""
+    _LAYOUTS.clear()
 
 
 def _forget_mesh(key: int, ref: weakref.ref[Any]) -> None:
@@ -340,6 +349,15 @@ class HolderGroups:
         return out
 
 
+def local_tensor(dt: Any) -> Any:
+    """A DTensor's local tensor (its shard's storage): torch's
+    ``_local_tensor`` where the DTensor has it, which ``to_local()``
+    returns a view of through an autograd function (called per DTensor
+    per save), else ``to_local()``."""
+    local = getattr(dt, "_local_tensor", None)
+    return local if local is not None else dt.to_local()
+
+
 def _world() -> int:
     import torch.distributed as dist
 
@@ -387,7 +405,7 @@ def expand(
             mesh_ranks.append(sorted(layout[0][1]))
             layouts.append(layout)
         mine = local_region(dt, lf.path)
-        local = dt.to_local()
+        local = local_tensor(dt)
         if tuple(local.shape) != mine.shape:
             raise StateError(
                 f"{_where(lf.path)}: the DTensor's local tensor has shape {list(local.shape)}, "

@@ -197,7 +197,7 @@ def decode_plain(data: bytes) -> Any:
 # Flattening a state tree.
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class FlatLeaf:
     """One leaf of a state tree: a tensor, or an encoded plain value."""
 

@@ -54,6 +54,7 @@ __all__ = [
     "decode_described",
     "describe_versions",
     "encode_described",
+    "forget_decoded",
     "merge_skeletons",
     "units_of",
     "whole_digests_needed",
@@ -62,7 +63,7 @@ __all__ = [
 #: The path key under which the versions of one path are stored:
 #: ``("loader", "pos", "<version>", 1)``.
 VERSION_KEY = "<version>"
-_SHARD_KEY = "<shard>"
+_SHARD_KEY = SHARD_KEY
 
 
 @dataclass
@@ -125,6 +126,12 @@ _SHARDS: OrderedDict[tuple[Any, ...], list[tuple[Any, list[int], list[int]]]] = 
 _SHARDS_CACHE = 4096
 
 
+def forget_decoded() -> None:
+    """Drops the decoded layouts' shards (the next decode derives them
+    afresh, as a new process does)."""
+    _SHARDS.clear()
+
+
 def _layout_shards(layout: Layout) -> list[tuple[Any, list[int], list[int]]]:
     key_ranks, _ranks, dims, specs, shape = layout
     key = (key_ranks, tuple(dims), specs, shape)
@@ -140,7 +147,11 @@ def _layout_shards(layout: Layout) -> list[tuple[Any, list[int], list[int]]]:
 
 
 def decode_described(wire: dict[str, Any]) -> Described:
-    """The :class:`Described` that :func:`encode_described` sent."""
+    """The :class:`Described` that :func:`encode_described` sent, except
+    that a DTensor shard's description has no ``path`` (its record names
+    the DTensor's; shard ``k``'s is that path and ``"<shard>", k``) and is
+    shared by the shards of equal layout and dtype: read it, never change
+    it."""
     import numpy as np
 
     meshes: list[tuple[tuple[Any, ...], Any, list[int]]] = []
@@ -157,6 +168,9 @@ def decode_described(wire: dict[str, Any]) -> Described:
     descs: list[dict[str, Any]] = []
     records: list[dict[str, Any]] = []
     by_first: dict[int, dict[str, Any]] = {}
+    # Per layout's shards and dtype: the shards' descriptions, shared by
+    # every DTensor of that layout and dtype (with the shards, kept alive).
+    shared: dict[tuple[int, str], tuple[Any, list[dict[str, Any]]]] = {}
     at = 0
     for path, dtype, shape, first, kind in order:
         mesh, dims, specs = kinds[int(kind)]
@@ -169,12 +183,13 @@ def decode_described(wire: dict[str, Any]) -> Described:
             raise StateMismatchError("a description's DTensor records overlap (a bug)")
         descs.extend(plain[at : at + before])
         at += before
-        leaves = []
-        for k, (region, rshape, holders) in enumerate(shards):
-            leaves.append([len(descs), region])
-            descs.append(
-                {"path": [*path, SHARD_KEY, k], "dtype": dtype, "shape": rshape, "holders": holders}
-            )
+        hit = shared.get((id(shards), dtype))
+        if hit is None or hit[0] is not shards:
+            made = [{"dtype": dtype, "shape": rshape, "holders": h} for _, rshape, h in shards]
+            hit = shared[(id(shards), dtype)] = (shards, made)
+        n = len(descs)
+        leaves = [[n + k, s[0]] for k, s in enumerate(shards)]
+        descs.extend(hit[1])
         rec = {"path": path, "dtype": dtype, "shape": shape, "ranks": members, "shards": leaves}
         records.append(rec)
         by_first[first] = rec
@@ -200,14 +215,16 @@ class Digests:
     differs: set[int] | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class UnionItem:
-    """One leaf of the job's manifest."""
+    """One leaf of the job's manifest (slotted: a union makes one per
+    stored shard, hundreds of thousands at scale)."""
 
     #: The stored path (with ``"<version>", k`` when its path has several).
     path: list[Any]
     #: The manifest description without holders (``dtype``/``shape`` or
-    #: ``kind``/``nbytes``).
+    #: ``kind``/``nbytes``); a shard's is shared with the shards of equal
+    #: dtype and region: read it, never change it.
     desc: dict[str, Any]
     holders: list[int]
     #: Per holder: its local leaf index.
@@ -314,9 +331,12 @@ class _Unit:
             return self._signature
         key: tuple[Any, ...] | None = None
         if memo is not None:
-            key = (self.desc["dtype"], json.dumps(self.desc["shape"]))
-            key += tuple(id(s[0]) for s in self.shards)
-            hit = memo.get(key)
+            try:
+                ids = tuple(id(s[0]) for s in self.shards)
+                key = (self.desc["dtype"], tuple(self.desc["shape"]), ids)
+                hit = memo.get(key)
+            except TypeError:  # a malformed shape: no memo (the manifest names it)
+                hit = key = None
             if hit is not None:
                 self._signature = hit
                 return hit
@@ -514,15 +534,16 @@ def build_union(
     versions: list[dict[str, Any]] = []
     # (class, local leaf) -> the union leaf that the skeleton names there.
     canon: dict[tuple[int, int], int] = {}
-    shapes: dict[int, tuple[Any, list[int]]] = {}
+    # Per dtype, by region (decoded layouts share their regions): the
+    # shards' item description, made once and shared by the items of that
+    # dtype and region (read only); each kept with its region, so that no
+    # other object can take the region's id while it is here.
+    shard_descs: dict[str, dict[int, tuple[Any, dict[str, Any]]]] = {}
 
-    def shape_of(region: Any) -> list[int]:
-        # Decoded layouts share their regions: each one's shape once.
-        hit = shapes.get(id(region))
-        if hit is None or hit[0] is not region:
-            hit = (region, _region_shape(region))
-            shapes[id(region)] = hit
-        return hit[1]  # shared by the items of equal regions (never changed)
+    def shard_desc(dtype: str, region: Any) -> tuple[Any, dict[str, Any]]:
+        made = (region, {"dtype": dtype, "shape": _region_shape(region)})
+        shard_descs[dtype][id(region)] = made
+        return made
 
     # Per class, by local leaf: its ranks whose plain value differs from
     # the class's lowest rank's (most ranks hold most values alike).
@@ -633,16 +654,18 @@ def build_union(
                 first_leaf.append(len(items))
                 items.append(UnionItem(base, _plain_desc(x.desc), sorted(x.ranks), dict(x.source)))
                 continue
-            first_leaf.append(len(items))
-            shards = []
+            n = len(items)
+            first_leaf.append(n)
             dtype = x.desc["dtype"]
-            for j, (region, hs, src) in enumerate(x.shards):
-                shards.append({"leaf": len(items), "index": region})
-                items.append(
-                    UnionItem(
-                        [*base, _SHARD_KEY, j], {"dtype": dtype, "shape": shape_of(region)}, hs, src
-                    )
+            shards = [{"leaf": n + j, "index": s[0]} for j, s in enumerate(x.shards)]
+            known = shard_descs.setdefault(dtype, {})
+            items.extend([
+                UnionItem(
+                    [*base, _SHARD_KEY, j],
+                    (known.get(id(region)) or shard_desc(dtype, region))[1], hs, src,
                 )
+                for j, (region, hs, src) in enumerate(x.shards)
+            ])  # fmt: skip
             records.append(
                 {"path": path, "dtype": x.desc["dtype"], "shape": x.desc["shape"],
                  "ranks": sorted(x.ranks), "shards": shards}

@@ -449,6 +449,75 @@ def test_the_cached_plan_is_reused_only_with_equal_in_process_options(
         assert_bitwise(got, want)
 
 
+def test_a_snapshot_of_a_reused_union_keeps_its_template_and_its_own_bytes(
+    tmp_path: Path, exchanges: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reused union's leaves are the cache's template with this rank's
+    own in place (no copy of the template per save); an asynchronous save's
+    snapshot of them (deeppart.saving.snapshot) takes the template itself as
+    its leaves and stages this rank's own bytes, which later changes of the
+    live tensors do not reach."""
+    from deeppart.saving.snapshot import ShareSnapshot
+
+    comms = save_all(tmp_path, "a", [stage_state(r, 1) for r in range(4)])
+    reused: dict[int, Any] = {}
+    inner = prepare_mod._try_cache
+
+    def kept(own: Any, rank: int, *args: Any) -> Any:
+        reused[rank] = inner(own, rank, *args)
+        return reused[rank]
+
+    monkeypatch.setattr(prepare_mod, "_try_cache", kept)
+    states = [stage_state(r, 2) for r in range(4)]
+    save_all(tmp_path, "b", states, comms)
+    assert sorted(exchanges) == [0, 1, 2, 3]  # only the first save took the full path
+    assert sorted(reused) == [0, 1, 2, 3] and all(r is not None for r in reused.values())
+    for rank, reuse in reused.items():
+        prep = reuse.prep
+        assert isinstance(prep.leaves, union_cache.OverlaidLeaves)
+        want = []
+        for li, start, stop in prep.plan.rank_pieces(rank):
+            leaf = prep.leaves[li]
+            if leaf.tensor is None:
+                want.append(bytes(leaf.encoded or b""))
+            else:
+                flat = leaf.tensor.reshape(-1)[start:stop].clone()
+                want.append(bytes(flat.view(torch.uint8).numpy()))
+        assert any(want), "this rank writes something"
+        snap = ShareSnapshot()
+        taken = snap.take(prep, rank)
+        snap.issue()
+        assert taken.leaves is prep.leaves.holding_nothing()
+        assert all(lf.tensor is None and lf.encoded is None for lf in taken.leaves)
+        for t in (states[rank]["rng"], *(lay["w"] for lay in states[rank]["model"].values())):
+            t.fill_(-1)  # the live state changes after the snapshot
+        if taken.staged_ready is not None:
+            taken.staged_ready()
+        assert [bytes(p.data) for p in taken.staged or []] == want
+        snap.discard()
+
+
+def test_overlaid_leaves_read_as_the_list_they_stand_for() -> None:
+    from deeppart.state.state import FlatLeaf
+
+    template = [FlatLeaf((f"p{k}",), None, None) for k in range(5)]
+    own = {1: FlatLeaf(("p1",), None, b"x"), 4: FlatLeaf(("p4",), None, b"y")}
+    leaves = union_cache.OverlaidLeaves(template, own)
+    as_list = [own.get(k, lf) for k, lf in enumerate(template)]
+    assert len(leaves) == 5 and list(leaves) == as_list
+    assert [leaves[k] for k in range(5)] == as_list
+    assert leaves[-1] is own[4] and leaves[-5] is template[0]
+    assert leaves[1:5:2] == [own[1], template[3]] and leaves[4:] == [own[4]]
+    with pytest.raises(IndexError):
+        leaves[5]
+    with pytest.raises(IndexError):
+        leaves[-6]
+    assert leaves.holding_nothing() is template  # shared, not copied
+    assert list(union_cache.OverlaidLeaves(template, {})) == template
+    with pytest.raises(IndexError, match="outside the template"):
+        union_cache.OverlaidLeaves(template, {5: own[1]})
+
+
 def test_an_async_save_over_ranks_in_one_process_saves_synchronously_and_says_why(
     tmp_path: Path,
 ) -> None:
