@@ -63,7 +63,6 @@ __all__ = [
 #: The path key under which the versions of one path are stored:
 #: ``("loader", "pos", "<version>", 1)``.
 VERSION_KEY = "<version>"
-_SHARD_KEY = SHARD_KEY
 
 
 @dataclass
@@ -184,7 +183,7 @@ def decode_described(wire: dict[str, Any]) -> Described:
         descs.extend(plain[at : at + before])
         at += before
         hit = shared.get((id(shards), dtype))
-        if hit is None or hit[0] is not shards:
+        if hit is None:
             made = [{"dtype": dtype, "shape": rshape, "holders": h} for _, rshape, h in shards]
             hit = shared[(id(shards), dtype)] = (shards, made)
         n = len(descs)
@@ -256,7 +255,7 @@ class Union:
         return (
             bool(self.versions)
             or any(r.get("ranks") != list(range(self.world)) for r in self.records)
-            or any(len(it.holders) != self.world and _SHARD_KEY not in it.path for it in self.items)
+            or any(len(it.holders) != self.world and SHARD_KEY not in it.path for it in self.items)
         )
 
 
@@ -534,16 +533,18 @@ def build_union(
     versions: list[dict[str, Any]] = []
     # (class, local leaf) -> the union leaf that the skeleton names there.
     canon: dict[tuple[int, int], int] = {}
-    # Per dtype, by region (decoded layouts share their regions): the
-    # shards' item description, made once and shared by the items of that
-    # dtype and region (read only); each kept with its region, so that no
-    # other object can take the region's id while it is here.
-    shard_descs: dict[str, dict[int, tuple[Any, dict[str, Any]]]] = {}
+    # By dtype and region (decoded layouts share their regions): the shards'
+    # item description, made once and shared by the items of that dtype and
+    # region (read only); each kept with its region, so that no other object
+    # can take the region's id while it is here.
+    shard_descs: dict[tuple[str, int], tuple[Any, dict[str, Any]]] = {}
 
-    def shard_desc(dtype: str, region: Any) -> tuple[Any, dict[str, Any]]:
-        made = (region, {"dtype": dtype, "shape": _region_shape(region)})
-        shard_descs[dtype][id(region)] = made
-        return made
+    def shard_desc(dtype: str, region: Any) -> dict[str, Any]:
+        hit = shard_descs.get((dtype, id(region)))
+        if hit is None:
+            hit = (region, {"dtype": dtype, "shape": _region_shape(region)})
+            shard_descs[(dtype, id(region))] = hit
+        return hit[1]
 
     # Per class, by local leaf: its ranks whose plain value differs from
     # the class's lowest rank's (most ranks hold most values alike).
@@ -658,12 +659,8 @@ def build_union(
             first_leaf.append(n)
             dtype = x.desc["dtype"]
             shards = [{"leaf": n + j, "index": s[0]} for j, s in enumerate(x.shards)]
-            known = shard_descs.setdefault(dtype, {})
             items.extend([
-                UnionItem(
-                    [*base, _SHARD_KEY, j],
-                    (known.get(id(region)) or shard_desc(dtype, region))[1], hs, src,
-                )
+                UnionItem([*base, SHARD_KEY, j], shard_desc(dtype, region), hs, src)
                 for j, (region, hs, src) in enumerate(x.shards)
             ])  # fmt: skip
             records.append(
