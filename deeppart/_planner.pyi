@@ -105,7 +105,10 @@ class Manifest:
         released. Raises ``ManifestError``."""
     @staticmethod
     def from_leaves(
-        leaves: Iterable[Mapping[str, Any]], groups: Sequence[Sequence[int]] | None = None
+        leaves: Iterable[Mapping[str, Any]],
+        groups: Sequence[Sequence[int]] | None = None,
+        tables: Sequence[Sequence[Sequence[Any]]] | None = None,
+        shard_key: str | None = None,
     ) -> Manifest:
         """Builds a manifest from leaf descriptions: dicts with the keys of
         the JSON form (``path``, ``dtype`` and ``shape``, or ``kind="object"``
@@ -114,7 +117,12 @@ class Manifest:
         groups, each a sorted list of distinct ranks (a leaf with
         ``holders=i`` is held, with identical bytes, by exactly the ranks of
         ``groups[i]``; one without ``owner`` or ``holders`` by every rank).
-        Raises ``ManifestError`` naming the leaf or group."""
+        ``tables``: shard tables, each a list of ``[shape, owner, holders]``
+        (owner and holders None or ints, as above); an item ``{"path": P,
+        "dtype": D, "table": t}`` stands for one tensor leaf per row ``k``
+        of table ``t``, at path ``P + [shard_key, k]`` (the shards of one
+        DTensor, described once per layout). Raises ``ManifestError``
+        naming the leaf, table or group."""
     @staticmethod
     def from_state_dict(state: Any) -> Manifest:
         """Walks nested dicts, lists and tuples of torch tensors and plain

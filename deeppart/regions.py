@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -248,9 +248,10 @@ class Region:
         return Region((tuple(sel), *self.runs[1:]))
 
 
-@dataclass(frozen=True, slots=True)
-class ShardRecord:
-    """One stored shard: its planner leaf and its region of the global tensor."""
+class ShardRecord(NamedTuple):
+    """One stored shard: its planner leaf and its region of the global tensor
+    (a named tuple: a union makes one per stored shard, hundreds of
+    thousands at scale)."""
 
     leaf: int
     region: Region

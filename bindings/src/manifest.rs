@@ -7,7 +7,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
 use crate::convert::{path_to_py, to_json};
-use crate::errors::manifest_err;
+use crate::errors::{manifest_err, ManifestError};
 
 /// An ordered list of the leaves of a state tree: paths, dtypes, shapes,
 /// sizes and owners. Immutable.
@@ -110,6 +110,115 @@ fn leaf_from_dict(d: &Bound<'_, PyDict>) -> Option<core::Leaf> {
     Some(leaf.with_holders(holders))
 }
 
+/// One shard of a table of `Manifest.from_leaves`: its shape, owner and
+/// holder group.
+type TableShard = (Vec<u64>, Option<u32>, Option<u32>);
+
+/// The shard tables of `Manifest.from_leaves`: per table, per shard
+/// `[shape, owner, holders]`.
+fn shard_tables(tables: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<TableShard>>> {
+    use core::model::manifest::MAX_DIMS;
+    let bad = |t: usize, k: usize, what: &str| {
+        ManifestError::new_err(format!("shard table {t}, shard {k}: {what}"))
+    };
+    let mut out = Vec::new();
+    for (t, table) in tables.try_iter()?.enumerate() {
+        let mut shards = Vec::new();
+        for (k, entry) in table?.try_iter()?.enumerate() {
+            let entry = entry?;
+            let row = |entry: &Bound<'_, PyAny>| -> PyResult<(Vec<i64>, Option<i64>, Option<i64>)> {
+                let fields: Vec<Bound<'_, PyAny>> = entry.try_iter()?.collect::<PyResult<_>>()?;
+                let [shape, owner, holders] = <[Bound<'_, PyAny>; 3]>::try_from(fields)
+                    .map_err(|_| pyo3::exceptions::PyValueError::new_err("not 3 fields"))?;
+                Ok((shape.extract()?, owner.extract()?, holders.extract()?))
+            };
+            let (shape, owner, holders) =
+                row(&entry).map_err(|_| bad(t, k, "not [shape, owner, holders] of ints"))?;
+            if shape.len() > MAX_DIMS {
+                return Err(bad(t, k, "too many dimensions"));
+            }
+            let shape: Option<Vec<u64>> = shape.iter().map(|&n| u64::try_from(n).ok()).collect();
+            let shape = shape.ok_or_else(|| bad(t, k, "a negative dimension"))?;
+            let small = |v: Option<i64>, what: &str| match v {
+                None => Ok(None),
+                Some(n) => u32::try_from(n).map(Some).map_err(|_| bad(t, k, what)),
+            };
+            shards.push((
+                shape,
+                small(owner, "owner out of range")?,
+                small(holders, "holder group out of range")?,
+            ));
+        }
+        out.push(shards);
+    }
+    Ok(out)
+}
+
+/// The leaves of one block item of `Manifest.from_leaves` (`path`, `dtype`,
+/// `table`): one per shard of its table, at `path + [shard_key, k]`.
+fn shard_block(
+    index: usize,
+    item: &Bound<'_, PyDict>,
+    table: &Bound<'_, PyAny>,
+    tables: &[Vec<TableShard>],
+    shard_key: Option<&str>,
+    out: &mut Vec<core::Leaf>,
+) -> PyResult<()> {
+    use core::model::manifest::MAX_PATH_DEPTH;
+    let bad = |what: String| ManifestError::new_err(format!("leaf {index}: {what}"));
+    let key = shard_key.ok_or_else(|| bad("a shard table item without a shard_key".into()))?;
+    if item.len() != 3 {
+        return Err(bad(
+            "a shard table item has keys other than path, dtype, table".into(),
+        ));
+    }
+    let t: usize = table
+        .extract()
+        .map_err(|_| bad("its table is not an index".into()))?;
+    let shards = tables
+        .get(t)
+        .ok_or_else(|| bad(format!("table {t} of {}", tables.len())))?;
+    let dtype: String = item
+        .get_item("dtype")?
+        .ok_or_else(|| bad("no dtype".into()))?
+        .extract()
+        .map_err(|_| bad("its dtype is not a string".into()))?;
+    let dtype =
+        core::DType::parse(&dtype).ok_or_else(|| bad(format!("unknown dtype {dtype:?}")))?;
+    let path_value = item
+        .get_item("path")?
+        .ok_or_else(|| bad("no path".into()))?;
+    let mut path = Vec::new();
+    for key in path_value
+        .try_iter()
+        .map_err(|_| bad("its path is not a list".into()))?
+    {
+        let key = key?;
+        if let Ok(s) = key.cast::<pyo3::types::PyString>() {
+            path.push(core::PathKey::Str(s.to_str()?.to_owned()));
+        } else if key.cast::<pyo3::types::PyBool>().is_err() {
+            let n: i64 = key
+                .extract()
+                .map_err(|_| bad("a path key is neither a string nor an int".into()))?;
+            path.push(core::PathKey::Int(n));
+        } else {
+            return Err(bad("a path key is a bool".into()));
+        }
+    }
+    if path.is_empty() || path.len() + 2 > MAX_PATH_DEPTH {
+        return Err(bad(format!("its path has {} keys", path.len())));
+    }
+    for (k, (shape, owner, holders)) in shards.iter().enumerate() {
+        let mut p = path.clone();
+        p.push(core::PathKey::Str(key.to_owned()));
+        p.push(core::PathKey::Int(k as i64));
+        let leaf = core::Leaf::tensor(p, dtype, shape.clone(), *owner)
+            .map_err(|e| bad(format!("shard {k}: {e}")))?;
+        out.push(leaf.with_holders(*holders));
+    }
+    Ok(())
+}
+
 #[pymethods]
 impl Manifest {
     /// Parses the JSON interchange form.
@@ -126,11 +235,19 @@ impl Manifest {
     /// JSON form (`path`, `dtype`, `shape`, or `kind="object"` and `nbytes`,
     /// `owner`, `holders`), and the holder groups (lists of ranks) that the
     /// leaves' `holders` index.
+    ///
+    /// With `tables` (lists of `[shape, owner, holders]`, one per shard: the
+    /// shards of one DTensor layout), an item `{"path": P, "dtype": D,
+    /// "table": t}` stands for one leaf per entry `k` of table `t`, at path
+    /// `P + [shard_key, k]`: a union of a million shard leaves is described
+    /// by its DTensors.
     #[staticmethod]
-    #[pyo3(signature = (leaves, groups=None))]
+    #[pyo3(signature = (leaves, groups=None, tables=None, shard_key=None))]
     fn from_leaves(
         leaves: &Bound<'_, PyAny>,
         groups: Option<&Bound<'_, PyAny>>,
+        tables: Option<&Bound<'_, PyAny>>,
+        shard_key: Option<&str>,
     ) -> PyResult<Manifest> {
         // The groups first: their size is checked before the leaves are read.
         let groups = match groups {
@@ -141,9 +258,20 @@ impl Manifest {
                 core::model::manifest::groups_from_json(&value).map_err(manifest_err)?
             }
         };
+        let tables = match tables {
+            None => Vec::new(),
+            Some(t) if t.is_none() => Vec::new(),
+            Some(t) => shard_tables(t)?,
+        };
         let mut parsed = Vec::new();
         for (index, item) in leaves.try_iter()?.enumerate() {
             let item = item?;
+            if let Ok(d) = item.cast::<PyDict>() {
+                if let Some(table) = d.get_item("table")? {
+                    shard_block(index, d, &table, &tables, shard_key, &mut parsed)?;
+                    continue;
+                }
+            }
             if let Some(leaf) = item.cast::<PyDict>().ok().and_then(|d| leaf_from_dict(d)) {
                 parsed.push(leaf);
                 continue;
@@ -168,7 +296,7 @@ impl Manifest {
     fn from_state_dict(py: Python<'_>, state: &Bound<'_, PyAny>) -> PyResult<Manifest> {
         let walker = py.import("deeppart.state.state")?;
         let leaves = walker.call_method1("describe_leaves", (state,))?;
-        Manifest::from_leaves(&leaves, None)
+        Manifest::from_leaves(&leaves, None, None, None)
     }
 
     /// The JSON interchange form (docs/PLANNER.md): `{"version": 1, "leaves":

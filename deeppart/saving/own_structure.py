@@ -36,7 +36,15 @@ from deeppart._planner import Manifest, Plan
 from deeppart.state.dtensor import Expanded, expand, local_tensor, mesh_identity
 from deeppart.state.state import FlatLeaf, is_dtensor
 
-__all__ = ["OwnStructure", "describe", "forget", "holders_of", "structure_digest", "structure_key"]
+__all__ = [
+    "OwnStructure",
+    "describe",
+    "forget",
+    "holders_of",
+    "records_text",
+    "structure_digest",
+    "structure_key",
+]
 
 
 def structure_key(
@@ -120,22 +128,28 @@ class OwnStructure:
 
 
 def structure_digest(
-    plan: Plan, manifest: Manifest, skeleton: Any, codec: str, records_json: Any
+    plan: Plan,
+    manifest: Manifest,
+    skeleton: Any,
+    codec: str,
+    records_json: Any,
+    text: bytes | None = None,
 ) -> bytes:
     """The part of a save's digest (:func:`deeppart.saving.prepare.save_digest`)
     that names its plan, manifest, skeleton, codec and DTensor records: all
-    but the save's directory."""
+    but the save's directory (``text``: the records' :func:`records_text`,
+    when the caller made it; ``records_json`` is then not read)."""
     h = hashlib.sha256()
     h.update(plan.fingerprint.encode())
     h.update(plan.assignment_digest().encode())
     h.update(manifest.fingerprint.encode())
     h.update(json.dumps(skeleton, separators=(",", ":")).encode())
     h.update(codec.encode())
-    h.update(_records_text(records_json))
+    h.update(text if text is not None else records_text(records_json))
     return h.digest()
 
 
-def _records_text(records_json: Any) -> bytes:
+def records_text(records_json: Any) -> bytes:
     """DTensor records (their JSON form) as one text for the digest: per
     record its path, dtype, shape and number of shards, then each shard's
     leaf and region; each distinct region object's JSON made once (the
@@ -194,9 +208,17 @@ def describe(
     held: list[tuple[int, int, int]] = []
     local_shapes: dict[int, tuple[int, ...]] = {}
     empty: list[FlatLeaf] = []
+    # Per owner or holder group: its holders list, shared by its leaves
+    # (read only).
+    holders_by: dict[tuple[Any, Any], list[int]] = {}
     for e, (leaf, desc) in enumerate(zip(ex.leaves, ex.descs, strict=True)):
-        d = {k: v for k, v in desc.items() if k not in ("owner", "holders")}
-        holders = holders_of(desc, ex.groups, world)
+        d = dict(desc)
+        d.pop("owner", None)
+        d.pop("holders", None)
+        by = (desc.get("owner"), desc.get("holders"))
+        holders = holders_by.get(by)
+        if holders is None:
+            holders = holders_by[by] = holders_of(desc, ex.groups, world)
         i = ex.origin[e]
         if leaf.encoded is not None or leaf.tensor is not None:
             held.append((e, i, len(holders)))

@@ -35,14 +35,15 @@ from deeppart.agreement import agree
 from deeppart.comm import Comm
 from deeppart.compression import check_codec
 from deeppart.errors import CheckpointError, StateMismatchError
-from deeppart.regions import DTensorRecord, Region, ShardRecord
+from deeppart.regions import SHARD_KEY, DTensorRecord, Region, ShardRecord
 from deeppart.saving.digests import digest_all, digest_threads
-from deeppart.saving.own_structure import describe, holders_of, structure_digest
+from deeppart.saving.own_structure import describe, holders_of, records_text, structure_digest
 from deeppart.saving.planning import in_process_options
 from deeppart.saving.union_cache import (
     COLUMN_WIDTH,
     FINGERPRINT_BYTES,
     TAG_BYTES,
+    EmptyLeaves,
     OverlaidLeaves,
     UnionCache,
     cached,
@@ -58,6 +59,7 @@ from deeppart.state.tensors import U8, readable, u8_view
 from deeppart.state.union import (
     Described,
     Digests,
+    ShardBlock,
     Union,
     build_union,
     decode_described,
@@ -196,12 +198,15 @@ def save_digest(
     directory: Location,
     records: list[DTensorRecord],
     records_json: list[dict[str, Any]] | None = None,
+    records_text: bytes | None = None,
 ) -> bytes:
     """The digest of what all ranks of one save must agree on
-    (``records_json``: ``records``' JSON, when the caller has it)."""
-    if records_json is None:
+    (``records_json``: ``records``' JSON, or ``records_text``: their
+    :func:`~deeppart.saving.own_structure.records_text`, when the caller
+    has it)."""
+    if records_json is None and records_text is None:
         records_json = [r.to_json() for r in records]
-    part = structure_digest(plan, manifest, skeleton, codec, records_json)
+    part = structure_digest(plan, manifest, skeleton, codec, records_json, records_text)
     return located_digest(part, directory)
 
 
@@ -810,19 +815,31 @@ def _read_exchange(got: list[bytes], rows: list[bytes], auto: bool) -> _Exchange
         members.setdefault(c, []).append(r)
     unmatched: list[int] = []
     for c, ranks in members.items():
-        descs = states[c].descs
-        plain = [i for i, d in enumerate(descs) if "holders" not in d and d.get("kind") != "object"]
-        plain = plain if world > 1 else []
+        plain: list[int] = []
         held: dict[int, list[int]] = {r: [] for r in ranks}
         ref_of: dict[int, int] = {}
-        for i, d in enumerate(descs):
+        # Per holders list (by identity: a decoded layout's shards share
+        # theirs, kept alive by the description): its reference and its
+        # holders of this class.
+        by_holders: dict[int, tuple[int, list[int]]] = {}
+        # One pass over the class's leaves: its plain tensors, and the
+        # shards that several of its ranks hold (most shards have one).
+        for i, d in enumerate(states[c].descs):
             hs = d.get("holders")
-            if hs is None or len(hs) < 2:
+            if hs is None:
+                if d.get("kind") != "object":
+                    plain.append(i)
                 continue
-            ref_of[i] = _reference(hs, c, classes)
-            for h in hs:
-                if classes[h] == c:
-                    held[h].append(i)
+            if len(hs) < 2:
+                continue
+            known = by_holders.get(id(hs))
+            if known is None:
+                in_class = [h for h in hs if classes[h] == c]
+                known = by_holders[id(hs)] = (_reference(hs, c, classes), in_class)
+            ref_of[i] = known[0]
+            for h in known[1]:
+                held[h].append(i)
+        plain = plain if world > 1 else []
         for i in plain:
             ref_of[i] = c
         for r in ranks:
@@ -1025,47 +1042,101 @@ def _union_prepared(u: Union, own: _Own, rank: int) -> Prepared:
     """This rank's :class:`Prepared` of the union: the job's manifest and
     plan, this rank's leaves where it holds them (nothing elsewhere)."""
     hg = HolderGroups(u.world)
-    # The holder groups first (the manifest reads them before its leaves),
-    # then each leaf's description made as the manifest reads it and freed
-    # at once: a list of them all would hold a dict per item.
-    fields = [hg.field(it.holders) for it in u.items]
-    descs = ({"path": it.path, **it.desc, **f} for it, f in zip(u.items, fields, strict=True))
-    manifest = Manifest.from_leaves(descs, hg.groups or None)
-    del fields
+    # The manifest's leaves: a plain item's description, a block of
+    # DTensor shards as its path, dtype and table (each distinct table of
+    # shard shapes and holders once: the shards of one layout and dtype).
+    # The holder groups are met in item order, as each leaf's would be.
+    items: list[dict[str, Any]] = []
+    tables: list[list[list[Any]]] = []
+    table_of: dict[Any, int] = {}
+    for e in u.entries:
+        if isinstance(e, ShardBlock):
+            # A table per decoded layout, else per distinct list of shard
+            # descriptions (by identity: alive in u, the class's).
+            if e.layout is not None:
+                key: Any = id(e.layout)
+                t = table_of.get(key)
+                if t is None:
+                    t = table_of[key] = len(tables)
+                    tables.append([_table_row(shape, hg.field(h)) for _, shape, h in e.layout])
+            else:
+                shard_descs = [e.descs[s[2]] for s in e.shards]
+                key = tuple(map(id, shard_descs))
+                t = table_of.get(key)
+                if t is None:
+                    t = table_of[key] = len(tables)
+                    tables.append(
+                        [_table_row(d["shape"], hg.field(d["holders"])) for d in shard_descs]
+                    )
+            items.append({"path": e.path, "dtype": e.dtype, "table": t})
+        else:
+            items.append({"path": e.path, **e.desc, **hg.field(e.holders)})
+    manifest = Manifest.from_leaves(items, hg.groups or None, tables, SHARD_KEY)
+    del items, tables, table_of
     plan = own.plan_for(manifest)
-    leaves = [
-        FlatLeaf(tuple(it.path), None, None) if (i := it.source.get(rank)) is None
-        else FlatLeaf(tuple(it.path), own.prep.leaves[i].tensor, own.prep.leaves[i].encoded)
-        for it in u.items
-    ]  # fmt: skip
-    regions: dict[int, tuple[Any, Region]] = {}
-
-    def region(raw: Any) -> Region:
-        # Decoded layouts share their regions' JSON: each converted once.
-        hit = regions.get(id(raw))
-        if hit is None or hit[0] is not raw:
-            hit = (raw, _region(raw))
-            regions[id(raw)] = hit
-        return hit[1]
-
-    records = [
-        DTensorRecord(
-            r["path"], r["dtype"], r["shape"],
-            [ShardRecord(s["leaf"], region(s["index"])) for s in r["shards"]],
-        )
-        for r in u.records
-    ]  # fmt: skip
-    as_json = [
-        {"path": r["path"], "dtype": r["dtype"], "shape": r["shape"], "shards": r["shards"]}
-        for r in u.records
-    ]
+    mine = own.prep.leaves
+    template = EmptyLeaves(u.entries)
+    own_leaves = {
+        k: FlatLeaf(template[k].path, mine[i].tensor, mine[i].encoded) for k, i, _ in u.held(rank)
+    }
+    leaves = OverlaidLeaves(template, own_leaves)
+    records, text = _union_records(u)
     digest = save_digest(
-        plan, manifest, u.skeleton, own.prep.codec, own.directory, records, as_json
+        plan, manifest, u.skeleton, own.prep.codec, own.directory, records, records_text=text
     )
     union = {"dtensors": u.records, "versions": u.versions} if u.per_rank else None
     return Prepared(
         leaves, u.skeleton, manifest, plan, own.prep.codec, digest, records, union=union
     )
+
+
+def _union_records(u: Union) -> tuple[list[DTensorRecord], bytes]:
+    """The union's DTensor records and their text for the save's digest
+    (:func:`~deeppart.saving.own_structure.records_text`'s, byte for byte).
+    A record whose shards are a decoded layout's (``u.layouts``) takes that
+    layout's regions and texts, converted once per layout; any other, each
+    distinct region object once."""
+    converted: dict[int, tuple[Any, Region]] = {}
+
+    def region(raw: Any) -> Region:
+        hit = converted.get(id(raw))
+        if hit is None or hit[0] is not raw:
+            hit = (raw, _region(raw))
+            converted[id(raw)] = hit
+        return hit[1]
+
+    # Per layout (kept alive by u): its regions and their texts.
+    by_layout: dict[int, tuple[list[Region], list[str]]] = {}
+    dumps = json.JSONEncoder(separators=(",", ":")).encode
+    records: list[DTensorRecord] = []
+    parts: list[str] = []
+    layouts = u.layouts or [None] * len(u.records)
+    for r, layout in zip(u.records, layouts, strict=True):
+        shards = r["shards"]
+        if layout is None:
+            records.append(DTensorRecord(
+                r["path"], r["dtype"], r["shape"],
+                [ShardRecord(s["leaf"], region(s["index"])) for s in shards],
+            ))  # fmt: skip
+            parts.append(records_text([r]).decode())
+            continue
+        hit = by_layout.get(id(layout))
+        if hit is None:
+            hit = ([region(s[0]) for s in layout], [dumps(s[0]) for s in layout])
+            by_layout[id(layout)] = hit
+        first = shards[0]["leaf"]
+        leaves = range(first, first + len(shards))
+        records.append(DTensorRecord(
+            r["path"], r["dtype"], r["shape"], list(map(ShardRecord, leaves, hit[0]))
+        ))  # fmt: skip
+        parts.append(dumps([r["path"], r["dtype"], r["shape"], len(shards)]))
+        parts.append("".join(map("{}={}".format, leaves, hit[1])))
+    return records, "".join(parts).encode()
+
+
+def _table_row(shape: list[int], field: dict[str, Any]) -> list[Any]:
+    """A shard's row of a manifest's shard table: shape, owner, holder group."""
+    return [shape, field.get("owner"), field.get("holders")]
 
 
 def _region(raw: Any) -> Region:

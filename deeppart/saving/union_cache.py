@@ -81,9 +81,16 @@ import numpy as np
 import numpy.typing as npt
 
 from deeppart._planner import Manifest, Plan
-from deeppart.regions import DTensorRecord
+from deeppart.regions import SHARD_KEY, DTensorRecord
 from deeppart.state.state import FlatLeaf
-from deeppart.state.union import Described, Digests, Union, encode_described
+from deeppart.state.union import (
+    Described,
+    Digests,
+    ShardBlock,
+    Union,
+    UnionEntry,
+    encode_described,
+)
 
 __all__ = [
     "CHECK_BYTES",
@@ -151,11 +158,10 @@ def check_terms(u: Union, rank: int) -> list[tuple[int, int]]:
     """``rank``'s check terms of union ``u``: per item stored once for
     several holders, ``rank`` among them, its local leaf and coefficient."""
     out: list[tuple[int, int]] = []
-    for k, it in enumerate(u.items):
-        leaf = it.source.get(rank)
-        if leaf is None or len(it.holders) < 2:
+    for k, leaf, holders in u.held(rank):
+        if len(holders) < 2:
             continue
-        holders = sorted(it.holders)
+        holders = sorted(holders)
         j = bisect.bisect_left(holders, rank)
         coeff = (_g(k, j) - _g(k, (j + 1) % len(holders))) % PRIME
         out.append((leaf, coeff))
@@ -211,7 +217,7 @@ class UnionCache:
     union_meta: dict[str, Any] | None
     #: Per union item: a leaf of its path holding nothing (this rank's
     #: leaves are put in by :attr:`held`).
-    template: list[FlatLeaf]
+    template: Sequence[FlatLeaf]
     #: ``(union item, local leaf)`` of every item this rank holds.
     held: list[tuple[int, int]]
     #: :func:`check_terms` of this rank.
@@ -222,17 +228,85 @@ class UnionCache:
     planned_with: Any = None
 
 
-class OverlaidLeaves(Sequence[FlatLeaf]):
-    """The leaves of a save that reuses a cached union: the cache's
-    :attr:`UnionCache.template` (one leaf per union item, holding nothing;
-    shared by every such save, never changed) with this rank's own leaves
-    in their items' places. Reads as the list of them would, without a
-    copy of the template (911,736 items at 4,096 ranks, which each save
-    would copy and the garbage collector then walk); read-only."""
+class _ReadOnlyLeaves(Sequence[FlatLeaf]):
+    """A read-only sequence of leaves made by :meth:`_leaf` (``k`` in
+    range, not negative)."""
+
+    __slots__ = ()
+
+    def _leaf(self, k: int) -> FlatLeaf:
+        raise NotImplementedError
+
+    @overload
+    def __getitem__(self, k: int) -> FlatLeaf: ...
+    @overload
+    def __getitem__(self, k: slice) -> list[FlatLeaf]: ...
+    def __getitem__(self, k: int | slice) -> FlatLeaf | list[FlatLeaf]:
+        n = len(self)
+        if isinstance(k, slice):
+            return [self._leaf(i) for i in range(*k.indices(n))]
+        if not -n <= k < n:
+            raise IndexError("leaf index out of range")
+        return self._leaf(k % n)
+
+
+class EmptyLeaves(_ReadOnlyLeaves):
+    """One leaf holding nothing per item of a union (its path only), made
+    as it is read: a union's blocks of DTensor shards
+    (:class:`~deeppart.state.union.ShardBlock`, most of its 911,736 items at
+    4,096 ranks) are not made into a leaf each unless a reader walks them
+    all, which then keeps the list it made. Read-only."""
+
+    __slots__ = ("_all", "_entries", "_starts")
+
+    def __init__(self, entries: Sequence[UnionEntry]) -> None:
+        self._entries = entries
+        starts: list[int] = []
+        n = 0
+        for e in entries:
+            starts.append(n)
+            n += len(e) if isinstance(e, ShardBlock) else 1
+        starts.append(n)
+        self._starts = starts
+        self._all: list[FlatLeaf] | None = None
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def _leaf(self, k: int) -> FlatLeaf:
+        if self._all is not None:
+            return self._all[k]
+        at = bisect.bisect_right(self._starts, k) - 1
+        e = self._entries[at]
+        if isinstance(e, ShardBlock):
+            return FlatLeaf((*e.path, SHARD_KEY, k - self._starts[at]), None, None)
+        return FlatLeaf(tuple(e.path), None, None)
+
+    def __iter__(self) -> Iterator[FlatLeaf]:
+        if self._all is None:
+            out: list[FlatLeaf] = []
+            for e in self._entries:
+                if isinstance(e, ShardBlock):
+                    base = tuple(e.path)
+                    out.extend(FlatLeaf((*base, SHARD_KEY, j), None, None) for j in range(len(e)))
+                else:
+                    out.append(FlatLeaf(tuple(e.path), None, None))
+            self._all = out
+        return iter(self._all)
+
+
+class OverlaidLeaves(_ReadOnlyLeaves):
+    """The leaves of a union save: a template holding nothing (one leaf
+    per union item: :class:`EmptyLeaves`, which a save that reuses the
+    cached union shares as :attr:`UnionCache.template`, never changed) with
+    this rank's own leaves in their items' places. Reads as the list of
+    them would, without a copy of the template (911,736 items at 4,096
+    ranks, which each save would copy and the garbage collector then
+    walk); read-only."""
 
     __slots__ = ("_own", "_template")
 
-    def __init__(self, template: list[FlatLeaf], own: dict[int, FlatLeaf]) -> None:
+    def __init__(self, template: Sequence[FlatLeaf], own: dict[int, FlatLeaf]) -> None:
         if any(not 0 <= k < len(template) for k in own):
             raise IndexError("an own leaf outside the template (a bug)")
         self._template = template
@@ -241,17 +315,11 @@ class OverlaidLeaves(Sequence[FlatLeaf]):
     def __len__(self) -> int:
         return len(self._template)
 
-    @overload
-    def __getitem__(self, k: int) -> FlatLeaf: ...
-    @overload
-    def __getitem__(self, k: slice) -> list[FlatLeaf]: ...
-    def __getitem__(self, k: int | slice) -> FlatLeaf | list[FlatLeaf]:
-        if isinstance(k, slice):
-            return [self[i] for i in range(*k.indices(len(self._template)))]
-        leaf = self._template[k]  # IndexError as a list's
-        return self._own.get(k % len(self._template), leaf)
+    def _leaf(self, k: int) -> FlatLeaf:
+        own = self._own.get(k)
+        return own if own is not None else self._template[k]
 
-    def holding_nothing(self) -> list[FlatLeaf]:
+    def holding_nothing(self) -> Sequence[FlatLeaf]:
         """These leaves with this rank's own holding nothing: the template
         itself (shared, never changed; not a copy)."""
         return self._template
@@ -292,10 +360,13 @@ def remember(
     ident = hashlib.blake2b(
         everyone + manifest.fingerprint.encode() + plan.fingerprint.encode(), digest_size=16
     ).digest()
-    held = [(k, i) for k, it in enumerate(u.items) if (i := it.source.get(rank)) is not None]
-    template = list(leaves)
-    for k, _ in held:
-        template[k] = FlatLeaf(template[k].path, None, None)
+    held = [(k, i) for k, i, _ in u.held(rank)]
+    if isinstance(leaves, OverlaidLeaves):
+        template = leaves.holding_nothing()
+    else:
+        template = list(leaves)
+        for k, _ in held:
+            template[k] = FlatLeaf(template[k].path, None, None)
     entry = UnionCache(
         everyone, fingerprints[rank], ident, manifest, plan, skeleton, records, union_meta,
         template, held, check_terms(u, rank), planned_with,

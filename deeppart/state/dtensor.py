@@ -84,6 +84,9 @@ def _region_at(
 #: mesh spans, placements, global shape), unchanged between saves.
 _LAYOUTS: OrderedDict[tuple[Any, ...], list[tuple[Region, list[int]]]] = OrderedDict()
 _LAYOUT_CACHE = 4096
+#: Per (global shape, sharded mesh shape, placements): the regions the
+#: placements make, whatever the mesh's ranks (:func:`_placed_regions`).
+_REGIONS: OrderedDict[tuple[Any, ...], list[tuple[tuple[int, ...], Region]]] = OrderedDict()
 #: Per device mesh object (by id): a weak reference to it, its ranks as
 #: nested tuples (a cache key), and numpy; its :func:`mesh_identity` once
 #: asked for. Weak: a torch DeviceMesh holds
@@ -99,6 +102,7 @@ def forget_layouts() -> None:
     afresh, as a new process does: ``bench/exchange.py`` times a first save
     so)."""
     _LAYOUTS.clear()
+    _REGIONS.clear()
 
 
 def _forget_mesh(key: int, ref: weakref.ref[Any]) -> None:
@@ -210,16 +214,13 @@ def layout_regions(
     if hit is not None:
         _LAYOUTS.move_to_end(key)
         return hit
-    sub_shape = [int(ranks.shape[d]) for d in dims]
+    sub_shape = tuple(int(ranks.shape[d]) for d in dims)
     sharded = [m for m, p in enumerate(specs) if p is not None]
     found: dict[Region, list[int]] = {}
-    for sc in itertools.product(*(range(sub_shape[m]) for m in sharded)):
-        coord = [0] * len(dims)
+    for sc, region in _placed_regions(shape, sub_shape, specs):
         sel: list[Any] = [slice(None)] * ranks.ndim
         for m, c in zip(sharded, sc, strict=True):
-            coord[m] = c
             sel[dims[m]] = c
-        region = placement_region(shape, sub_shape, coord, specs)
         found.setdefault(region, []).extend(ranks[tuple(sel)].reshape(-1).tolist())
     out = [(r, sorted(h)) for r, h in found.items()]
     nonempty = [x for x in out if x[0].numel]
@@ -227,6 +228,32 @@ def layout_regions(
     _LAYOUTS[key] = out
     if len(_LAYOUTS) > _LAYOUT_CACHE:
         _LAYOUTS.popitem(last=False)
+    return out
+
+
+def _placed_regions(
+    shape: tuple[int, ...], sub_shape: tuple[int, ...], specs: Any
+) -> list[tuple[tuple[int, ...], Region]]:
+    """Per coordinate of the sharded mesh dimensions (in
+    :func:`itertools.product` order): the region that ``specs`` place
+    there, cached by what determines it, not by the mesh's ranks (the
+    stages of a pipeline lay out their tensors alike on meshes of their
+    own ranks)."""
+    key = (shape, sub_shape, specs)
+    hit = _REGIONS.get(key)
+    if hit is not None:
+        _REGIONS.move_to_end(key)
+        return hit
+    sharded = [m for m, p in enumerate(specs) if p is not None]
+    out: list[tuple[tuple[int, ...], Region]] = []
+    for sc in itertools.product(*(range(sub_shape[m]) for m in sharded)):
+        coord = [0] * len(sub_shape)
+        for m, c in zip(sharded, sc, strict=True):
+            coord[m] = c
+        out.append((sc, placement_region(shape, list(sub_shape), coord, specs)))
+    _REGIONS[key] = out
+    if len(_REGIONS) > _LAYOUT_CACHE:
+        _REGIONS.popitem(last=False)
     return out
 
 
@@ -330,9 +357,11 @@ class HolderGroups:
     def field(self, holders: list[int]) -> dict[str, Any]:
         """How a leaf held by ``holders`` is described to the planner:
         nothing (every rank), ``owner`` (one rank) or ``holders`` (a group).
-        The same dict for the same list object: read it, never change it."""
+        The same dict for the same list object (known by identity: a list
+        passed here must not change while this object lives): read it,
+        never change it."""
         hit = self._seen.get(id(holders))
-        if hit is not None and hit[0] is holders and hit[0] == holders:
+        if hit is not None and hit[0] is holders:
             return hit[1]
         out: dict[str, Any]
         if len(holders) == self.world and holders == self._every:

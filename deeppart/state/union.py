@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +48,9 @@ __all__ = [
     "VERSION_KEY",
     "Described",
     "Digests",
+    "ShardBlock",
     "Union",
+    "UnionEntry",
     "UnionItem",
     "build_union",
     "decode_described",
@@ -189,7 +191,13 @@ def decode_described(wire: dict[str, Any]) -> Described:
         n = len(descs)
         leaves = [[n + k, s[0]] for k, s in enumerate(shards)]
         descs.extend(hit[1])
-        rec = {"path": path, "dtype": dtype, "shape": shape, "ranks": members, "shards": leaves}
+        rec = {
+            "path": path, "dtype": dtype, "shape": shape, "ranks": members, "shards": leaves,
+            # The layout's shards (region JSON, shape, holders), shared by
+            # every DTensor of that layout: the records and the save's
+            # digest convert each region once per layout, not per shard.
+            "layout": shards,
+        }  # fmt: skip
         records.append(rec)
         by_first[first] = rec
     descs.extend(plain[at:])
@@ -230,11 +238,64 @@ class UnionItem:
     source: dict[int, int]
 
 
+@dataclass(slots=True)
+class ShardBlock:
+    """Consecutive union items: the shards of one DTensor version that one
+    class describes whole (every holder of every shard is of that class, as
+    a pipeline stage's own mesh holds its DTensors), which are most of a
+    union's items at scale. Its items are made only when asked for
+    (:meth:`item`); the save reads the block itself."""
+
+    #: The version's stored path (shard ``k``'s: ``path + [SHARD_KEY, k]``).
+    path: list[Any]
+    dtype: str
+    #: Per shard, as the class describes it: (region, sorted holders,
+    #: the class's local leaf); the regions and holders lists are shared
+    #: by the DTensors of one layout (read them, never change them).
+    shards: list[tuple[Any, list[int], int]]
+    #: The class's leaf descriptions, by local leaf (a shard's: ``dtype``,
+    #: ``shape``, ``holders``; shared likewise).
+    descs: list[dict[str, Any]]
+    #: The class's ranks (every holder is one of them).
+    ranks: frozenset[int]
+    #: The decoded layout's shards (region JSON, shape, holders) that
+    #: ``shards`` are, in order, when the class's description was decoded
+    #: (:func:`decode_described`), else None.
+    layout: Any = None
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    def item(self, k: int) -> UnionItem:
+        """Shard ``k`` as the :class:`UnionItem` it stands for."""
+        _region, holders, leaf = self.shards[k]
+        d = self.descs[leaf]
+        return UnionItem(
+            [*self.path, SHARD_KEY, k],
+            {"dtype": d["dtype"], "shape": d["shape"]},
+            holders,
+            dict.fromkeys(holders, leaf),
+        )
+
+    def held_by(self, rank: int) -> Iterator[tuple[int, int]]:
+        """(shard, local leaf) of each shard that ``rank`` holds."""
+        if rank not in self.ranks:
+            return
+        for k, (_region, holders, leaf) in enumerate(self.shards):
+            if rank in holders:
+                yield k, leaf
+
+
+#: One entry of a union: an item, or a block of DTensor shards.
+UnionEntry = UnionItem | ShardBlock
+
+
 @dataclass
 class Union:
-    """The job's manifest items, skeleton, DTensor records and versions."""
+    """The job's manifest items (as entries: items and blocks of shards),
+    skeleton, DTensor records and versions."""
 
-    items: list[UnionItem]
+    entries: Sequence[UnionEntry]
     skeleton: Any
     #: DTensor records (``path``, ``dtype``, ``shape``, ``ranks``,
     #: ``shards``: ``{"leaf": union leaf, "index": region}``).
@@ -243,10 +304,40 @@ class Union:
     #: "leaves": [...]}`` or ``"records": [...]`` (one per version).
     versions: list[dict[str, Any]]
     world: int
+    #: Per record: the decoded layout's shards its shards are, in order
+    #: (a block's DTensor), else None.
+    layouts: list[Any] = field(default_factory=list)
 
-    def local_index(self, rank: int) -> list[int | None]:
-        """Per union item: ``rank``'s local leaf holding it (None: not held)."""
-        return [it.source.get(rank) for it in self.items]
+    @property
+    def items(self) -> list[UnionItem]:
+        """Every item, the blocks' made one by one (for tests and small
+        unions: the save reads :attr:`entries`)."""
+        out: list[UnionItem] = []
+        for e in self.entries:
+            if isinstance(e, ShardBlock):
+                out.extend(e.item(k) for k in range(len(e)))
+            else:
+                out.append(e)
+        return out
+
+    def __len__(self) -> int:
+        """The number of union items (manifest leaves)."""
+        return sum(len(e) if isinstance(e, ShardBlock) else 1 for e in self.entries)
+
+    def held(self, rank: int) -> Iterator[tuple[int, int, list[int]]]:
+        """(union item, ``rank``'s local leaf, the item's holders) of each
+        item that ``rank`` holds, in item order."""
+        k = 0
+        for e in self.entries:
+            if isinstance(e, ShardBlock):
+                for j, leaf in e.held_by(rank):
+                    yield k + j, leaf, e.shards[j][1]
+                k += len(e)
+                continue
+            own = e.source.get(rank)
+            if own is not None:
+                yield k, own, e.holders
+            k += 1
 
     @property
     def per_rank(self) -> bool:
@@ -255,8 +346,12 @@ class Union:
         return (
             bool(self.versions)
             or any(r.get("ranks") != list(range(self.world)) for r in self.records)
-            or any(len(it.holders) != self.world and SHARD_KEY not in it.path for it in self.items)
-        )
+            or any(
+                isinstance(e, UnionItem) and len(e.holders) != self.world
+                and SHARD_KEY not in e.path
+                for e in self.entries
+            )
+        )  # fmt: skip
 
 
 def _key(path: Sequence[Any]) -> str:
@@ -317,6 +412,9 @@ class _Unit:
     ranks: list[int] = field(default_factory=list)  # a DTensor's mesh ranks
     _signature: str | None = None
     holders_key: tuple[tuple[int, ...], ...] | None = None
+    #: A decoded DTensor: its layout's shards, in the order of ``shards``
+    #: (:func:`decode_described`'s ``"layout"``), else None.
+    layout: Any = None
 
     def signature(self, memo: dict[tuple[Any, ...], str] | None = None) -> str:
         """What units that may hold the same item have alike: ``"object"``,
@@ -331,7 +429,12 @@ class _Unit:
         key: tuple[Any, ...] | None = None
         if memo is not None:
             try:
-                ids = tuple(id(s[0]) for s in self.shards)
+                # A decoded layout is its regions (kept alive by the unit);
+                # otherwise the regions' identities.
+                ids: Any = (
+                    ("layout", id(self.layout)) if self.layout is not None
+                    else tuple(id(s[0]) for s in self.shards)
+                )  # fmt: skip
                 key = (self.desc["dtype"], tuple(self.desc["shape"]), ids)
                 hit = memo.get(key)
             except TypeError:  # a malformed shape: no memo (the manifest names it)
@@ -353,26 +456,45 @@ def _units(states: dict[int, Described]) -> dict[str, list[_Unit]]:
     out: dict[str, list[_Unit]] = {}
     for c in sorted(states):
         st = states[c]
+        descs = st.descs
+        # A decoded record's shards are consecutive leaves from its first
+        # (decode_described makes them so, with its "layout"): skipped as
+        # one; any other record's shards are found leaf by leaf.
+        at_first: dict[int, int] = {}
         shard_of: dict[int, int] = {}
         for k, rec in enumerate(st.records):
-            for leaf, _ in rec["shards"]:
-                shard_of[leaf] = k
+            if rec.get("layout") is not None:
+                at_first[rec["shards"][0][0]] = k
+            else:
+                for leaf, _ in rec["shards"]:
+                    shard_of[leaf] = k
         seen_rec: set[int] = set()
-        for i, d in enumerate(st.descs):
-            rk = shard_of.get(i)
-            if rk is None:
-                kind = "object" if d.get("kind") == "object" else "tensor"
-                out.setdefault(_key(d["path"]), []).append(_Unit(c, kind, i, d))
-                continue
-            if rk in seen_rec:
-                continue
-            seen_rec.add(rk)
-            rec = st.records[rk]
-            shards = [(region, st.descs[leaf]["holders"], leaf) for leaf, region in rec["shards"]]
+        i, n = 0, len(descs)
+        while i < n:
+            rk = at_first.get(i)
+            if rk is not None:
+                rec = st.records[rk]
+                layout = rec["layout"]
+                shards = [(region, h, i + j) for j, (region, _, h) in enumerate(layout)]
+                i += len(shards)
+            else:
+                rk = shard_of.get(i)
+                d = descs[i]
+                i += 1
+                if rk is None:
+                    kind = "object" if d.get("kind") == "object" else "tensor"
+                    out.setdefault(_key(d["path"]), []).append(_Unit(c, kind, i - 1, d))
+                    continue
+                if rk in seen_rec:
+                    continue
+                seen_rec.add(rk)
+                rec = st.records[rk]
+                layout = None
+                shards = [(region, descs[leaf]["holders"], leaf) for leaf, region in rec["shards"]]
             unit = _Unit(
-                c, "dtensor", rec["shards"][0][0],
+                c, "dtensor", shards[0][2],
                 {"path": rec["path"], "dtype": rec["dtype"], "shape": rec["shape"]},
-                shards, list(rec["ranks"]),
+                shards, list(rec["ranks"]), layout=layout,
             )  # fmt: skip
             out.setdefault(_key(rec["path"]), []).append(unit)
     memo: dict[tuple[Any, ...], str] = {}
@@ -414,9 +536,10 @@ def whole_digests_needed(
             if u.kind != "object":
                 by_sig.setdefault(u.signature(), []).append(u)
         for group in by_sig.values():
-            if group[0].kind == "tensor":
-                # Every holder's digest of its whole tensor is in the
-                # exchange already (Digests.samples): nothing more to digest.
+            if group[0].kind == "tensor" or len(group) == 1:
+                # A plain tensor: every holder's digest of its whole tensor
+                # is in the exchange already (Digests.samples). One unit:
+                # no other class to compare with. Nothing more to digest.
                 continue
             holder_sets = {tuple(tuple(s[1]) for s in u.shards) for u in group}
             if len(holder_sets) > 1:
@@ -445,6 +568,9 @@ class _Version:
     content: Any = None
     #: DTensor: the classes' units merged into this version.
     units: list[_Unit] = field(default_factory=list)
+    #: DTensor: its one unit, when every holder is of that unit's class
+    #: (its items are then a :class:`ShardBlock`; ``shards`` stays empty).
+    block: _Unit | None = None
 
 
 def _samples_differ(
@@ -475,6 +601,32 @@ def _shard_digests(u: _Unit, whole: dict[tuple[int, int], str]) -> list[str | No
     return [whole.get((min(h), leaf)) for _, h, leaf in u.shards]
 
 
+def _whole_in_class(
+    u: _Unit, classes: Sequence[int], memo: dict[tuple[int, int], bool] | None = None
+) -> bool:
+    """Whether every holder of every shard of ``u`` is of ``u``'s class
+    (its own class described it whole: one stage's mesh). ``memo``: by
+    class and decoded layout (kept alive by the units), for one union."""
+    if u.layout is None or memo is None:
+        return all(classes[r] == u.cls for r in set().union(*(h for _, h, _ in u.shards)))
+    key = (u.cls, id(u.layout))
+    hit = memo.get(key)
+    if hit is None:
+        hit = memo[key] = _whole_in_class(u, classes)
+    return hit
+
+
+def _replicated_shards(u: _Unit, memo: dict[int, list[int]]) -> list[int]:
+    """The positions of ``u``'s shards that several ranks hold (the
+    replicas to compare), by decoded layout in ``memo`` (one union's)."""
+    if u.layout is None:
+        return [k for k, (_, h, _) in enumerate(u.shards) if len(h) > 1]
+    hit = memo.get(id(u.layout))
+    if hit is None:
+        hit = memo[id(u.layout)] = [k for k, (_, _, h) in enumerate(u.layout) if len(h) > 1]
+    return hit
+
+
 def _merged_shards(
     units: Sequence[_Unit], classes: Sequence[int]
 ) -> list[tuple[Any, list[int], dict[int, int]]]:
@@ -483,7 +635,7 @@ def _merged_shards(
     its own class described it."""
     if len(units) == 1:
         (u,) = units
-        if all(classes[r] == u.cls for r in set().union(*(h for _, h, _ in u.shards))):
+        if _whole_in_class(u, classes):
             # Every holder described it in this class (one stage's mesh).
             return [(region, h, dict.fromkeys(h, leaf)) for region, h, leaf in u.shards]
         return [
@@ -522,13 +674,18 @@ def build_union(
     world = len(classes)
     whole = whole or {}
     members = _class_ranks(classes)
+    class_sets = {c: frozenset(ranks) for c, ranks in members.items()}
+    whole_memo: dict[tuple[int, int], bool] = {}
+    replicated_memo: dict[int, list[int]] = {}
     if len({st.common for st in states.values()}) > 1:
         raise StateMismatchError(
             "ranks disagree on the codec, the directory or the kind of group= (passed on some "
             "ranks only?); pass the same on every rank; nothing was written"
         )
     differ: list[tuple[Sequence[Any], list[list[int]]]] = []
-    items: list[UnionItem] = []
+    entries: list[UnionEntry] = []
+    count = 0  # the union items in entries
+    layouts: list[Any] = []  # per record: Union.layouts
     records: list[dict[str, Any]] = []
     versions: list[dict[str, Any]] = []
     # (class, local leaf) -> the union leaf that the skeleton names there.
@@ -637,10 +794,28 @@ def build_union(
             merged.ranks.update(u.ranks)
             merged.units.append(u)
         for x in found:
-            if x.kind == "dtensor":
-                x.shards = _merged_shards(x.units, classes)
+            if x.kind != "dtensor":
+                continue
+            (u, *more) = x.units
+            if not more and _whole_in_class(u, classes, whole_memo):
+                x.block = u  # its items: a block of the unit's shards
+                continue
+            x.shards = _merged_shards(x.units, classes)
         # Replicas of DTensor shards (same mesh, or merged): their samples agree.
         for x in found:
+            if x.block is not None:
+                block_shards = x.block.shards
+                for k in _replicated_shards(x.block, replicated_memo):
+                    _region, h, leaf = block_shards[k]
+                    seen = {digests[r].samples.get(leaf) for r in h}
+                    seen.discard(None)
+                    if len(seen) < 2:
+                        continue  # one version (or none sampled)
+                    at = dict.fromkeys(h, leaf).__getitem__
+                    groups = _samples_differ(path, sorted(h), at, digests)
+                    if groups is not None:
+                        differ.append((path, groups))
+                continue
             for _region, _h, src in x.shards:
                 if len(src) < 2:
                     continue  # one holder: nothing to compare
@@ -651,18 +826,32 @@ def build_union(
         first_leaf: list[int] = []
         for k, x in enumerate(found):
             base = [*path, VERSION_KEY, k] if len(found) > 1 else path
-            if x.kind != "dtensor":
-                first_leaf.append(len(items))
-                items.append(UnionItem(base, _plain_desc(x.desc), sorted(x.ranks), dict(x.source)))
-                continue
-            n = len(items)
+            n = count
             first_leaf.append(n)
+            if x.kind != "dtensor":
+                entries.append(
+                    UnionItem(base, _plain_desc(x.desc), sorted(x.ranks), dict(x.source))
+                )
+                count += 1
+                continue
             dtype = x.desc["dtype"]
-            shards = [{"leaf": n + j, "index": s[0]} for j, s in enumerate(x.shards)]
-            items.extend([
-                UnionItem([*base, SHARD_KEY, j], shard_desc(dtype, region), hs, src)
-                for j, (region, hs, src) in enumerate(x.shards)
-            ])  # fmt: skip
+            if x.block is not None:
+                u = x.block
+                block = ShardBlock(
+                    base, dtype, u.shards, states[u.cls].descs, class_sets[u.cls], u.layout
+                )
+                entries.append(block)
+                regions = [s[0] for s in u.shards]
+                layouts.append(u.layout)
+            else:
+                entries.extend([
+                    UnionItem([*base, SHARD_KEY, j], shard_desc(dtype, region), hs, src)
+                    for j, (region, hs, src) in enumerate(x.shards)
+                ])  # fmt: skip
+                regions = [s[0] for s in x.shards]
+                layouts.append(None)
+            count += len(regions)
+            shards = [{"leaf": n + j, "index": region} for j, region in enumerate(regions)]
             records.append(
                 {"path": path, "dtype": x.desc["dtype"], "shape": x.desc["shape"],
                  "ranks": sorted(x.ranks), "shards": shards}
@@ -686,7 +875,7 @@ def build_union(
         local = [canon.get((c, i), -1) for i in range(len(st.descs))]
         tree = renumber_skeleton(st.skeleton, local)
         skeleton = tree if skeleton is None else merge_skeletons(skeleton, tree, "")
-    return Union(items, skeleton, records, versions, world)
+    return Union(entries, skeleton, records, versions, world, layouts)
 
 
 def _region_shape(region: Any) -> list[int]:

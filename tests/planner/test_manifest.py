@@ -357,6 +357,70 @@ def test_bad_manifest_leaves(leaves: list[Any], message: str) -> None:
     assert message in str(info.value)
 
 
+def test_shard_tables_stand_for_the_leaves_they_list() -> None:
+    """A block item (path, dtype, table) gives the manifest the leaves its
+    table's rows describe, at path + [shard_key, k], in place: equal to the
+    manifest of those leaves described one by one (fingerprint included)."""
+    groups = [[0, 1], [2, 3]]
+    tables: list[Any] = [[[[2, 4], None, 0], [[2, 4], None, 1]], [[[3], 2, None], [[1], None, None]]]
+    block = deeppart.Manifest.from_leaves(
+        [
+            {"path": ["a"], "kind": "object", "nbytes": 7},
+            {"path": ["w", 1], "dtype": "bfloat16", "table": 0},
+            {"path": ["b"], "dtype": "float32", "shape": [5], "owner": 3},
+            {"path": ["v"], "dtype": "int64", "table": 1},
+            {"path": ["u"], "dtype": "float32", "table": 0},
+        ],
+        groups,
+        tables,
+        "<shard>",
+    )
+    one_by_one = deeppart.Manifest.from_leaves(
+        [
+            {"path": ["a"], "kind": "object", "nbytes": 7},
+            {"path": ["w", 1, "<shard>", 0], "dtype": "bfloat16", "shape": [2, 4], "holders": 0},
+            {"path": ["w", 1, "<shard>", 1], "dtype": "bfloat16", "shape": [2, 4], "holders": 1},
+            {"path": ["b"], "dtype": "float32", "shape": [5], "owner": 3},
+            {"path": ["v", "<shard>", 0], "dtype": "int64", "shape": [3], "owner": 2},
+            {"path": ["v", "<shard>", 1], "dtype": "int64", "shape": [1]},
+            {"path": ["u", "<shard>", 0], "dtype": "float32", "shape": [2, 4], "holders": 0},
+            {"path": ["u", "<shard>", 1], "dtype": "float32", "shape": [2, 4], "holders": 1},
+        ],
+        groups,
+    )
+    assert block == one_by_one and block.fingerprint == one_by_one.fingerprint
+    assert len(block) == 8 and block.leaves()[4]["path"] == ("v", "<shard>", 0)
+
+
+@pytest.mark.parametrize(
+    ("item", "tables", "shard_key", "message"),
+    [
+        ({"path": ["w"], "dtype": "float32", "table": 1}, [[[[2], None, None]]], "<s>", "table 1 of 1"),
+        ({"path": ["w"], "dtype": "float32", "table": 0}, [[[[2], None, None]]], None, "shard_key"),
+        ({"path": ["w"], "dtype": "nope", "table": 0}, [[[[2], None, None]]], "<s>", "dtype"),
+        ({"path": [], "dtype": "float32", "table": 0}, [[[[2], None, None]]], "<s>", "path"),
+        ({"path": ["w"], "dtype": "float32", "table": "x"}, [[[[2], None, None]]], "<s>", "index"),
+        (
+            {"path": ["w"], "dtype": "float32", "table": 0, "shape": [2]},
+            [[[[2], None, None]]], "<s>", "keys other than",
+        ),
+        ({"path": ["w"], "dtype": "float32", "table": 0}, [[[[-2], None, None]]], "<s>", "negative"),
+        ({"path": ["w"], "dtype": "float32", "table": 0}, [[[[2], None]]], "<s>", "shard 0: not"),
+        ({"path": ["w"], "dtype": "float32", "table": 0}, [[[[2], -1, None]]], "<s>", "owner"),
+        (
+            {"path": ["w"], "dtype": "float32", "table": 0},
+            [[[[2**40, 2**40], None, None]]], "<s>", "shard 0",
+        ),
+    ],
+)  # fmt: skip
+def test_bad_shard_tables_are_named(
+    item: dict[str, Any], tables: list[Any], shard_key: str | None, message: str
+) -> None:
+    with pytest.raises(deeppart.ManifestError) as info:
+        deeppart.Manifest.from_leaves([item], None, tables, shard_key)
+    assert message in str(info.value)
+
+
 def test_from_leaves_rejects_a_non_iterable() -> None:
     with pytest.raises(TypeError):
         deeppart.Manifest.from_leaves(5)  # type: ignore[arg-type]

@@ -332,7 +332,14 @@ def test_a_description_by_layout_decodes_to_the_same_description(before: int) ->
     assert [back.descs[i] for i in sorted(shard_leaves)] == [
         {k: v for k, v in st.descs[i].items() if k != "path"} for i in sorted(shard_leaves)
     ]
-    assert back.records == st.records
+    # Each record also names its layout's shards (region, shape, holders), in
+    # the order of its shards.
+    assert [{k: v for k, v in r.items() if k != "layout"} for r in back.records] == st.records
+    for r in back.records:
+        assert [region for region, _, _ in r["layout"]] == [region for _, region in r["shards"]]
+        assert [holders for _, _, holders in r["layout"]] == [
+            back.descs[leaf]["holders"] for leaf, _ in r["shards"]
+        ]
     assert (back.skeleton, back.common) == (st.skeleton, st.common)
 
 
@@ -414,3 +421,71 @@ def test_a_rank_failing_in_the_exchange_fails_every_rank() -> None:
 
     ok = run_ranks([functools.partial(round_of, r) for r in range(3)])
     assert [x for x, _ in ok] == [[b"\0", b"\1", b"\2"]] * 3
+
+
+def test_a_stage_s_own_dtensor_is_a_block_that_reads_as_its_items() -> None:
+    """A DTensor whose holders are all of one class is one ShardBlock entry;
+    its items, held leaves and empty leaves read as those of the shards one
+    by one (a merged DTensor of two classes stays item by item)."""
+    from deeppart.saving.union_cache import EmptyLeaves
+    from deeppart.state.union import ShardBlock, UnionItem
+
+    a = sharded(["s0", "w"], 8, [[0, 1], [1]], extra=[["s0", "x"]])
+    b = sharded(["s1", "w"], 8, [[2], [3]])
+    classes = [0, 0, 2, 2]
+    u = build_union({0: a, 2: b}, classes, [Digests() for _ in range(4)])
+    assert [type(e) for e in u.entries] == [ShardBlock, UnionItem, ShardBlock]
+    assert len(u) == 5
+    assert [it.path for it in u.items] == [
+        ["s0", "w", "<shard>", 0], ["s0", "w", "<shard>", 1], ["s0", "x"],
+        ["s1", "w", "<shard>", 0], ["s1", "w", "<shard>", 1],
+    ]  # fmt: skip
+    assert [it.holders for it in u.items] == [[0, 1], [1], [0, 1], [2], [3]]
+    assert [it.source for it in u.items] == [{0: 0, 1: 0}, {1: 1}, {0: 2, 1: 2}, {2: 0}, {3: 1}]
+    assert [it.desc for it in u.items][3] == {"dtype": "float32", "shape": [4, 4]}
+    for rank in range(4):
+        want = [(k, it.source[rank], it.holders) for k, it in enumerate(u.items)
+                if rank in it.source]  # fmt: skip
+        assert list(u.held(rank)) == want
+    assert [r["shards"][1]["leaf"] for r in u.records] == [1, 4]
+    empty = EmptyLeaves(u.entries)
+    paths = [tuple(it.path) for it in u.items]
+    assert len(empty) == 5 and [empty[k].path for k in range(5)] == paths
+    assert empty[-1].path == paths[-1] and [lf.path for lf in empty[1:3]] == paths[1:3]
+    assert all(lf.tensor is None and lf.encoded is None for lf in empty)
+    assert [lf.path for lf in empty] == paths  # the walked list, kept
+    with pytest.raises(IndexError):
+        empty[5]
+
+
+def test_union_records_from_a_layout_are_those_of_its_shards() -> None:
+    """The save's DTensor records and digest text made once per decoded
+    layout are those made shard by shard, byte for byte (the save digest
+    of every rank depends on it), and those of an undecoded union alike."""
+    import json
+
+    from deeppart.regions import Region, ShardRecord
+    from deeppart.saving.own_structure import records_text
+    from deeppart.saving.prepare import _union_records
+    from deeppart.state.union import decode_described, encode_described
+
+    st, layouts = _by_layout(2)
+    back = decode_described(json.loads(json.dumps(encode_described(st, layouts))))
+    # The union of the decoded description (its records by layout) is that
+    # of the description it was made from.
+    unions = [build_union({0: d}, [0, 0, 0, 0], [Digests() for _ in range(4)]) for d in (st, back)]
+    a, b = ([(it.path, it.desc, it.holders, it.source) for it in x.items] for x in unions)
+    assert a == b and len(a) == 5 and a[2][0] == ["w", "<shard>", 0]
+    assert unions[0].skeleton == unions[1].skeleton and unions[0].records == unions[1].records
+    for described in (back, st):
+        u = build_union({0: described}, [0, 0, 0, 0], [Digests() for _ in range(4)])
+        assert u.layouts == [back.records[0]["layout"] if described is back else None]
+        records, text = _union_records(u)
+        as_json = [{k: r[k] for k in ("path", "dtype", "shape", "shards")} for r in u.records]
+        assert text == records_text(as_json)
+        assert text.decode().endswith("2=[[[0,2]],[[0,3]]]3=[[[2,4]],[[0,3]]]")
+        ((rec,),) = [records]
+        assert rec.shards == [
+            ShardRecord(2, Region((((0, 2),), ((0, 3),)))),
+            ShardRecord(3, Region((((2, 4),), ((0, 3),)))),
+        ]
