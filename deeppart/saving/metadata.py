@@ -55,7 +55,14 @@ def dtensor_keys(prep: Prepared) -> dict[str, Any]:
     adds each record's ``ranks`` and the ``versions`` records; nothing
     otherwise."""
     if prep.union is not None:
-        return {"version": METADATA_VERSION_UNION, **prep.union}
+        # The union's records name their ranks, the save's DTensor records
+        # (in the same order) their shards.
+        heads = prep.union["dtensors"]
+        dtensors = [
+            {**head, "shards": [{"leaf": s.leaf, "index": s.region.to_json()} for s in r.shards]}
+            for head, r in zip(heads, prep.dtensors, strict=True)
+        ]
+        return {"version": METADATA_VERSION_UNION, **prep.union, "dtensors": dtensors}
     if not prep.dtensors:
         return {}
     return {"version": METADATA_VERSION_SHARDED, "dtensors": [r.to_json() for r in prep.dtensors]}

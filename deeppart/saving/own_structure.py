@@ -33,12 +33,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deeppart._planner import Manifest, Plan
+from deeppart.regions import DTensorRecord, Region
 from deeppart.state.dtensor import Expanded, expand, local_tensor, mesh_identity
 from deeppart.state.state import FlatLeaf, is_dtensor
 
 __all__ = [
     "OwnStructure",
     "describe",
+    "dtensor_records_text",
     "forget",
     "holders_of",
     "records_text",
@@ -90,8 +92,6 @@ class OwnStructure:
     #: (:class:`~deeppart.state.union.Described`).
     descs: list[dict[str, Any]]
     records: list[dict[str, Any]]
-    #: The DTensor records' JSON (metadata.json's, the save digest's).
-    records_json: list[dict[str, Any]]
     #: :func:`~deeppart.saving.union_cache.structure_fingerprint`.
     structure: bytes
     #: Per plan (fingerprint and assignment digest): the part of the save
@@ -122,7 +122,8 @@ class OwnStructure:
         hit = self._digests.get(key)
         if hit is None:
             ex = self.expanded
-            hit = structure_digest(plan, self.manifest, ex.skeleton, codec, self.records_json)
+            text = dtensor_records_text(ex.records)
+            hit = structure_digest(plan, self.manifest, ex.skeleton, codec, None, text)
             self._digests = {key: hit}
         return hit
 
@@ -167,6 +168,25 @@ def records_text(records_json: Any) -> bytes:
                 hit = (index, dumps(index))
                 texts[id(index)] = hit
             parts.append(f"{s['leaf']}={hit[1]}")
+    return "".join(parts).encode()
+
+
+def dtensor_records_text(records: Sequence[DTensorRecord]) -> bytes:
+    """:func:`records_text` of ``records``' JSON (``DTensorRecord.to_json``),
+    made from the records themselves: each distinct region object's JSON
+    once (a layout's regions are shared by its records)."""
+    texts: dict[int, tuple[Region, str]] = {}
+    parts: list[str] = []
+    dumps = json.JSONEncoder(separators=(",", ":")).encode
+    for r in records:
+        parts.append(dumps([r.path, r.dtype, r.shape, len(r.shards)]))
+        for s in r.shards:
+            region = s.region
+            hit = texts.get(id(region))
+            if hit is None or hit[0] is not region:
+                hit = (region, dumps(region.to_json()))
+                texts[id(region)] = hit
+            parts.append(f"{s.leaf}={hit[1]}")
     return "".join(parts).encode()
 
 
@@ -249,7 +269,6 @@ def describe(
         local_shapes=local_shapes,
         descs=descs,
         records=records,
-        records_json=[r.to_json() for r in ex.records],
         structure=structure_fingerprint(described, ex.layouts, codec, kind, world),
     )
     with _LOCK:

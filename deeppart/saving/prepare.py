@@ -727,10 +727,9 @@ def _read_pairs(data: bytes, at: int) -> tuple[dict[int, bytes], int]:
 
 def _combined(items: Sequence[tuple[int, bytes]]) -> bytes:
     """One 16-byte digest of ``(local leaf, digest)`` pairs."""
-    h = hashlib.blake2b(digest_size=16)
-    for i, d in items:
-        h.update(i.to_bytes(4, "little") + d)
-    return h.digest()
+    return hashlib.blake2b(
+        b"".join([i.to_bytes(4, "little") + d for i, d in items]), digest_size=16
+    ).digest()
 
 
 def _own_holders(own: _Own) -> list[list[int] | None]:
@@ -1111,25 +1110,25 @@ def _union_records(u: Union) -> tuple[list[DTensorRecord], bytes]:
     records: list[DTensorRecord] = []
     parts: list[str] = []
     layouts = u.layouts or [None] * len(u.records)
-    for r, layout in zip(u.records, layouts, strict=True):
-        shards = r["shards"]
+    for i, (r, layout) in enumerate(zip(u.records, layouts, strict=True)):
         if layout is None:
+            rec = u.record(i)
             records.append(DTensorRecord(
                 r["path"], r["dtype"], r["shape"],
-                [ShardRecord(s["leaf"], region(s["index"])) for s in shards],
+                [ShardRecord(s["leaf"], region(s["index"])) for s in rec["shards"]],
             ))  # fmt: skip
-            parts.append(records_text([r]).decode())
+            parts.append(records_text([rec]).decode())
             continue
         hit = by_layout.get(id(layout))
         if hit is None:
             hit = ([region(s[0]) for s in layout], [dumps(s[0]) for s in layout])
             by_layout[id(layout)] = hit
-        first = shards[0]["leaf"]
-        leaves = range(first, first + len(shards))
+        first, regions = u.record_shards[i]
+        leaves = range(first, first + len(regions))
         records.append(DTensorRecord(
             r["path"], r["dtype"], r["shape"], list(map(ShardRecord, leaves, hit[0]))
         ))  # fmt: skip
-        parts.append(dumps([r["path"], r["dtype"], r["shape"], len(shards)]))
+        parts.append(dumps([r["path"], r["dtype"], r["shape"], len(regions)]))
         parts.append("".join(map("{}={}".format, leaves, hit[1])))
     return records, "".join(parts).encode()
 

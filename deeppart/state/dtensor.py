@@ -416,6 +416,7 @@ def expand(
     mesh_ranks: list[list[int]] = []
     layouts: list[Layout | None] = []
     origin: list[int] = []
+    per_layout: dict[int, tuple[Any, dict[Region, int], list[list[int]]]] = {}
     for i, lf in enumerate(leaves):
         renumber.append(len(out))
         dt = lf.tensor
@@ -443,16 +444,24 @@ def expand(
             )
         dtype = str(dt.dtype).removeprefix("torch.")
         shards: list[ShardRecord] = []
+        # Per layout (its regions list, shared by its DTensors): each
+        # region's position and shape, found once.
+        known = per_layout.get(id(regions))
+        if known is None or known[0] is not regions:
+            position = {region: k for k, (region, _) in enumerate(regions)}
+            known = (regions, position, [list(region.shape) for region, _ in regions])
+            per_layout[id(regions)] = known
+        own_shard = known[1].get(mine)
+        shapes = known[2]
         for k, (region, holders) in enumerate(regions):
             path = (*lf.path, SHARD_KEY, k)
-            held = local if region == mine else None
             origin.append(i)
-            out.append(FlatLeaf(path, held, None))
+            out.append(FlatLeaf(path, local if k == own_shard else None, None))
             descs.append(
                 {
                     "path": list(path),
                     "dtype": dtype,
-                    "shape": list(region.shape),
+                    "shape": shapes[k],
                     **groups.field(holders),
                 }
             )

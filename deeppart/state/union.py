@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +48,7 @@ __all__ = [
     "VERSION_KEY",
     "Described",
     "Digests",
+    "GroupLeaf",
     "ShardBlock",
     "Union",
     "UnionEntry",
@@ -222,6 +223,45 @@ class Digests:
     differs: set[int] | None = None
 
 
+class GroupLeaf(Mapping[int, int]):
+    """A union item's source where one group of ranks holds it at one
+    local leaf (a plain value alike on all of a class's ranks: its
+    thousands of ranks are not made into a dict per item): read-only,
+    equal to ``dict.fromkeys(ranks, leaf)``."""
+
+    __slots__ = ("_ranks", "_set", "leaf")
+
+    def __init__(self, ranks: list[int], leaf: int) -> None:
+        self._ranks = ranks
+        self._set: frozenset[int] | None = None
+        self.leaf = leaf
+
+    def _members(self) -> frozenset[int]:
+        if self._set is None:
+            self._set = frozenset(self._ranks)
+        return self._set
+
+    def __getitem__(self, rank: int) -> int:
+        if rank in self._members():
+            return self.leaf
+        raise KeyError(rank)
+
+    def get(self, rank: int, default: Any = None) -> Any:
+        return self.leaf if rank in self._members() else default
+
+    def __contains__(self, rank: object) -> bool:
+        return rank in self._members()
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._ranks)
+
+    def __len__(self) -> int:
+        return len(self._ranks)
+
+    def __repr__(self) -> str:
+        return f"GroupLeaf({self._ranks!r}, {self.leaf})"
+
+
 @dataclass(slots=True)
 class UnionItem:
     """One leaf of the job's manifest (slotted: a union makes one per
@@ -234,8 +274,8 @@ class UnionItem:
     #: dtype and region: read it, never change it.
     desc: dict[str, Any]
     holders: list[int]
-    #: Per holder: its local leaf index.
-    source: dict[int, int]
+    #: Per holder: its local leaf index (read only).
+    source: Mapping[int, int]
 
 
 @dataclass(slots=True)
@@ -297,8 +337,10 @@ class Union:
 
     entries: Sequence[UnionEntry]
     skeleton: Any
-    #: DTensor records (``path``, ``dtype``, ``shape``, ``ranks``,
-    #: ``shards``: ``{"leaf": union leaf, "index": region}``).
+    #: DTensor records without their shards (``path``, ``dtype``,
+    #: ``shape``, ``ranks``): :meth:`record` adds them, and so does the
+    #: metadata (:func:`deeppart.saving.metadata.dtensor_keys`, from the
+    #: save's DTensor records).
     records: list[dict[str, Any]]
     #: Per path with several versions: ``{"path", "ranks": [[...], ...],
     #: "leaves": [...]}`` or ``"records": [...]`` (one per version).
@@ -307,6 +349,17 @@ class Union:
     #: Per record: the decoded layout's shards its shards are, in order
     #: (a block's DTensor), else None.
     layouts: list[Any] = field(default_factory=list)
+    #: Per record: its first union leaf (its shards' leaves follow it) and
+    #: its shards' regions as JSON (shared by the records of one layout:
+    #: read them, never change them).
+    record_shards: list[tuple[int, list[Any]]] = field(default_factory=list)
+
+    def record(self, i: int) -> dict[str, Any]:
+        """DTensor record ``i`` as metadata.json's ``dtensors`` holds it,
+        with its ``shards``: ``{"leaf": union leaf, "index": region}``."""
+        first, regions = self.record_shards[i]
+        shards = [{"leaf": first + j, "index": region} for j, region in enumerate(regions)]
+        return {**self.records[i], "shards": shards}
 
     @property
     def items(self) -> list[UnionItem]:
@@ -571,6 +624,30 @@ class _Version:
     #: DTensor: its one unit, when every holder is of that unit's class
     #: (its items are then a :class:`ShardBlock`; ``shards`` stays empty).
     block: _Unit | None = None
+    #: Non-DTensor: the (sorted ranks, their local leaf) groups that hold
+    #: it, each of one class (a class's whole list where all its ranks do:
+    #: shared by that class's items).
+    groups: list[tuple[list[int], int]] = field(default_factory=list)
+    _holders: list[int] | None = None
+
+    def holders(self) -> list[int]:
+        """The sorted ranks that hold this version (a group's own list when
+        one group holds it: read it, never change it)."""
+        if self._holders is None:
+            if self.kind == "dtensor":
+                self._holders = sorted(self.ranks)
+            elif len(self.groups) == 1:
+                self._holders = self.groups[0][0]
+            else:
+                self._holders = sorted(r for g, _ in self.groups for r in g)
+        return self._holders
+
+    def source_map(self) -> Mapping[int, int]:
+        """Non-DTensor: per holder, its local leaf."""
+        if len(self.groups) == 1:
+            ((group, leaf),) = self.groups
+            return GroupLeaf(group, leaf)
+        return {r: leaf for g, leaf in self.groups for r in g}
 
 
 def _samples_differ(
@@ -686,6 +763,9 @@ def build_union(
     entries: list[UnionEntry] = []
     count = 0  # the union items in entries
     layouts: list[Any] = []  # per record: Union.layouts
+    record_shards: list[tuple[int, list[Any]]] = []  # per record: Union.record_shards
+    # Per decoded layout (kept alive by the units): its regions' JSON.
+    layout_regions_of: dict[int, list[Any]] = {}
     records: list[dict[str, Any]] = []
     versions: list[dict[str, Any]] = []
     # (class, local leaf) -> the union leaf that the skeleton names there.
@@ -746,8 +826,7 @@ def build_union(
                         match = _Version("object", u.desc, set(), content=v)
                         found.append(match)
                         index[("object", v)] = match
-                    match.ranks.update(group)
-                    match.source.update(dict.fromkeys(group, u.leaf))
+                    match.groups.append((group, u.leaf))
                 continue
             if u.kind == "tensor":
                 # Each holder's whole-byte digest decides (issue 49): ranks
@@ -760,17 +839,22 @@ def build_union(
                     groups = _samples_differ(path, ranks, same.__getitem__, digests)
                     if groups is not None:
                         differ.append((path, groups))
+                # The class's ranks by their copy's digest, in rank order.
+                by_copy: dict[str | None, list[int]] = {}
                 for r in ranks:
                     full = digests[r].samples.get(u.leaf)
                     held = full if full is not None else whole.get((r, u.leaf))
-                    content = (u.signature(), held if held is not None else f"class:{u.cls}")
+                    by_copy.setdefault(held, []).append(r)
+                sig = u.signature()
+                for held, group in by_copy.items():
+                    content = (sig, held if held is not None else f"class:{u.cls}")
                     match = index.get(("tensor", content))
                     if match is None:
                         match = _Version("tensor", u.desc, set(), content=content)
                         found.append(match)
                         index[("tensor", content)] = match
-                    match.ranks.add(r)
-                    match.source[r] = u.leaf
+                    # The whole class: its list, shared by its items.
+                    match.groups.append((ranks if len(group) == len(ranks) else group, u.leaf))
                 continue
             # A DTensor: merged with a version of the same signature
             # (dtype, shape, regions) whose shards have the same holders
@@ -822,16 +906,14 @@ def build_union(
                 groups = _samples_differ(path, sorted(src), src.__getitem__, digests)
                 if groups is not None:
                     differ.append((path, groups))
-        found.sort(key=lambda x: min(x.ranks))
+        found.sort(key=lambda x: x.holders()[0])
         first_leaf: list[int] = []
         for k, x in enumerate(found):
             base = [*path, VERSION_KEY, k] if len(found) > 1 else path
             n = count
             first_leaf.append(n)
             if x.kind != "dtensor":
-                entries.append(
-                    UnionItem(base, _plain_desc(x.desc), sorted(x.ranks), dict(x.source))
-                )
+                entries.append(UnionItem(base, _plain_desc(x.desc), x.holders(), x.source_map()))
                 count += 1
                 continue
             dtype = x.desc["dtype"]
@@ -841,7 +923,13 @@ def build_union(
                     base, dtype, u.shards, states[u.cls].descs, class_sets[u.cls], u.layout
                 )
                 entries.append(block)
-                regions = [s[0] for s in u.shards]
+                if u.layout is not None:
+                    regions = layout_regions_of.get(id(u.layout))
+                    if regions is None:
+                        regions = [s[0] for s in u.layout]
+                        layout_regions_of[id(u.layout)] = regions
+                else:
+                    regions = [s[0] for s in u.shards]
                 layouts.append(u.layout)
             else:
                 entries.extend([
@@ -851,14 +939,14 @@ def build_union(
                 regions = [s[0] for s in x.shards]
                 layouts.append(None)
             count += len(regions)
-            shards = [{"leaf": n + j, "index": region} for j, region in enumerate(regions)]
             records.append(
                 {"path": path, "dtype": x.desc["dtype"], "shape": x.desc["shape"],
-                 "ranks": sorted(x.ranks), "shards": shards}
+                 "ranks": sorted(x.ranks)}
             )  # fmt: skip
+            record_shards.append((n, regions))
         if len(found) > 1:
             kinds = {x.kind for x in found}
-            rec = {"path": path, "ranks": [sorted(x.ranks) for x in found]}
+            rec = {"path": path, "ranks": [list(x.holders()) for x in found]}
             if "dtensor" in kinds:
                 n = len(records)
                 dts = [k for k, x in enumerate(found) if x.kind == "dtensor"]
@@ -875,7 +963,7 @@ def build_union(
         local = [canon.get((c, i), -1) for i in range(len(st.descs))]
         tree = renumber_skeleton(st.skeleton, local)
         skeleton = tree if skeleton is None else merge_skeletons(skeleton, tree, "")
-    return Union(entries, skeleton, records, versions, world, layouts)
+    return Union(entries, skeleton, records, versions, world, layouts, record_shards)
 
 
 def _region_shape(region: Any) -> list[int]:
@@ -888,6 +976,12 @@ def _plain_desc(desc: dict[str, Any]) -> dict[str, Any]:
     return {"dtype": desc["dtype"], "shape": list(desc["shape"])}
 
 
+def _skeleton_key(k: Any) -> Any:
+    """A skeleton dict key, hashable: a string as itself (most keys), any
+    other key by its JSON (an int key and its string stay apart)."""
+    return (0, k) if type(k) is str else (1, json.dumps(k))
+
+
 def merge_skeletons(a: Any, b: Any, where: str) -> Any:
     """The union of two skeletons (union leaf indices)."""
     if a == b:
@@ -895,9 +989,9 @@ def merge_skeletons(a: Any, b: Any, where: str) -> Any:
     ((ka, va),), ((kb, vb),) = a.items(), b.items()
     if ka == kb and ka in ("dict", "odict"):
         out = [list(e) for e in va]
-        at = {json.dumps(e[0]): i for i, e in enumerate(out)}
+        at = {_skeleton_key(e[0]): i for i, e in enumerate(out)}
         for k, v in vb:
-            i = at.get(json.dumps(k))
+            i = at.get(_skeleton_key(k))
             if i is None:
                 out.append([k, v])
             else:

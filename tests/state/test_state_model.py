@@ -447,7 +447,8 @@ def test_a_stage_s_own_dtensor_is_a_block_that_reads_as_its_items() -> None:
         want = [(k, it.source[rank], it.holders) for k, it in enumerate(u.items)
                 if rank in it.source]  # fmt: skip
         assert list(u.held(rank)) == want
-    assert [r["shards"][1]["leaf"] for r in u.records] == [1, 4]
+    assert [u.record(i)["shards"][1]["leaf"] for i in range(2)] == [1, 4]
+    assert [first for first, _ in u.record_shards] == [0, 3] and "shards" not in u.records[0]
     empty = EmptyLeaves(u.entries)
     paths = [tuple(it.path) for it in u.items]
     assert len(empty) == 5 and [empty[k].path for k in range(5)] == paths
@@ -481,7 +482,10 @@ def test_union_records_from_a_layout_are_those_of_its_shards() -> None:
         u = build_union({0: described}, [0, 0, 0, 0], [Digests() for _ in range(4)])
         assert u.layouts == [back.records[0]["layout"] if described is back else None]
         records, text = _union_records(u)
-        as_json = [{k: r[k] for k in ("path", "dtype", "shape", "shards")} for r in u.records]
+        as_json = [
+            {k: u.record(i)[k] for k in ("path", "dtype", "shape", "shards")}
+            for i in range(len(u.records))
+        ]
         assert text == records_text(as_json)
         assert text.decode().endswith("2=[[[0,2]],[[0,3]]]3=[[[2,4]],[[0,3]]]")
         ((rec,),) = [records]
@@ -489,3 +493,52 @@ def test_union_records_from_a_layout_are_those_of_its_shards() -> None:
             ShardRecord(2, Region((((0, 2),), ((0, 3),)))),
             ShardRecord(3, Region((((2, 4),), ((0, 3),)))),
         ]
+
+
+def test_a_value_alike_on_a_class_is_one_group_s_source() -> None:
+    """A plain value (or tensor) that all of a class's ranks hold alike is
+    sourced by one GroupLeaf, read as the dict of those ranks to its leaf,
+    and its holders are the class's list, shared by the class's items."""
+    from deeppart.state.union import GroupLeaf
+
+    st = plain([(["lr"], "object"), (["step"], ("float32", [])), (["pos"], "object")])
+    digests = [Digests({0: "a", 2: v}, {1: "s"}) for v in ("p", "p", "q", "p")]
+    u = build_union({0: st}, [0, 0, 0, 0], digests)
+    lr, step, pos0, pos1 = u.items
+    assert isinstance(lr.source, GroupLeaf) and lr.source == {0: 0, 1: 0, 2: 0, 3: 0}
+    assert lr.holders is step.holders and lr.holders == [0, 1, 2, 3]
+    assert step.source == dict.fromkeys(range(4), 1)
+    assert (lr.source.get(3), lr.source.get(4), 4 in lr.source, 2 in lr.source) == (
+        0,
+        None,
+        False,
+        True,
+    )
+    with pytest.raises(KeyError):
+        lr.source[7]
+    assert list(lr.source) == [0, 1, 2, 3] and len(lr.source) == 4
+    # Ranks whose values differ: each version its own group.
+    assert (pos0.holders, pos0.source, pos1.holders, pos1.source) == (
+        [0, 1, 3],
+        {0: 2, 1: 2, 3: 2},
+        [2],
+        {2: 2},
+    )
+    assert u.versions == [{"path": ["pos"], "ranks": [[0, 1, 3], [2]], "leaves": [2, 3]}]
+
+
+def test_dtensor_records_text_is_that_of_their_json() -> None:
+    """The own description's digest text made from its DTensor records is
+    the text of their JSON, byte for byte (shared and distinct regions)."""
+    from deeppart.regions import DTensorRecord, Region, ShardRecord
+    from deeppart.saving.own_structure import dtensor_records_text, records_text
+
+    a, b = Region((((0, 2),), ((0, 3),))), Region((((2, 4),), ((0, 3),)))
+    records = [
+        DTensorRecord(["w"], "float32", [4, 3], [ShardRecord(1, a), ShardRecord(2, b)]),
+        DTensorRecord(["v", 0], "bfloat16", [4, 3], [ShardRecord(4, a), ShardRecord(5, b)]),
+        DTensorRecord(["u"], "int8", [2, 3], [ShardRecord(6, Region((((0, 2),), ((0, 3),))))]),
+    ]
+    text = dtensor_records_text(records)
+    assert text == records_text([r.to_json() for r in records])
+    assert text.startswith(b'[["w"],"float32",[4,3],2]1=[[[0,2]],[[0,3]]]2=')

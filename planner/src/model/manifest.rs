@@ -87,6 +87,32 @@ pub struct Leaf {
     pub holders: Option<u32>,
 }
 
+/// The byte size of a tensor of `shape` and `dtype`; an error for too many
+/// dimensions, an overflow or more than `MAX_BYTES`.
+fn tensor_nbytes(dtype: DType, shape: &[u64]) -> Result<u64, String> {
+    if shape.len() > MAX_DIMS {
+        return Err(format!(
+            "tensor has {} dimensions, more than {MAX_DIMS}",
+            shape.len()
+        ));
+    }
+    let mut numel: u64 = 1;
+    for &d in shape {
+        numel = numel
+            .checked_mul(d)
+            .ok_or_else(|| format!("shape {shape:?} overflows: its element count exceeds 2^64"))?;
+    }
+    let nbytes = numel.checked_mul(dtype.itemsize()).ok_or_else(|| {
+        format!("shape {shape:?} of {dtype} overflows: its byte size exceeds 2^64")
+    })?;
+    if nbytes > MAX_BYTES {
+        return Err(format!(
+            "shape {shape:?} of {dtype} is {nbytes} bytes, more than the limit of {MAX_BYTES}"
+        ));
+    }
+    Ok(nbytes)
+}
+
 impl Leaf {
     /// A tensor leaf; checks the shape for overflow and absurd sizes.
     pub fn tensor(
@@ -95,26 +121,7 @@ impl Leaf {
         shape: Vec<u64>,
         owner: Option<u32>,
     ) -> Result<Leaf, String> {
-        if shape.len() > MAX_DIMS {
-            return Err(format!(
-                "tensor has {} dimensions, more than {MAX_DIMS}",
-                shape.len()
-            ));
-        }
-        let mut numel: u64 = 1;
-        for &d in &shape {
-            numel = numel.checked_mul(d).ok_or_else(|| {
-                format!("shape {shape:?} overflows: its element count exceeds 2^64")
-            })?;
-        }
-        let nbytes = numel.checked_mul(dtype.itemsize()).ok_or_else(|| {
-            format!("shape {shape:?} of {dtype} overflows: its byte size exceeds 2^64")
-        })?;
-        if nbytes > MAX_BYTES {
-            return Err(format!(
-                "shape {shape:?} of {dtype} is {nbytes} bytes, more than the limit of {MAX_BYTES}"
-            ));
-        }
+        let nbytes = tensor_nbytes(dtype, &shape)?;
         Ok(Leaf {
             path,
             kind: LeafKind::Tensor { dtype, shape },
@@ -280,12 +287,11 @@ impl Manifest {
                 )));
             }
             if let LeafKind::Tensor { dtype, shape } = &leaf.kind {
-                let rebuilt = Leaf::tensor(leaf.path.clone(), *dtype, shape.clone(), leaf.owner)
-                    .map_err(&bad)?;
-                if rebuilt.nbytes != leaf.nbytes {
+                let nbytes = tensor_nbytes(*dtype, shape).map_err(&bad)?;
+                if nbytes != leaf.nbytes {
                     return Err(bad(format!(
-                        "nbytes {} does not match shape {shape:?} of {dtype} ({} bytes)",
-                        leaf.nbytes, rebuilt.nbytes
+                        "nbytes {} does not match shape {shape:?} of {dtype} ({nbytes} bytes)",
+                        leaf.nbytes
                     )));
                 }
             }
