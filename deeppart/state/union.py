@@ -612,9 +612,9 @@ def whole_digests_needed(
 class _Version:
     kind: str
     desc: dict[str, Any]
+    #: DTensor: the ranks of the meshes merged into it (a plain version's
+    #: holders are its ``groups``').
     ranks: set[int]
-    #: Non-DTensor: rank -> local leaf.
-    source: dict[int, int] = field(default_factory=dict)
     #: DTensor: per shard, (region, sorted holders, {rank: local leaf}),
     #: from ``units`` (:func:`_merged_shards`).
     shards: list[tuple[Any, list[int], dict[int, int]]] = field(default_factory=list)
@@ -709,12 +709,10 @@ def _merged_shards(
 ) -> list[tuple[Any, list[int], dict[int, int]]]:
     """Per shard of the DTensor version that ``units`` make: its region,
     its sorted holders (every unit's), and each holder's local leaf where
-    its own class described it."""
+    its own class described it. (A unit that its own class holds whole
+    is a :class:`ShardBlock` instead.)"""
     if len(units) == 1:
         (u,) = units
-        if _whole_in_class(u, classes):
-            # Every holder described it in this class (one stage's mesh).
-            return [(region, h, dict.fromkeys(h, leaf)) for region, h, leaf in u.shards]
         return [
             (region, h, {r: leaf for r in h if classes[r] == u.cls}) for region, h, leaf in u.shards
         ]
