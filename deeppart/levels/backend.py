@@ -38,6 +38,10 @@ class LevelSaveStats(Stats):
     #: the memory tier, ``budget`` (and for an asynchronous save
     #: ``snapshot``: the stages on the caller's thread).
     phases: dict[str, float] = field(default_factory=dict)
+    #: Per rank, the bytes it sent as its L2 partner copy (the file, or a
+    #: smaller delta against the copy its partner held, ``l2_delta``);
+    #: empty at other levels and with the FTI backend.
+    rank_partner_sent: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -183,6 +183,9 @@ class BuiltinBackend:
         #: :mod:`deeppart.steps.lineage`): the step last loaded or saved, its run.
         self._parent: lineage.Link | None = None
         self._run: str | None = None
+        #: The step this engine last committed at L2: its node-local files
+        #: are the next partner copies' base (``l2_delta``), while they last.
+        self._l2_base: int | None = None
         #: Rank 0: the largest ``seq`` committed when this engine last
         #: loaded a step (0 before): a save retires only steps of a line it
         #: left that were committed by then, never those of another job
@@ -482,15 +485,25 @@ class BuiltinBackend:
         sizes_f = c.allgather_f64(np.array([float(size)], dtype=np.float64))[:, 0]
         sizes = [int(x) for x in sizes_f]
         parity_size, parity_xxh = 0, 0
+        partner_sent = -1
         if lv == 2:
-            self._phase(
+            base = self._l2_base
+            partner_sent = self._phase(
                 c,
                 phases,
                 "l2",
                 lambda: partner.send_copy(
-                    c, self.layout, local, own_tmp, sizes, renames, self.config.l2_rate
+                    c,
+                    self.layout,
+                    local,
+                    own_tmp,
+                    sizes,
+                    renames,
+                    self.config.l2_rate,
+                    bool(self.config.l2_delta),
+                    None if base in (None, step) else self.local_step(base),
                 ),
-            )
+            )  # fmt: skip
         elif lv == 3:
             parity_size, parity_xxh = self._phase(
                 c,
@@ -538,13 +551,15 @@ class BuiltinBackend:
                 err = e
         agree(c, err)
         self._parent, self._run = link, run
+        self._l2_base = step if lv == 2 else self._l2_base
         phases["commit"] = time.perf_counter() - t
         t = time.perf_counter()
         self._cleanup(c, step, link, leftovers)
         phases["cleanup"] = time.perf_counter() - t
         # Every rank's time, so that the stats are the same on every rank.
-        mine_seconds = np.array([time.perf_counter() - begun.t0], dtype=np.float64)
-        rank_seconds = [float(x) for x in c.allgather_f64(mine_seconds)[:, 0]]
+        mine_row = np.array([time.perf_counter() - begun.t0, partner_sent], dtype=np.float64)
+        rows = c.allgather_f64(mine_row)
+        rank_seconds = [float(x) for x in rows[:, 0]]
         stats = LevelSaveStats(
             op="save",
             directory=str(self.meta_step(step)),
@@ -557,6 +572,7 @@ class BuiltinBackend:
             step=step,
             level=lv,
             phases=phases,
+            rank_partner_sent=[int(x) for x in rows[:, 1]] if lv == 2 else [],
         )
         if self.verbose and c.rank == 0:
             print(

@@ -463,8 +463,11 @@ def test_compressed_level_saves_4_ranks(tmp_path: Path) -> None:
     lost and the copy of rank 2 corrupted the load falls back to the
     previous step, its lost ranks served by its L4 copy. The checks of
     each step are in the worker (s_compressed, s_compressed_corrupt). And
-    a paced partner copy (``l2_rate``, s_paced)."""
-    lv = launch(4, tmp_path, 2, 2, "compressed", "compcorrupt", "paced")
+    a paced partner copy (``l2_rate``, s_paced), and partner copies sent as
+    deltas against the partners' copies of the step before (``l2_delta``,
+    s_delta: fewer bytes, a damaged base sent whole, each copy its owner's
+    file byte for byte, a lost node served bitwise by them)."""
+    lv = launch(4, tmp_path, 2, 2, "compressed", "compcorrupt", "paced", "delta")
     assert lv["compressed"] == [
         (50, [1] * 4),
         (51, [1] * 4),
@@ -493,6 +496,39 @@ def test_l2_rate_key() -> None:
     check_fti_options(cfg())
     with pytest.raises(LevelConfigError, match=r"l2_rate = 2097152: .*backend='builtin'"):
         check_fti_options(c)
+
+
+def test_l2_delta_key() -> None:
+    """``[deeppart] l2_delta``: 0 (whole copies, the default) or 1 (deltas),
+    written back by to_ini, read from an INI file; anything else refused."""
+    assert cfg().l2_delta == 0 and cfg(l2_delta="1").l2_delta == 1
+    c = cfg(l2_delta=1)
+    assert LevelConfig.from_string(c.to_ini()) == c
+    assert "l2_delta = 1" in c.to_ini()
+    for bad in (2, -1):
+        with pytest.raises(LevelConfigError, match=rf"l2_delta = {bad}: must be 0 or 1"):
+            cfg(l2_delta=bad)
+    with pytest.raises(LevelConfigError, match=r"l2_delta = 'yes': not an integer"):
+        cfg(l2_delta="yes")
+
+
+def test_partner_delta_round_trip() -> None:
+    """A partner copy's delta rebuilds the file exactly against its base,
+    longer or shorter than it; a file of values changed a little (0.1%)
+    goes in well under its size; a payload of the wrong length is refused."""
+    from deeppart.errors import CodecError
+    from deeppart.levels.partner import delta_decode, delta_encode
+
+    rng = np.random.default_rng(0)
+    old = rng.standard_normal(50_000).astype(np.float32)
+    new = (old * (1 + 1e-3 * rng.standard_normal(old.size))).astype(np.float32)
+    a, b = old.view(np.uint8), new.view(np.uint8)
+    for base, file in ((a, b), (a[:1001], b), (a, b[:999]), (a[:0], b), (a, b[:0])):
+        packed = np.frombuffer(delta_encode(file, base), dtype=np.uint8)
+        assert np.array_equal(delta_decode(packed, base, file.size), file)
+    assert len(delta_encode(b, a)) < 0.7 * b.size
+    with pytest.raises(CodecError):
+        delta_decode(np.frombuffer(delta_encode(b, a), dtype=np.uint8), a, b.size - 4)
 
 
 @pytest.mark.mpi
