@@ -27,12 +27,15 @@ random batches:
 1. ``--steps`` steps without checkpoints (the baseline step time);
 2. ``--steps`` steps saving every ``--every`` with DeepPart's asynchronous
    save (``Checkpointer(async_=True)`` into the shared directory): its
-   stall, the time until ``save`` returns;
+   stall, the time until ``save`` returns. A phase's saves come before its
+   steps 1, 1 + every, ..., none after its last step, so each save's
+   copy runs beside steps the phase times, as in a long run;
 3. ``--steps`` steps saving every ``--every`` through
    ``deeppart.Checkpointer(config=..., async_=True)`` with the memory tier
    on (``memory = 1``, ``ckpt_dir`` each node's tmpfs, ``memory_keep =
    1``): L2 (partner copies), and every ``--l4-every``-th checkpoint L4 to
-   ``s3://`` instead; the last one is L2. Asynchronous level saves: the
+   ``s3://`` instead; then, untimed, the phase's last step, at L2 (what
+   the recoveries compare with). Asynchronous level saves: the
    caller's thread prepares and snapshots its share, a writer thread
    writes L1, the partner copy or the L4 copy and commits
    (``BuiltinBackend.save_async``). The stall per save (until ``save``
@@ -40,7 +43,11 @@ random batches:
    writer (the handle's stats). ``--compression CODEC[,CODEC...]``: the
    saves' codec (``WriteOptions(compression=...)``; default ``none``,
    raw files), or ``CODEC@RATE``: the partner copies paced to ``RATE``
-   bytes per second as well (``l2_rate``); several run this phase once
+   bytes per second as well (``l2_rate``), and ``:whole`` after either:
+   the partner copies always sent whole (``l2_delta = 0``; otherwise the
+   bench sets ``l2_delta = 1``: a copy goes as a delta against the copy of
+   the step before its partner holds, when that is smaller, which pays on
+   these slow links); several run this phase once
    each, in order, each under its own ``exec_id``, against the same
    baseline phase (the last one's saves, and the other saves below, serve
    the recoveries). Each
@@ -154,11 +161,14 @@ def dcp_kind() -> str:
 # The workers (one rank per node, gloo over the node's link).
 
 
-def level_config(args: argparse.Namespace, exec_id: str, world: int, l2_rate: str = "0") -> Any:
+def level_config(
+    args: argparse.Namespace, exec_id: str, world: int, l2_rate: str = "0", l2_delta: int = 1
+) -> Any:
     """The memory tier's config: ``ckpt_dir`` each node's private tmpfs,
     ``meta_dir`` shared, L4 in the store. On the 3 survivors L2/L3 are off
     (groups of 4 do not fit 3 nodes; the saved steps' layout comes from
-    their metadata). ``l2_rate``: the partner copies' pace (0: none)."""
+    their metadata). ``l2_rate``: the partner copies' pace (0: none);
+    ``l2_delta``: 0, the partner copies always whole."""
     from deeppart.levels import LevelConfig
 
     return LevelConfig.from_dict(
@@ -179,6 +189,7 @@ def level_config(args: argparse.Namespace, exec_id: str, world: int, l2_rate: st
             "memory_budget": args.budget,
             "memory_keep": 1,
             "l2_rate": l2_rate,
+            "l2_delta": l2_delta,
         }
     )
 
@@ -207,7 +218,8 @@ def make_model(args: argparse.Namespace) -> tuple[Any, Any]:
 def codecs_of(text: str) -> list[str]:
     """``--compression``'s variants, in order: each ``CODEC`` (one of
     :data:`deeppart.compression.COMPRESSIONS`) or ``CODEC@RATE`` (the
-    partner copies paced to ``l2_rate = RATE``, e.g. ``2M``)."""
+    partner copies paced to ``l2_rate = RATE``, e.g. ``2M``), either
+    followed by ``:whole`` (``l2_delta = 0``)."""
     from deeppart.compression import COMPRESSIONS
     from deeppart.errors import LevelConfigError
     from deeppart.levels import LevelConfig
@@ -221,16 +233,23 @@ def codecs_of(text: str) -> list[str]:
             bad.append(c)
     if not names or bad or len(set(names)) != len(names):
         raise SystemExit(
-            f"--compression {text!r}: one or more distinct CODEC or CODEC@RATE, the codecs "
-            f"of {', '.join(COMPRESSIONS)}, RATE bytes per second (2M)"
+            f"--compression {text!r}: one or more distinct CODEC or CODEC@RATE, each "
+            f"optionally followed by :whole, the codecs of {', '.join(COMPRESSIONS)}, RATE "
+            "bytes per second (2M)"
         )
     return names
 
 
 def variant(item: str) -> tuple[str, str]:
-    """``CODEC[@RATE]``: the codec and the partner copies' ``l2_rate`` ("0": none)."""
-    codec, _, rate = item.partition("@")
+    """``CODEC[@RATE][:whole]``: the codec and the partner copies' ``l2_rate``
+    ("0": none)."""
+    codec, _, rate = item.removesuffix(":whole").partition("@")
     return codec, rate or "0"
+
+
+def delta_of(item: str) -> int:
+    """``l2_delta`` of a ``--compression`` variant: 0 with ``:whole``."""
+    return 0 if item.endswith(":whole") else 1
 
 
 def write_options(codec: str) -> Any:
@@ -275,6 +294,14 @@ def store_counters() -> tuple[int, int]:
         lines = [line.split() for line in f if line.startswith("IpExt:")]
     fields = dict(zip(lines[0][1:], lines[1][1:], strict=True))
     return int(fields["InOctets"]), int(fields["OutOctets"])
+
+
+def store_cpu() -> float:
+    """CPU seconds the store's server process has used so far (it shares
+    this machine's cores with the simulated nodes)."""
+    with open(f"/proc/{os.environ['DP_STORE_PID']}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def timed(fn: Any) -> tuple[float, list[list[float]], list[float], Any]:
@@ -337,46 +364,60 @@ def phase_train(args: argparse.Namespace) -> dict[str, Any]:
 
     def loop(
         save: Any, finish: Any = None
-    ) -> tuple[list[float], list[float], list[int], list[float]]:
-        """The phase's step times, stalls, levels (0: not a level save) and
+    ) -> tuple[list[float], list[float], list[int], list[float], list[float]]:
+        """The phase's step times, stalls, levels (0: not a level save),
         each node's link bytes sent during it, up to the end of ``finish()``
-        (the saves' close: the last save's copy runs after the last step)."""
+        (waiting for the last save), and the CPU seconds each rank's process
+        (all its threads) and the store's server (last) used over the steps
+        and stalls. The saves come before steps 1, 1 + every, ... (none
+        after the last step): each save's copy runs beside steps of the
+        phase, as in a long run, so the phase holds steps // every whole
+        saves' costs."""
         nonlocal step
         times: list[float] = []
         stalls: list[float] = []
         levels: list[int] = []
         sent0 = link_counters()[1]
-        for i in range(1, args.steps + 1):
-            step += 1
-            t0 = time.perf_counter()
-            train_step(m, opt, step, args)
-            times.append(time.perf_counter() - t0)
+        cpu0, store0 = time.process_time(), store_cpu()
+        for i in range(args.steps):
             if save is not None and i % args.every == 0:
                 t0 = time.perf_counter()
                 got = save(step)
                 stalls.append(time.perf_counter() - t0)
                 levels.append(got)
+            step += 1
+            t0 = time.perf_counter()
+            train_step(m, opt, step, args)
+            times.append(time.perf_counter() - t0)
+        cpu = [time.process_time() - cpu0, store_cpu() - store0]
         if finish is not None:
             finish()
         sent = float(link_counters()[1] - sent0)
-        return times, stalls, levels, [row[0] for row in gather([sent])]
+        rows = gather([sent, cpu[0], cpu[1]])
+        return times, stalls, levels, [r[0] for r in rows], [r[1] for r in rows] + [rows[0][2]]
 
     base = loop(None)
-    log_rank0(f"baseline: median step {statistics.median(base[0]):.3f} s")
+    log_rank0(
+        f"baseline: median step {statistics.median(base[0]):.3f} s; CPU s ranks 0-3, store: "
+        f"{[round(x, 2) for x in base[4]]}"
+    )
     acp = deeppart.Checkpointer(shared / "async", comm="torch", async_=True, keep_last=1)
 
     def async_save(s: int) -> int:
         acp.save(s, state_of(m, opt))
         return 0
 
-    asy = loop(async_save)
-    acp.close()
-    log_rank0(f"async: stalls {[round(x, 3) for x in asy[1]]}")
+    asy = loop(async_save, acp.close)
+    log_rank0(
+        f"async: stalls {[round(x, 3) for x in asy[1]]}; CPU s ranks 0-3, store: "
+        f"{[round(x, 2) for x in asy[4]]}"
+    )
 
     def memory_phase(item: str, exec_id: str) -> dict[str, Any]:
         codec, rate = variant(item)
         cp = deeppart.Checkpointer(
-            "unused", comm="torch", config=level_config(args, exec_id, NODES, rate),
+            "unused", comm="torch",
+            config=level_config(args, exec_id, NODES, rate, delta_of(item)),
             async_=True, writing=write_options(codec),
         )  # fmt: skip
         handles: list[Any] = []
@@ -385,29 +426,39 @@ def phase_train(args: argparse.Namespace) -> dict[str, Any]:
             handles.append(cp.save(s, state_of(m, opt)))  # the next save waits for it
             return 0
 
-        mem = loop(level_save, cp.close)
+        mem = loop(level_save, lambda: handles[-1].wait())
+        # Untimed: the phase's last step saved too (what the recoveries
+        # compare with, for the last variant).
+        level_save(step)
+        cp.close()
         written = [h.wait() for h in handles]
         assert all(isinstance(st, LevelSaveStats) for st in written), written
-        out = {
+        final = written.pop()
+        out: dict[str, Any] = {
             "codec": codec,
             "l2_rate": rate,
+            "l2_delta": delta_of(item),
             "times": mem[0],
             "stalls": mem[1],
             "levels": [st.level for st in written],
             "link_sent": mem[3],
+            "cpu": mem[4],
             "stored": [st.stored_bytes for st in written],
+            "partner_sent": [sum(st.rank_partner_sent) for st in written],
             "seconds": [st.seconds for st in written],
             "phases": [st.phases for st in written],
-            "snapshot": [h.snapshot_seconds for h in handles],
+            "snapshot": [h.snapshot_seconds for h in handles[:-1]],
         }
         log_rank0(
             f"memory tier (async, {item}): stalls {[round(x, 3) for x in mem[1]]} at levels "
             f"{out['levels']}; on the writer {[round(x, 3) for x in out['seconds']]} s; "
-            f"files {[round(b / 1e6, 2) for b in out['stored']]} MB"
+            f"files {[round(b / 1e6, 2) for b in out['stored']]} MB, partner copies sent "
+            f"{[round(b / 1e6, 2) for b in out['partner_sent']]} MB; CPU s ranks 0-3, store: "
+            f"{[round(x, 2) for x in mem[4]]}; phase {sum(mem[0]) + sum(mem[1]):.2f} s against "
+            f"the baseline's {sum(base[0]):.2f} s"
         )
-        if out["levels"][-1] not in (2, 3):
-            last_level = out["levels"][-1]
-            raise SystemExit(f"the last save was at L{last_level}: choose --steps/--l4-every")
+        if final.level not in (2, 3):
+            raise SystemExit(f"the last save was at L{final.level}: choose --steps/--l4-every")
         return out
 
     runs: dict[str, Any] = {}
@@ -445,7 +496,8 @@ def phase_train(args: argparse.Namespace) -> dict[str, Any]:
         "state_bytes": state_bytes,
         "base": base[0],
         "base_link_sent": base[3],
-        "async": {"times": asy[0], "stalls": asy[1]},
+        "base_cpu": base[4],
+        "async": {"times": asy[0], "stalls": asy[1], "cpu": asy[4]},
         "memory": runs[codecs[-1]],
         "codecs": runs,
         "saves": saves,
@@ -717,7 +769,9 @@ def codec_lines(train: dict[str, Any], every: int) -> list[str]:
             f"  codec {codec}: whole phase {o['phase']:+.1%}, median step {o['save_step']:.3f} s, "
             f"stalls {_secs(mem['stalls'])} at levels {mem['levels']}; each save's files "
             f"on all nodes (what its partner or L4 copies send) "
-            f"[{', '.join(f'{b / mb:.2f}' for b in mem['stored'])}] MB; link bytes sent per save "
+            f"[{', '.join(f'{b / mb:.2f}' for b in mem['stored'])}] MB, the partner copies "
+            f"sent [{', '.join(f'{b / mb:.2f}' for b in mem.get('partner_sent', []))}] MB; "
+            "link bytes sent per save "
             f"beyond the baseline's, nodes 0-3: {per_node} MB"
             + (f" ({sum(sent) / mb:.2f} MB in all)" if sent else "")
         )
@@ -849,7 +903,8 @@ def main(argv: list[str] | None = None) -> int:
         "--compression", default="none",
         help="the memory-tier saves' codec (none, zstd, lz4, shuffle-zstd, auto), or CODEC@RATE: "
         "with the partner copies paced to RATE bytes per second (l2_rate, e.g. 2M); several, "
-        "comma-separated, run the memory-tier phase once each (none)",
+        "comma-separated, run the memory-tier phase once each; :whole after one: the partner "
+        "copies always whole (l2_delta = 0; otherwise 1) (none)",
     )  # fmt: skip
     p.add_argument("--rate", default="100mbit", help="each link's and the store's rate")
     p.add_argument("--tcp-cc", default="reno", help="TCP congestion control (reno; host)")
@@ -864,13 +919,13 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     codecs_of(args.compression)  # refused here, before any job starts
     if args.quick:
-        args.dim, args.layers, args.steps, args.every, args.l4_every = 64, 2, 4, 2, 3
+        args.dim, args.layers, args.steps, args.every, args.l4_every = 64, 2, 4, 2, 2
         args.repeat = 1
     if args.worker:
         worker(args)
         return 0
-    saves = args.steps // args.every
-    if saves < 1 or (args.l4_every > 0 and saves % args.l4_every == 0):
+    saves = -(-args.steps // args.every)  # timed; then the last step's, untimed
+    if saves < 1 or (args.l4_every > 0 and (saves + 1) % args.l4_every == 0):
         raise SystemExit("--steps / --every saves: the last one must not be an L4 one")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:

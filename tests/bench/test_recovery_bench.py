@@ -97,7 +97,11 @@ def test_report_gives_each_codec_its_overhead_and_link_bytes() -> None:
     assert "[22.40, 22.40] MB" in text
     assert recovery.codecs_of("none, shuffle-zstd@2M") == ["none", "shuffle-zstd@2M"]
     assert recovery.variant("shuffle-zstd@2M") == ("shuffle-zstd", "2M")
-    for bad in ("gzip", "none,none", "zstd@fast", ""):
+    # ":whole": the partner copies never sent as deltas (l2_delta = 0).
+    assert recovery.codecs_of("none:whole,none") == ["none:whole", "none"]
+    assert recovery.variant("zstd@2M:whole") == ("zstd", "2M")
+    assert [recovery.delta_of(v) for v in ("none:whole", "none", "zstd@2M:whole")] == [0, 1, 0]
+    for bad in ("gzip", "none,none", "zstd@fast", "", "none:half"):
         with pytest.raises(SystemExit, match="--compression"):
             recovery.codecs_of(bad)
 
