@@ -39,7 +39,7 @@ import numpy as np
 
 from deeppart.comm import Comm
 from deeppart.compression import compress, decompress_into
-from deeppart.errors import CorruptCheckpointError
+from deeppart.errors import CodecError, CorruptCheckpointError
 from deeppart.format import checksum, data_file_name
 from deeppart.levels import files
 from deeppart.levels.files import EMPTY, U8
@@ -60,23 +60,50 @@ DELTA_ITEMSIZE = 4
 WHOLE, DELTA, PACKED = 0, 1, 2
 
 
+#: A delta is coded in slices of this many bytes of the file, each its own
+#: frame: the coder's buffers stay this small whatever the file's size.
+DELTA_SLICE = 16 << 20
+
+
+def _slices(size: int) -> list[tuple[int, int]]:
+    return [(a, min(a + DELTA_SLICE, size)) for a in range(0, size, DELTA_SLICE)]
+
+
 def delta_encode(new: U8, base: U8) -> bytes:
     """``new`` as the compressed XOR with ``base`` (the bytes of ``new``
-    past ``base``'s end as they are); :func:`delta_decode` inverts it."""
-    n = min(new.size, base.size)
-    xor = np.empty(new.size, dtype=np.uint8)
-    np.bitwise_xor(new[:n], base[:n], out=xor[:n])
-    xor[n:] = new[n:]
-    return compress(DELTA_CODEC, xor.data, DELTA_ITEMSIZE)
+    past ``base``'s end as they are), in :data:`DELTA_SLICE` slices: the
+    frames' lengths (uint64 each), then the frames. :func:`delta_decode`
+    inverts it."""
+    frames: list[bytes] = []
+    for start, stop in _slices(new.size):
+        common = max(0, min(stop, base.size) - start)
+        xor = np.empty(stop - start, dtype=np.uint8)
+        np.bitwise_xor(new[start : start + common], base[start : start + common], out=xor[:common])
+        xor[common:] = new[start + common : stop]
+        frames.append(compress(DELTA_CODEC, xor.data, DELTA_ITEMSIZE))
+    lengths = np.array([len(f) for f in frames], dtype=np.uint64)
+    return lengths.tobytes() + b"".join(frames)
 
 
 def delta_decode(payload: U8, base: U8, size: int) -> U8:
     """The ``size`` bytes that :func:`delta_encode` made ``payload`` of
-    against ``base`` (CodecError if it does not decode to ``size`` bytes)."""
+    against ``base``. CodecError if its frames' lengths do not add up to
+    the payload or a frame does not decode to its slice's length."""
     out = np.empty(size, dtype=np.uint8)
-    decompress_into(DELTA_CODEC, payload.data, out, DELTA_ITEMSIZE)
-    n = min(size, base.size)
-    np.bitwise_xor(out[:n], base[:n], out=out[:n])
+    slices = _slices(size)
+    head = 8 * len(slices)
+    if payload.size < head:
+        raise CodecError(f"a delta of {payload.size} bytes is too short for {size} bytes")
+    lengths = [int(x) for x in payload[:head].view(np.uint64)]
+    if head + sum(lengths) != payload.size:
+        raise CodecError(f"a delta's frames ({sum(lengths)} bytes) do not fill its payload")
+    at = head
+    for (start, stop), n in zip(slices, lengths, strict=True):
+        decompress_into(DELTA_CODEC, payload[at : at + n].data, out[start:stop], DELTA_ITEMSIZE)
+        at += n
+        common = max(0, min(stop, base.size) - start)
+        part = out[start : start + common]
+        np.bitwise_xor(part, base[start : start + common], out=part)
     return out
 
 
@@ -118,13 +145,15 @@ def send_copy(
     dest, source = layout.partner(r), layout.pred(r)
     data, err = files.read_own(own, sizes[r])
     # The offer, backwards round the ring: the copy of the predecessor's
-    # base this rank holds (present, size, xxh3).
+    # base this rank holds (present, size, xxh3). Every rank has the same
+    # ``delta``, so either all make it or none.
     held = _read_base(None if base is None or not delta else base / partner_file(source))
     offer = np.zeros(3, dtype=np.uint64)
     if held is not None:
         offer[:] = (1, held.size, checksum(held.data))
     offered = np.zeros(3, dtype=np.uint64)
-    comm.sendrecv_u8(offer.view(np.uint8), source, offered.view(np.uint8), dest)
+    if delta:
+        comm.sendrecv_u8(offer.view(np.uint8), source, offered.view(np.uint8), dest)
     payload, kind = data, WHOLE
     mine = _read_base(None if base is None or not offered[0] else base / data_file_name(r))
     if delta and err is None:

@@ -512,23 +512,31 @@ def test_l2_delta_key() -> None:
         cfg(l2_delta="yes")
 
 
-def test_partner_delta_round_trip() -> None:
+@pytest.mark.parametrize("slice_bytes", [16 << 20, 4096])
+def test_partner_delta_round_trip(slice_bytes: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """A partner copy's delta rebuilds the file exactly against its base,
-    longer or shorter than it; a file of values changed a little (0.1%)
-    goes in well under its size; a payload of the wrong length is refused."""
+    longer or shorter than it, in one slice or many (the base ending
+    inside a slice); a file of values changed a little (0.1%) goes in well
+    under its size; a payload of the wrong length, or cut short, is
+    refused."""
     from deeppart.errors import CodecError
+    from deeppart.levels import partner
     from deeppart.levels.partner import delta_decode, delta_encode
+
+    monkeypatch.setattr(partner, "DELTA_SLICE", slice_bytes)
 
     rng = np.random.default_rng(0)
     old = rng.standard_normal(50_000).astype(np.float32)
     new = (old * (1 + 1e-3 * rng.standard_normal(old.size))).astype(np.float32)
     a, b = old.view(np.uint8), new.view(np.uint8)
-    for base, file in ((a, b), (a[:1001], b), (a, b[:999]), (a[:0], b), (a, b[:0])):
+    for base, file in ((a, b), (a[:10001], b), (a, b[:9999]), (a[:0], b), (a, b[:0])):
         packed = np.frombuffer(delta_encode(file, base), dtype=np.uint8)
         assert np.array_equal(delta_decode(packed, base, file.size), file)
     assert len(delta_encode(b, a)) < 0.7 * b.size
-    with pytest.raises(CodecError):
-        delta_decode(np.frombuffer(delta_encode(b, a), dtype=np.uint8), a, b.size - 4)
+    packed = np.frombuffer(delta_encode(b, a), dtype=np.uint8)
+    for bad, size in ((packed, b.size - 4), (packed[:-1], b.size), (packed[:4], b.size)):
+        with pytest.raises(CodecError):
+            delta_decode(bad, a, size)
 
 
 @pytest.mark.mpi
