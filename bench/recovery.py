@@ -371,8 +371,8 @@ def phase_train(args: argparse.Namespace) -> dict[str, Any]:
         (all its threads) and the store's server (last) used over the steps
         and stalls. The saves come before steps 1, 1 + every, ... (none
         after the last step): each save's copy runs beside steps of the
-        phase, as in a long run, so the phase holds steps // every whole
-        saves' costs."""
+        phase, as in a long run, so the phase holds ceil(steps / every)
+        whole saves' costs."""
         nonlocal step
         times: list[float] = []
         stalls: list[float] = []

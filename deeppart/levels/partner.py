@@ -11,8 +11,7 @@ partner still holds the copy of this rank's file of the step before (the
 base): the partner offers that copy's size and xxh3, the rank compares
 them with its own file of that step, and sends the XOR of the two files,
 byte-shuffled and zstd-compressed (:func:`delta_encode`), whenever that is
-smaller than the file; with no base, the file itself compressed the same way,
-when that is smaller. The partner rebuilds the file from its copy and
+smaller than the file. The partner rebuilds the file from its copy and
 checks the file's xxh3 before it writes it. Training changes most bytes of
 a state a little between two saves, so the high bytes of each value mostly
 cancel: fewer bytes over a link the training's collectives share. With no
@@ -144,19 +143,20 @@ def send_copy(
     r = comm.rank
     dest, source = layout.partner(r), layout.pred(r)
     data, err = files.read_own(own, sizes[r])
-    # The offer, backwards round the ring: the copy of the predecessor's
-    # base this rank holds (present, size, xxh3). Every rank has the same
-    # ``delta``, so either all make it or none.
-    held = _read_base(None if base is None or not delta else base / partner_file(source))
-    offer = np.zeros(3, dtype=np.uint64)
-    if held is not None:
-        offer[:] = (1, held.size, checksum(held.data))
+    held: U8 | None = None
     offered = np.zeros(3, dtype=np.uint64)
     if delta:
+        # The offer, backwards round the ring: the copy of the predecessor's
+        # base this rank holds (present, size, xxh3). Every rank has the
+        # same ``delta``, so either all make it or none.
+        held = _read_base(None if base is None else base / partner_file(source))
+        offer = np.zeros(3, dtype=np.uint64)
+        if held is not None:
+            offer[:] = (1, held.size, checksum(held.data))
         comm.sendrecv_u8(offer.view(np.uint8), source, offered.view(np.uint8), dest)
     payload, kind = data, WHOLE
-    mine = _read_base(None if base is None or not offered[0] else base / data_file_name(r))
     if delta and err is None:
+        mine = _read_base(None if base is None or not offered[0] else base / data_file_name(r))
         same = (
             mine is not None
             and mine.size == int(offered[1])
