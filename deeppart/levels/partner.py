@@ -32,9 +32,11 @@ and the step is committed. On restore (:mod:`deeppart.levels.recovery`)
 from __future__ import annotations
 
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 
 from deeppart.comm import Comm
 from deeppart.compression import compress, decompress_into
@@ -118,6 +120,30 @@ def _read_base(path: Path | None) -> U8 | None:
     return data
 
 
+def _encoded(
+    data: U8, base: Path | None, offered: npt.NDArray[np.uint64], rank: int
+) -> tuple[U8, int]:
+    """This rank's file as it goes to its partner: a delta against its own
+    base file when that matches the partner's ``offered`` copy, else
+    compressed, or whole when neither is smaller."""
+    mine = _read_base(None if base is None or not offered[0] else base / data_file_name(rank))
+    same = (
+        mine is not None and mine.size == int(offered[1]) and checksum(mine.data) == int(offered[2])
+    )
+    packed = delta_encode(data, mine if same and mine is not None else EMPTY)
+    if len(packed) >= data.size:
+        return data, WHOLE
+    return np.frombuffer(packed, dtype=np.uint8), DELTA if same else PACKED
+
+
+def _no_delta(rank: int, why: str, e: Exception) -> None:
+    warnings.warn(
+        f"deeppart levels: the partner copy of rank {rank}'s file goes whole, not as a "
+        f"delta: {why} ({type(e).__name__}: {e})",
+        stacklevel=3,
+    )
+
+
 def send_copy(
     comm: Comm,
     layout: Layout,
@@ -149,22 +175,24 @@ def send_copy(
         # The offer, backwards round the ring: the copy of the predecessor's
         # base this rank holds (present, size, xxh3). Every rank has the
         # same ``delta``, so either all make it or none.
-        held = _read_base(None if base is None else base / partner_file(source))
+        # A failure here only costs the delta: every rank still takes its
+        # part in each exchange, or its partner would wait for it forever.
         offer = np.zeros(3, dtype=np.uint64)
-        if held is not None:
-            offer[:] = (1, held.size, checksum(held.data))
+        try:
+            held = _read_base(None if base is None else base / partner_file(source))
+            if held is not None:
+                offer[:] = (1, held.size, checksum(held.data))
+        except Exception as e:
+            held = None
+            _no_delta(source, "its base could not be read", e)
         comm.sendrecv_u8(offer.view(np.uint8), source, offered.view(np.uint8), dest)
     payload, kind = data, WHOLE
     if delta and err is None:
-        mine = _read_base(None if base is None or not offered[0] else base / data_file_name(r))
-        same = (
-            mine is not None
-            and mine.size == int(offered[1])
-            and checksum(mine.data) == int(offered[2])
-        )
-        packed = delta_encode(data, mine if same and mine is not None else EMPTY)
-        if len(packed) < data.size:
-            payload, kind = np.frombuffer(packed, dtype=np.uint8), DELTA if same else PACKED
+        try:
+            payload, kind = _encoded(data, base, offered, r)
+        except Exception as e:
+            payload, kind = data, WHOLE
+            _no_delta(r, "it could not be encoded", e)
     header = np.array([kind, payload.size, checksum(data.data)], dtype=np.uint64)
     got = np.zeros(3, dtype=np.uint64)
     comm.sendrecv_u8(header.view(np.uint8), dest, got.view(np.uint8), source)

@@ -20,6 +20,7 @@ import shutil
 import signal
 import socket
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -631,8 +632,9 @@ def s_delta(x: Ctx) -> None:
     of the compressed files on every rank. A damaged base (the copy of
     rank 0's file flipped) makes rank 0's copy go compressed again, the
     others still deltas. Every partner copy is its owner's file byte for
-    byte after each save. ``l2_delta = 0``, the default, always sends
-    whole files. Then the last node is lost: its ranks are served bitwise
+    byte after each save. A rank whose encoder fails sends its file whole,
+    with a warning, and the save commits. ``l2_delta = 0``, the default,
+    always sends whole files. Then the last node is lost: its ranks are served bitwise
     by the copies that came as deltas."""
     name, n = "delta", x.comm.size
     be = BuiltinBackend(x.config(name, l2_delta=1), x.comm, stripe_bytes=8192)
@@ -658,14 +660,33 @@ def s_delta(x: Ctx) -> None:
     assert again[0] > 0.9 * packed[0], (again, packed)
     assert all(s < 0.8 * p for s, p in zip(again[1:], packed[1:], strict=True)), (again, packed)
 
+    # Rank 1's encoder fails: its copy goes whole (with a warning), every
+    # rank still takes its part in each exchange, the save commits.
+    real = partner.delta_encode
+
+    def broken(new: Any, base: Any) -> bytes:
+        raise MemoryError("no room for the delta")
+
+    if x.comm.rank == 1:
+        partner.delta_encode = broken
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sent, sizes = saved(84)
+    finally:
+        partner.delta_encode = real
+    assert sent[1] == sizes[1] and sent[0] < 0.8 * packed[0], (sent, sizes)
+    said = [str(w.message) for w in caught if "goes whole" in str(w.message)]
+    assert bool(said) == (x.comm.rank == 1), said
+
     whole = x.backend("delta0")  # l2_delta = 0, the default
-    for step in (84, 85):
+    for step in (85, 86):
         st = whole.save(step, trained_weights(step), level=2)
         assert sum(st.rank_partner_sent) == st.stored_bytes, st
 
     x.lose_nodes(name, x.nodes - 1)
-    state, report = x.backend(name).load(83)  # any config loads it
-    mc.assert_bitwise_equal(trained_weights(83), state, name)
+    state, report = x.backend(name).load(84)  # any config loads it
+    mc.assert_bitwise_equal(trained_weights(84), state, name)
     lost = set(range((x.nodes - 1) * x.node_size, n))
     assert report.levels == [2 if q in lost else 1 for q in range(n)], report
 
