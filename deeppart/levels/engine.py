@@ -721,7 +721,12 @@ class BuiltinBackend:
                         _remove_owned(root / step_name(s), level_file)
             if self.config.memory and kept is not None:
                 # Only the newest memory_keep committed steps stay in memory.
-                memory.evict(root, newest, sorted(kept), self.config.memory_keep)
+                # The partner copies' delta base stays while there is room.
+                base = self._l2_base if self.config.l2_delta else None
+                memory.evict(
+                    root, newest, sorted(kept), self.config.memory_keep,
+                    base, self.config.memory_budget,
+                )  # fmt: skip
         c.barrier()
 
     def _cleanup_roots(

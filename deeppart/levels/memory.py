@@ -15,7 +15,10 @@ outlives the training process, a memory file system (tmpfs such as
   :class:`~deeppart.errors.NoSpaceError` on every rank, naming each node,
   what does not fit and by how much; nothing is written or removed.
 - :func:`evict`: after a save commits, the node-local files of steps older
-  than the newest ``memory_keep`` committed ones go (never the newest).
+  than the newest ``memory_keep`` committed ones go (never the newest),
+  but the partner copies' delta base (``l2_delta = 1``: the newest L2
+  step) stays while the node has room for another step of its size
+  beside what it keeps.
 """
 
 from __future__ import annotations
@@ -100,18 +103,20 @@ def step_bytes(layout: Layout, rank_bytes: list[int], level: int, stripe: int) -
     return out
 
 
+def step_dir_bytes(root: Path, step: int) -> int:
+    """Bytes of the files in step ``step``'s directory under a node's ``root``."""
+    total = 0
+    for dirpath, _, names in os.walk(root / step_name(step)):
+        for n in names:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, n)).st_size
+    return total
+
+
 def held_bytes(root: Path, but: int) -> int:
     """Bytes of the step directories in a node's ``root`` other than step
     ``but`` (which a re-save replaces)."""
-    total = 0
-    for s in steps_in(root, False):
-        if s == but:
-            continue
-        for dirpath, _, names in os.walk(root / step_name(s)):
-            for n in names:
-                with contextlib.suppress(OSError):
-                    total += os.lstat(os.path.join(dirpath, n)).st_size
-    return total
+    return sum(step_dir_bytes(root, s) for s in steps_in(root, False) if s != but)
 
 
 def free_bytes(path: Path) -> int:
@@ -175,13 +180,30 @@ def check_budget(
         )
 
 
-def evict(root: Path, newest: int, committed: list[int], keep: int) -> list[int]:
+def evict(
+    root: Path,
+    newest: int,
+    committed: list[int],
+    keep: int,
+    base: int | None = None,
+    budget: int = 0,
+) -> list[int]:
     """A node's part of a save's cleanup with the memory tier: removes
     from ``root`` the step directories (DeepPart's files only) older than
     ``newest`` that are not among the newest ``keep`` committed steps
-    (``committed``); ``newest``, just committed, always stays. Returns the
-    steps evicted."""
+    (``committed``); ``newest``, just committed, always stays. ``base``:
+    the committed step the next partner copies are deltas against
+    (``l2_delta = 1``), which also stays while the node has room for
+    another step of its size beside every step it keeps (within
+    ``budget``, 0: unbounded, and the file system's free space), so that
+    a step at L3 or L4 between two L2 steps does not cost the next copy
+    its base; otherwise it goes too, and the next copies go compressed.
+    Returns the steps evicted."""
     kept = set(sorted(committed)[-keep:]) | {newest}
+    if base is not None and base in committed and base not in kept:
+        with contextlib.suppress(OSError):
+            if _room_for_base(root, kept | {base}, base, budget):
+                kept.add(base)
     gone: list[int] = []
     for s in steps_in(root, False):
         if s < newest and s not in kept:
@@ -190,3 +212,12 @@ def evict(root: Path, newest: int, committed: list[int], keep: int) -> list[int]
             if not (root / step_name(s)).exists():
                 gone.append(s)
     return gone
+
+
+def _room_for_base(root: Path, kept: set[int], base: int, budget: int) -> bool:
+    """Whether a node holding the ``kept`` steps (``base`` among them) has
+    room for one more step of ``base``'s size: within ``budget`` (0:
+    unbounded) and the file system's free space."""
+    size = step_dir_bytes(root, base)
+    held = sum(step_dir_bytes(root, s) for s in kept)
+    return (not budget or held + size <= budget) and size <= free_bytes(root)

@@ -15,9 +15,10 @@ smaller than the file. The partner rebuilds the file from its copy and
 checks the file's xxh3 before it writes it. Training changes most bytes of
 a state a little between two saves, so the high bytes of each value mostly
 cancel: fewer bytes over a link the training's collectives share. With no
-base (the first save; the base evicted, e.g. by a step at L3 or L4 with
-``memory_keep = 1``; removed or damaged), the file goes compressed, or
-whole when that is not smaller. Encoding costs the sender CPU (about 2 ms
+base (the first save; the base evicted: the memory tier keeps it beyond
+``memory_keep`` only while the node has room, :func:`deeppart.levels.memory.evict`;
+removed or damaged), the file goes compressed, or whole when that is not
+smaller. Encoding costs the sender CPU (about 2 ms
 per MB here, the partner 1 ms to decode) and reading both base files: it
 pays where the link is slower than that, or shared with the training's
 collectives, so it is off by default.

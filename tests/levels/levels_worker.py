@@ -14,6 +14,7 @@ failed check raises, so mpiexec exits non-zero.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -691,6 +692,67 @@ def s_delta(x: Ctx) -> None:
     assert report.levels == [2 if q in lost else 1 for q in range(n)], report
 
 
+def s_delta_memory(x: Ctx) -> None:
+    """The delta base outlives ``memory_keep = 1`` (memory tier on, each
+    fake node's ``ckpt_dir`` on /dev/shm): L2, L4, L2, L3, L2 saves keep
+    the last L2 step in memory beside the newest while there is room, so
+    the copies after an L4 and an L3 step still go as deltas (under 0.8 of
+    the first, compressed, ones), and it goes once a newer L2 step commits;
+    the last node lost, its ranks are served bitwise by those copies. With
+    a ``memory_budget`` that has no room for it beside the L4 step, the
+    base is evicted at once and the next copies go compressed, and no save
+    is refused."""
+    n = x.comm.size
+    tag = hashlib.sha256(str(x.root).encode()).hexdigest()[:12]
+    shm = Path("/dev/shm") / f"deeppart-deltamem-{tag}"
+    x.on_root(lambda: shm.mkdir())
+
+    def held(name: str) -> list[list[str]]:
+        return [sorted(p.name for p in (shm / f"node{k}" / name).iterdir()) for k in range(x.nodes)]
+
+    def backend(name: str, **kw: Any) -> BuiltinBackend:
+        cfg = x.config(name, l2_delta=1, memory=1, memory_keep=1, ckpt_dir=str(shm), **kw)
+        return BuiltinBackend(cfg, x.comm, stripe_bytes=8192)
+
+    def node_bytes(name: str, step: int) -> int:
+        """The largest node's bytes of ``step``."""
+        d = shm / f"node{x.comm.rank // x.node_size}" / name / step_name(step)
+        mine = float(sum(f.stat().st_size for f in d.iterdir()))
+        return int(max(x.comm.allgather_f64(np.array([mine]))[:, 0]))
+
+    try:
+        be = backend("deltamem")
+        first = be.save(91, trained_weights(91), level=2).rank_partner_sent
+        be.save(92, trained_weights(92), level=4)
+        x.comm.barrier()
+        assert held("deltamem") == [[step_name(91), step_name(92)]] * x.nodes, held("deltamem")
+        for step, level in ((93, 2), (94, 3), (95, 2)):
+            sent = be.save(step, trained_weights(step), level=level).rank_partner_sent
+            if level == 2:
+                assert all(s < 0.8 * p for s, p in zip(sent, first, strict=True)), (sent, first)
+        x.comm.barrier()
+        assert held("deltamem") == [[step_name(95)]] * x.nodes, held("deltamem")
+        x.on_root(lambda: shutil.rmtree(shm / f"node{x.nodes - 1}" / "deltamem"))
+        state, report = backend("deltamem").load(95)
+        mc.assert_bitwise_equal(trained_weights(95), state, "deltamem")
+        lost = set(range((x.nodes - 1) * x.node_size, n))
+        assert report.levels == [2 if q in lost else 1 for q in range(n)], report
+
+        # No room for the base beside the L4 step: it goes, no save refused.
+        probe = backend("deltaprobe")
+        probe.save(96, trained_weights(96), level=2)
+        budget = 2 * node_bytes("deltaprobe", 96)
+        tight = backend("deltatight", memory_budget=budget)
+        packed = tight.save(96, trained_weights(96), level=2).rank_partner_sent
+        tight.save(97, trained_weights(97), level=4)
+        x.comm.barrier()
+        assert held("deltatight") == [[step_name(97)]] * x.nodes, held("deltatight")
+        again = tight.save(98, trained_weights(98), level=2).rank_partner_sent
+        assert all(a > 0.9 * p for a, p in zip(again, packed, strict=True)), (again, packed)
+    finally:
+        x.on_root(lambda: shutil.rmtree(shm, ignore_errors=True))
+
+
 SCENARIOS: dict[str, Callable[[Ctx], None]] = {
     "none": s_none,
     "l2node": s_l2_node,
@@ -714,6 +776,7 @@ SCENARIOS: dict[str, Callable[[Ctx], None]] = {
     "compcorrupt": s_compressed_corrupt,
     "paced": s_paced,
     "delta": s_delta,
+    "deltamem": s_delta_memory,
 }
 
 

@@ -466,8 +466,10 @@ def test_compressed_level_saves_4_ranks(tmp_path: Path) -> None:
     a paced partner copy (``l2_rate``, s_paced), and partner copies sent as
     deltas against the partners' copies of the step before (``l2_delta``,
     s_delta: fewer bytes, a damaged base sent whole, each copy its owner's
-    file byte for byte, a lost node served bitwise by them)."""
-    lv = launch(4, tmp_path, 2, 2, "compressed", "compcorrupt", "paced", "delta")
+    file byte for byte, a lost node served bitwise by them), and with the
+    memory tier the delta base kept past an L4 and an L3 step while the
+    node has room (s_delta_memory)."""
+    lv = launch(4, tmp_path, 2, 2, "compressed", "compcorrupt", "paced", "delta", "deltamem")
     assert lv["compressed"] == [
         (50, [1] * 4),
         (51, [1] * 4),
