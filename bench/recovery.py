@@ -24,12 +24,19 @@ Job 1 (4 nodes, one rank each): an MLP stack (``--layers`` x Linear(``--dim``)
 + GELU) under FSDP2 ``fully_shard`` over the 4 ranks with AdamW, trained on
 random batches:
 
-1. ``--steps`` steps without checkpoints (the baseline step time);
+1. ``--steps`` steps without checkpoints (the baseline; run again at
+   the end of job 1, after every save, and the overheads are against the
+   two baseline phases' mean: their difference, reported, is the
+   harness's drift over the run);
 2. ``--steps`` steps saving every ``--every`` with DeepPart's asynchronous
    save (``Checkpointer(async_=True)`` into the shared directory): its
    stall, the time until ``save`` returns. A phase's saves come before its
    steps 1, 1 + every, ..., none after its last step, so each save's
-   copy runs beside steps the phase times, as in a long run;
+   copy runs beside steps the phase times, as in a long run; and each
+   saving phase starts after an untimed save and ``--every`` untimed
+   steps beside it, so that its saves are those of a long run (the plan
+   reused; each partner copy with a delta base, as every copy after a
+   job's first has);
 3. ``--steps`` steps saving every ``--every`` through
    ``deeppart.Checkpointer(config=..., async_=True)`` with the memory tier
    on (``memory = 1``, ``ckpt_dir`` each node's tmpfs, ``memory_keep =
@@ -396,6 +403,18 @@ def phase_train(args: argparse.Namespace) -> dict[str, Any]:
         rows = gather([sent, cpu[0], cpu[1]])
         return times, stalls, levels, [r[0] for r in rows], [r[1] for r in rows] + [rows[0][2]]
 
+    def warm_up(save: Any, finish: Any) -> None:
+        """Untimed, before a saving phase: one save, ``every`` steps beside
+        it, then its end (``finish``), so that the timed saves after it are
+        those of a long run: the plan reused, and the partner copies' delta
+        base in place (each copy after a job's first has one)."""
+        nonlocal step
+        save(step)
+        for _ in range(args.every):
+            step += 1
+            train_step(m, opt, step, args)
+        finish()
+
     base = loop(None)
     log_rank0(
         f"baseline: median step {statistics.median(base[0]):.3f} s; CPU s ranks 0-3, store: "
@@ -407,6 +426,7 @@ def phase_train(args: argparse.Namespace) -> dict[str, Any]:
         acp.save(s, state_of(m, opt))
         return 0
 
+    warm_up(async_save, acp.wait)
     asy = loop(async_save, acp.close)
     log_rank0(
         f"async: stalls {[round(x, 3) for x in asy[1]]}; CPU s ranks 0-3, store: "
@@ -426,6 +446,8 @@ def phase_train(args: argparse.Namespace) -> dict[str, Any]:
             handles.append(cp.save(s, state_of(m, opt)))  # the next save waits for it
             return 0
 
+        warm_up(level_save, lambda: handles[-1].wait())
+        handles.clear()
         mem = loop(level_save, lambda: handles[-1].wait())
         # Untimed: the phase's last step saved too (what the recoveries
         # compare with, for the last variant).
@@ -488,6 +510,11 @@ def phase_train(args: argparse.Namespace) -> dict[str, Any]:
     for name, tree in (("dcp", state), ("dcp-repl", full)):
         writer = dcp.writer(f"s3://{BUCKET}/{PREFIX}/{name}")
         saves[name] = timed(partial(dcp_save, tree, storage_writer=writer))[0]
+    # The baseline again, after every save (the state saved above is
+    # left as it was): the overheads are against the two phases' mean, and
+    # their difference is this harness's drift over the run.
+    after = loop(None)
+    log_rank0(f"baseline after: median step {statistics.median(after[0]):.3f} s")
     memory = node_memory(Path(args.local), [TRAIN, L3_COPY, L4_COPY, REPL, REPL_L4])
     rows = gather([x for e in sorted(memory) for x in memory[e]])
     per_node = {e: [r[3 * i : 3 * i + 3] for r in rows] for i, e in enumerate(sorted(memory))}
@@ -495,6 +522,7 @@ def phase_train(args: argparse.Namespace) -> dict[str, Any]:
         "step": last,
         "state_bytes": state_bytes,
         "base": base[0],
+        "base_after": after[0],
         "base_link_sent": base[3],
         "base_cpu": base[4],
         "async": {"times": asy[0], "stalls": asy[1], "cpu": asy[4]},
@@ -731,6 +759,10 @@ def overhead(
     whole time (steps and stalls) over the baseline phase's (the target's:
     with asynchronous saves the writer threads may slow the steps too)."""
     base = statistics.median(train["base"])
+    # The baseline phase before the saving phases and the one after them.
+    before = sum(train["base"])
+    after = sum(train.get("base_after") or train["base"])
+    base_phase = (before + after) / 2
     mem = train["memory"] if mem is None else mem
     pairs = list(zip(mem["stalls"], mem["levels"], strict=True))
     l2 = [s for s, lv in pairs if lv != 4]
@@ -742,8 +774,9 @@ def overhead(
         "stall_l4": max([s for s, lv in pairs if lv == 4], default=0.0),
         "stall_async": statistics.median(train["async"]["stalls"]),
         "amortized": statistics.median(l2) / (every * base),
-        "phase": (sum(mem["times"]) + sum(mem["stalls"])) / sum(train["base"]) - 1,
-        "async_phase": (sum(async_["times"]) + sum(async_["stalls"])) / sum(train["base"]) - 1,
+        "phase": (sum(mem["times"]) + sum(mem["stalls"])) / base_phase - 1,
+        "async_phase": (sum(async_["times"]) + sum(async_["stalls"])) / base_phase - 1,
+        "drift": after / before - 1,
     }
 
 
@@ -799,6 +832,9 @@ def report(res: dict[str, Any]) -> str:
         f"each on its writer thread {_secs(train['memory'].get('seconds', []))}); "
         f"the L4 save {o['stall_l4']:.3f} s (0: none); async save median {o['stall_async']:.3f} s "
         f"(each {_secs(train['async']['stalls'])})",
+        f"  baseline phases (no saves): {sum(train['base']):.2f} s before the saving "
+        f"phases, {sum(train.get('base_after') or train['base']):.2f} s after them "
+        f"({o['drift']:+.1%}: the harness's drift; the overheads are against their mean)",
         f"  overhead at a save every {meta['every']}: median L2 stall / {meta['every']} "
         f"median steps = {o['amortized']:.1%}; whole phase vs baseline: memory tier "
         f"{o['phase']:+.1%}, async {o['async_phase']:+.1%}",
@@ -888,15 +924,19 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument(
-        "--quick", action="store_true", help="small: --dim 64 --layers 2 --steps 4 --every 2"
-    )
+        "--quick", action="store_true",
+        help="small: --dim 64 --layers 2 --steps 6 --every 2 --l4-every 3",
+    )  # fmt: skip
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--steps", type=int, default=40, help="steps per phase (40)")
     p.add_argument("--every", type=int, default=10, help="a save every N steps (10)")
-    p.add_argument("--l4-every", type=int, default=3,
-                   help="every Nth memory-tier checkpoint goes to L4 (3)")  # fmt: skip
+    p.add_argument(
+        "--l4-every", type=int, default=4,
+        help="every Nth memory-tier checkpoint goes to L4; a phase's saves must be a multiple "
+        "of it, so that the phase holds a long run's share of L4 saves (4)",
+    )  # fmt: skip
     p.add_argument("--repeat", type=int, default=3, help="rounds of the recoveries (3)")
     p.add_argument("--budget", default="256M", help="memory_budget per node (256M)")
     p.add_argument(
@@ -919,14 +959,20 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     codecs_of(args.compression)  # refused here, before any job starts
     if args.quick:
-        args.dim, args.layers, args.steps, args.every, args.l4_every = 64, 2, 4, 2, 2
+        args.dim, args.layers, args.steps, args.every, args.l4_every = 64, 2, 6, 2, 3
         args.repeat = 1
     if args.worker:
         worker(args)
         return 0
-    saves = -(-args.steps // args.every)  # timed; then the last step's, untimed
-    if saves < 1 or (args.l4_every > 0 and (saves + 1) % args.l4_every == 0):
-        raise SystemExit("--steps / --every saves: the last one must not be an L4 one")
+    # The warm-up's save, the timed ones, then the last step's, untimed.
+    saves = -(-args.steps // args.every)
+    if saves < 1 or (args.l4_every > 0 and saves % args.l4_every):
+        raise SystemExit(
+            f"--steps / --every: {saves} saves a phase, not a multiple of --l4-every "
+            f"{args.l4_every}: the phase would not hold a long run's share of L4 saves"
+        )
+    if args.l4_every in (1, 2):
+        raise SystemExit("--l4-every 1 or 2: the warm-up's or the last save would be at L4")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         res = drive(args)

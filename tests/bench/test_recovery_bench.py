@@ -72,6 +72,20 @@ def test_report_says_which_targets_are_met() -> None:
     assert "replicated L4 / replicated memory L2: 3.00x" in text
 
 
+def test_report_takes_the_mean_of_the_two_baselines() -> None:
+    """The baseline phase run again after the saving phases: the overheads
+    are against the two phases' mean, and their difference is reported as
+    the harness's drift."""
+    res = _result()
+    res["train"]["base_after"] = [1.2, 1.2, 1.2]
+    text = recovery.report(res)
+    assert "3.20 s before the saving phases, 3.60 s after them (+12.5%" in text
+    # (3.0 + 4.0) / 3.4 - 1: +105.9% (against the first alone: +118.8%).
+    assert "whole phase vs baseline: memory tier +105.9%" in text
+    with pytest.raises(SystemExit, match="not a multiple of --l4-every 4"):
+        recovery.main(["--steps", "30", "--every", "10"])
+
+
 def test_report_gives_each_codec_its_overhead_and_link_bytes() -> None:
     """``--compression none,shuffle-zstd``: a line per codec's phase, each
     with its own whole-phase overhead against the one baseline, its files
