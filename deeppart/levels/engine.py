@@ -431,7 +431,8 @@ class BuiltinBackend:
             return
         t = time.perf_counter()
         bounds = [b + HEADER_SIZE for b in begun.prep.plan.rank_bytes()]
-        memory.check_budget(c, self.layout, begun.step, begun.level, bounds, self.stripe)
+        base = self._l2_base if self.config.l2_delta else None
+        memory.check_budget(c, self.layout, begun.step, begun.level, bounds, self.stripe, base)
         begun.phases["budget"] = begun.phases.get("budget", 0.0) + time.perf_counter() - t
 
     def _finish(self, c: Comm, begun: _Begun) -> LevelSaveStats:

@@ -13,7 +13,9 @@ outlives the training process, a memory file system (tmpfs such as
   holds, against ``memory_budget``, and the step's bytes against the file
   system's free space: a step that does not fit raises
   :class:`~deeppart.errors.NoSpaceError` on every rank, naming each node,
-  what does not fit and by how much; nothing is written or removed.
+  what does not fit and by how much; nothing is written or removed (but
+  a delta base kept beyond ``memory_keep``, dropped where the step fits
+  only without it).
 - :func:`evict`: after a save commits, the node-local files of steps older
   than the newest ``memory_keep`` committed ones go (never the newest),
   but the partner copies' delta base (``l2_delta = 1``: the newest L2
@@ -129,21 +131,44 @@ def free_bytes(path: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
+def spare_step(root: Path, base: int | None, keep: int, but: int) -> int | None:
+    """``base`` (the partner copies' delta base) when a node's ``root``
+    holds it only as that: beyond the newest ``keep`` steps it holds
+    (other than ``but``, which a re-save replaces)."""
+    if base is None or base == but:
+        return None
+    held = [s for s in steps_in(root, False) if s != but]
+    return base if base in held and base not in sorted(held)[-keep:] else None
+
+
 def check_budget(
-    comm: Comm, layout: Layout, step: int, level: int, rank_bytes: list[int], stripe: int
+    comm: Comm,
+    layout: Layout,
+    step: int,
+    level: int,
+    rank_bytes: list[int],
+    stripe: int,
+    base: int | None = None,
 ) -> None:
     """Before anything of ``step`` is written (collective): each node's
     share of the step against ``memory_budget`` (beside what the node
     holds already) and its file system's free space; raises
     :class:`~deeppart.errors.NoSpaceError` on every rank naming each node
-    that cannot hold it, what does not fit and by how much."""
+    that cannot hold it, what does not fit and by how much. ``base``: the
+    partner copies' delta base, which :func:`evict` may have kept beyond
+    ``memory_keep``: a node that has room only without it drops it first
+    (its ranks' copies then go compressed), so keeping it never refuses
+    a save."""
     root = layout.local_root(comm.rank)
+    spare: int | None = None
     try:
         held = held_bytes(root, step)
         free = free_bytes(root)
+        spare = spare_step(root, base, layout.config.memory_keep, step)
+        spare_bytes = step_dir_bytes(root, spare) if spare is not None else 0
     except OSError:
-        held, free = 0, -1
-    row = np.array([float(held), float(free)], dtype=np.float64)
+        held, free, spare_bytes = 0, -1, 0
+    row = np.array([float(held), float(free), float(spare_bytes)], dtype=np.float64)
     rows = comm.allgather_f64(row)
     first: dict[int, int] = {}
     for r in range(layout.size):
@@ -152,10 +177,17 @@ def check_budget(
     need = step_bytes(layout, rank_bytes, level, stripe)
     names = layout.node_dirs()
     problems: list[str] = []
+    drop: set[int] = set()
     for k, r in sorted(first.items()):
         own, copies, parity = need[k]
         total = own + copies + parity
-        node_held, node_free = int(rows[r, 0]), int(rows[r, 1])
+        node_held, node_free, node_spare = int(rows[r, 0]), int(rows[r, 1]), int(rows[r, 2])
+        over = (budget and total + node_held > budget) or (node_free >= 0 and total > node_free)
+        if over and node_spare:
+            # Room without the spare base: dropped below, once no node is short.
+            drop.add(k)
+            node_held -= node_spare
+            node_free += node_spare
         parts = f"own files {own}" + (f", partner copies {copies}" if level == 2 else "")
         parts += f", parity {parity}" if level == 3 else ""
         what = f"node {names[k]}: step {step} at L{level} needs {total} bytes ({parts})"
@@ -178,6 +210,12 @@ def check_budget(
             f"written: {'; '.join(problems)} (raise memory_budget, lower memory_keep, or "
             "save at L4)"
         )
+    if drop:  # the same on every rank: from the gathered rows
+        k = layout.node(comm.rank)
+        if k in drop and first[k] == comm.rank and spare is not None:
+            with contextlib.suppress(OSError):
+                remove_owned(root / step_name(spare), level_file)
+        comm.barrier()
 
 
 def evict(
