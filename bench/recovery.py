@@ -776,6 +776,8 @@ def overhead(
         "amortized": statistics.median(l2) / (every * base),
         "phase": (sum(mem["times"]) + sum(mem["stalls"])) / base_phase - 1,
         "async_phase": (sum(async_["times"]) + sum(async_["stalls"])) / base_phase - 1,
+        "base_before": before,
+        "base_after": after,
         "drift": after / before - 1,
     }
 
@@ -832,8 +834,8 @@ def report(res: dict[str, Any]) -> str:
         f"each on its writer thread {_secs(train['memory'].get('seconds', []))}); "
         f"the L4 save {o['stall_l4']:.3f} s (0: none); async save median {o['stall_async']:.3f} s "
         f"(each {_secs(train['async']['stalls'])})",
-        f"  baseline phases (no saves): {sum(train['base']):.2f} s before the saving "
-        f"phases, {sum(train.get('base_after') or train['base']):.2f} s after them "
+        f"  baseline phases (no saves): {o['base_before']:.2f} s before the saving "
+        f"phases, {o['base_after']:.2f} s after them "
         f"({o['drift']:+.1%}: the harness's drift; the overheads are against their mean)",
         f"  overhead at a save every {meta['every']}: median L2 stall / {meta['every']} "
         f"median steps = {o['amortized']:.1%}; whole phase vs baseline: memory tier "

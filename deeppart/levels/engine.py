@@ -216,6 +216,12 @@ class BuiltinBackend:
     def global_step(self, step: int) -> Location:
         return self.layout.global_step(step)
 
+    @property
+    def _delta_base(self) -> int | None:
+        """The step the next partner copies are deltas against (``l2_delta
+        = 1``), which the memory tier keeps while there is room."""
+        return self._l2_base if self.config.l2_delta else None
+
     def _check_level(self, level: int) -> None:
         if level not in (1, 2, 3, 4):
             raise LevelConfigError(f"level {level}: must be 1, 2, 3 or 4")
@@ -431,8 +437,9 @@ class BuiltinBackend:
             return
         t = time.perf_counter()
         bounds = [b + HEADER_SIZE for b in begun.prep.plan.rank_bytes()]
-        base = self._l2_base if self.config.l2_delta else None
-        memory.check_budget(c, self.layout, begun.step, begun.level, bounds, self.stripe, base)
+        memory.check_budget(
+            c, self.layout, begun.step, begun.level, bounds, self.stripe, self._delta_base
+        )
         begun.phases["budget"] = begun.phases.get("budget", 0.0) + time.perf_counter() - t
 
     def _finish(self, c: Comm, begun: _Begun) -> LevelSaveStats:
@@ -723,10 +730,9 @@ class BuiltinBackend:
             if self.config.memory and kept is not None:
                 # Only the newest memory_keep committed steps stay in memory.
                 # The partner copies' delta base stays while there is room.
-                base = self._l2_base if self.config.l2_delta else None
                 memory.evict(
                     root, newest, sorted(kept), self.config.memory_keep,
-                    base, self.config.memory_budget,
+                    self._delta_base, self.config.memory_budget,
                 )  # fmt: skip
         c.barrier()
 

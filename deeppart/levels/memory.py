@@ -240,7 +240,7 @@ def evict(
     kept = set(sorted(committed)[-keep:]) | {newest}
     if base is not None and base in committed and base not in kept:
         with contextlib.suppress(OSError):
-            if _room_for_base(root, kept | {base}, base, budget):
+            if _room_for_base(root, kept, base, budget):
                 kept.add(base)
     gone: list[int] = []
     for s in steps_in(root, False):
@@ -253,9 +253,9 @@ def evict(
 
 
 def _room_for_base(root: Path, kept: set[int], base: int, budget: int) -> bool:
-    """Whether a node holding the ``kept`` steps (``base`` among them) has
-    room for one more step of ``base``'s size: within ``budget`` (0:
-    unbounded) and the file system's free space."""
+    """Whether a node holding the ``kept`` steps and ``base`` has room for
+    one more step of ``base``'s size: within ``budget`` (0: unbounded) and
+    the file system's free space."""
     size = step_dir_bytes(root, base)
-    held = sum(step_dir_bytes(root, s) for s in kept)
+    held = size + sum(step_dir_bytes(root, s) for s in kept)
     return (not budget or held + size <= budget) and size <= free_bytes(root)
